@@ -1,0 +1,235 @@
+"""Per-sandbox cgroups on hybrid (v1 controllers + cgroup2 "unified") and pure
+cgroup v2 hosts.
+
+The cgroup2 directory gives the sandbox its cgroup id (the directory's inode
+number, what bpf_get_current_cgroup_id() returns): eBPF keys on it. Limits go
+where the controllers are: the v1 memory/cpu/pids hierarchies on hybrid hosts,
+the same cgroup2 directory on pure v2 hosts. /sys/fs/cgroup is never remounted.
+
+Every cgroup dsec creates lives under a parent named "dsec" in each hierarchy,
+so `dsec gc` can find what a crashed run left behind.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import time
+from dataclasses import dataclass, field
+
+from agent.errors import DsecError, EXIT_DSEC
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+PARENT = "dsec"
+V1_CONTROLLERS = ("memory", "cpu", "pids")
+CFS_PERIOD_US = 100_000
+
+
+@dataclass
+class Layout:
+    mode: str                    # "hybrid" | "v2" | "v1"
+    v2_root: str | None          # cgroup2 mount (for ids and attach points)
+    v1_roots: dict = field(default_factory=dict)   # controller -> mount
+
+
+def detect(root: str = CGROUP_ROOT) -> Layout:
+    if os.path.exists(os.path.join(root, "cgroup.controllers")):
+        return Layout("v2", root)
+    unified = os.path.join(root, "unified")
+    v1 = {c: os.path.join(root, c) for c in V1_CONTROLLERS
+          if os.path.exists(os.path.join(root, c, "cgroup.procs"))}
+    if os.path.exists(os.path.join(unified, "cgroup.controllers")):
+        return Layout("hybrid", unified, v1)
+    if v1:
+        return Layout("v1", None, v1)
+    raise DsecError(f"no cgroup hierarchy found under {root}", EXIT_DSEC)
+
+
+def _write(path: str, value: str):
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _read(path: str, default: str = "") -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return default
+
+
+def _ensure_parent_v2(root: str):
+    parent = os.path.join(root, PARENT)
+    os.makedirs(parent, exist_ok=True)
+    # Enable the controllers dsec limits with; needed on pure v2 hosts only.
+    avail = _read(os.path.join(root, "cgroup.controllers")).split()
+    want = [c for c in ("cpu", "memory", "pids") if c in avail]
+    if want:
+        for d in (root, parent):
+            enabled = _read(os.path.join(d, "cgroup.subtree_control")).split()
+            missing = [c for c in want if c not in enabled]
+            if missing:
+                try:
+                    _write(os.path.join(d, "cgroup.subtree_control"), " ".join("+" + c for c in missing))
+                except OSError as e:
+                    raise DsecError(f"cannot enable cgroup controllers {missing} in {d}: {e.strerror}", EXIT_DSEC)
+    return parent
+
+
+class SandboxCgroup:
+    """The cgroups of one sandbox. Create, join (from the child), read stats, remove."""
+
+    def __init__(self, layout: Layout, sandbox_id: str):
+        self.layout = layout
+        self.sandbox_id = sandbox_id
+        self.v2_path = os.path.join(layout.v2_root, PARENT, sandbox_id) if layout.v2_root else None
+        self.v1_paths = {c: os.path.join(r, PARENT, sandbox_id) for c, r in layout.v1_roots.items()} \
+            if layout.mode != "v2" else {}
+
+    @property
+    def paths(self) -> list[str]:
+        return ([self.v2_path] if self.v2_path else []) + list(self.v1_paths.values())
+
+    @property
+    def cgroup_id(self) -> int:
+        """The cgroup2 id eBPF sees (0 when the host has no cgroup2)."""
+        return os.stat(self.v2_path).st_ino if self.v2_path else 0
+
+    def create(self, cpus: float | None, memory: int | None, pids: int | None):
+        made = []
+        try:
+            if self.v2_path:
+                if self.layout.mode == "v2":
+                    _ensure_parent_v2(self.layout.v2_root)
+                else:
+                    os.makedirs(os.path.dirname(self.v2_path), exist_ok=True)
+                os.mkdir(self.v2_path)
+                made.append(self.v2_path)
+            for c, p in self.v1_paths.items():
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+                os.mkdir(p)
+                made.append(p)
+            self._set_limits(cpus, memory, pids)
+        except FileExistsError as e:
+            self._rmdirs(made)
+            raise DsecError(f"cgroup {e.filename} already exists (sandbox id in use? try `dsec gc`)", EXIT_DSEC)
+        except OSError as e:
+            self._rmdirs(made)
+            raise DsecError(f"cannot create cgroup {e.filename or ''}: {e.strerror}", EXIT_DSEC)
+
+    def _set_limits(self, cpus, memory, pids):
+        if self.layout.mode == "v2":
+            d = self.v2_path
+            if memory:
+                _write(f"{d}/memory.max", str(memory))
+                if os.path.exists(f"{d}/memory.swap.max"):
+                    _write(f"{d}/memory.swap.max", "0")
+            if cpus:
+                _write(f"{d}/cpu.max", f"{int(cpus * CFS_PERIOD_US)} {CFS_PERIOD_US}")
+            if pids:
+                _write(f"{d}/pids.max", str(pids))
+            return
+        if memory and "memory" in self.v1_paths:
+            d = self.v1_paths["memory"]
+            _write(f"{d}/memory.limit_in_bytes", str(memory))
+            if os.path.exists(f"{d}/memory.memsw.limit_in_bytes"):
+                _write(f"{d}/memory.memsw.limit_in_bytes", str(memory))
+        if cpus and "cpu" in self.v1_paths:
+            d = self.v1_paths["cpu"]
+            _write(f"{d}/cpu.cfs_period_us", str(CFS_PERIOD_US))
+            _write(f"{d}/cpu.cfs_quota_us", str(int(cpus * CFS_PERIOD_US)))
+        if pids and "pids" in self.v1_paths:
+            _write(f"{self.v1_paths['pids']}/pids.max", str(pids))
+
+    def join(self, pid: int = 0):
+        """Move `pid` (0 = the calling process) into every cgroup of the sandbox."""
+        for p in self.paths:
+            _write(os.path.join(p, "cgroup.procs"), str(pid))
+
+    # --- stats -----------------------------------------------------------------
+    def oom_kills(self) -> int:
+        if self.layout.mode == "v2":
+            text = _read(f"{self.v2_path}/memory.events")
+        else:
+            text = _read(f"{self.v1_paths.get('memory', '/nonexistent')}/memory.oom_control")
+        for line in text.splitlines():
+            k, _, v = line.partition(" ")
+            if k == "oom_kill":
+                return int(v)
+        return 0
+
+    def memory_peak(self) -> int:
+        if self.layout.mode == "v2":
+            v = _read(f"{self.v2_path}/memory.peak").strip()
+        else:
+            v = _read(f"{self.v1_paths.get('memory', '/nonexistent')}/memory.max_usage_in_bytes").strip()
+        return int(v) if v.isdigit() else 0
+
+    def pids(self) -> list[int]:
+        out = set()
+        for p in self.paths:
+            for line in _read(os.path.join(p, "cgroup.procs")).split():
+                out.add(int(line))
+        return sorted(out)
+
+    # --- teardown --------------------------------------------------------------
+    def kill_all(self, timeout: float = 5.0):
+        """SIGKILL every process left in the sandbox's cgroups and wait until empty."""
+        if self.v2_path and os.path.exists(f"{self.v2_path}/cgroup.kill"):
+            try:
+                _write(f"{self.v2_path}/cgroup.kill", "1")
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            left = self.pids()
+            if not left:
+                return True
+            for pid in left:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.01)
+        return not self.pids()
+
+    def remove(self, timeout: float = 5.0) -> list[str]:
+        """Remove the sandbox's cgroups; returns the paths that could not be removed."""
+        self.kill_all(timeout)
+        return self._rmdirs(self.paths, timeout)
+
+    @staticmethod
+    def _rmdirs(paths, timeout: float = 5.0) -> list[str]:
+        left = []
+        for p in paths:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    os.rmdir(p)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    if e.errno == errno.EBUSY and time.monotonic() < deadline:
+                        time.sleep(0.005)
+                        continue
+                    left.append(p)
+                    break
+        return left
+
+
+def list_sandbox_cgroups(layout: Layout) -> dict[str, list[str]]:
+    """sandbox id -> cgroup paths, for every dsec cgroup on this host."""
+    out: dict[str, list[str]] = {}
+    roots = ([layout.v2_root] if layout.v2_root else []) + \
+        (list(layout.v1_roots.values()) if layout.mode != "v2" else [])
+    for r in roots:
+        parent = os.path.join(r, PARENT)
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            continue
+        for n in names:
+            p = os.path.join(parent, n)
+            if os.path.isdir(p):
+                out.setdefault(n, []).append(p)
+    return out

@@ -1,0 +1,136 @@
+"""Run CMD in a new sandbox and return its exit status.
+
+examples:
+  dsec run -- python3 -c 'print("hi")'
+  dsec run --memory 256M --pids 64 --timeout 30 -- sh -c 'make test'
+  dsec run --network egress --env PIP_INDEX_URL=http://10.0.0.5/simple -- pip download x
+  dsec run --user root --keep --summary-json out.json -- sh -c 'echo x > /etc/motd'
+
+The sandbox: its own cgroup (cpu, memory, pids limits), new pid, mount, ipc,
+uts and net namespaces (hostname = sandbox id), an overlay root over a
+read-only base (host /usr, /bin, /sbin, /lib* and a minimal /etc written by
+dsec) with a private upper layer, fresh /proc with OCI masked paths, a minimal
+/dev, tmpfs /tmp, no_new_privs, no capabilities, CMD as user "sandbox" (uid
+1000) in /workspace, and a supervisor as PID 1.
+
+exit status:
+  CMD's own status; 128+N if CMD was killed by signal N; 124 on timeout;
+  125 if dsec failed (bad usage, not root, missing rootfs, setup error);
+  126 if CMD is not executable; 127 if CMD is not found in the sandbox.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+from agent.errors import DsecError, EXIT_DSEC
+
+HELP = "run a command in a new sandbox"
+USAGE_EXIT = EXIT_DSEC
+
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?$")
+_MULT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str, what: str = "--memory") -> int:
+    m = _SIZE_RE.match(text.strip())
+    if not m:
+        raise DsecError(f"{what} {text!r}: not a size (examples: 512M, 1G, 1048576)", EXIT_DSEC)
+    n = int(float(m.group(1)) * _MULT[m.group(2).lower()])
+    if n < 4 << 20:
+        raise DsecError(f"{what} {text!r}: too small (minimum 4M)", EXIT_DSEC)
+    return n
+
+
+def _positive(kind, what):
+    def conv(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise DsecError(f"{what} {text!r}: not a number", EXIT_DSEC)
+        if v <= 0:
+            raise DsecError(f"{what} {text!r}: must be positive", EXIT_DSEC)
+        return v
+    return conv
+
+
+def register(p):
+    p.add_argument("--sandbox-id", metavar="ID", help="sandbox id (default: generated, printed on stderr)")
+    p.add_argument("--cpus", metavar="N", help="CPU limit in cores, e.g. 0.5 (default: none)")
+    p.add_argument("--memory", metavar="SIZE", default="1G", help="memory limit, e.g. 512M (default: 1G)")
+    p.add_argument("--pids", metavar="N", default="1024", help="max processes/threads (default: 1024)")
+    p.add_argument("--timeout", metavar="SECONDS", help="kill the sandbox after this long (exit 124)")
+    p.add_argument("--grace", metavar="SECONDS", default="3",
+                   help="on timeout or signal: SIGTERM, wait this long, then SIGKILL (default: 3)")
+    p.add_argument("--rootfs", metavar="DIR", help="read-only lower layer for / (default: host /usr,/bin,/lib* + minimal /etc)")
+    p.add_argument("--network", default="none", metavar="none|egress",
+                   help="none: loopback only (default); egress: veth + NAT to the outside")
+    p.add_argument("--env", action="append", default=[], metavar="K=V", help="set an environment variable (repeatable)")
+    p.add_argument("--workdir", default="/workspace", metavar="DIR", help="working directory inside (default: /workspace)")
+    p.add_argument("--user", default="sandbox", metavar="USER", help="NAME, UID or UID:GID (default: sandbox, uid 1000)")
+    p.add_argument("--keep", action="store_true", help="keep the upper layer after exit (path printed on stderr)")
+    p.add_argument("--summary-json", metavar="FILE", help="write the run summary (exit, resources, changes) here")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
+
+
+def _env(items):
+    env = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k or "\0" in item:
+            raise DsecError(f"--env {item!r}: expected K=V", EXIT_DSEC)
+        env[k] = v
+    return env
+
+
+def spec_from_args(args):
+    from agent.launcher import SandboxSpec
+    if args.cmd and args.cmd[0] == "--":
+        args.cmd = args.cmd[1:]
+    if not args.cmd:
+        raise DsecError("no command given (usage: dsec run [options] -- CMD [ARGS...])", EXIT_DSEC)
+    if args.network not in ("none", "egress"):
+        raise DsecError(f"--network {args.network!r}: expected none or egress", EXIT_DSEC)
+    if args.workdir and not args.workdir.startswith("/"):
+        raise DsecError(f"--workdir {args.workdir!r}: must be an absolute path", EXIT_DSEC)
+    return SandboxSpec(
+        argv=list(args.cmd), sandbox_id=args.sandbox_id,
+        cpus=_positive(float, "--cpus")(args.cpus) if args.cpus else None,
+        memory=parse_size(args.memory), pids=_positive(int, "--pids")(args.pids),
+        timeout=_positive(float, "--timeout")(args.timeout) if args.timeout else None,
+        grace=float(_positive(float, "--grace")(args.grace)),
+        rootfs=args.rootfs, network=args.network, env=_env(args.env), workdir=args.workdir,
+        user=args.user, keep=args.keep)
+
+
+def run(args) -> int:
+    from agent.launcher import launch, new_sandbox_id
+    spec = spec_from_args(args)
+    if args.summary_json:
+        d = os.path.dirname(os.path.abspath(args.summary_json))
+        if not os.path.isdir(d):
+            raise DsecError(f"--summary-json {args.summary_json}: directory {d} does not exist", EXIT_DSEC)
+    if not spec.sandbox_id:
+        spec.sandbox_id = new_sandbox_id()
+        sys.stderr.write(f"dsec: sandbox {spec.sandbox_id}\n")
+        sys.stderr.flush()
+    result = launch(spec)
+    s = result.summary
+    if s.get("error") and result.exit_code == EXIT_DSEC:
+        sys.stderr.write(f"dsec run: error: {s['error']}\n")
+    elif s.get("exit_code") in (126, 127) and s.get("error"):
+        sys.stderr.write(f"dsec run: {spec.argv[0]}: {s['error'].split(': ', 1)[-1]}\n")
+    if s.get("timed_out"):
+        sys.stderr.write(f"dsec run: sandbox {s['sandbox_id']} timed out after {spec.timeout:g}s\n")
+    if s.get("oom_killed"):
+        sys.stderr.write(f"dsec run: sandbox {s['sandbox_id']}: out of memory, killed\n")
+    if s.get("kept_upper"):
+        sys.stderr.write(f"dsec run: upper layer kept at {s['kept_upper']}\n")
+    if args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump(s, f, indent=2)
+            f.write("\n")
+    return result.exit_code

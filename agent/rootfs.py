@@ -1,0 +1,223 @@
+"""The sandbox's root filesystem: the default read-only base, overlay layout,
+and the file-change manifest of the upper layer.
+
+Default rootfs: a small skeleton directory that dsec writes itself (a minimal
+/etc, empty mount points) as the lower layer of the root overlay, plus one
+overlay per host system directory (/usr, and /bin, /sbin, /lib* where they are
+real directories; on merged-/usr hosts they are symlinks, copied as such).
+Nothing else of the host is visible: not /root, /home, /var, /run, /etc.
+
+Every overlay has a private upper layer under the sandbox's state directory:
+every write lands there, the host is never modified.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import tempfile
+
+STATE_ROOT = os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec")
+BASE_ROOT = os.path.join(STATE_ROOT, "base")
+HOST_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+SANDBOX_UID = 1000
+SANDBOX_GID = 1000
+
+# /etc entries copied from the host: none of them is a secret.
+HOST_ETC_COPY = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime",
+                 "ssl/certs/ca-certificates.crt", "ssl/openssl.cnf", "os-release",
+                 "debian_version", "shells", "mime.types", "protocols", "services",
+                 "ethertypes", "inputrc", "bash.bashrc", "profile", "environment",
+                 "python3", "python3.11")
+
+PASSWD = """root:x:0:0:root:/root:/bin/sh
+sandbox:x:1000:1000:sandbox:/workspace:/bin/sh
+nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin
+"""
+GROUP = """root:x:0:
+sandbox:x:1000:
+nogroup:x:65534:
+"""
+HOSTS = """127.0.0.1\tlocalhost
+::1\tlocalhost ip6-localhost ip6-loopback
+"""
+NSSWITCH = """passwd: files
+group: files
+shadow: files
+hosts: files dns
+networks: files
+protocols: files
+services: files
+"""
+
+
+def _host_nameservers() -> list[str]:
+    out = []
+    try:
+        with open("/etc/resolv.conf") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] == "nameserver" and not parts[1].startswith(("127.", "::1")):
+                    out.append(parts[1])
+    except OSError:
+        pass
+    return out
+
+
+def _base_spec() -> dict:
+    host = {}
+    for d in HOST_DIRS:
+        p = "/" + d
+        if os.path.islink(p):
+            host[d] = ["link", os.readlink(p)]
+        elif os.path.isdir(p):
+            host[d] = ["dir"]
+    etc = {}
+    for e in HOST_ETC_COPY:
+        p = os.path.join("/etc", e)
+        try:
+            st = os.lstat(p)
+            etc[e] = [st.st_mtime_ns, st.st_size]
+        except OSError:
+            pass
+    return {"v": 3, "host": host, "etc": etc, "dns": _host_nameservers()}
+
+
+def _spec_hash(spec: dict) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def host_overlay_dirs(spec: dict | None = None) -> list[str]:
+    """The host directories that get an overlay each (real dirs, not symlinks)."""
+    spec = spec or _base_spec()
+    return [d for d, v in spec["host"].items() if v[0] == "dir"]
+
+
+def ensure_base() -> tuple[str, list[str]]:
+    """Build (once) the skeleton lower layer; returns (path, host dirs to overlay)."""
+    spec = _base_spec()
+    path = os.path.join(BASE_ROOT, _spec_hash(spec))
+    if os.path.isdir(path):
+        return path, host_overlay_dirs(spec)
+    os.makedirs(BASE_ROOT, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".build-", dir=BASE_ROOT)
+    try:
+        _build_base(tmp, spec)
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not os.path.isdir(path):   # lost a race to a concurrent builder: fine
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path, host_overlay_dirs(spec)
+
+
+def _build_base(root: str, spec: dict):
+    for d, v in spec["host"].items():
+        if v[0] == "link":
+            os.symlink(v[1], os.path.join(root, d))
+        else:
+            os.mkdir(os.path.join(root, d), 0o755)
+    for d, mode in (("dev", 0o755), ("proc", 0o555), ("sys", 0o555), ("tmp", 0o1777),
+                    ("etc", 0o755), ("root", 0o700), ("home", 0o755), ("run", 0o755),
+                    ("var", 0o755), ("var/tmp", 0o1777), ("mnt", 0o755), ("opt", 0o755),
+                    ("workspace", 0o755)):
+        os.mkdir(os.path.join(root, d))
+        os.chmod(os.path.join(root, d), mode)
+    os.chown(os.path.join(root, "workspace"), SANDBOX_UID, SANDBOX_GID)
+    etc = os.path.join(root, "etc")
+    for name, text in (("passwd", PASSWD), ("group", GROUP), ("hosts", HOSTS),
+                       ("nsswitch.conf", NSSWITCH), ("hostname", "sandbox\n"),
+                       ("resolv.conf", "".join(f"nameserver {ns}\n" for ns in spec["dns"]))):
+        with open(os.path.join(etc, name), "w") as f:
+            f.write(text)
+        os.chmod(os.path.join(etc, name), 0o644)
+    os.symlink("../proc/self/mounts", os.path.join(etc, "mtab"))
+    for e in spec["etc"]:
+        src, dst = os.path.join("/etc", e), os.path.join(etc, e)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        if os.path.isdir(src) and not os.path.islink(src):
+            shutil.copytree(src, dst, symlinks=True)
+        else:
+            shutil.copy2(src, dst, follow_symlinks=False)
+
+
+# --- change manifest -----------------------------------------------------------
+
+MAX_CHANGES = 10_000
+MAX_HASH_BYTES = 1 << 30
+
+
+def _sha256(path: str) -> str | None:
+    h = hashlib.sha256()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    return "other"
+
+
+def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES) -> tuple[list[dict], int]:
+    """Walk upper layers; layers = [(sandbox path prefix, upper dir, lower dir)].
+
+    Returns (entries, total). Each entry: path, change (added | modified | deleted),
+    kind, and for files size and sha256; symlinks carry their target. Paths are
+    str with non-UTF-8 bytes as surrogate escapes (lossless, see audit_schema).
+    """
+    out: list[dict] = []
+    total = 0
+    for prefix, upper, lower in layers:
+        if not os.path.isdir(upper):
+            continue
+        for dirpath, dirnames, filenames in os.walk(upper):
+            rel_dir = os.path.relpath(dirpath, upper)
+            for name in sorted(dirnames) + sorted(filenames):
+                full = os.path.join(dirpath, name)
+                rel = os.path.normpath(os.path.join(rel_dir, name))
+                spath = os.path.normpath(prefix.rstrip("/") + "/" + rel)
+                st = os.lstat(full)
+                in_lower = os.path.lexists(os.path.join(lower, rel))
+                if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                    entry = {"path": spath, "change": "deleted", "kind": "whiteout"}
+                elif stat.S_ISDIR(st.st_mode):
+                    opaque = False
+                    try:
+                        opaque = os.getxattr(full, "trusted.overlay.opaque") == b"y"
+                    except OSError:
+                        pass
+                    if in_lower and not opaque:
+                        continue          # a copied-up parent, not a change of its own
+                    entry = {"path": spath, "change": "modified" if in_lower else "added",
+                             "kind": "dir", "mode": oct(st.st_mode & 0o7777)}
+                else:
+                    entry = {"path": spath, "change": "modified" if in_lower else "added",
+                             "kind": _kind(st.st_mode), "mode": oct(st.st_mode & 0o7777)}
+                    if stat.S_ISREG(st.st_mode):
+                        entry["size"] = st.st_size
+                        entry["sha256"] = _sha256(full) if st.st_size <= MAX_HASH_BYTES else None
+                    elif stat.S_ISLNK(st.st_mode):
+                        entry["target"] = os.fsdecode(os.readlink(full))
+                total += 1
+                if len(out) < limit:
+                    out.append(entry)
+    out.sort(key=lambda e: e["path"])
+    return out, total

@@ -1,0 +1,136 @@
+"""Thin ctypes wrappers for the Linux calls Python's os module lacks (3.11):
+mount, umount2, unshare, setns, pivot_root, sethostname, prctl, capset.
+
+Each raises OSError with errno set, like the os module does.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+# clone flags
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+CLONE_NEWCGROUP = 0x02000000
+
+# mount flags
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_NOATIME = 1024
+MS_BIND = 4096
+MS_MOVE = 8192
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MS_SLAVE = 1 << 19
+MS_STRICTATIME = 1 << 24
+MNT_DETACH = 2
+
+# prctl
+PR_SET_PDEATHSIG = 1
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+PR_SET_CHILD_SUBREAPER = 36
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+
+SYS_pivot_root = 155   # x86_64
+SYS_capset = 126
+
+
+def _check(ret, what):
+    if ret != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+    return ret
+
+
+def _b(s):
+    if s is None:
+        return None
+    return os.fsencode(s)
+
+
+def mount(source, target, fstype, flags=0, data=None):
+    _check(_libc.mount(_b(source), _b(target), _b(fstype), ctypes.c_ulong(flags), _b(data)),
+           f"mount {fstype or ''} on {os.fsdecode(target)}")
+
+
+def umount2(target, flags=0):
+    _check(_libc.umount2(_b(target), flags), f"umount {os.fsdecode(target)}")
+
+
+def unshare(flags):
+    _check(_libc.unshare(flags), "unshare")
+
+
+def setns(fd, nstype=0):
+    _check(_libc.setns(fd, nstype), "setns")
+
+
+def pivot_root(new_root, put_old):
+    _check(_libc.syscall(SYS_pivot_root, _b(new_root), _b(put_old)), "pivot_root")
+
+
+def sethostname(name: str):
+    b = name.encode()
+    _check(_libc.sethostname(b, len(b)), "sethostname")
+
+
+def prctl(option, arg2=0, arg3=0, arg4=0, arg5=0):
+    r = _libc.prctl(option, ctypes.c_ulong(arg2), ctypes.c_ulong(arg3),
+                    ctypes.c_ulong(arg4), ctypes.c_ulong(arg5))
+    if r < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"prctl({option}): {os.strerror(e)}")
+    return r
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+def clear_capabilities():
+    """Empty the effective, permitted and inheritable sets of this thread."""
+    hdr = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+    data = (_CapData * 2)()
+    _check(_libc.syscall(SYS_capset, ctypes.byref(hdr), ctypes.byref(data)), "capset")
+
+
+def last_cap() -> int:
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            return int(f.read())
+    except OSError:
+        return 40
+
+
+def drop_bounding_set():
+    for cap in range(last_cap() + 1):
+        try:
+            prctl(PR_CAPBSET_DROP, cap)
+        except OSError:
+            pass
+    try:
+        prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+    except OSError:
+        pass
+
+
+def set_name(name: str):
+    """Set this thread's comm (what /proc/PID/comm and ps show)."""
+    _libc.prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# dsec set-up: the one place where system and Python dependencies are installed
+# and kernel prerequisites are checked. Idempotent; fast when everything is there.
+#
+#   scripts/setup.sh            # install what is missing, build .venv
+#
+# Needs root (apt-get, mounts). Exits non-zero with one clear line on failure.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+say() { printf 'setup: %s\n' "$*" >&2; }
+die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "must run as root (installs Debian packages, mounts tracefs)"
+
+# --- Debian packages -------------------------------------------------------
+PKGS=(
+  python3 python3-venv python3-dev         # the venv is built on Debian's python (bcc, seccomp bindings live there)
+  python3-bpfcc bpfcc-tools                # BCC (PyPI's "bcc" is unrelated)
+  linux-headers-amd64                      # BCC compiles against these
+  python3-seccomp                          # libseccomp's Python bindings
+  clickhouse-server clickhouse-client      # the embedded audit store
+  bubblewrap                               # baseline for bench/launch.py
+  nftables iproute2                        # NAT for --network egress; test hosts
+  strace                                   # strace-style learning input
+  golang-github-containers-common          # containers-common default seccomp profile (policy import tests)
+  procps psmisc curl ca-certificates
+)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >/dev/null || die "apt-get update failed"
+  # clickhouse-server's postinst tries to start a system service; there is no init here.
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/tmp/dsec-apt.log 2>&1 \
+    || { tail -20 /tmp/dsec-apt.log >&2; die "apt-get install failed (log: /tmp/dsec-apt.log)"; }
+fi
+
+# --- kernel headers for BCC --------------------------------------------------
+# The running kernel has no headers package here: link build/source to Debian's
+# (build = arch-specific tree, source = the common tree, as Debian lays them out).
+KREL="$(uname -r)"
+HDR="$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -1 || true)"
+[ -n "$HDR" ] || die "no linux-headers-*-amd64 under /usr/src"
+SRC="${HDR%-amd64}-common"
+[ -d "$SRC" ] || SRC="$HDR"
+mkdir -p "/lib/modules/$KREL"
+[ "$(readlink "/lib/modules/$KREL/build" || true)" = "$HDR" ] || ln -sfn "$HDR" "/lib/modules/$KREL/build"
+[ "$(readlink "/lib/modules/$KREL/source" || true)" = "$SRC" ] || ln -sfn "$SRC" "/lib/modules/$KREL/source"
+
+# --- tracefs / bpffs ---------------------------------------------------------
+mountpoint -q /sys/kernel/tracing || mount -t tracefs tracefs /sys/kernel/tracing \
+  || die "cannot mount tracefs at /sys/kernel/tracing"
+mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf || die "cannot mount bpffs at /sys/fs/bpf"
+
+# --- Python venv ---------------------------------------------------------------
+PY=/usr/bin/python3
+STAMP=.venv/.dsec-setup
+WANT="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ ! -x .venv/bin/python ] || [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ] || [ ! -x .venv/bin/dsec ]; then
+  say "building .venv"
+  [ -x .venv/bin/python ] || "$PY" -m venv --system-site-packages .venv || die "cannot create .venv"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' >/tmp/dsec-pip.log 2>&1 \
+    || { tail -20 /tmp/dsec-pip.log >&2; die "pip install failed (log: /tmp/dsec-pip.log)"; }
+  echo "$WANT" > "$STAMP"
+fi
+.venv/bin/python -c 'import bcc, seccomp' 2>/dev/null || die "bcc or seccomp bindings not importable from .venv"
+say "ready: $ROOT/.venv/bin/dsec"
