@@ -14,8 +14,6 @@ from __future__ import annotations
 import errno
 import os
 import time
-from dataclasses import dataclass, field
-
 from agent.errors import DsecError, EXIT_DSEC
 
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -24,11 +22,11 @@ V1_CONTROLLERS = ("memory", "cpu", "pids")
 CFS_PERIOD_US = 100_000
 
 
-@dataclass
 class Layout:
-    mode: str                    # "hybrid" | "v2" | "v1"
-    v2_root: str | None          # cgroup2 mount (for ids and attach points)
-    v1_roots: dict = field(default_factory=dict)   # controller -> mount
+    def __init__(self, mode: str, v2_root: str | None, v1_roots: dict | None = None):
+        self.mode = mode                  # "hybrid" | "v2" | "v1"
+        self.v2_root = v2_root            # cgroup2 mount (for ids and attach points)
+        self.v1_roots = v1_roots or {}    # controller -> mount
 
 
 def detect(root: str = CGROUP_ROOT) -> Layout:

@@ -15,9 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import stat
-import tempfile
 
 STATE_ROOT = os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec")
 BASE_ROOT = os.path.join(STATE_ROOT, "base")
@@ -101,6 +99,8 @@ def ensure_base() -> tuple[str, list[str]]:
     path = os.path.join(BASE_ROOT, _spec_hash(spec))
     if os.path.isdir(path):
         return path, host_overlay_dirs(spec)
+    import shutil
+    import tempfile
     os.makedirs(BASE_ROOT, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".build-", dir=BASE_ROOT)
     try:
@@ -119,6 +119,7 @@ def ensure_base() -> tuple[str, list[str]]:
 
 
 def _build_base(root: str, spec: dict):
+    import shutil
     for d, v in spec["host"].items():
         if v[0] == "link":
             os.symlink(v[1], os.path.join(root, d))

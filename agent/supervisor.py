@@ -24,11 +24,12 @@ import errno
 import fcntl
 import json
 import os
+import resource  # noqa: F401 - os.wait4 imports it lazily; after pivot_root it may not exist
 import select
 import signal
 import socket
 import struct
-import sys
+import traceback
 
 from agent import sysutil as su
 
@@ -201,15 +202,17 @@ def _exec_workload(cfg: dict, err_w: int):
 
 
 def supervisor_main(cfg: dict, ctl_r: int, status_w: int):
-    """Entry point in the forked child that is PID 1 of the new pid namespace."""
-    code = 0
+    """Entry point in the forked child that is PID 1 of the new pid namespace.
+
+    Everything it needs is imported before pivot_root: the sandbox's root may
+    have no Python at all."""
+    code = 125
     try:
         code = _supervise(cfg, ctl_r, status_w)
     except SetupError as e:
         _send(status_w, {"ev": "error", "msg": str(e)})
         code = 125
     except BaseException as e:  # noqa: BLE001
-        import traceback
         where = traceback.extract_tb(e.__traceback__)[-1]
         _send(status_w, {"ev": "error", "msg": f"supervisor: {e!r} at {os.path.basename(where.filename)}:{where.lineno}"})
         code = 125

@@ -63,7 +63,7 @@ WANT="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ ! -x .venv/bin/python ] || [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ] || [ ! -x .venv/bin/dsec ]; then
   say "building .venv"
   [ -x .venv/bin/python ] || "$PY" -m venv --system-site-packages .venv || die "cannot create .venv"
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' >/tmp/dsec-pip.log 2>&1 \
+  .venv/bin/python -m pip install -q --disable-pip-version-check --config-settings editable_mode=compat -e '.[test]' >/tmp/dsec-pip.log 2>&1 \
     || { tail -20 /tmp/dsec-pip.log >&2; die "pip install failed (log: /tmp/dsec-pip.log)"; }
   echo "$WANT" > "$STAMP"
 fi

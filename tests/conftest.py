@@ -1,0 +1,45 @@
+"""Shared fixtures. Tests run as root against the real kernel: real sandboxes,
+real cgroups, namespaces, mounts and links. Nothing is mocked."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DSEC = os.path.join(ROOT, ".venv", "bin", "dsec")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from hosts import leftovers  # noqa: E402
+
+
+def pytest_configure(config):
+    if os.geteuid() != 0:
+        raise pytest.UsageError("the dsec test suite needs root (real namespaces, cgroups, eBPF)")
+
+
+def dsec(*args, input=None, timeout=120, env=None, **kw):
+    """Run the real dsec CLI; returns CompletedProcess with bytes stdout/stderr."""
+    e = dict(os.environ)
+    if env:
+        e.update(env)
+    return subprocess.run([DSEC, *[os.fsencode(a) if isinstance(a, str) else a for a in args]],
+                          input=input, capture_output=True, timeout=timeout, env=e, **kw)
+
+
+@pytest.fixture
+def sid():
+    return "t-" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftovers_at_end():
+    before = leftovers()
+    yield
+    after = leftovers()
+    new = {k: sorted(set(v) - set(before.get(k, []))) for k, v in after.items()}
+    new = {k: v for k, v in new.items() if v}
+    assert not new, f"the test session left things behind: {new}"

@@ -1,0 +1,326 @@
+"""dsec run: real sandboxes on the real kernel."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import DSEC, dsec
+from hosts import NetHost, leftovers, wait_clean
+
+
+def run_json(tmp_path, *args, **kw):
+    out = tmp_path / "summary.json"
+    r = dsec("run", "--summary-json", str(out), *args, **kw)
+    return r, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_pid1_is_supervisor_and_host_processes_invisible(sid):
+    r = dsec("run", "--sandbox-id", sid, "--", "sh", "-c",
+             "cat /proc/1/comm; ls /proc | grep -c '^[0-9]'; hostname; cat /proc/$$/status | grep -E 'NoNewPrivs|CapBnd|CapEff'")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.decode().split("\n")
+    assert lines[0] == "dsec-init"
+    assert int(lines[1]) <= 5          # supervisor, sh, ls, grep (+cat)
+    assert lines[2] == sid             # hostname = sandbox id
+    status = "\n".join(lines[3:])
+    assert "NoNewPrivs:\t1" in status
+    assert "CapBnd:\t0000000000000000" in status
+    assert "CapEff:\t0000000000000000" in status
+    # the test's own process is invisible inside
+    r = dsec("run", "--", "sh", "-c", f"test -e /proc/{os.getpid()}/cmdline && cat /proc/{os.getpid()}/cmdline")
+    assert b"pytest" not in r.stdout
+
+
+def test_root_inside_has_no_capabilities():
+    r = dsec("run", "--user", "root", "--", "sh", "-c",
+             "id -u; grep -E 'CapEff|CapPrm|CapBnd' /proc/self/status; echo 1 > /proc/sys/kernel/hostname; echo rc=$?")
+    out = r.stdout.decode()
+    assert out.startswith("0\n")
+    assert "CapEff:\t0000000000000000" in out and "CapPrm:\t0000000000000000" in out
+    assert "rc=0" not in out   # /proc/sys is read-only
+
+
+@pytest.fixture
+def host_secrets():
+    made = []
+    for d in ("/root", "/home/dsec-test-user"):
+        os.makedirs(d, exist_ok=True)
+        p = os.path.join(d, "dsec-secret-canary")
+        with open(p, "w") as f:
+            f.write("CANARY-SECRET\n")
+        made.append(p)
+    os.makedirs("/var/dsec-test", exist_ok=True)
+    with open("/var/dsec-test/secret", "w") as f:
+        f.write("CANARY-SECRET\n")
+    made.append("/var/dsec-test/secret")
+    yield made
+    for p in made:
+        os.unlink(p)
+    os.rmdir("/home/dsec-test-user")
+    os.rmdir("/var/dsec-test")
+
+
+@pytest.mark.parametrize("user", ["sandbox", "root"])
+def test_host_secrets_not_readable(host_secrets, user):
+    script = "; ".join(f"cat {p} 2>/dev/null" for p in host_secrets + ["/etc/shadow", "/etc/ssh/ssh_host_rsa_key"])
+    r = dsec("run", "--user", user, "--", "sh", "-c", script + "; ls /var /home /root 2>/dev/null; true")
+    assert r.returncode == 0
+    assert b"CANARY" not in r.stdout and b"dsec-secret-canary" not in r.stdout
+    assert b"dsec-test" not in r.stdout
+
+
+def test_write_etc_passwd_stays_inside(tmp_path):
+    before = hashlib.sha256(open("/etc/passwd", "rb").read()).hexdigest()
+    r, s = run_json(tmp_path, "--user", "root", "--", "sh", "-c",
+                    "echo 'evil:x:0:0::/:/bin/sh' >> /etc/passwd && grep -c evil /etc/passwd && touch /usr/dsec-canary")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == b"1"
+    assert hashlib.sha256(open("/etc/passwd", "rb").read()).hexdigest() == before
+    assert not os.path.exists("/usr/dsec-canary")
+    ch = {c["path"]: c for c in s["changes"]}
+    assert ch["/etc/passwd"]["change"] == "modified"
+    assert ch["/etc/passwd"]["kind"] == "file"
+    assert len(ch["/etc/passwd"]["sha256"]) == 64
+    assert ch["/usr/dsec-canary"]["change"] == "added"
+    assert ch["/usr/dsec-canary"]["size"] == 0
+
+
+def test_changes_manifest_kinds(tmp_path):
+    r, s = run_json(tmp_path, "--user", "root", "--", "sh", "-c",
+                    "rm /etc/hosts; mkdir /opt/newdir; printf abc > /opt/newdir/f; ln -s /x /opt/l")
+    assert r.returncode == 0, r.stderr
+    ch = {c["path"]: c for c in s["changes"]}
+    assert ch["/etc/hosts"]["change"] == "deleted"
+    assert ch["/opt/newdir"]["kind"] == "dir" and ch["/opt/newdir"]["change"] == "added"
+    assert ch["/opt/newdir/f"]["sha256"] == hashlib.sha256(b"abc").hexdigest()
+    assert ch["/opt/l"]["kind"] == "symlink" and ch["/opt/l"]["target"] == "/x"
+
+
+def test_memory_bomb_is_oom_killed(tmp_path):
+    r, s = run_json(tmp_path, "--memory", "64M", "--", "python3", "-c",
+                    "b=[]\nfor i in range(400): b.append(bytearray(4<<20))\nprint('survived')")
+    assert b"survived" not in r.stdout
+    assert r.returncode == 137, r.stderr
+    assert s["oom_killed"] is True
+    assert s["signal"] == 9
+    # the host is fine: a new sandbox runs normally
+    assert dsec("run", "--", "true").returncode == 0
+
+
+def test_fork_bomb_stopped_by_pids_limit(tmp_path):
+    script = (
+        "import os, time, errno\n"
+        "n = 0\n"
+        "for i in range(500):\n"
+        "    try:\n"
+        "        pid = os.fork()\n"
+        "    except OSError as e:\n"
+        "        print('blocked', n, errno.errorcode[e.errno]); break\n"
+        "    if pid == 0:\n"
+        "        time.sleep(30); os._exit(0)\n"
+        "    n += 1\n"
+        "else:\n"
+        "    print('unbounded', n)\n")
+    r, s = run_json(tmp_path, "--pids", "32", "--timeout", "60", "--", "python3", "-c", script)
+    out = r.stdout.decode()
+    assert out.startswith("blocked"), out + r.stderr.decode()
+    n = int(out.split()[1])
+    assert n < 32
+    assert out.split()[2] == "EAGAIN"
+    assert r.returncode == 0   # main process exits; supervisor kills the sleeping children
+
+
+def test_timeout_term_then_kill(tmp_path):
+    t0 = time.monotonic()
+    r, s = run_json(tmp_path, "--timeout", "1", "--grace", "1", "--", "sh", "-c", "trap '' TERM; sleep 60")
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 124
+    assert s["timed_out"] is True
+    assert elapsed < 1 + 1 + 5   # correctness bound (the SIGKILL came), not a benchmark
+    # a workload that honours SIGTERM ends at the timeout
+    r = dsec("run", "--timeout", "1", "--", "sleep", "60")
+    assert r.returncode == 124
+
+
+def test_signal_forwarded_to_workload():
+    p = subprocess.Popen([DSEC, "run", "--", "sh", "-c", "trap 'exit 42' TERM; echo ready; sleep 30 & wait"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.readline() == b"ready\n"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) == 42
+
+
+def test_exit_codes(tmp_path):
+    assert dsec("run", "--", "sh", "-c", "exit 3").returncode == 3
+    r = dsec("run", "--", "no-such-command-xyz")
+    assert r.returncode == 127 and b"no-such-command-xyz" in r.stderr
+    r = dsec("run", "--", "/etc/passwd")
+    assert r.returncode == 126
+    assert dsec("run", "--", "sh", "-c", "kill -USR1 $$").returncode == 128 + signal.SIGUSR1
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--bogus-option", "--", "true"], b"unrecognized arguments"),
+    (["--memory", "12X", "--", "true"], b"--memory"),
+    (["--rootfs", "/nonexistent/rootfs", "--", "true"], b"--rootfs"),
+    ([], b"no command"),
+    (["--network", "bridge", "--", "true"], b"--network"),
+    (["--env", "NOEQUALS", "--", "true"], b"--env"),
+    (["--sandbox-id", "../escape", "--", "true"], b"sandbox id"),
+    (["--user", "nosuchuser", "--", "true"], b"--user"),
+])
+def test_bad_input_one_line_125(args, needle):
+    r = dsec("run", *args)
+    assert r.returncode == 125
+    err = r.stderr.decode().strip().splitlines()
+    err = [line for line in err if not line.startswith("dsec: sandbox ")]
+    assert len(err) == 1, err
+    assert needle.decode() in err[0]
+    assert "Traceback" not in r.stderr.decode()
+
+
+def test_not_root_is_refused():
+    r = subprocess.run([DSEC, "run", "--", "true"], capture_output=True, user=65534, group=65534,
+                       env={"PATH": "/usr/bin:/bin"}, cwd="/")
+    assert r.returncode == 125
+    assert b"must run as root" in r.stderr and b"Traceback" not in r.stderr
+
+
+def test_network_none_cannot_reach_host_loopback():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    port = srv.getsockname()[1]
+    try:
+        r = dsec("run", "--", "python3", "-c",
+                 f"import socket\ntry:\n socket.create_connection(('127.0.0.1', {port}), 2); print('reached')\n"
+                 f"except OSError as e: print('refused', e.errno)")
+        assert r.stdout.startswith(b"refused"), r.stdout
+        r = dsec("run", "--", "sh", "-c", "ls /sys/class/net")
+        assert r.stdout.split() == [b"lo"]
+    finally:
+        srv.close()
+
+
+def test_network_egress_reaches_test_host_only_through_own_veth(sid):
+    with NetHost(subnet=11) as th:
+        url = th.serve_http()
+        code = f"import urllib.request; print(urllib.request.urlopen('{url}', timeout=5).status)"
+        r = dsec("run", "--sandbox-id", sid, "--network", "egress", "--", "python3", "-c", code)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == b"200"
+        # without egress the same test host is unreachable
+        r = dsec("run", "--network", "none", "--", "python3", "-c", code)
+        assert r.returncode != 0
+    assert not [n for n in leftovers()["links"]]
+
+
+def test_50_concurrent_sandboxes_leave_nothing_behind():
+    def one(i):
+        return dsec("run", "--sandbox-id", f"conc-{os.getpid()}-{i}", "--", "sh", "-c", "echo $HOSTNAME; echo x > /workspace/f")
+
+    with ThreadPoolExecutor(max_workers=50) as ex:
+        results = list(ex.map(one, range(50)))
+    bad = [(r.returncode, r.stderr[-300:]) for r in results if r.returncode != 0]
+    assert not bad, bad
+    assert sorted(r.stdout.strip() for r in results) == sorted(f"conc-{os.getpid()}-{i}".encode() for i in range(50))
+    lo = wait_clean()
+    assert not any(lo[k] for k in ("cgroups", "mounts", "links", "state", "supervisors")), lo
+
+
+def test_non_utf8_arguments_and_file_names(tmp_path):
+    weird = b"caf\xe9-\xff\xfe-\x80"
+    code = ("import sys, os\n"
+            "a = os.fsencode(sys.argv[1])\n"
+            "print(a.hex())\n"
+            "open(b'/workspace/' + a, 'wb').write(a)\n")
+    out = tmp_path / "s.json"
+    r = dsec("run", "--summary-json", str(out), "--", "python3", "-c", code, weird)
+    assert r.returncode == 0, r.stderr
+    assert bytes.fromhex(r.stdout.decode().strip()) == weird
+    s = json.loads(out.read_text())
+    paths = [os.fsencode(c["path"]) for c in s["changes"]]
+    assert b"/workspace/" + weird in paths
+
+
+def test_environment_is_minimal_and_env_option_passes():
+    r = dsec("run", "--env", "FOO=bar baz", "--", "env", env={"DSEC_HOST_SECRET": "s3cret"})
+    env = dict(line.split("=", 1) for line in r.stdout.decode().splitlines())
+    assert env["FOO"] == "bar baz"
+    assert "DSEC_HOST_SECRET" not in env
+    assert set(env) <= {"PATH", "HOME", "LANG", "HOSTNAME", "USER", "FOO"}
+
+
+def test_workdir_and_dev(tmp_path):
+    r = dsec("run", "--workdir", "/tmp/work", "--", "sh", "-c",
+             "pwd; ls /dev | tr '\\n' ' '; echo; head -c 4 /dev/urandom | wc -c; echo x > /dev/null && echo devnull-ok")
+    out = r.stdout.decode().splitlines()
+    assert out[0] == "/tmp/work"
+    for d in ("null", "zero", "full", "random", "urandom", "tty", "pts", "shm"):
+        assert d in out[1].split()
+    assert out[2] == "4" and out[3] == "devnull-ok"
+
+
+def test_custom_rootfs(tmp_path):
+    """A rootfs directory of the test's own: dash and its libraries only."""
+    rf = tmp_path / "rootfs"
+    for d in ("bin", "lib", "lib64", "etc"):
+        (rf / d).mkdir(parents=True)
+    shutil.copy2("/bin/dash", rf / "bin" / "sh")
+    libs = subprocess.run(["ldd", "/bin/dash"], capture_output=True, text=True).stdout
+    for line in libs.splitlines():
+        for tok in line.split():
+            if tok.startswith("/"):
+                dest = rf / tok.lstrip("/")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(tok, dest)
+    (rf / "etc" / "passwd").write_text("root:x:0:0::/:/bin/sh\nsandbox:x:1000:1000::/:/bin/sh\n")
+    r = dsec("run", "--rootfs", str(rf), "--workdir", "/", "--", "/bin/sh", "-c",
+             "echo in-custom; test -e /usr/bin/python3 && echo host-visible; echo x > /tmp/t && echo tmp-ok")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode().split() == ["in-custom", "tmp-ok"]
+
+
+def test_keep_upper_layer():
+    sid = "keep-" + os.urandom(4).hex()
+    r = dsec("run", "--sandbox-id", sid, "--keep", "--", "sh", "-c", "echo kept > /workspace/k")
+    assert r.returncode == 0
+    kept = f"/var/lib/dsec/kept/{sid}"
+    try:
+        assert open(f"{kept}/_root/workspace/k").read() == "kept\n"
+        assert kept.encode() in r.stderr
+    finally:
+        shutil.rmtree(kept)
+
+
+def test_gc_after_killed_run():
+    sid = "gc-" + os.urandom(4).hex()
+    p = subprocess.Popen([DSEC, "run", "--sandbox-id", sid, "--network", "egress", "--", "sh", "-c", "echo up; sleep 60"],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert p.stdout.readline() == b"up\n"
+    r = dsec("gc", "--dry-run")
+    assert sid.encode() not in r.stdout        # live sandboxes are never touched
+    p.kill()
+    p.wait()
+    # the supervisor notices its owner is gone and kills the workload
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and leftovers()["supervisors"]:
+        time.sleep(0.05)
+    r = dsec("gc")
+    assert r.returncode == 0, r.stdout
+    assert f"sandbox {sid}: orphaned".encode() in r.stdout
+    lo = leftovers()
+    assert not [c for c in lo["cgroups"] if sid in c]
+    assert sid not in lo["state"]
+    assert not lo["links"]
+    assert dsec("gc").stdout.startswith(b"clean")
