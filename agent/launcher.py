@@ -32,6 +32,8 @@ import time
 from agent import cgroups, rootfs
 from agent import sysutil as su
 from agent.errors import DsecError, EXIT_DSEC, EXIT_NOEXEC, EXIT_NOTFOUND, EXIT_TIMEOUT
+# imported before any fork: a child must not import (another thread may hold the import lock)
+from agent.supervisor import supervisor_main
 
 SANDBOX_DIR = os.path.join(rootfs.STATE_ROOT, "sandboxes")
 KEPT_DIR = os.path.join(rootfs.STATE_ROOT, "kept")
@@ -226,7 +228,6 @@ def _launch(sb, layout, lower, host_dirs, uid, gid, home, on_cgroup, on_exit, st
             su.unshare(su.CLONE_NEWPID | su.CLONE_NEWNS | su.CLONE_NEWIPC | su.CLONE_NEWUTS | su.CLONE_NEWNET)
             pid = os.fork()
             if pid == 0:
-                from agent.supervisor import supervisor_main
                 supervisor_main(cfg, ctl_r, status_w)   # never returns
             os.write(pid_w, f"{pid}\n".encode())
             code = 0

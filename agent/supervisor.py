@@ -155,6 +155,22 @@ def loopback_up():
         s.close()
 
 
+def _resolve(cmd: str, path_var: str) -> str:
+    """execvp's PATH search, done before seccomp is loaded (so it needs no extra calls after)."""
+    if "/" in cmd:
+        return cmd
+    first_err = None
+    for d in (path_var or "/usr/bin:/bin").split(":"):
+        cand = os.path.join(d or ".", cmd)
+        if os.path.isfile(cand):
+            if os.access(cand, os.X_OK):
+                return cand
+            first_err = first_err or OSError(errno.EACCES, "Permission denied")
+    if first_err:
+        raise first_err
+    raise OSError(errno.ENOENT, "No such file or directory")
+
+
 def _exec_workload(cfg: dict, err_w: int):
     """In the workload child: drop everything, exec CMD. Never returns."""
     stage = "setup"
@@ -189,7 +205,15 @@ def _exec_workload(cfg: dict, err_w: int):
         su.prctl(su.PR_SET_NO_NEW_PRIVS, 1)
         stage = "exec"
         argv = cfg["argv"]
-        os.execvpe(argv[0], argv, cfg["env"])
+        path = _resolve(argv[0], cfg["env"].get("PATH", ""))
+        filt = cfg.get("seccomp")
+        if filt is not None:
+            # Last step before execve: the filter must not have to allow our own
+            # set-up calls, only execve itself (see docs/launcher.md).
+            stage = "seccomp"
+            filt.load()
+            stage = "exec"
+        os.execve(path, argv, cfg["env"])
     except OSError as e:
         os.write(err_w, json.dumps({"stage": stage, "errno": e.errno or errno.EIO,
                                     "msg": e.strerror or str(e)}).encode())
