@@ -139,8 +139,11 @@ class SandboxCgroup:
             _write(f"{self.v1_paths['pids']}/pids.max", str(pids))
 
     def join(self, pid: int = 0):
-        """Move `pid` (0 = the calling process) into every cgroup of the sandbox."""
-        for p in self.paths:
+        """Move `pid` (0 = the calling process) into every cgroup of the sandbox.
+
+        The cgroup2 directory comes last: the moment the process enters it,
+        eBPF audits it, and dsec's own set-up writes should not be in the record."""
+        for p in list(self.v1_paths.values()) + ([self.v2_path] if self.v2_path else []):
             _write(os.path.join(p, "cgroup.procs"), str(pid))
 
     # --- stats -----------------------------------------------------------------

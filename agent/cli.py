@@ -17,7 +17,7 @@ import sys
 
 from agent.errors import DsecError, EXIT_USAGE
 
-COMMANDS = ["run", "gc", "clickhouse", "events", "replay"]
+COMMANDS = ["run", "events", "replay", "policy", "export", "clickhouse", "gc"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,6 +78,12 @@ def main(argv=None) -> int:
         return e.code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 1
     except Exception as e:  # noqa: BLE001 - a bug of ours: still one line, unless asked
         if os.environ.get("DSEC_DEBUG"):
             raise
@@ -86,12 +92,6 @@ def main(argv=None) -> int:
         sys.stderr.write(f"dsec {args.command}: internal error: {type(e).__name__}: {e} "
                          f"(at {os.path.basename(where.filename)}:{where.lineno}; DSEC_DEBUG=1 for a traceback)\n")
         return getattr(args._mod, "USAGE_EXIT", 1) if args.command == "run" else 1
-    except BrokenPipeError:
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
-        return 1
 
 
 if __name__ == "__main__":

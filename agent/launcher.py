@@ -149,7 +149,7 @@ class _Sandbox:
         self.layers: list[tuple[str, str, str]] = []
 
 
-def launch(spec: SandboxSpec, on_cgroup=None, on_exit=None, stdio=None) -> Result:
+def launch(spec: SandboxSpec, on_cgroup=None, on_exit=None, stdio=None, on_started=None, on_go=None) -> Result:
     preflight()
     spec.sandbox_id = validate_id(spec.sandbox_id or new_sandbox_id())
     if not spec.argv:
@@ -176,12 +176,13 @@ def launch(spec: SandboxSpec, on_cgroup=None, on_exit=None, stdio=None) -> Resul
     except FileExistsError:
         raise DsecError(f"sandbox id {sb.sid} is already in use (state dir {sb.dir} exists; `dsec gc` removes stale ones)", EXIT_DSEC)
     try:
-        return _launch(sb, layout, lower, host_dirs, uid, gid, home, on_cgroup, on_exit, stdio, t_start)
+        hooks = {"on_cgroup": on_cgroup, "on_exit": on_exit, "on_started": on_started, "on_go": on_go}
+        return _launch(sb, layout, lower, host_dirs, uid, gid, home, hooks, stdio, t_start)
     finally:
         _teardown_leftovers(sb)
 
 
-def _launch(sb, layout, lower, host_dirs, uid, gid, home, on_cgroup, on_exit, stdio, t_start):
+def _launch(sb, layout, lower, host_dirs, uid, gid, home, hooks, stdio, t_start):
     spec = sb.spec
     sb.lock_fd = os.open(os.path.join(sb.dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     fcntl.flock(sb.lock_fd, fcntl.LOCK_EX)
@@ -192,8 +193,8 @@ def _launch(sb, layout, lower, host_dirs, uid, gid, home, on_cgroup, on_exit, st
     sb.cg = cgroups.SandboxCgroup(layout, sb.sid)
     sb.cg.create(spec.cpus, spec.memory, spec.pids)
     cgroup_id = sb.cg.cgroup_id
-    if on_cgroup:
-        on_cgroup(sb.sid, cgroup_id)
+    if hooks["on_cgroup"]:
+        hooks["on_cgroup"](sb.sid, cgroup_id)
 
     env = {"PATH": DEFAULT_PATH, "HOME": home, "LANG": "C.UTF-8", "HOSTNAME": sb.sid,
            "USER": spec.user if not spec.user[0].isdigit() else str(uid)}
@@ -252,6 +253,8 @@ def _launch(sb, layout, lower, host_dirs, uid, gid, home, on_cgroup, on_exit, st
         raise DsecError(f"cannot create sandbox namespaces: {text.removeprefix('error ') or 'launcher child died'}", EXIT_DSEC)
     sb.sup_pid = int(text)
     sb.pidfd = os.pidfd_open(sb.sup_pid)
+    if hooks["on_started"]:
+        hooks["on_started"](sb.sid, sb.sup_pid)
     with open(os.path.join(sb.dir, "state.json"), "r+") as f:
         st = json.load(f)
         st["supervisor_pid"] = sb.sup_pid
@@ -266,6 +269,8 @@ def _launch(sb, layout, lower, host_dirs, uid, gid, home, on_cgroup, on_exit, st
         from agent import netns
         sb.net = netns.setup_egress(sb.sid, sb.sup_pid)
         net_cfg = sb.net
+    if hooks["on_go"]:
+        hooks["on_go"](sb.sid)
     os.write(sb.ctl_w, (json.dumps({"cmd": "go", "net": net_cfg}) + "\n").encode())
     t_go = time.monotonic()
     final, timed_out = _wait_exit(sb, stdio["relay"], t_go)
@@ -319,8 +324,8 @@ def _launch(sb, layout, lower, host_dirs, uid, gid, home, on_cgroup, on_exit, st
         shutil.rmtree(dest, ignore_errors=True)
         os.rename(os.path.join(sb.dir, "upper"), dest)
         summary["kept_upper"] = dest
-    if on_exit:
-        on_exit(summary)
+    if hooks["on_exit"]:
+        hooks["on_exit"](summary)
     return Result(code, summary)
 
 

@@ -183,8 +183,6 @@ def _exec_workload(cfg: dict, err_w: int):
                 pass
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         os.setsid()
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("0")
         uid, gid = cfg["uid"], cfg["gid"]
         stage = "workdir"
         wd = cfg["workdir"]
@@ -246,11 +244,6 @@ def supervisor_main(cfg: dict, ctl_r: int, status_w: int):
 
 def _supervise(cfg, ctl_r, status_w):
     su.set_name("dsec-init")
-    try:   # the OOM killer should pick the workload, not its supervisor
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("-1000")
-    except OSError:
-        pass
     keep = {0, 1, 2, ctl_r, status_w}
     for fd in list(map(int, os.listdir("/proc/self/fd"))):
         if fd not in keep:

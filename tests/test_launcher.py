@@ -18,14 +18,19 @@ from conftest import DSEC, dsec
 from hosts import NetHost, leftovers, wait_clean
 
 
+# The launcher's guarantees do not depend on auditing; these tests run without the
+# eBPF recorder (each audited `dsec run` compiles its programs: see test_audit_e2e.py).
+RUN = ("run", "--audit", "off")
+
+
 def run_json(tmp_path, *args, **kw):
     out = tmp_path / "summary.json"
-    r = dsec("run", "--summary-json", str(out), *args, **kw)
+    r = dsec(*RUN, "--summary-json", str(out), *args, **kw)
     return r, (json.loads(out.read_text()) if out.exists() else None)
 
 
 def test_pid1_is_supervisor_and_host_processes_invisible(sid):
-    r = dsec("run", "--sandbox-id", sid, "--", "sh", "-c",
+    r = dsec(*RUN, "--sandbox-id", sid, "--", "sh", "-c",
              "cat /proc/1/comm; ls /proc | grep -c '^[0-9]'; hostname; cat /proc/$$/status | grep -E 'NoNewPrivs|CapBnd|CapEff'")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.decode().split("\n")
@@ -37,12 +42,12 @@ def test_pid1_is_supervisor_and_host_processes_invisible(sid):
     assert "CapBnd:\t0000000000000000" in status
     assert "CapEff:\t0000000000000000" in status
     # the test's own process is invisible inside
-    r = dsec("run", "--", "sh", "-c", f"test -e /proc/{os.getpid()}/cmdline && cat /proc/{os.getpid()}/cmdline")
+    r = dsec(*RUN, "--", "sh", "-c", f"test -e /proc/{os.getpid()}/cmdline && cat /proc/{os.getpid()}/cmdline")
     assert b"pytest" not in r.stdout
 
 
 def test_root_inside_has_no_capabilities():
-    r = dsec("run", "--user", "root", "--", "sh", "-c",
+    r = dsec(*RUN, "--user", "root", "--", "sh", "-c",
              "id -u; grep -E 'CapEff|CapPrm|CapBnd' /proc/self/status; echo 1 > /proc/sys/kernel/hostname; echo rc=$?")
     out = r.stdout.decode()
     assert out.startswith("0\n")
@@ -73,7 +78,7 @@ def host_secrets():
 @pytest.mark.parametrize("user", ["sandbox", "root"])
 def test_host_secrets_not_readable(host_secrets, user):
     script = "; ".join(f"cat {p} 2>/dev/null" for p in host_secrets + ["/etc/shadow", "/etc/ssh/ssh_host_rsa_key"])
-    r = dsec("run", "--user", user, "--", "sh", "-c", script + "; ls /var /home /root 2>/dev/null; true")
+    r = dsec(*RUN, "--user", user, "--", "sh", "-c", script + "; ls /var /home /root 2>/dev/null; true")
     assert r.returncode == 0
     assert b"CANARY" not in r.stdout and b"dsec-secret-canary" not in r.stdout
     assert b"dsec-test" not in r.stdout
@@ -114,7 +119,7 @@ def test_memory_bomb_is_oom_killed(tmp_path):
     assert s["oom_killed"] is True
     assert s["signal"] == 9
     # the host is fine: a new sandbox runs normally
-    assert dsec("run", "--", "true").returncode == 0
+    assert dsec(*RUN, "--", "true").returncode == 0
 
 
 def test_fork_bomb_stopped_by_pids_limit(tmp_path):
@@ -148,12 +153,12 @@ def test_timeout_term_then_kill(tmp_path):
     assert s["timed_out"] is True
     assert elapsed < 1 + 1 + 5   # correctness bound (the SIGKILL came), not a benchmark
     # a workload that honours SIGTERM ends at the timeout
-    r = dsec("run", "--timeout", "1", "--", "sleep", "60")
+    r = dsec(*RUN, "--timeout", "1", "--", "sleep", "60")
     assert r.returncode == 124
 
 
 def test_signal_forwarded_to_workload():
-    p = subprocess.Popen([DSEC, "run", "--", "sh", "-c", "trap 'exit 42' TERM; echo ready; sleep 30 & wait"],
+    p = subprocess.Popen([DSEC, *RUN, "--", "sh", "-c", "trap 'exit 42' TERM; echo ready; sleep 30 & wait"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert p.stdout.readline() == b"ready\n"
     p.send_signal(signal.SIGTERM)
@@ -161,12 +166,12 @@ def test_signal_forwarded_to_workload():
 
 
 def test_exit_codes(tmp_path):
-    assert dsec("run", "--", "sh", "-c", "exit 3").returncode == 3
-    r = dsec("run", "--", "no-such-command-xyz")
+    assert dsec(*RUN, "--", "sh", "-c", "exit 3").returncode == 3
+    r = dsec(*RUN, "--", "no-such-command-xyz")
     assert r.returncode == 127 and b"no-such-command-xyz" in r.stderr
-    r = dsec("run", "--", "/etc/passwd")
+    r = dsec(*RUN, "--", "/etc/passwd")
     assert r.returncode == 126
-    assert dsec("run", "--", "sh", "-c", "kill -USR1 $$").returncode == 128 + signal.SIGUSR1
+    assert dsec(*RUN, "--", "sh", "-c", "kill -USR1 $$").returncode == 128 + signal.SIGUSR1
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -180,7 +185,7 @@ def test_exit_codes(tmp_path):
     (["--user", "nosuchuser", "--", "true"], b"--user"),
 ])
 def test_bad_input_one_line_125(args, needle):
-    r = dsec("run", *args)
+    r = dsec(*RUN, *args)
     assert r.returncode == 125
     err = r.stderr.decode().strip().splitlines()
     err = [line for line in err if not line.startswith("dsec: sandbox ")]
@@ -190,7 +195,7 @@ def test_bad_input_one_line_125(args, needle):
 
 
 def test_not_root_is_refused():
-    r = subprocess.run([DSEC, "run", "--", "true"], capture_output=True, user=65534, group=65534,
+    r = subprocess.run([DSEC, *RUN, "--", "true"], capture_output=True, user=65534, group=65534,
                        env={"PATH": "/usr/bin:/bin"}, cwd="/")
     assert r.returncode == 125
     assert b"must run as root" in r.stderr and b"Traceback" not in r.stderr
@@ -202,11 +207,11 @@ def test_network_none_cannot_reach_host_loopback():
     srv.listen(8)
     port = srv.getsockname()[1]
     try:
-        r = dsec("run", "--", "python3", "-c",
+        r = dsec(*RUN, "--", "python3", "-c",
                  f"import socket\ntry:\n socket.create_connection(('127.0.0.1', {port}), 2); print('reached')\n"
                  f"except OSError as e: print('refused', e.errno)")
         assert r.stdout.startswith(b"refused"), r.stdout
-        r = dsec("run", "--", "sh", "-c", "ls /sys/class/net")
+        r = dsec(*RUN, "--", "sh", "-c", "ls /sys/class/net")
         assert r.stdout.split() == [b"lo"]
     finally:
         srv.close()
@@ -216,18 +221,18 @@ def test_network_egress_reaches_test_host_only_through_own_veth(sid):
     with NetHost(subnet=11) as th:
         url = th.serve_http()
         code = f"import urllib.request; print(urllib.request.urlopen('{url}', timeout=5).status)"
-        r = dsec("run", "--sandbox-id", sid, "--network", "egress", "--", "python3", "-c", code)
+        r = dsec(*RUN, "--sandbox-id", sid, "--network", "egress", "--", "python3", "-c", code)
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip() == b"200"
         # without egress the same test host is unreachable
-        r = dsec("run", "--network", "none", "--", "python3", "-c", code)
+        r = dsec(*RUN, "--network", "none", "--", "python3", "-c", code)
         assert r.returncode != 0
     assert not [n for n in leftovers()["links"]]
 
 
 def test_50_concurrent_sandboxes_leave_nothing_behind():
     def one(i):
-        return dsec("run", "--sandbox-id", f"conc-{os.getpid()}-{i}", "--", "sh", "-c", "echo $HOSTNAME; echo x > /workspace/f")
+        return dsec(*RUN, "--sandbox-id", f"conc-{os.getpid()}-{i}", "--", "sh", "-c", "echo $HOSTNAME; echo x > /workspace/f")
 
     with ThreadPoolExecutor(max_workers=50) as ex:
         results = list(ex.map(one, range(50)))
@@ -245,7 +250,7 @@ def test_non_utf8_arguments_and_file_names(tmp_path):
             "print(a.hex())\n"
             "open(b'/workspace/' + a, 'wb').write(a)\n")
     out = tmp_path / "s.json"
-    r = dsec("run", "--summary-json", str(out), "--", "python3", "-c", code, weird)
+    r = dsec(*RUN, "--summary-json", str(out), "--", "python3", "-c", code, weird)
     assert r.returncode == 0, r.stderr
     assert bytes.fromhex(r.stdout.decode().strip()) == weird
     s = json.loads(out.read_text())
@@ -254,7 +259,7 @@ def test_non_utf8_arguments_and_file_names(tmp_path):
 
 
 def test_environment_is_minimal_and_env_option_passes():
-    r = dsec("run", "--env", "FOO=bar baz", "--", "env", env={"DSEC_HOST_SECRET": "s3cret"})
+    r = dsec(*RUN, "--env", "FOO=bar baz", "--", "env", env={"DSEC_HOST_SECRET": "s3cret"})
     env = dict(line.split("=", 1) for line in r.stdout.decode().splitlines())
     assert env["FOO"] == "bar baz"
     assert "DSEC_HOST_SECRET" not in env
@@ -262,7 +267,7 @@ def test_environment_is_minimal_and_env_option_passes():
 
 
 def test_workdir_and_dev(tmp_path):
-    r = dsec("run", "--workdir", "/tmp/work", "--", "sh", "-c",
+    r = dsec(*RUN, "--workdir", "/tmp/work", "--", "sh", "-c",
              "pwd; ls /dev | tr '\\n' ' '; echo; head -c 4 /dev/urandom | wc -c; echo x > /dev/null && echo devnull-ok")
     out = r.stdout.decode().splitlines()
     assert out[0] == "/tmp/work"
@@ -285,7 +290,7 @@ def test_custom_rootfs(tmp_path):
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(tok, dest)
     (rf / "etc" / "passwd").write_text("root:x:0:0::/:/bin/sh\nsandbox:x:1000:1000::/:/bin/sh\n")
-    r = dsec("run", "--rootfs", str(rf), "--workdir", "/", "--", "/bin/sh", "-c",
+    r = dsec(*RUN, "--rootfs", str(rf), "--workdir", "/", "--", "/bin/sh", "-c",
              "echo in-custom; test -e /usr/bin/python3 && echo host-visible; echo x > /tmp/t && echo tmp-ok")
     assert r.returncode == 0, r.stderr
     assert r.stdout.decode().split() == ["in-custom", "tmp-ok"]
@@ -293,7 +298,7 @@ def test_custom_rootfs(tmp_path):
 
 def test_keep_upper_layer():
     sid = "keep-" + os.urandom(4).hex()
-    r = dsec("run", "--sandbox-id", sid, "--keep", "--", "sh", "-c", "echo kept > /workspace/k")
+    r = dsec(*RUN, "--sandbox-id", sid, "--keep", "--", "sh", "-c", "echo kept > /workspace/k")
     assert r.returncode == 0
     kept = f"/var/lib/dsec/kept/{sid}"
     try:
@@ -305,7 +310,7 @@ def test_keep_upper_layer():
 
 def test_gc_after_killed_run():
     sid = "gc-" + os.urandom(4).hex()
-    p = subprocess.Popen([DSEC, "run", "--sandbox-id", sid, "--network", "egress", "--", "sh", "-c", "echo up; sleep 60"],
+    p = subprocess.Popen([DSEC, *RUN, "--sandbox-id", sid, "--network", "egress", "--", "sh", "-c", "echo up; sleep 60"],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert p.stdout.readline() == b"up\n"
     r = dsec("gc", "--dry-run")

@@ -73,6 +73,11 @@ def register(p):
     p.add_argument("--user", default="sandbox", metavar="USER", help="NAME, UID or UID:GID (default: sandbox, uid 1000)")
     p.add_argument("--keep", action="store_true", help="keep the upper layer after exit (path printed on stderr)")
     p.add_argument("--summary-json", metavar="FILE", help="write the run summary (exit, resources, changes) here")
+    p.add_argument("--audit", choices=("on", "off"), default="on",
+                   help="eBPF audit of execs, connects and file writes into the spool and ClickHouse (default: on)")
+    p.add_argument("--over-budget", choices=("summarise", "stop"), default="summarise",
+                   help="when the sandbox exceeds its audit event budget: count the loss (summarise) "
+                        "or kill the sandbox so its record has no holes (stop)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
 
 
@@ -117,7 +122,10 @@ def run(args) -> int:
         spec.sandbox_id = new_sandbox_id()
         sys.stderr.write(f"dsec: sandbox {spec.sandbox_id}\n")
         sys.stderr.flush()
-    result = launch(spec)
+    if args.audit == "on":
+        result = _run_audited(spec, args)
+    else:
+        result = launch(spec)
     s = result.summary
     if s.get("error") and result.exit_code == EXIT_DSEC:
         sys.stderr.write(f"dsec run: error: {s['error']}\n")
@@ -127,6 +135,13 @@ def run(args) -> int:
         sys.stderr.write(f"dsec run: sandbox {s['sandbox_id']} timed out after {spec.timeout:g}s\n")
     if s.get("oom_killed"):
         sys.stderr.write(f"dsec run: sandbox {s['sandbox_id']}: out of memory, killed\n")
+    audit = s.get("audit") or {}
+    if audit.get("lost"):
+        sys.stderr.write(f"dsec run: sandbox {s['sandbox_id']}: {audit['lost']} audit events were LOST "
+                         f"(the record has holes; see events_lost in `dsec replay`)\n")
+    if audit.get("pending"):
+        sys.stderr.write(f"dsec run: {audit['pending']} audit events wait in the spool "
+                         f"({audit.get('export_error') or 'not yet exported'}); the next export delivers them\n")
     if s.get("kept_upper"):
         sys.stderr.write(f"dsec run: upper layer kept at {s['kept_upper']}\n")
     if args.summary_json:
@@ -134,3 +149,50 @@ def run(args) -> int:
             json.dump(s, f, indent=2)
             f.write("\n")
     return result.exit_code
+
+
+def _run_audited(spec, args):
+    """launch() with the eBPF recorder watching the sandbox, then export the record."""
+    import time
+    from agent.launcher import launch
+    from agent.recorder import Recorder
+    from exporters.clickhouse import flush
+
+    rec = Recorder(over_budget=args.over_budget)
+    watched = {}
+    t_start = time.time_ns()
+
+    def on_cgroup(sandbox_id, cgroup_id):
+        rec.watch(sandbox_id, cgroup_id, step=0)
+        watched["cg"] = cgroup_id
+        rec.record({"kind": "sandbox_start", "sandbox_id": sandbox_id, "step": 0, "ts_ns": t_start,
+                    "pid": os.getpid(), "argv": list(spec.argv),
+                    "extra": json.dumps({"network": spec.network, "memory": spec.memory, "cpus": spec.cpus,
+                                         "pids": spec.pids, "user": spec.user, "workdir": spec.workdir,
+                                         "rootfs": spec.rootfs or "default"})})
+
+    def on_started(sandbox_id, pid):
+        rec.started(watched["cg"], pid)
+
+    def on_go(sandbox_id):
+        rec.sensor.set_step(watched["cg"], 1)
+
+    def on_exit(summary):
+        stats = rec.unwatch(watched["cg"]) if "cg" in watched else {}
+        summary["audit"] = {"events": stats.get("emitted", 0), "lost": stats.get("lost_total", 0),
+                            "stopped_over_budget": bool(stats.get("stopped"))}
+        rec.record({"kind": "sandbox_exit", "sandbox_id": summary["sandbox_id"], "step": 1,
+                    "exit_code": summary["exit_code"] if summary["exit_code"] is not None else -1,
+                    "signal": summary["signal"] or 0,
+                    "extra": json.dumps({k: v for k, v in summary.items() if k != "changes"}
+                                        | {"changes": summary["changes"][:1000]})})
+
+    try:
+        result = launch(spec, on_cgroup=on_cgroup, on_started=on_started, on_go=on_go, on_exit=on_exit)
+    finally:
+        rec.close()
+    res = flush(rec.spool, timeout=10)
+    result.summary["audit"]["exported"] = res.sent
+    result.summary["audit"]["pending"] = res.pending
+    result.summary["audit"]["export_error"] = res.error
+    return result

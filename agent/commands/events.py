@@ -1,0 +1,171 @@
+"""Print one sandbox's audit events from ClickHouse, in time order.
+
+examples:
+  dsec events --sandbox sb-1a2b3c                          # a table
+  dsec events --sandbox sb-1a2b3c --kind exec --kind connect
+  dsec events --sandbox sb-1a2b3c --kind open_write,rename,unlink
+  dsec events --sandbox sb-1a2b3c --format json | jq -r 'select(.kind=="exec") | .sha256'
+
+--format json prints one JSON object per line with every field of
+audit_schema/events.py. Paths, argv and other byte strings that are not valid
+UTF-8 keep their bytes: each undecodable byte 0xHH appears as the escape
+"\\udcHH" (Python: os.fsencode(value) gives the exact bytes back).
+--format table shows the same events for a terminal; there, control
+characters and undecodable bytes are shown as \\xHH (a hostile file name
+cannot drive the terminal).
+
+Events come from DSEC_CLICKHOUSE_URL, or dsec's private server (started if
+needed). Each event appears once, even if the exporter sent it twice.
+
+exit status: 0 ok; 1 no events recorded for that sandbox, or ClickHouse
+failed; 2 bad usage (unknown kind ...).
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+
+from agent.errors import DsecError, EXIT_USAGE
+from audit_schema.events import KINDS
+
+HELP = "print a sandbox's audit events (JSON lines or a table)"
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def register(p):
+    p.add_argument("--sandbox", required=True, metavar="ID", help="sandbox id")
+    p.add_argument("--kind", action="append", metavar="KIND",
+                   help=f"only these kinds (repeat or comma-separate): {', '.join(KINDS)}")
+    p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
+    p.add_argument("--limit", type=int, metavar="N", help="at most N events")
+
+
+def to_json_line(ev: dict) -> str:
+    """JSON with non-UTF-8 bytes (lone surrogates) as \\udcXX escapes; other text as is."""
+    text = json.dumps(ev, ensure_ascii=False, separators=(",", ":"))
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def printable(s: str) -> str:
+    """Terminal-safe rendering: undecodable bytes and control characters as \\xHH."""
+    out = []
+    for ch in s:
+        o = ord(ch)
+        if 0xDC80 <= o <= 0xDCFF:
+            out.append(f"\\x{o - 0xDC00:02x}")
+        elif o < 0x20 or o == 0x7F or 0x80 <= o < 0xA0 or 0xD800 <= o <= 0xDFFF:
+            out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}")
+        elif ch == "\\":
+            out.append("\\\\")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _argv(ev) -> str:
+    return " ".join(printable(a) if a and not any(c.isspace() for c in a) else repr(printable(a))
+                    for a in ev.get("argv") or [])
+
+
+def detail(ev: dict) -> str:
+    k = ev.get("kind")
+    p = printable(ev.get("path") or "")
+    if k == "exec":
+        s = f"{p}  {_argv(ev)}"
+        if ev.get("argv_truncated"):
+            s += " …(argv truncated)"
+        if ev.get("sha256"):
+            s += f"  sha256={ev['sha256'][:16]}…"
+        return s
+    if k == "fork":
+        return f"child {ev.get('child_pid')}"
+    if k == "exit":
+        return f"signal {ev.get('signal')}" if ev.get("signal") else f"exit {ev.get('exit_code')}"
+    if k == "connect":
+        addr = printable(ev.get("addr") or "")
+        fam = ev.get("family") or ""
+        where = f"[{addr}]:{ev.get('port')}" if fam == "ipv6" else (addr if fam == "unix" else f"{addr}:{ev.get('port')}")
+        return f"{fam} {where} -> {ev.get('ret')}"
+    if k == "open_write":
+        return f"{p} flags={ev.get('flags', 0):#o} -> {ev.get('ret')}"
+    if k == "unlink":
+        return f"{p} -> {ev.get('ret')}"
+    if k == "rename":
+        return f"{p} => {printable(ev.get('path2') or '')} -> {ev.get('ret')}"
+    if k == "events_lost":
+        return f"{ev.get('count')} event(s) lost {printable(ev.get('extra') or '')}"
+    if k in ("sandbox_start", "sandbox_exit"):
+        s = _argv(ev) if k == "sandbox_start" else (
+            f"signal {ev.get('signal')}" if ev.get("signal") else f"exit {ev.get('exit_code')}")
+        return s + (f"  {printable(ev['extra'])}" if ev.get("extra") else "")
+    return printable(ev.get("extra") or "")
+
+
+def fmt_ts(ts_ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts_ns // 10**9)) + f".{ts_ns % 10**9 // 1000:06d}"
+
+
+def _kinds(args) -> list[str]:
+    out = []
+    for item in args.kind or ():
+        for k in item.split(","):
+            k = k.strip()
+            if not k:
+                continue
+            if k not in KINDS:
+                raise DsecError(f"--kind {k!r}: unknown event kind (kinds: {', '.join(KINDS)})", EXIT_USAGE)
+            out.append(k)
+    return out
+
+
+def run(args) -> int:
+    from agent.query import AuditStore
+    kinds = _kinds(args)
+    if not args.sandbox.strip():
+        raise DsecError("--sandbox: empty sandbox id", EXIT_USAGE)
+    if args.limit is not None and args.limit < 1:
+        raise DsecError(f"--limit {args.limit}: must be at least 1", EXIT_USAGE)
+    with AuditStore() as store:
+        events = store.events(args.sandbox, kinds, limit=args.limit)
+        n = 0
+        if args.format == "json":
+            out = sys.stdout
+            for ev in events:
+                out.write(to_json_line(ev) + "\n")
+                n += 1
+            out.flush()
+        else:
+            n = _table(args.sandbox, events)
+        if n == 0 and store.count(args.sandbox) == 0:
+            raise DsecError(f"no events recorded for sandbox {printable(args.sandbox)!r}", 1)
+    return 0
+
+
+def _table(sandbox: str, events) -> int:
+    import os
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+    table = Table(title=Text(f"sandbox {printable(sandbox)}"), show_lines=False)
+    for col, kw in (("time (UTC)", {"no_wrap": True}), ("step", {"justify": "right", "no_wrap": True}),
+                    ("kind", {"no_wrap": True}), ("pid", {"justify": "right", "no_wrap": True}),
+                    ("ppid", {"justify": "right", "no_wrap": True}), ("comm", {"no_wrap": True}),
+                    ("detail", {"overflow": "fold"})):
+        table.add_column(col, **kw)
+    n = 0
+    for ev in events:
+        d = detail(ev)
+        if ev.get("decision") and ev["decision"] != "allowed":
+            d = f"[{printable(ev['decision'])}] {d}"
+        table.add_row(Text(fmt_ts(ev["ts_ns"])), Text(str(ev["step"])), Text(ev["kind"]), Text(str(ev["pid"])),
+                      Text(str(ev["ppid"])), Text(printable(ev["comm"])), Text(d))
+        n += 1
+    if n:
+        console = Console(highlight=False)
+        if not console.is_terminal:  # a pipe or a file: do not squeeze into 80 columns
+            console = Console(highlight=False, width=int(os.environ.get("COLUMNS") or 160))
+        console.print(table)
+    return n

@@ -1,0 +1,507 @@
+"""Ring-buffer records -> audit records (dicts of audit_schema.events.FIELDS).
+
+The C structs are declared once, in bpf/events.h. The ctypes types come from
+BCC (the value type of the `exec_scratch` map is `struct dsec_event`); the
+numeric constants (kinds, syscalls, status bits, loss reasons) are read from
+the #defines of events.h. Nothing here mirrors the C layout by hand.
+
+What the decoder adds to the kernel's facts:
+  event_id   blake2b(node, boot id, sensor instance, sequence), 32 hex chars:
+             assigned once here, so a spool that retries re-sends the same id;
+  ts_ns      wall clock: the kernel's CLOCK_MONOTONIC stamp plus an offset
+             measured here (and re-measured periodically, see sync_clock);
+  node, sandbox_id, policy labels (from add_sandbox), step (from the kernel,
+             stamped when the syscall was admitted);
+  ppid       the kernel's fork tracking, else the decoder's, else /proc;
+  path       relative paths resolved against /proc/<pid>/cwd or
+             /proc/<pid>/fd/<dirfd>, expressed in the sandbox's view (the
+             prefix /proc/<pid>/root is stripped); path_raw keeps the bytes
+             as given. Best effort: a process gone by decode time leaves the
+             path unresolved (extra.path_unresolved).
+Byte strings are decoded with surrogateescape (audit_schema.events.from_bytes).
+"""
+from __future__ import annotations
+
+import ctypes as ct
+import hashlib
+import logging
+import ipaddress
+import json
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass, field
+
+from audit_schema.events import KINDS, from_bytes, normalize
+
+log = logging.getLogger("dsec.audit")
+
+AT_FDCWD = -100
+AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
+EVENTS_H = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bpf", "events.h")
+
+
+# ---------------------------------------------------------------- constants
+
+@dataclass(frozen=True)
+class Constants:
+    """#define groups of bpf/events.h, by prefix."""
+    kinds: dict          # number -> kind name ("exec", ...)
+    syscalls: dict       # number -> syscall name
+    status: dict         # bit -> name ("argv_trunc", ...)
+    lost: dict           # reason index -> name ("ringbuf_full", ...)
+    exit_how: dict       # number -> name
+    over: dict           # name -> number ("summarise": 0, "stop": 1)
+    values: dict         # every numeric #define, by full name
+
+    @property
+    def kind_numbers(self) -> dict:
+        return {name: num for num, name in self.kinds.items()}
+
+
+_DEFINE = re.compile(r"^#define\s+(DSEC_[A-Z0-9_]+)\s+\(?(0x[0-9a-fA-F]+|\d+)\)?\s*(?:/\*.*)?$")
+
+
+def load_constants(path: str = EVENTS_H) -> Constants:
+    values = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            m = _DEFINE.match(line.strip())
+            if m:
+                values[m.group(1)] = int(m.group(2), 0)
+
+    def group(prefix, skip=()):
+        return {v: k[len(prefix):].lower() for k, v in values.items()
+                if k.startswith(prefix) and k not in skip}
+
+    kinds = group("DSEC_KIND_")
+    unknown = set(kinds.values()) - set(KINDS)
+    if unknown:
+        raise ValueError(f"{path}: kinds {sorted(unknown)} are not in audit_schema.events.KINDS")
+    return Constants(
+        kinds=kinds,
+        syscalls=group("DSEC_SYS_"),
+        status=group("DSEC_ST_"),
+        lost=group("DSEC_LOST_"),
+        exit_how=group("DSEC_EXIT_"),
+        over={k[len("DSEC_OVER_"):].lower(): v for k, v in values.items() if k.startswith("DSEC_OVER_")},
+        values=values,
+    )
+
+
+# ---------------------------------------------------------------- sandboxes
+
+@dataclass
+class SandboxInfo:
+    cgroup_id: int
+    sandbox_id: str
+    labels: dict = field(default_factory=dict)   # policy_name, policy_hash, mode
+    root_pid: int | None = None                  # a live process of the sandbox, for its root
+    recent_pids: list = field(default_factory=list)   # pids seen lately (enrichment fallback)
+
+    def saw(self, pid: int) -> None:
+        if pid and (not self.recent_pids or self.recent_pids[-1] != pid):
+            if pid in self.recent_pids:
+                self.recent_pids.remove(pid)
+            self.recent_pids.append(pid)
+            del self.recent_pids[:-8]
+
+
+# ---------------------------------------------------------------- /proc helpers
+
+def _readlink(path: str) -> bytes | None:
+    try:
+        return os.readlink(os.fsencode(path))
+    except OSError:
+        return None
+
+
+def sandbox_view(pid: int, host_path: bytes, proc: str = "/proc") -> bytes:
+    """A path read from /proc/<pid>/{cwd,fd/N,exe}, seen from the process's root.
+
+    readlink gives the path from our root when it is reachable (a chroot:
+    /srv/sbx/work) and from the root of the process's mount namespace when it
+    is not (a pivot_root'd sandbox: /work). Stripping the readlink of
+    /proc/<pid>/root covers both.
+    """
+    root = _readlink(f"{proc}/{pid}/root")
+    if not root or root == b"/":
+        return host_path
+    if host_path == root:
+        return b"/"
+    if host_path.startswith(root.rstrip(b"/") + b"/"):
+        return host_path[len(root.rstrip(b"/")):]
+    return host_path
+
+
+def _clean_join(base: bytes, rel: bytes) -> bytes:
+    """base/rel with "." and empty components dropped (".." is kept: symlinks)."""
+    parts = [p for p in (base.rstrip(b"/") + b"/" + rel).split(b"/") if p not in (b"", b".")]
+    return b"/" + b"/".join(parts)
+
+
+def resolve_path(pid: int, raw: bytes, dirfd: int, proc: str = "/proc") -> bytes | None:
+    """The absolute sandbox-view path of `raw` as process `pid` would resolve its
+    start (cwd or dirfd); None when that can no longer be known."""
+    if raw.startswith(b"/"):
+        return raw
+    if dirfd == AT_FDCWD:
+        base = _readlink(f"{proc}/{pid}/cwd")
+    else:
+        base = _readlink(f"{proc}/{pid}/fd/{dirfd}")
+    if base is None or not base.startswith(b"/"):
+        return None          # gone, or not a directory path (socket:[..], anon_inode:..)
+    base = sandbox_view(pid, base, proc)
+    if raw == b"":
+        return base          # AT_EMPTY_PATH: the dirfd itself
+    return _clean_join(base, raw)
+
+
+def proc_ppid(pid: int, proc: str = "/proc") -> int:
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            data = f.read(4096)
+        return int(data[data.rindex(b")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def in_cgroup(pid: int, cgroup_id: int, cgroup2_root: str | None, proc: str = "/proc") -> bool:
+    """Is `pid` (still) in cgroup2 `cgroup_id` or below it? Guards against a
+    pid that has been reused by a process outside the sandbox."""
+    if not cgroup2_root:
+        return False
+    try:
+        with open(f"{proc}/{pid}/cgroup", "rb") as f:
+            lines = f.read(65536).splitlines()
+    except OSError:
+        return False
+    rel = next((ln[3:] for ln in lines if ln.startswith(b"0::")), None)
+    if rel is None:
+        return False
+    path = os.fsencode(cgroup2_root) + rel
+    root = os.fsencode(cgroup2_root)
+    for _ in range(64):                       # bounded walk up the hierarchy
+        try:
+            if os.stat(path).st_ino == cgroup_id:
+                return True
+        except OSError:
+            return False
+        if len(path) <= len(root):
+            return False
+        path = os.path.dirname(path)
+    return False
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown-boot"
+
+
+def clock_offset_ns(samples: int = 5) -> int:
+    """wall clock - CLOCK_MONOTONIC, from the tightest of a few bracketed reads."""
+    best = None
+    for _ in range(samples):
+        a = time.monotonic_ns()
+        w = time.time_ns()
+        b = time.monotonic_ns()
+        if best is None or b - a < best[0]:
+            best = (b - a, w - (a + b) // 2)
+    return best[1]
+
+
+# ---------------------------------------------------------------- sockaddr
+
+def decode_sockaddr(raw: bytes, addrlen: int) -> tuple[str, str, int, dict]:
+    """(family, addr, port, extra) of the first bytes of a struct sockaddr."""
+    n = max(0, min(addrlen, len(raw)))
+    raw = raw[:n]
+    if n < 2:
+        return "other", "", 0, {"af": None}
+    af = struct.unpack_from("<H", raw)[0]
+    if af == AF_INET and n >= 8:
+        port = struct.unpack_from(">H", raw, 2)[0]
+        return "ipv4", str(ipaddress.IPv4Address(raw[4:8])), port, {}
+    if af == AF_INET6 and n >= 24:
+        port = struct.unpack_from(">H", raw, 2)[0]
+        extra = {}
+        if n >= 28:
+            scope = struct.unpack_from("<I", raw, 24)[0]
+            if scope:
+                extra["scope_id"] = scope
+        return "ipv6", str(ipaddress.IPv6Address(raw[8:24])), port, extra
+    if af == AF_UNIX:
+        p = raw[2:]
+        if p.startswith(b"\0"):
+            return "unix", "@" + from_bytes(p[1:]), 0, {"abstract": True}
+        return "unix", from_bytes(p.split(b"\0", 1)[0]), 0, {}
+    return "other", "", 0, {"af": af}
+
+
+# ---------------------------------------------------------------- decoder
+
+class Decoder:
+    """Stateless about the kernel; keeps the sandbox table, parents, sequence."""
+
+    def __init__(self, event_type, consts: Constants, *, node: str, instance: str,
+                 enricher=None, cgroup2_root: str | None = None, proc: str = "/proc",
+                 max_parents: int = 65536):
+        self.consts = consts
+        self.node = node
+        self.boot_id = boot_id()
+        self.instance = instance
+        self.enricher = enricher
+        self.cgroup2_root = cgroup2_root
+        self.proc = proc
+        self.sandboxes: dict[int, SandboxInfo] = {}
+        self.parents: dict[int, int] = {}
+        self.max_parents = max_parents
+        self.seq = 0
+        self.unattributed = 0       # records of a cgroup no longer registered
+        self.undecodable = 0        # records that could not be decoded
+        self.last_error = ""
+        self.offset_ns = clock_offset_ns()
+        fields = dict(event_type._fields_)
+        self.hdr_t = fields["h"]
+        self.body_t = fields["u"]
+        self.hdr_off = event_type.h.offset
+        self.body_off = event_type.u.offset
+        self.buf_off = event_type.buf.offset
+        self.fixed = self.buf_off
+        v = consts.values
+        self._st_argv_incomplete = v["DSEC_ST_ARGV_TRUNC"] | v["DSEC_ST_ARGV_FAULT"] | v["DSEC_ST_NO_ARGV"]
+
+    # -- bookkeeping ---------------------------------------------------------
+
+    def sync_clock(self) -> None:
+        self.offset_ns = clock_offset_ns()
+
+    def wall_ns(self, mono_ns: int) -> int:
+        return mono_ns + self.offset_ns
+
+    def next_event_id(self) -> str:
+        self.seq += 1
+        key = f"{self.node}\0{self.boot_id}\0{self.instance}\0{self.seq}".encode()
+        return hashlib.blake2b(key, digest_size=16).hexdigest()
+
+    def register(self, info: SandboxInfo) -> None:
+        self.sandboxes[info.cgroup_id] = info
+
+    def forget(self, cgroup_id: int) -> None:
+        self.sandboxes.pop(cgroup_id, None)
+
+    def _ppid(self, pid: int, kernel_ppid: int) -> int:
+        if kernel_ppid:
+            return kernel_ppid
+        p = self.parents.get(pid)
+        if p:
+            return p
+        p = proc_ppid(pid, self.proc)
+        if p:
+            self._remember_parent(pid, p)
+        return p
+
+    def _remember_parent(self, child: int, parent: int) -> None:
+        if len(self.parents) >= self.max_parents:
+            # oldest first (dicts keep insertion order)
+            for k in list(self.parents)[: self.max_parents // 8]:
+                del self.parents[k]
+        self.parents[child] = parent
+
+    def _base(self, info: SandboxInfo, kind: str, ts_mono: int, step: int) -> dict:
+        rec = {
+            "event_id": self.next_event_id(),
+            "ts_ns": self.wall_ns(ts_mono),
+            "node": self.node,
+            "sandbox_id": info.sandbox_id,
+            "step": step,
+            "kind": kind,
+        }
+        for k in ("policy_name", "policy_hash", "mode"):
+            if k in info.labels:
+                rec[k] = info.labels[k]
+        return rec
+
+    # -- records ----------------------------------------------------------------
+
+    def lost_record(self, info: SandboxInfo, step: int, reason: str, count: int,
+                    kinds: dict, window: tuple[int, int] | None = None) -> dict:
+        """An events_lost record: `count` events of this sandbox are missing."""
+        rec = self._base(info, "events_lost", time.monotonic_ns(), step)
+        rec["ts_ns"] = time.time_ns()
+        rec["count"] = count
+        extra = {"reason": reason, "kinds": kinds}
+        if window:
+            extra["window_start_ns"], extra["window_end_ns"] = window
+        rec["extra"] = json.dumps(extra, sort_keys=True)
+        return normalize(rec)
+
+    def decode(self, raw: bytes) -> dict | None:
+        """One ring-buffer record -> a normalized audit record (None when the
+        sandbox is no longer registered; counted in self.unattributed).
+
+        A record that cannot be decoded is not dropped silently: it becomes an
+        events_lost record (reason decode_error) of its sandbox, or counts in
+        self.undecodable when even its header is unreadable."""
+        try:
+            return self._decode(raw)
+        except Exception as e:
+            return self._undecodable(raw, e)
+
+    def _undecodable(self, raw: bytes, err: Exception) -> dict | None:
+        self.undecodable += 1
+        self.last_error = f"{type(err).__name__}: {err}"[:300]
+        log.warning("undecodable audit record (%d bytes): %s", len(raw), self.last_error)
+        if len(raw) < self.hdr_off + ct.sizeof(self.hdr_t):
+            return None
+        h = self.hdr_t.from_buffer_copy(raw, self.hdr_off)
+        info = self.sandboxes.get(h.cgroup_id)
+        if info is None:
+            return None
+        kind = self.consts.kinds.get(h.kind, str(h.kind))
+        rec = self.lost_record(info, h.step, "decode_error", 1, {kind: 1})
+        return rec
+
+    def _decode(self, raw: bytes) -> dict | None:
+        if len(raw) < self.fixed:
+            raise ValueError(f"ring record of {len(raw)} bytes is shorter than the fixed part ({self.fixed})")
+        h = self.hdr_t.from_buffer_copy(raw, self.hdr_off)
+        u = self.body_t.from_buffer_copy(raw, self.body_off)
+        buf = raw[self.buf_off:]
+        info = self.sandboxes.get(h.cgroup_id)
+        if info is None:
+            self.unattributed += 1
+            return None
+        kind = self.consts.kinds.get(h.kind)
+        if kind is None:
+            raise ValueError(f"ring record with unknown kind {h.kind}")
+        rec = self._base(info, kind, h.ts_ns, h.step)
+        rec.update(pid=h.pid, ppid=self._ppid(h.pid, h.ppid), uid=h.uid,
+                   comm=from_bytes(bytes(h.comm)))
+        extra = {}
+        if h.tid != h.pid:
+            extra["tid"] = h.tid
+        if h.gid:
+            extra["gid"] = h.gid
+        getattr(self, "_" + kind)(rec, extra, h, u, buf, info)
+        if kind != "exit":
+            info.saw(h.pid)
+        if extra:
+            rec["extra"] = json.dumps(extra, sort_keys=True)
+        return normalize(rec)
+
+    def _status(self, bits: int) -> list:
+        return [name for bit, name in sorted(self.consts.status.items()) if bits & bit]
+
+    def _path(self, rec: dict, extra: dict, pid: int, raw: bytes, dirfd: int,
+              key: str = "path", raw_key: str = "path_raw") -> None:
+        resolved = resolve_path(pid, raw, dirfd, self.proc)
+        # path_raw is a schema field; the rename target's raw path goes to extra
+        (rec if raw_key == "path_raw" else extra)[raw_key] = from_bytes(raw)
+        if resolved is None:
+            rec[key] = from_bytes(raw)
+            extra.setdefault("path_unresolved", []).append(key)
+        else:
+            rec[key] = from_bytes(resolved)
+
+    def _exec(self, rec, extra, h, u, buf, info):
+        e = u.exec
+        raw_path = buf[: e.path_len]
+        if e.status & self.consts.values["DSEC_ST_LATE_READ"]:
+            raw_path = buf[e.late_off: e.late_off + e.late_len]
+        args = buf[e.argv_off: e.argv_off + e.argv_len].split(b"\0")[: e.argc]
+        rec["argv"] = [from_bytes(a) for a in args]
+        # incomplete argv, whether over the bound or unreadable (extra.status says which)
+        rec["argv_truncated"] = 1 if e.status & self._st_argv_incomplete else 0
+        rec["ret"] = e.ret
+        self._path(rec, extra, h.pid, raw_path, e.dirfd)
+        if e.sys:
+            extra["syscall"] = self.consts.syscalls.get(e.sys, str(e.sys))
+        if e.dirfd != AT_FDCWD:
+            extra["dirfd"] = e.dirfd
+        if e.at_flags:
+            extra["at_flags"] = e.at_flags
+        if e.old_tid and e.old_tid != h.pid:
+            extra["old_tid"] = e.old_tid
+        status = self._status(e.status)
+        if status:
+            extra["status"] = status
+        if e.ret == 0 and self.enricher is not None:
+            exe_path = os.fsencode(rec["path"]) if rec["path"].startswith("/") else raw_path
+            # only processes still in this sandbox: never the host's view of a path
+            live = []
+            for p in dict.fromkeys([h.pid, info.root_pid] + info.recent_pids[::-1]):
+                if p and in_cgroup(p, info.cgroup_id, self.cgroup2_root, self.proc):
+                    live.append(p)
+                    if len(live) == 3:
+                        break
+            try:
+                if live and live[0] == h.pid:
+                    found = self.enricher.for_exec(h.pid, exe_path, live[1:])
+                elif live:
+                    found = self.enricher.for_exec(live[0], exe_path, live[1:], use_exe=False)
+                else:
+                    found = {"extra": {"enrich_error": "no process of the sandbox left to read it through"}}
+            except Exception as e:   # enrichment is best effort; the record is not
+                found = {"extra": {"enrich_error": f"{type(e).__name__}: {e}"[:200]}}
+            extra.update(found.pop("extra", {}))
+            rec.update(found)
+
+    def _fork(self, rec, extra, h, u, buf, info):
+        f = u.fork
+        rec["child_pid"] = f.child_pid
+        rec["flags"] = f.clone_flags & 0xFFFFFFFF
+        if f.clone_flags >> 32:
+            extra["clone_flags"] = f.clone_flags
+        self._remember_parent(f.child_pid, h.pid)
+
+    def _exit(self, rec, extra, h, u, buf, info):
+        x = u.exit
+        rec["exit_code"] = x.exit_code
+        rec["signal"] = x.signal
+        extra["how"] = self.consts.exit_how.get(x.how, str(x.how))
+        self.parents.pop(h.pid, None)
+
+    def _connect(self, rec, extra, h, u, buf, info):
+        c = u.connect
+        family, addr, port, more = decode_sockaddr(bytes(c.addr), c.addrlen)
+        rec.update(family=family, addr=addr, port=port, ret=c.ret)
+        extra.update(more)
+        extra["fd"] = c.fd
+        status = self._status(c.status)
+        if status:
+            extra["status"] = status
+
+    def _file_common(self, rec, extra, h, f, buf):
+        rec["ret"] = f.ret
+        rec["flags"] = f.flags & 0xFFFFFFFF
+        extra["syscall"] = self.consts.syscalls.get(f.sys, str(f.sys))
+        if f.dirfd != AT_FDCWD:
+            extra["dirfd"] = f.dirfd
+        status = self._status(f.status)
+        if status:
+            extra["status"] = status
+        self._path(rec, extra, h.pid, buf[: f.path_len], f.dirfd)
+
+    def _open_write(self, rec, extra, h, u, buf, info):
+        f = u.file
+        self._file_common(rec, extra, h, f, buf)
+        if f.mode:
+            extra["mode"] = f.mode
+        if f.resolve:
+            extra["resolve"] = f.resolve
+
+    def _unlink(self, rec, extra, h, u, buf, info):
+        self._file_common(rec, extra, h, u.file, buf)
+
+    def _rename(self, rec, extra, h, u, buf, info):
+        f = u.file
+        self._file_common(rec, extra, h, f, buf)
+        raw2 = buf[f.path2_off: f.path2_off + f.path2_len]
+        self._path(rec, extra, h.pid, raw2, f.dirfd2, key="path2", raw_key="path2_raw")
+        if f.dirfd2 != AT_FDCWD:
+            extra["dirfd2"] = f.dirfd2

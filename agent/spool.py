@@ -1,0 +1,743 @@
+"""The durable local spool between the event decoder and the exporters.
+
+Layout of a spool directory (default /var/lib/dsec/spool, env DSEC_SPOOL_DIR):
+
+  0000000000000001.seg   append-only segment files, consecutive numbers
+  0000000000000002.seg   (the highest number is the "head": the only one
+  ...                     that is ever appended to)
+  lock                   flock(2)ed by every writer for each append
+  id                     random id of this spool (names its gap events)
+  cursors/<sink>.json    one cursor per sink: {"segment": N, "offset": BYTES}
+  cursors/<sink>.lock    held by the one process reading for that sink
+  damage.log             JSON lines: every corrupt or invalid region found
+  damaged/               the raw bytes of those regions, kept for forensics
+
+A segment is a sequence of frames:
+
+  magic b"\\xd5\\xec\\x01\\xfe" | u32 LE length | u32 LE crc32(length bytes +
+  payload) | payload = the record as ASCII JSON (json.dumps ensure_ascii: the
+  lone surrogates of surrogateescape fields travel as "\\udcXX" escapes and
+  come back exactly)
+
+Concurrency: any number of processes may append at once (several `dsec run`).
+Each append takes an exclusive flock on `lock`, writes all its frames with
+O_APPEND to the head segment and releases the lock, so frames never
+interleave. A segment is "head" while segment N+1 does not exist; a writer
+rotates (creates N+1 with O_EXCL) when the head reaches `segment_bytes`, and
+a writer holding an older fd checks for N+1 under the lock before writing.
+Readers never lock for reading; they only take the writer lock to decide
+whether an incomplete frame at the end of the head is a write in progress
+(then it completes once they hold the lock) or a writer's torn last write
+(a crash: then it is reported as damage and skipped).
+
+Durability (fsync policy, env DSEC_SPOOL_FSYNC):
+  always    (default) fdatasync after every append call, before it returns:
+            a returned append survives a power loss.
+  interval  fdatasync at most every DSEC_SPOOL_FSYNC_INTERVAL seconds
+            (default 1) and at close: a power loss may lose the records
+            appended since the last sync.
+  never     leave it to the kernel (tests, benchmarks).
+  Whatever the policy, a process crash (SIGKILL included) loses nothing that
+  append() returned: the bytes are in the kernel's page cache. New segment
+  files and cursor files are made durable with an fsync of the directory.
+
+Cursors: a sink reads from its cursor, delivers, then commits the new
+position (write temp file, fsync, rename, fsync dir: a cursor is always
+either the old or the new one). Delivery is therefore at-least-once; the
+sinks make re-delivery harmless (ClickHouse dedups by event_id). A segment is
+deleted once every sink's cursor is past it (never the head). A sink that
+never reads again holds segments forever: drop it with Spool.drop_sink().
+
+Damage: a frame whose magic, length or CRC is wrong is skipped up to the next
+frame that checks out; a frame whose JSON or fields are invalid is skipped;
+both are logged (warning + damage.log + the raw bytes under damaged/) and
+handed to the sink as Damage so it can record a gap (an `events_lost` event).
+Nothing is dropped silently, and no damage stops the records after it.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import uuid
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from agent.errors import DsecError, EXIT_USAGE
+from audit_schema.events import BY_NAME, FIELDS, KINDS
+
+log = logging.getLogger("dsec.spool")
+
+MAGIC = b"\xd5\xec\x01\xfe"
+_HDR = struct.Struct("<4sII")
+HEADER_BYTES = _HDR.size            # 12
+MAX_RECORD_BYTES = 16 << 20         # one record's JSON, at most
+DEFAULT_SEGMENT_BYTES = 64 << 20
+DEFAULT_MAX_BYTES = 8 << 30         # refuse appends past this (ClickHouse down for long)
+_READ_CHUNK = MAX_RECORD_BYTES + HEADER_BYTES + (1 << 20)   # holds any frame
+_SMALL_CHUNK = 4 << 20
+FSYNC_POLICIES = ("always", "interval", "never")
+_SEG_SUFFIX = ".seg"
+
+
+def default_dir() -> str:
+    return os.environ.get("DSEC_SPOOL_DIR") or os.path.join(
+        os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"), "spool")
+
+
+# --- records -------------------------------------------------------------------
+
+_INT_RANGES = {
+    "UInt8": (0, 2**8 - 1), "UInt16": (0, 2**16 - 1), "UInt32": (0, 2**32 - 1),
+    "UInt64": (0, 2**64 - 1), "Int8": (-2**7, 2**7 - 1), "Int16": (-2**15, 2**15 - 1),
+    "Int32": (-2**31, 2**31 - 1), "Int64": (-2**63, 2**63 - 1),
+}
+
+
+def _encodable(v: str) -> bool:
+    if v.isascii():
+        return True
+    try:
+        v.encode("utf-8", "surrogateescape")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+# field name -> int (lo, hi) | "String" | "Array(String)", from FIELDS
+_CHECKS = {f.name: _INT_RANGES.get(f.ch_type, f.ch_type) for f in FIELDS}
+
+
+def validate_record(rec) -> dict:
+    """Check a record against FIELDS; return it (unchanged) or raise DsecError
+    naming the event and the field. Only non-default fields need be present."""
+    if not isinstance(rec, dict):
+        raise DsecError(f"audit record: expected a dict, got {type(rec).__name__}", EXIT_USAGE)
+    eid = rec.get("event_id")
+    where = f"audit record {eid!r}" if isinstance(eid, str) and eid else "audit record"
+    if not isinstance(eid, str) or not eid or len(eid) > 128 or not eid.isprintable():
+        raise DsecError(f"{where}: event_id must be a non-empty printable string of at most 128 chars", EXIT_USAGE)
+    for name, v in rec.items():
+        check = _CHECKS.get(name)
+        if check is None:
+            raise DsecError(f"{where}: unknown field {name!r}", EXIT_USAGE)
+        if v is None:
+            continue
+        if check.__class__ is tuple:
+            if v.__class__ is not int and (not isinstance(v, int) or isinstance(v, bool)):
+                raise DsecError(f"{where}: field {name!r} must be an integer "
+                                f"({BY_NAME[name].ch_type}), got {type(v).__name__}", EXIT_USAGE)
+            if not check[0] <= v <= check[1]:
+                raise DsecError(f"{where}: field {name!r} = {v} is out of range for {BY_NAME[name].ch_type}",
+                                EXIT_USAGE)
+        elif check == "String":
+            if v.__class__ is not str or not _encodable(v):
+                raise DsecError(f"{where}: field {name!r} must be a str (surrogateescape for raw bytes)", EXIT_USAGE)
+        elif check == "Array(String)":
+            if not isinstance(v, (list, tuple)) or not all(x.__class__ is str and _encodable(x) for x in v):
+                raise DsecError(f"{where}: field {name!r} must be a list of str (surrogateescape for raw bytes)",
+                                EXIT_USAGE)
+        else:  # a type the schema added without teaching the spool
+            raise DsecError(f"{where}: field {name!r} has type {check} the spool cannot check", EXIT_USAGE)
+    kind = rec.get("kind")
+    if kind not in KINDS:
+        raise DsecError(f"{where}: kind {kind!r} is not one of {', '.join(KINDS)}", EXIT_USAGE)
+    return rec
+
+
+def encode_frame(rec: dict) -> bytes:
+    payload = json.dumps(rec, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+    if len(payload) > MAX_RECORD_BYTES:
+        raise DsecError(f"audit record {rec.get('event_id')!r}: {len(payload)} bytes encoded, "
+                        f"more than the spool's limit of {MAX_RECORD_BYTES} (bound the field upstream)", EXIT_USAGE)
+    n = struct.pack("<I", len(payload))
+    return MAGIC + n + struct.pack("<I", zlib.crc32(payload, zlib.crc32(n))) + payload
+
+
+def _frame_at(buf, p: int):
+    """Classify the bytes at p: ("ok", end) | ("incomplete", need) | ("bad", reason)."""
+    if len(buf) - p < HEADER_BYTES:
+        if buf[p:p + 4] != MAGIC[:len(buf) - p][:4]:
+            return "bad", "bad frame magic"
+        return "incomplete", HEADER_BYTES
+    magic, n, crc = _HDR.unpack_from(buf, p)
+    if magic != MAGIC:
+        return "bad", "bad frame magic"
+    if n > MAX_RECORD_BYTES:
+        return "bad", f"frame length {n} over the limit"
+    end = p + HEADER_BYTES + n
+    if end > len(buf):
+        return "incomplete", HEADER_BYTES + n
+    if zlib.crc32(buf[p + HEADER_BYTES:end], zlib.crc32(buf[p + 4:p + 8])) != crc:
+        return "bad", "CRC mismatch"
+    return "ok", end
+
+
+# --- positions, batches, damage -----------------------------------------------
+
+@dataclass(frozen=True, order=True)
+class Position:
+    segment: int
+    offset: int
+
+
+@dataclass
+class Damage:
+    """A region of a segment that could not be delivered as records."""
+    segment: int
+    offset: int
+    length: int
+    reason: str
+    frames: int = 1                 # how many records it held, at least (estimate)
+    payload: str | None = None      # for an intact frame with bad content: its JSON
+    ts_ns: int = 0                  # when, roughly: ts_ns of the nearest good record (see read())
+
+    def describe(self) -> str:
+        return (f"segment {self.segment:016d}{_SEG_SUFFIX} offset {self.offset}: {self.length} bytes, "
+                f"{self.reason} (~{self.frames} record(s))")
+
+
+@dataclass
+class Batch:
+    start: Position
+    end: Position
+    records: list = field(default_factory=list)
+    damage: list = field(default_factory=list)
+    positions: list = field(default_factory=list, repr=False)   # (segment, offset) of each record
+
+    def __bool__(self):
+        return bool(self.records or self.damage or self.end != self.start)
+
+
+# --- the spool -----------------------------------------------------------------
+
+def _fsync_dir(path: str):
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, data: bytes):
+    tmp = f"{path}.tmp.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _sink_name(sink: str) -> str:
+    if not sink or not all(c.isalnum() or c in "-_." for c in sink) or sink.startswith("."):
+        raise DsecError(f"spool sink name {sink!r}: use letters, digits, '-', '_', '.'", EXIT_USAGE)
+    return sink
+
+
+class Spool:
+    """Append side of the spool (any number of processes) and factory of readers."""
+
+    def __init__(self, path: str | None = None, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+                 fsync: str | None = None, fsync_interval: float | None = None,
+                 max_bytes: int | None = None):
+        self.path = os.path.abspath(path or default_dir())
+        self.segment_bytes = segment_bytes
+        self.fsync = fsync or os.environ.get("DSEC_SPOOL_FSYNC") or "always"
+        if self.fsync not in FSYNC_POLICIES:
+            raise DsecError(f"spool fsync policy {self.fsync!r} (DSEC_SPOOL_FSYNC): use one of "
+                            f"{', '.join(FSYNC_POLICIES)}", EXIT_USAGE)
+        self.fsync_interval = fsync_interval if fsync_interval is not None else \
+            _env_float("DSEC_SPOOL_FSYNC_INTERVAL", 1.0)
+        self.max_bytes = max_bytes if max_bytes is not None else \
+            int(_env_float("DSEC_SPOOL_MAX_BYTES", DEFAULT_MAX_BYTES))
+        self.cursor_dir = os.path.join(self.path, "cursors")
+        self._tlock = threading.Lock()   # not reentrant: locked() never nests
+        try:
+            os.makedirs(self.cursor_dir, mode=0o700, exist_ok=True)
+            self._lock_fd = os.open(os.path.join(self.path, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise DsecError(f"spool {self.path}: {e.strerror}")
+        self.id = self._spool_id()
+        self._fd = None           # head segment fd (O_APPEND)
+        self._seq = 0
+        self._last_sync = time.monotonic()
+        self._dirty = False
+
+    def __repr__(self):
+        return f"Spool({self.path!r})"
+
+    # -- housekeeping
+    def _spool_id(self) -> str:
+        p = os.path.join(self.path, "id")
+        try:
+            with open(p) as f:
+                v = f.read().strip()
+            if v:
+                return v
+        except FileNotFoundError:
+            pass
+        with self.locked():
+            try:
+                with open(p) as f:
+                    v = f.read().strip()
+                if v:
+                    return v
+            except FileNotFoundError:
+                pass
+            v = uuid.uuid4().hex
+            _write_atomic(p, v.encode() + b"\n")
+            return v
+
+    @contextmanager
+    def locked(self):
+        """The writer lock (also serialises rotation and segment deletion):
+        a thread lock for this object's threads, flock for other processes
+        (flock alone does not exclude threads sharing one open file)."""
+        with self._tlock:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def seg_path(self, seq: int) -> str:
+        return os.path.join(self.path, f"{seq:016d}{_SEG_SUFFIX}")
+
+    def segments(self) -> list[int]:
+        out = []
+        for n in os.listdir(self.path):
+            if n.endswith(_SEG_SUFFIX) and n[:-len(_SEG_SUFFIX)].isdigit():
+                out.append(int(n[:-len(_SEG_SUFFIX)]))
+        out.sort()
+        return out
+
+    def is_head(self, seq: int) -> bool:
+        return not os.path.exists(self.seg_path(seq + 1))
+
+    def size_bytes(self) -> int:
+        total = 0
+        for s in self.segments():
+            try:
+                total += os.stat(self.seg_path(s)).st_size
+            except FileNotFoundError:
+                pass
+        return total
+
+    # -- append
+    def _head_fd(self, incoming: int) -> int:
+        """Called under the lock: an fd on the head segment with room (rotating if needed)."""
+        if self._fd is not None:
+            st = os.fstat(self._fd)
+            if st.st_nlink and st.st_size < self.segment_bytes and self.is_head(self._seq):
+                return self._fd
+            os.close(self._fd)
+            self._fd = None
+        segs = self.segments()
+        if segs:
+            head = segs[-1]
+            if os.stat(self.seg_path(head)).st_size < self.segment_bytes:
+                self._fd = os.open(self.seg_path(head), os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+                self._seq = head
+                return self._fd
+        used = self.size_bytes()
+        if used + incoming > self.max_bytes:
+            raise DsecError(f"spool {self.path} is full ({used} bytes, limit {self.max_bytes}, "
+                            f"DSEC_SPOOL_MAX_BYTES): a sink is not draining it; records refused")
+        seq = (segs[-1] + 1) if segs else 1
+        self._fd = os.open(self.seg_path(seq), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        self._seq = seq
+        _fsync_dir(self.path)
+        return self._fd
+
+    def append(self, record: dict) -> None:
+        self.append_many([record])
+
+    def append_many(self, records) -> int:
+        """Validate, frame and append records (all or none); returns how many.
+        Raises DsecError naming the bad record or the I/O failure."""
+        data = b"".join(encode_frame(validate_record(r)) for r in records)
+        if not data:
+            return 0
+        with self.locked():
+            try:
+                fd = self._head_fd(len(data))
+            except OSError as e:
+                raise DsecError(f"spool {self.path}: cannot open a segment: {e.strerror}")
+            start = os.fstat(fd).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                self._sync(fd)
+            except OSError as e:
+                try:  # leave no torn frame behind
+                    os.ftruncate(fd, start)
+                except OSError:
+                    pass
+                raise DsecError(f"spool {self.path}: append failed: {e.strerror}; {len(records)} record(s) not spooled")
+        return len(records)
+
+    def _sync(self, fd):
+        if self.fsync == "always":
+            os.fdatasync(fd)
+        elif self.fsync == "interval":
+            self._dirty = True
+            if time.monotonic() - self._last_sync >= self.fsync_interval:
+                os.fdatasync(fd)
+                self._dirty = False
+                self._last_sync = time.monotonic()
+
+    def close(self):
+        if self._fd is not None:
+            try:
+                if self._dirty:
+                    os.fdatasync(self._fd)
+            finally:
+                os.close(self._fd)
+                self._fd = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.close()
+
+    # -- sinks
+    def reader(self, sink: str) -> "SpoolReader":
+        return SpoolReader(self, _sink_name(sink))
+
+    def sinks(self) -> list[str]:
+        return sorted(n[:-5] for n in os.listdir(self.cursor_dir) if n.endswith(".json"))
+
+    def cursor_path(self, sink: str) -> str:
+        return os.path.join(self.cursor_dir, f"{sink}.json")
+
+    def load_cursor(self, sink: str) -> Position | None:
+        p = self.cursor_path(sink)
+        try:
+            with open(p) as f:
+                d = json.load(f)
+            return Position(int(d["segment"]), int(d["offset"]))
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as e:
+            raise DsecError(f"spool cursor {p} is unreadable ({e}); delete it to re-deliver everything "
+                            f"still in the spool to sink {sink!r}")
+
+    def save_cursor(self, sink: str, pos: Position):
+        _write_atomic(self.cursor_path(sink), json.dumps(
+            {"segment": pos.segment, "offset": pos.offset, "sink": sink, "updated_ns": time.time_ns()}).encode())
+
+    def drop_sink(self, sink: str):
+        with self.locked():
+            try:
+                os.unlink(self.cursor_path(_sink_name(sink)))
+            except FileNotFoundError:
+                pass
+        self.collect()
+
+    def collect(self) -> list[int]:
+        """Delete the segments every sink's cursor is past (never the head)."""
+        removed = []
+        with self.locked():
+            cursors = [self.load_cursor(s) for s in self.sinks()]
+            if not cursors or any(c is None for c in cursors):
+                return removed
+            segs = self.segments()
+            for seq in segs[:-1]:
+                try:
+                    size = os.stat(self.seg_path(seq)).st_size
+                except FileNotFoundError:
+                    continue
+                if all(c.segment > seq or (c.segment == seq and c.offset >= size) for c in cursors):
+                    os.unlink(self.seg_path(seq))
+                    removed.append(seq)
+            if removed:
+                _fsync_dir(self.path)
+        return removed
+
+    def stats(self) -> dict:
+        segs = self.segments()
+        out = {"path": self.path, "segments": len(segs), "bytes": self.size_bytes(), "sinks": {}}
+        for s in self.sinks():
+            c = self.load_cursor(s)
+            out["sinks"][s] = {"segment": c.segment, "offset": c.offset, "behind_bytes": self.bytes_behind(c)}
+        return out
+
+    def bytes_behind(self, pos: Position) -> int:
+        total = 0
+        for seq in self.segments():
+            try:
+                size = os.stat(self.seg_path(seq)).st_size
+            except FileNotFoundError:
+                continue
+            if seq > pos.segment:
+                total += size
+            elif seq == pos.segment:
+                total += max(0, size - pos.offset)
+        return total
+
+
+def _env_float(name, default):
+    v = os.environ.get(name)
+    if not v:
+        return default
+    try:
+        return float(v)
+    except ValueError:
+        raise DsecError(f"{name}={v!r}: not a number", EXIT_USAGE)
+
+
+class SpoolReader:
+    """Reads one sink's records from its cursor. read() always starts at the
+    committed cursor: a batch that could not be delivered is read again."""
+
+    def __init__(self, spool: Spool, sink: str):
+        self.spool = spool
+        self.sink = sink
+        self._lock_fd = None
+        with spool.locked():  # registration must not race segment deletion
+            pos = spool.load_cursor(sink)
+            if pos is None:
+                segs = spool.segments()
+                pos = Position(segs[0] if segs else 1, 0)
+                spool.save_cursor(sink, pos)
+        self.position = pos
+
+    # -- one reader per sink at a time
+    def lock(self, timeout: float | None = None) -> bool:
+        """Take the sink's reader lock (waits up to timeout; None = forever)."""
+        if self._lock_fd is None:
+            self._lock_fd = os.open(os.path.join(self.spool.cursor_dir, f"{self.sink}.lock"),
+                                    os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if timeout is None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            return True
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.02)
+
+    def unlock(self):
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def close(self):
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- reading
+    def read(self, max_records: int = 10000, max_bytes: int = 32 << 20) -> Batch:
+        self.position = self.spool.load_cursor(self.sink) or self.position
+        start = pos = self.position
+        batch = Batch(start, start)
+        nbytes = 0
+        chunk = _SMALL_CHUNK
+        while len(batch.records) < max_records and nbytes < max_bytes:
+            segs = self.spool.segments()
+            later = [s for s in segs if s > pos.segment]
+            if pos.segment not in segs:
+                if not later:
+                    break
+                pos = Position(later[0], 0)
+                continue
+            path = self.spool.seg_path(pos.segment)
+            try:
+                with open(path, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    if pos.offset > size:
+                        batch.damage.append(self._damage(pos.segment, size, 0, "cursor beyond the segment's end "
+                                                         f"(segment truncated from {pos.offset} bytes)", frames=1))
+                        pos = Position(pos.segment, size)
+                    f.seek(pos.offset)
+                    buf = f.read(min(size - pos.offset, chunk))
+            except FileNotFoundError:
+                continue
+            at_eof = pos.offset + len(buf) >= size
+            new_off, nb, tail = self._parse(buf, pos, at_eof, batch, max_records)
+            nbytes += nb
+            pos = Position(pos.segment, new_off)
+            if tail is None:
+                if new_off < size:
+                    if nb == 0:  # a frame larger than the chunk
+                        chunk = _READ_CHUNK
+                    continue  # hit max_records or the chunk limit
+            else:  # an incomplete frame at the end of the file
+                if later or not self.spool.is_head(pos.segment):
+                    # the segment is closed: nobody will finish that frame
+                    if self._final_size(pos.segment) == size:
+                        batch.damage.append(self._damage(pos.segment, new_off, size - new_off, tail))
+                        pos = Position(pos.segment, size)
+                    continue
+                with self.spool.locked():  # no writer is mid-write while we hold this
+                    if self._final_size(pos.segment) == size and self.spool.is_head(pos.segment):
+                        batch.damage.append(self._damage(pos.segment, new_off, size - new_off,
+                                                         tail + " (torn write of a crashed writer)"))
+                        pos = Position(pos.segment, size)
+                        break
+                continue  # it grew (or rotated): read on
+            # at the end of this segment: move on only if it is closed
+            if not later:
+                break
+            if self._final_size(pos.segment) != pos.offset:
+                continue  # written to before the rotation; read the rest
+            pos = Position(later[0], 0)
+        batch.end = pos
+        if batch.damage:
+            self._date_damage(batch)
+        return batch
+
+    def _date_damage(self, batch: Batch):
+        """Give each damage a deterministic time: the ts_ns of the good record
+        just before it (else just after it) in the segment, else the segment's
+        mtime. A re-read from the same cursor dates it the same, so the gap
+        event a sink derives from it is the same event when re-sent."""
+        import bisect
+        for d in batch.damage:
+            i = bisect.bisect_left(batch.positions, (d.segment, d.offset))
+            near = [j for j in (i - 1, i) if 0 <= j < len(batch.positions)
+                    and batch.positions[j][0] == d.segment]
+            ts = next((batch.records[j].get("ts_ns") for j in near if batch.records[j].get("ts_ns")), None)
+            if ts is None:
+                try:
+                    ts = os.stat(self.spool.seg_path(d.segment)).st_mtime_ns
+                except FileNotFoundError:
+                    ts = time.time_ns()
+            d.ts_ns = ts
+
+    def _final_size(self, seq):
+        try:
+            return os.stat(self.spool.seg_path(seq)).st_size
+        except FileNotFoundError:
+            return -1
+
+    def _parse(self, buf, pos: Position, at_eof: bool, batch: Batch, max_records: int):
+        """Parse frames of buf (bytes of segment pos.segment from pos.offset).
+        Returns (offset reached, bytes consumed, tail reason or None)."""
+        p = 0
+        n = len(buf)
+        base = pos.offset
+        while p < n and len(batch.records) < max_records:
+            kind, val = _frame_at(buf, p)
+            if kind == "ok":
+                payload = bytes(buf[p + HEADER_BYTES:val])
+                try:
+                    rec = json.loads(payload)
+                    validate_record(rec)
+                    batch.records.append(rec)
+                    batch.positions.append((pos.segment, base + p))
+                except (ValueError, RecursionError, DsecError) as e:
+                    msg = e.message if isinstance(e, DsecError) else f"invalid JSON ({e})"
+                    batch.damage.append(self._damage(pos.segment, base + p, val - p, f"invalid record: {msg}",
+                                                     payload=payload.decode("ascii", "backslashreplace")))
+                p = val
+                continue
+            if kind == "incomplete":
+                if at_eof:
+                    return base + p, p, "incomplete frame at the end"
+                return base + p, p, None  # the chunk ended inside a frame: read again from here
+            # bad: find the next frame that checks out
+            q = p + 1
+            while True:
+                q = buf.find(MAGIC, q)
+                # a frame that checks out, or a plausible one cut by the end of the chunk
+                if q < 0 or _frame_at(buf, q)[0] != "bad":
+                    break
+                q += 1
+            if q < 0:
+                if at_eof:
+                    return base + p, p, f"{val}, no valid frame after it"
+                q = max(p + 1, n - len(MAGIC) + 1)  # a magic may straddle the chunk's end
+            garbage = buf[p:q]
+            batch.damage.append(self._damage(pos.segment, base + p, q - p, val,
+                                             frames=max(1, garbage.count(MAGIC))))
+            p = q
+        return base + p, p, None
+
+    @staticmethod
+    def _damage(seq, offset, length, reason, frames=1, payload=None) -> Damage:
+        return Damage(seq, offset, length, reason, frames, payload)
+
+    def commit(self, batch_or_pos) -> None:
+        """Record delivery up to the batch's end; report its damage (once)."""
+        if isinstance(batch_or_pos, Batch):
+            for d in batch_or_pos.damage:
+                self._report(d)
+            pos = batch_or_pos.end
+        else:
+            pos = batch_or_pos
+        self.spool.save_cursor(self.sink, pos)
+        self.position = pos
+        self.spool.collect()
+
+    def _report(self, d: Damage):
+        log.warning("spool %s, sink %s: %s", self.spool.path, self.sink, d.describe())
+        entry = {"ts_ns": time.time_ns(), "sink": self.sink, "segment": d.segment, "offset": d.offset,
+                 "length": d.length, "reason": d.reason, "frames": d.frames}
+        if d.payload is not None:
+            entry["payload"] = d.payload
+        elif d.length:
+            keep = os.path.join(self.spool.path, "damaged", f"{d.segment:016d}-{d.offset}.bin")
+            entry["bytes_file"] = keep
+            if not os.path.exists(keep):
+                try:
+                    os.makedirs(os.path.dirname(keep), mode=0o700, exist_ok=True)
+                    with open(self.spool.seg_path(d.segment), "rb") as f:
+                        f.seek(d.offset)
+                        data = f.read(min(d.length, MAX_RECORD_BYTES))
+                    _write_atomic(keep, data)
+                except OSError as e:
+                    entry["bytes_file"] = None
+                    log.warning("spool %s: could not keep the damaged bytes: %s", self.spool.path, e)
+        with open(os.path.join(self.spool.path, "damage.log"), "a") as f:
+            f.write(json.dumps(entry, ensure_ascii=True) + "\n")
+
+    def backlog(self, max_frames: int = 100_000) -> tuple[int, int]:
+        """(records, bytes) not yet committed. Walks frame headers; past
+        max_frames the rest is estimated from the average frame size."""
+        pos = self.spool.load_cursor(self.sink) or self.position
+        records = walked = total = 0
+        for seq in self.spool.segments():
+            if seq < pos.segment:
+                continue
+            off = pos.offset if seq == pos.segment else 0
+            try:
+                with open(self.spool.seg_path(seq), "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    total += max(0, size - off)
+                    while off + HEADER_BYTES <= size and records < max_frames:
+                        f.seek(off)
+                        magic, n, _ = _HDR.unpack(f.read(HEADER_BYTES))
+                        records += 1          # a damaged region counts as (at least) one record
+                        if magic != MAGIC:
+                            off = size
+                            break
+                        off += HEADER_BYTES + n
+                    walked += min(off, size) - (pos.offset if seq == pos.segment else 0)
+            except FileNotFoundError:
+                continue
+        if records >= max_frames and walked and total > walked:
+            records += int((total - walked) * records / walked)
+        return records, total
+
+
+__all__ = ["Spool", "SpoolReader", "Batch", "Damage", "Position", "validate_record", "encode_frame",
+           "default_dir", "MAX_RECORD_BYTES"]

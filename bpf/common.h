@@ -1,0 +1,311 @@
+/* dsec BPF: maps and helpers shared by process.c, net.c and files.c.
+ *
+ * How the source is built: BCC rewrites map calls (.lookup, .ringbuf_output,
+ * ...) only in its main source text, not in #included files. So
+ * agent/bpf_loader.py concatenates common.h, process.c, net.c and files.c, in
+ * that order and with #line markers (compiler messages name the real file),
+ * and compiles that one text. events.h holds no map calls and is #included.
+ *
+ * Rules for every program here:
+ *  - never dereference a kernel struct: the kernel headers (6.1) do not match
+ *    the running kernel. Only tracepoint arguments, helpers and
+ *    bpf_probe_read_user* of user memory;
+ *  - only tasks whose cgroup2 (or a cgroup2 ancestor) is in `sandboxes` are
+ *    looked at; nothing else is ever emitted;
+ *  - every loop is bounded; every event that cannot be emitted is counted in
+ *    the sandbox's dsec_state.lost, by reason and kind.
+ */
+#ifndef DSEC_COMMON_H
+#define DSEC_COMMON_H
+
+#include "events.h"
+
+#define DSEC_AT_FDCWD (-100)
+#define DSEC_CLONE_PARENT 0x00008000ULL
+#define DSEC_CLONE_THREAD 0x00010000ULL
+#define DSEC_SIGKILL 9
+/* O_WRONLY | O_RDWR | O_CREAT | O_TRUNC | O_APPEND */
+#define DSEC_WRITE_FLAGS (01 | 02 | 0100 | 01000 | 02000)
+
+/* hide a value's range from clang so that the mask that follows is kept for
+ * the verifier */
+#define DSEC_BARRIER(x) asm volatile("" : "+r"(x))
+
+/* ---- maps ---------------------------------------------------------------- */
+BPF_RINGBUF_OUTPUT(events, DSEC_RING_PAGES);
+BPF_HASH(sandboxes, u64, struct dsec_sandbox, DSEC_MAX_SANDBOXES);
+BPF_HASH(sbx_state, u64, struct dsec_state, DSEC_MAX_SANDBOXES);
+/* scratch space to build records in (too big for the 512-byte stack);
+ * programs run with preemption disabled, one slot per CPU */
+BPF_ARRAY(exec_scratch, struct dsec_event, DSEC_NCPU);
+BPF_PERCPU_ARRAY(file_scratch, struct dsec_event_small, 1);
+/* syscalls between enter and exit, by thread id; allocated on demand */
+BPF_F_TABLE("hash", u32, struct dsec_event, pending_exec, DSEC_PENDING_EXEC_ENTRIES, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", u32, struct dsec_event_small, pending, DSEC_PENDING_ENTRIES, BPF_F_NO_PREALLOC);
+/* process tree: child tgid -> parent tgid, filled at fork */
+BPF_TABLE("lru_hash", u32, u32, parents, 65536);
+/* how a process is ending: tgid -> exit_group code or fatal signal */
+BPF_TABLE("lru_hash", u32, struct dsec_exit_info, exit_info, 65536);
+/* last fatal-by-default signal generated for a pid (the kernel reports a
+ * group-wide fatal signal as SIGKILL at delivery) */
+BPF_TABLE("lru_hash", u32, u32, sig_generated, 16384);
+
+/* ---- sandbox lookup ------------------------------------------------------ */
+
+/* The sandbox of the current task: its cgroup2, or the nearest ancestor that
+ * is registered (a sandbox may create sub-cgroups). */
+static __always_inline struct dsec_sandbox *dsec_sandbox(u64 *cgid)
+{
+    u64 id = bpf_get_current_cgroup_id();
+    struct dsec_sandbox *cfg = sandboxes.lookup(&id);
+    if (cfg) {
+        *cgid = id;
+        return cfg;
+    }
+    for (int lvl = 1; lvl < DSEC_MAX_LEVEL; lvl++) {
+        u64 anc = bpf_get_current_ancestor_cgroup_id(lvl);
+        if (anc == 0 || anc == id)
+            break;
+        cfg = sandboxes.lookup(&anc);
+        if (cfg) {
+            *cgid = anc;
+            return cfg;
+        }
+    }
+    return 0;
+}
+
+/* ---- accounting ------------------------------------------------------------ */
+
+static __always_inline void dsec_count_lost(struct dsec_sandbox *cfg, struct dsec_state *st,
+                                            u32 reason, u32 kind)
+{
+    u32 i = reason * DSEC_NKINDS + (kind & (DSEC_NKINDS - 1));
+    if (i < DSEC_NLOST * DSEC_NKINDS)
+        __sync_fetch_and_add(&st->lost[i], 1);
+    if (cfg && cfg->mode == DSEC_OVER_STOP) {
+        /* the record of this sandbox now has a hole: stop the offender at
+         * once; the agent stops the rest of the sandbox */
+        bpf_send_signal(DSEC_SIGKILL);
+        __sync_fetch_and_add(&st->stopped, 1);
+    }
+}
+
+static __always_inline void dsec_count_emitted(struct dsec_state *st, u32 kind)
+{
+    __sync_fetch_and_add(&st->emitted[kind & (DSEC_NKINDS - 1)], 1);
+}
+
+/* Fair share: GCRA, the token bucket with rate 1e9/interval_ns per second and
+ * burst tolerance_ns/interval_ns + 1, kept in one word updated with
+ * compare-and-swap. Over budget: counted, not emitted. */
+static __always_inline int dsec_admit(struct dsec_sandbox *cfg, struct dsec_state *st, u32 kind)
+{
+    u64 interval = cfg->interval_ns;
+    if (interval == 0)
+        return 1;
+    u64 tol = cfg->tolerance_ns;
+    u64 now = bpf_ktime_get_ns();
+    for (int i = 0; i < 4; i++) {
+        u64 tat = *(volatile u64 *)&st->tat;
+        u64 base = tat > now ? tat : now;
+        if (base - now > tol)
+            break;
+        if (__sync_val_compare_and_swap(&st->tat, tat, base + interval) == tat)
+            return 1;
+    }
+    dsec_count_lost(cfg, st, DSEC_LOST_OVER_BUDGET, kind);
+    return 0;
+}
+
+/* a syscall of this sandbox goes in flight (its record waits in a pending map) */
+static __always_inline int dsec_inflight_get(struct dsec_sandbox *cfg, struct dsec_state *st, u32 kind)
+{
+    s64 n = __sync_fetch_and_add(&st->inflight, 1);
+    if (n >= DSEC_MAX_INFLIGHT) {
+        __sync_fetch_and_add(&st->inflight, -1);
+        dsec_count_lost(cfg, st, DSEC_LOST_INFLIGHT_FULL, kind);
+        return 0;
+    }
+    return 1;
+}
+
+static __always_inline void dsec_inflight_put(u64 cgid)
+{
+    struct dsec_state *st = sbx_state.lookup(&cgid);
+    if (st)
+        __sync_fetch_and_add(&st->inflight, -1);
+}
+
+/* ---- record building ------------------------------------------------------- */
+
+static __always_inline void dsec_fill_hdr(struct dsec_hdr *h, u32 kind, u64 cgid, u32 step)
+{
+    u64 pt = bpf_get_current_pid_tgid();
+    u64 ug = bpf_get_current_uid_gid();
+    h->ts_ns = bpf_ktime_get_ns();
+    h->cgroup_id = cgid;
+    h->kind = kind;
+    h->size = DSEC_FIXED_BYTES;
+    h->pid = pt >> 32;
+    h->tid = (u32)pt;
+    u32 tgid = pt >> 32;
+    u32 *pp = parents.lookup(&tgid);
+    h->ppid = pp ? *pp : 0;
+    h->uid = (u32)ug;
+    h->gid = ug >> 32;
+    h->step = step;
+    bpf_get_current_comm(h->comm, sizeof(h->comm));
+}
+
+/* Read a user path into dst (DSEC_PATH_MAX bytes of room); returns its length
+ * without the NUL and sets the status bits. */
+static __always_inline u32 dsec_read_path(char *dst, const char *src, u32 *status,
+                                          u32 trunc_bit, u32 fault_bit)
+{
+    long n = bpf_probe_read_user_str(dst, DSEC_PATH_MAX, src);
+    if (n <= 0) {
+        *status |= fault_bit;
+        dst[0] = 0;
+        return 0;
+    }
+    if (n == DSEC_PATH_MAX) {
+        char c = 0;
+        bpf_probe_read_user(&c, 1, src + DSEC_PATH_MAX - 1);
+        if (c)
+            *status |= trunc_bit;
+    }
+    return n - 1;
+}
+
+/* Emit a record held in a map value (variable size); counts it either way. */
+static __always_inline void dsec_output(void *rec, u64 size, u64 max, u64 cgid, u32 kind)
+{
+    struct dsec_state *st = sbx_state.lookup(&cgid);
+    if (!st)
+        return;   /* sandbox removed while the syscall was in flight */
+    DSEC_BARRIER(size);
+    if (size > max)
+        size = max;
+    if (size < DSEC_FIXED_BYTES)
+        size = DSEC_FIXED_BYTES;
+    if (events.ringbuf_output(rec, size, 0) == 0) {
+        dsec_count_emitted(st, kind);
+    } else {
+        struct dsec_sandbox *cfg = sandboxes.lookup(&cgid);
+        dsec_count_lost(cfg, st, DSEC_LOST_RINGBUF_FULL, kind);
+    }
+}
+
+/* ---- file and connect syscalls: enter stores, exit emits ------------------ */
+
+/* Admit a syscall of kind `kind` and return a zeroed record in the per-CPU
+ * scratch with its header filled, or 0 (not a sandbox / counted as lost). */
+static __always_inline struct dsec_event_small *dsec_pending_begin(u32 kind)
+{
+    u64 cgid = 0;
+    struct dsec_sandbox *cfg = dsec_sandbox(&cgid);
+    if (!cfg)
+        return 0;
+    struct dsec_state *st = sbx_state.lookup(&cgid);
+    if (!st)
+        return 0;
+    if (!dsec_admit(cfg, st, kind))
+        return 0;
+    if (!dsec_inflight_get(cfg, st, kind))
+        return 0;
+    u32 zero = 0;
+    struct dsec_event_small *e = file_scratch.lookup(&zero);
+    if (!e) {
+        __sync_fetch_and_add(&st->inflight, -1);
+        dsec_count_lost(cfg, st, DSEC_LOST_INFLIGHT_FULL, kind);
+        return 0;
+    }
+    __builtin_memset(&e->u, 0, sizeof(e->u));
+    dsec_fill_hdr(&e->h, kind, cgid, cfg->step);
+    return e;
+}
+
+static __always_inline void dsec_pending_store(struct dsec_event_small *e)
+{
+    u32 tid = e->h.tid;
+    u64 cgid = e->h.cgroup_id;
+    u32 kind = e->h.kind;
+    if (pending.update(&tid, e) != 0) {
+        struct dsec_state *st = sbx_state.lookup(&cgid);
+        if (st) {
+            __sync_fetch_and_add(&st->inflight, -1);
+            dsec_count_lost(sandboxes.lookup(&cgid), st, DSEC_LOST_INFLIGHT_FULL, kind);
+        }
+    }
+}
+
+/* The paths of a file record, from the user pointers saved in its body:
+ * path at buf[0], path2 (rename) right after it. */
+static __always_inline void dsec_file_paths(struct dsec_event_small *e)
+{
+    u32 status = e->u.file.status & ~(DSEC_ST_PATH_TRUNC | DSEC_ST_PATH_FAULT |
+                                      DSEC_ST_PATH2_TRUNC | DSEC_ST_PATH2_FAULT);
+    const char *path = (const char *)e->u.file.upath;
+    const char *path2 = (const char *)e->u.file.upath2;
+    u32 len = dsec_read_path(&e->buf[0], path, &status, DSEC_ST_PATH_TRUNC, DSEC_ST_PATH_FAULT);
+    e->u.file.path_len = len;
+    u64 end = (u64)len + 1;
+    if (path2) {
+        u64 off = end;
+        DSEC_BARRIER(off);
+        off &= DSEC_FILE_OFF_MASK;
+        u32 len2 = dsec_read_path(&e->buf[off], path2, &status, DSEC_ST_PATH2_TRUNC,
+                                  DSEC_ST_PATH2_FAULT);
+        e->u.file.path2_off = off;
+        e->u.file.path2_len = len2;
+        end = off + len2 + 1;
+    }
+    e->u.file.status = status;
+    e->h.size = DSEC_FIXED_BYTES + end;
+}
+
+static __always_inline void dsec_connect_addr(struct dsec_event_small *e)
+{
+    int addrlen = (int)e->u.connect.addrlen;
+    u64 n = addrlen > 0 ? (u64)addrlen : 0;
+    DSEC_BARRIER(n);
+    if (n > DSEC_SOCKADDR_MAX)
+        n = DSEC_SOCKADDR_MAX;
+    e->u.connect.status &= ~DSEC_ST_ADDR_FAULT;
+    if (n > 0 && bpf_probe_read_user(e->u.connect.addr, n, (void *)e->u.connect.uaddr) < 0)
+        e->u.connect.status |= DSEC_ST_ADDR_FAULT;
+}
+
+static __always_inline int dsec_pending_finish(long ret)
+{
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct dsec_event_small *e = pending.lookup(&tid);
+    if (!e)
+        return 0;
+    u64 cgid = e->h.cgroup_id;
+    u32 kind = e->h.kind;
+    dsec_inflight_put(cgid);
+    if (kind == DSEC_KIND_CONNECT) {
+        e->u.connect.ret = ret;
+        if (e->u.connect.status & DSEC_ST_ADDR_FAULT) {
+            /* not resident at enter; the kernel has faulted it in since */
+            dsec_connect_addr(e);
+            if (!(e->u.connect.status & DSEC_ST_ADDR_FAULT))
+                e->u.connect.status |= DSEC_ST_LATE_READ;
+        }
+    } else {
+        e->u.file.ret = ret;
+        if (e->u.file.status & (DSEC_ST_PATH_FAULT | DSEC_ST_PATH2_FAULT)) {
+            dsec_file_paths(e);
+            if (!(e->u.file.status & (DSEC_ST_PATH_FAULT | DSEC_ST_PATH2_FAULT)))
+                e->u.file.status |= DSEC_ST_LATE_READ;
+        }
+    }
+    e->h.ts_ns = bpf_ktime_get_ns();
+    dsec_output(e, e->h.size, sizeof(struct dsec_event_small), cgid, kind);
+    pending.delete(&tid);
+    return 0;
+}
+
+#endif /* DSEC_COMMON_H */

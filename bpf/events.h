@@ -1,0 +1,247 @@
+/* dsec audit events: the one declaration of what leaves the kernel.
+ *
+ * Userspace never mirrors these structs by hand: agent/bpf_loader.py asks BCC
+ * for the ctypes type of a map whose value is `struct dsec_event`
+ * (exec_scratch), and agent/decoder.py reads the header, the body and the
+ * string area from it. The #define constants below are read by the loader with
+ * a regex (DSEC_KIND_*, DSEC_SYS_*, DSEC_ST_*, DSEC_LOST_*, DSEC_EXIT_*,
+ * DSEC_OVER_*), so a name added here is known to Python at once.
+ *
+ * This header holds types and constants only (no maps, no code): BCC rewrites
+ * map calls only in the main source, see common.h.
+ *
+ * Wire format of one ring-buffer record (variable length, at least
+ * DSEC_FIXED_BYTES):
+ *
+ *     struct dsec_hdr     h     common header (64 bytes)
+ *     union dsec_body     u     the kind's fixed fields
+ *     char buf[...]             strings, only the used part is sent:
+ *        exec:       path at buf[0] (path_len bytes, then NUL),
+ *                    argv at buf[argv_off] (argv_len bytes: argc strings,
+ *                    each NUL-terminated; the last one may be cut, see status),
+ *                    with DSEC_ST_LATE_READ the path at buf[late_off]
+ *        open/unlink path at buf[0] (path_len bytes, then NUL)
+ *        rename:     old path at buf[0], new path at buf[path2_off]
+ *        fork, exit, connect: no strings
+ *
+ * Bounds (documented in docs/audit.md):
+ *   DSEC_PATH_MAX   bytes read for one path, NUL included (PATH_MAX)
+ *   DSEC_ARGV_BYTES bytes of argv captured per exec, NULs included
+ *   DSEC_MAX_ARGS   arguments captured per exec
+ * Anything beyond sets DSEC_ST_ARGV_TRUNC / DSEC_ST_PATH_TRUNC.
+ */
+#ifndef DSEC_EVENTS_H
+#define DSEC_EVENTS_H
+
+/* ---- build-time configuration (the loader passes -D for each) ---------- */
+#ifndef DSEC_RING_PAGES
+#define DSEC_RING_PAGES 8192           /* 32 MiB with 4 KiB pages; power of two */
+#endif
+#ifndef DSEC_ARGV_BYTES
+#define DSEC_ARGV_BYTES 16384          /* power of two, 4 KiB .. 128 KiB */
+#endif
+#ifndef DSEC_EXEC_OFF_MASK
+#define DSEC_EXEC_OFF_MASK 32767       /* next_pow2(DSEC_PATH_MAX + DSEC_ARGV_BYTES) - 1 */
+#endif
+#ifndef DSEC_MAX_ARGS
+#define DSEC_MAX_ARGS 256
+#endif
+#ifndef DSEC_NCPU
+#define DSEC_NCPU 64                   /* possible CPUs (exec scratch slots) */
+#endif
+#ifndef DSEC_MAX_INFLIGHT
+#define DSEC_MAX_INFLIGHT 512          /* per sandbox: syscalls between enter and exit */
+#endif
+#ifndef DSEC_PENDING_ENTRIES
+#define DSEC_PENDING_ENTRIES 16384     /* all sandboxes: in-flight file/connect syscalls */
+#endif
+#ifndef DSEC_PENDING_EXEC_ENTRIES
+#define DSEC_PENDING_EXEC_ENTRIES 2048 /* all sandboxes: in-flight execs */
+#endif
+#ifndef DSEC_MAX_SANDBOXES
+#define DSEC_MAX_SANDBOXES 4096
+#endif
+#ifndef DSEC_MAX_LEVEL
+#define DSEC_MAX_LEVEL 16              /* cgroup depth searched for a sandbox ancestor */
+#endif
+
+#define DSEC_PATH_MAX 4096
+#define DSEC_EXEC_BUF_BYTES (DSEC_EXEC_OFF_MASK + 1 + DSEC_ARGV_BYTES)
+#define DSEC_FILE_OFF_MASK 8191
+#define DSEC_FILE_BUF_BYTES (DSEC_FILE_OFF_MASK + 1 + DSEC_PATH_MAX)
+#define DSEC_COMM_LEN 16
+#define DSEC_SOCKADDR_MAX 128
+
+/* ---- event kinds (names match audit_schema.events.KINDS) --------------- */
+#define DSEC_KIND_EXEC 1
+#define DSEC_KIND_FORK 2
+#define DSEC_KIND_EXIT 3
+#define DSEC_KIND_CONNECT 4
+#define DSEC_KIND_OPEN_WRITE 5
+#define DSEC_KIND_UNLINK 6
+#define DSEC_KIND_RENAME 7
+#define DSEC_NKINDS 8                  /* index 0 unused */
+
+/* ---- the syscall behind an event (body.sys) ----------------------------- */
+#define DSEC_SYS_EXECVE 1
+#define DSEC_SYS_EXECVEAT 2
+#define DSEC_SYS_CONNECT 3
+#define DSEC_SYS_OPEN 4
+#define DSEC_SYS_OPENAT 5
+#define DSEC_SYS_OPENAT2 6
+#define DSEC_SYS_CREAT 7
+#define DSEC_SYS_UNLINK 8
+#define DSEC_SYS_UNLINKAT 9
+#define DSEC_SYS_RMDIR 10
+#define DSEC_SYS_RENAME 11
+#define DSEC_SYS_RENAMEAT 12
+#define DSEC_SYS_RENAMEAT2 13
+
+/* ---- status bits (body.status) ------------------------------------------ */
+#define DSEC_ST_PATH_TRUNC 0x1         /* path longer than DSEC_PATH_MAX - 1 */
+#define DSEC_ST_PATH_FAULT 0x2         /* path not readable (not resident / bad pointer) */
+#define DSEC_ST_PATH2_TRUNC 0x4
+#define DSEC_ST_PATH2_FAULT 0x8
+#define DSEC_ST_ARGV_TRUNC 0x10        /* more than DSEC_MAX_ARGS args or DSEC_ARGV_BYTES bytes */
+#define DSEC_ST_ARGV_FAULT 0x20        /* an argv pointer or string was not readable */
+#define DSEC_ST_NO_ARGV 0x40           /* exec seen only at sched_process_exec: args not captured */
+#define DSEC_ST_ADDR_FAULT 0x80        /* connect: sockaddr not readable */
+#define DSEC_ST_LATE_READ 0x100        /* not resident at enter: read again at exit (after the
+                                        * kernel faulted it in) or taken from sched_process_exec */
+
+/* ---- loss reasons (index into dsec_state.lost) --------------------------- */
+#define DSEC_LOST_RINGBUF_FULL 0       /* ring buffer reservation failed */
+#define DSEC_LOST_OVER_BUDGET 1        /* over the sandbox's fair share */
+#define DSEC_LOST_INFLIGHT_FULL 2      /* too many syscalls in flight (per sandbox or table) */
+#define DSEC_NLOST 3
+
+/* ---- how a process ended (body.exit.how) --------------------------------- */
+#define DSEC_EXIT_UNKNOWN 0
+#define DSEC_EXIT_EXIT_GROUP 1
+#define DSEC_EXIT_EXIT 2
+#define DSEC_EXIT_SIGNAL 3
+
+/* ---- over-budget behaviour (dsec_sandbox.mode) --------------------------- */
+#define DSEC_OVER_SUMMARISE 0          /* count, report as events_lost */
+#define DSEC_OVER_STOP 1               /* also SIGKILL the offending process; agent stops the sandbox */
+
+/* ---- the record ---------------------------------------------------------- */
+struct dsec_hdr {
+    __u64 ts_ns;        /* bpf_ktime_get_ns() (CLOCK_MONOTONIC) at emission */
+    __u64 cgroup_id;    /* the registered sandbox cgroup (the task's or an ancestor) */
+    __u32 kind;         /* DSEC_KIND_* */
+    __u32 size;         /* bytes of this record */
+    __u32 pid;          /* tgid, host pid namespace */
+    __u32 tid;
+    __u32 ppid;         /* parent tgid from fork tracking, 0 = unknown */
+    __u32 uid;          /* real uid */
+    __u32 gid;          /* real gid */
+    __u32 step;         /* the sandbox's step when the syscall was admitted */
+    char comm[DSEC_COMM_LEN];
+};
+
+struct dsec_exec {
+    __s64 ret;          /* 0, or -errno of a failed exec */
+    __s32 dirfd;        /* execveat dirfd; -100 (AT_FDCWD) for execve */
+    __u32 at_flags;     /* execveat flags */
+    __u32 sys;          /* DSEC_SYS_EXECVE / _EXECVEAT, 0 when not captured */
+    __u32 status;       /* DSEC_ST_* */
+    __u32 path_len;
+    __u32 argv_off;
+    __u32 argv_len;
+    __u32 argc;
+    __u32 old_tid;      /* sched_process_exec old_pid (a thread that exec'd) */
+    __u32 late_len;     /* path read late (DSEC_ST_LATE_READ) at buf[late_off] */
+    __u32 late_off;
+    __u32 _pad;
+    __u64 upath;        /* user pointer of the path, for the late read */
+};
+
+struct dsec_fork {
+    __u64 clone_flags;
+    __u32 child_pid;
+    __u32 _pad;
+};
+
+struct dsec_exit {
+    __s32 exit_code;    /* exit status, -1 when killed by a signal or unknown */
+    __u32 signal;       /* terminating signal, 0 if none */
+    __u32 how;          /* DSEC_EXIT_* */
+    __u32 _pad;
+};
+
+struct dsec_connect {
+    __s64 ret;
+    __s32 fd;
+    __u32 addrlen;      /* as passed by the caller */
+    __u32 sys;
+    __u32 status;
+    __u64 uaddr;        /* user pointer of the sockaddr, for the late read */
+    __u8 addr[DSEC_SOCKADDR_MAX]; /* the first min(addrlen, 128) bytes of the sockaddr */
+};
+
+struct dsec_file {
+    __s64 ret;
+    __u64 flags;        /* open flags / unlinkat flag / renameat2 flags */
+    __u64 mode;         /* create mode */
+    __u64 resolve;      /* openat2 resolve flags */
+    __s32 dirfd;        /* -100 (AT_FDCWD) when the syscall takes none */
+    __s32 dirfd2;       /* rename: the new path's dirfd */
+    __u32 sys;
+    __u32 status;
+    __u32 path_len;
+    __u32 path2_off;
+    __u32 path2_len;
+    __u32 _pad;
+    __u64 upath;        /* user pointers of the paths, for the late read */
+    __u64 upath2;
+};
+
+union dsec_body {
+    struct dsec_exec exec;
+    struct dsec_fork fork;
+    struct dsec_exit exit;
+    struct dsec_connect connect;
+    struct dsec_file file;
+};
+
+/* exec records (and the type userspace decodes every record with) */
+struct dsec_event {
+    struct dsec_hdr h;
+    union dsec_body u;
+    char buf[DSEC_EXEC_BUF_BYTES];
+};
+
+/* file and connect records in flight: same layout, smaller string area */
+struct dsec_event_small {
+    struct dsec_hdr h;
+    union dsec_body u;
+    char buf[DSEC_FILE_BUF_BYTES];
+};
+
+#define DSEC_FIXED_BYTES (sizeof(struct dsec_hdr) + sizeof(union dsec_body))
+
+/* ---- per-sandbox maps ---------------------------------------------------- */
+struct dsec_sandbox {   /* sandboxes: cgroup id -> configuration, written by userspace */
+    __u64 interval_ns;  /* fair share: 1e9 / rate; 0 = unlimited */
+    __u64 tolerance_ns; /* (burst - 1) * interval_ns */
+    __u32 step;
+    __u32 mode;         /* DSEC_OVER_* */
+};
+
+struct dsec_state {     /* sbx_state: cgroup id -> state, written by the kernel */
+    __u64 tat;          /* GCRA theoretical arrival time (ns, CLOCK_MONOTONIC) */
+    __s64 inflight;     /* pending syscalls of this sandbox */
+    __u64 stopped;      /* DSEC_OVER_STOP fired (SIGKILL sent) this many times */
+    __u64 emitted[DSEC_NKINDS];
+    __u64 lost[DSEC_NLOST * DSEC_NKINDS];   /* [reason * DSEC_NKINDS + kind] */
+};
+
+struct dsec_exit_info { /* exit_info: tgid -> how it is ending */
+    __s32 code;
+    __u32 signal;
+    __u32 how;
+    __u32 _pad;
+};
+
+#endif /* DSEC_EVENTS_H */

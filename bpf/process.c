@@ -1,0 +1,446 @@
+/* dsec BPF: process events — fork, exec, exit. (Part of the one source text
+ * the loader builds; see common.h.)
+ *
+ * fork:  task/task_newtask (clone flags known; threads are not reported),
+ *        parent recorded in `parents` for every later event's ppid.
+ * exec:  path and argv captured at sys_enter_execve/execveat, the record waits
+ *        in pending_exec and is emitted at sched_process_exec (success, with
+ *        the new comm) or at sys_exit_execve/execveat (failure, with -errno).
+ *        An exec seen only at sched_process_exec (args not captured, e.g. a
+ *        32-bit syscall) is still emitted, with the kernel's filename and
+ *        DSEC_ST_NO_ARGV.
+ * exit:  sched_process_exit of the last thread (group_dead). The status comes
+ *        from sys_enter_exit_group / sys_enter_exit (code) or from
+ *        signal_deliver of a fatal signal with the default action; a
+ *        group-wide fatal signal is delivered as SIGKILL, so the signal last
+ *        generated for the process (signal_generate) names the real one.
+ */
+#include "common.h"
+
+/* default action terminates (or dumps core) */
+static __always_inline int dsec_sig_fatal_default(int sig)
+{
+    if (sig <= 0 || sig > 64)
+        return 0;
+    switch (sig) {
+    case 17: /* SIGCHLD */
+    case 18: /* SIGCONT */
+    case 19: /* SIGSTOP */
+    case 20: /* SIGTSTP */
+    case 21: /* SIGTTIN */
+    case 22: /* SIGTTOU */
+    case 23: /* SIGURG */
+    case 28: /* SIGWINCH */
+        return 0;
+    }
+    return 1;
+}
+
+/* ---- fork ------------------------------------------------------------------ */
+
+TRACEPOINT_PROBE(task, task_newtask)
+{
+    u64 flags = args->clone_flags;
+    if (flags & DSEC_CLONE_THREAD)
+        return 0;
+    u64 cgid = 0;
+    struct dsec_sandbox *cfg = dsec_sandbox(&cgid);
+    if (!cfg)
+        return 0;
+    u32 child = args->pid;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    u32 parent = tgid;
+    if (flags & DSEC_CLONE_PARENT) {
+        u32 *pp = parents.lookup(&tgid);
+        parent = pp ? *pp : 0;
+    }
+    parents.update(&child, &parent);
+    sig_generated.delete(&child);
+    exit_info.delete(&child);
+
+    struct dsec_state *st = sbx_state.lookup(&cgid);
+    if (!st || !dsec_admit(cfg, st, DSEC_KIND_FORK))
+        return 0;
+    struct dsec_event *e = events.ringbuf_reserve(DSEC_FIXED_BYTES);
+    if (!e) {
+        dsec_count_lost(cfg, st, DSEC_LOST_RINGBUF_FULL, DSEC_KIND_FORK);
+        return 0;
+    }
+    __builtin_memset(&e->u, 0, sizeof(e->u));
+    dsec_fill_hdr(&e->h, DSEC_KIND_FORK, cgid, cfg->step);
+    e->u.fork.child_pid = child;
+    e->u.fork.clone_flags = flags;
+    events.ringbuf_submit(e, 0);
+    dsec_count_emitted(st, DSEC_KIND_FORK);
+    return 0;
+}
+
+/* ---- exec ------------------------------------------------------------------ */
+
+/* argv into e->buf from offset `off`: at most DSEC_MAX_ARGS strings and
+ * DSEC_ARGV_BYTES bytes (NULs included); the prefix that fits is kept.
+ * Every unusual case leaves the loop (one path per iteration keeps the
+ * verifier's work linear); the reason is sorted out after it. */
+#define DSEC_ARGV_END 0     /* NULL pointer reached: argv complete */
+#define DSEC_ARGV_COUNT 1   /* DSEC_MAX_ARGS read */
+#define DSEC_ARGV_FULL 2    /* the byte budget is used up */
+#define DSEC_ARGV_FAULTED 3 /* unreadable pointer or string */
+static __always_inline void dsec_read_argv(struct dsec_event *e, const char *const *argv, u64 off)
+{
+    u64 start = off;
+    u32 argc = 0;
+    u32 why = DSEC_ARGV_COUNT;
+    const char *last = 0;
+    u64 last_room = 0;
+    if (!argv)
+        why = DSEC_ARGV_END;
+    for (int i = 0; i < DSEC_MAX_ARGS && argv; i++) {
+        const char *p = 0;
+        if (bpf_probe_read_user(&p, sizeof(p), &argv[i]) < 0) {
+            why = DSEC_ARGV_FAULTED;
+            break;
+        }
+        if (!p) {
+            why = DSEC_ARGV_END;
+            break;
+        }
+        u64 used = off - start;
+        if (used >= DSEC_ARGV_BYTES) {
+            why = DSEC_ARGV_FULL;
+            break;
+        }
+        u64 room = DSEC_ARGV_BYTES - used;
+        DSEC_BARRIER(room);
+        if (room > DSEC_ARGV_BYTES)
+            room = DSEC_ARGV_BYTES;
+        u64 o = off;
+        DSEC_BARRIER(o);
+        o &= DSEC_EXEC_OFF_MASK;
+        long n = bpf_probe_read_user_str(&e->buf[o], room, p);
+        if (n <= 0) {
+            why = DSEC_ARGV_FAULTED;
+            break;
+        }
+        off += n;
+        argc++;
+        if ((u64)n == room) {
+            why = DSEC_ARGV_FULL;
+            last = p;
+            last_room = room;
+            break;
+        }
+    }
+    u32 status = 0;
+    if (why == DSEC_ARGV_FAULTED) {
+        status |= DSEC_ST_ARGV_FAULT;
+    } else if (why != DSEC_ARGV_END) {
+        /* budget or count used up: truncated if anything is left */
+        char c = 0;
+        if (last && last_room)
+            bpf_probe_read_user(&c, 1, last + last_room - 1);
+        const char *next = 0;
+        u32 idx = argc;
+        DSEC_BARRIER(idx);
+        idx &= 0xffff;
+        bpf_probe_read_user(&next, sizeof(next), &argv[idx]);
+        if (c || next)
+            status |= DSEC_ST_ARGV_TRUNC;
+    }
+    e->u.exec.argv_off = start;
+    e->u.exec.argv_len = off - start;
+    e->u.exec.argc = argc;
+    e->u.exec.status |= status;
+    e->h.size = DSEC_FIXED_BYTES + off;
+}
+
+static __always_inline int dsec_exec_enter(u32 sys, int dirfd, const char *path,
+                                           const char *const *argv, u32 at_flags)
+{
+    u64 cgid = 0;
+    struct dsec_sandbox *cfg = dsec_sandbox(&cgid);
+    if (!cfg)
+        return 0;
+    struct dsec_state *st = sbx_state.lookup(&cgid);
+    if (!st)
+        return 0;
+    if (!dsec_admit(cfg, st, DSEC_KIND_EXEC))
+        return 0;
+    if (!dsec_inflight_get(cfg, st, DSEC_KIND_EXEC))
+        return 0;
+    u32 cpu = bpf_get_smp_processor_id();
+    struct dsec_event *e = exec_scratch.lookup(&cpu);
+    if (!e) {
+        __sync_fetch_and_add(&st->inflight, -1);
+        dsec_count_lost(cfg, st, DSEC_LOST_INFLIGHT_FULL, DSEC_KIND_EXEC);
+        return 0;
+    }
+    __builtin_memset(&e->u, 0, sizeof(e->u));
+    dsec_fill_hdr(&e->h, DSEC_KIND_EXEC, cgid, cfg->step);
+    e->u.exec.sys = sys;
+    e->u.exec.dirfd = dirfd;
+    e->u.exec.at_flags = at_flags;
+    e->u.exec.upath = (u64)path;
+    u32 status = 0;
+    u32 plen = dsec_read_path(&e->buf[0], path, &status, DSEC_ST_PATH_TRUNC, DSEC_ST_PATH_FAULT);
+    e->u.exec.path_len = plen;
+    e->u.exec.status = status;
+    dsec_read_argv(e, argv, (u64)plen + 1);
+
+    u32 tid = e->h.tid;
+    if (pending_exec.update(&tid, e) != 0) {
+        __sync_fetch_and_add(&st->inflight, -1);
+        dsec_count_lost(cfg, st, DSEC_LOST_INFLIGHT_FULL, DSEC_KIND_EXEC);
+    }
+    return 0;
+}
+
+/* The exec'd path was not resident at enter: read it late, after argv. From
+ * user memory at a failed exec's exit (the kernel faulted it in), or from the
+ * sched_process_exec tracepoint data (the kernel's copy) on success. */
+static __always_inline void dsec_exec_late_path(struct dsec_event *e, const char *src, int from_kernel)
+{
+    if (!(e->u.exec.status & DSEC_ST_PATH_FAULT))
+        return;
+    u64 off = (u64)e->u.exec.argv_off + e->u.exec.argv_len;
+    DSEC_BARRIER(off);
+    off &= DSEC_EXEC_OFF_MASK;
+    long n;
+    if (from_kernel)
+        n = bpf_probe_read_kernel_str(&e->buf[off], DSEC_PATH_MAX, src);
+    else
+        n = bpf_probe_read_user_str(&e->buf[off], DSEC_PATH_MAX, src);
+    if (n <= 0)
+        return;
+    e->u.exec.late_off = off;
+    e->u.exec.late_len = n - 1;
+    e->u.exec.status = (e->u.exec.status & ~DSEC_ST_PATH_FAULT) | DSEC_ST_LATE_READ;
+    e->h.size = DSEC_FIXED_BYTES + off + n;
+}
+
+static __always_inline int dsec_exec_exit(long ret)
+{
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct dsec_event *e = pending_exec.lookup(&tid);
+    if (!e)
+        return 0;   /* not captured, or already emitted at sched_process_exec */
+    u64 cgid = e->h.cgroup_id;
+    dsec_inflight_put(cgid);
+    e->u.exec.ret = ret;
+    dsec_exec_late_path(e, (const char *)e->u.exec.upath, 0);
+    e->h.ts_ns = bpf_ktime_get_ns();
+    dsec_output(e, e->h.size, sizeof(struct dsec_event), cgid, DSEC_KIND_EXEC);
+    pending_exec.delete(&tid);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_execve)
+{
+    return dsec_exec_enter(DSEC_SYS_EXECVE, DSEC_AT_FDCWD, args->filename, args->argv, 0);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_execveat)
+{
+    return dsec_exec_enter(DSEC_SYS_EXECVEAT, (int)args->fd, args->filename, args->argv,
+                           (u32)args->flags);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_execve)
+{
+    return dsec_exec_exit(args->ret);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_execveat)
+{
+    return dsec_exec_exit(args->ret);
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 tgid = pt >> 32;
+    u32 old = args->old_pid;
+    /* a fresh image: what was recorded about the old one's ending is void
+     * (de_thread delivers SIGKILL to the other threads) */
+    exit_info.delete(&tgid);
+
+    struct dsec_event *e = pending_exec.lookup(&old);
+    if (e) {
+        u64 cgid = e->h.cgroup_id;
+        u64 ug = bpf_get_current_uid_gid();
+        dsec_inflight_put(cgid);
+        e->h.ts_ns = bpf_ktime_get_ns();
+        e->h.pid = tgid;
+        e->h.tid = (u32)pt;
+        e->h.uid = (u32)ug;
+        e->h.gid = ug >> 32;
+        bpf_get_current_comm(e->h.comm, sizeof(e->h.comm));
+        e->u.exec.ret = 0;
+        e->u.exec.old_tid = old;
+        u32 floc = args->data_loc_filename & 0xFFFF;
+        dsec_exec_late_path(e, (const char *)args + floc, 1);
+        dsec_output(e, e->h.size, sizeof(struct dsec_event), cgid, DSEC_KIND_EXEC);
+        pending_exec.delete(&old);
+        return 0;
+    }
+
+    /* not captured at enter: still report the exec, without argv */
+    u64 cgid = 0;
+    struct dsec_sandbox *cfg = dsec_sandbox(&cgid);
+    if (!cfg)
+        return 0;
+    struct dsec_state *st = sbx_state.lookup(&cgid);
+    if (!st || !dsec_admit(cfg, st, DSEC_KIND_EXEC))
+        return 0;
+    u32 cpu = bpf_get_smp_processor_id();
+    e = exec_scratch.lookup(&cpu);
+    if (!e) {
+        dsec_count_lost(cfg, st, DSEC_LOST_INFLIGHT_FULL, DSEC_KIND_EXEC);
+        return 0;
+    }
+    __builtin_memset(&e->u, 0, sizeof(e->u));
+    dsec_fill_hdr(&e->h, DSEC_KIND_EXEC, cgid, cfg->step);
+    e->u.exec.old_tid = old;
+    e->u.exec.dirfd = DSEC_AT_FDCWD;
+    e->u.exec.status = DSEC_ST_NO_ARGV;
+    /* the kernel's filename (tracepoint data, not a kernel struct) */
+    u32 loc = args->data_loc_filename & 0xFFFF;
+    long n = bpf_probe_read_kernel_str(&e->buf[0], DSEC_PATH_MAX, (void *)args + loc);
+    if (n <= 0) {
+        e->buf[0] = 0;
+        e->u.exec.status |= DSEC_ST_PATH_FAULT;
+        n = 1;
+    }
+    e->u.exec.path_len = n - 1;
+    e->u.exec.argv_off = n;
+    e->h.size = DSEC_FIXED_BYTES + n;
+    dsec_output(e, e->h.size, sizeof(struct dsec_event), cgid, DSEC_KIND_EXEC);
+    return 0;
+}
+
+/* ---- exit ------------------------------------------------------------------ */
+
+TRACEPOINT_PROBE(syscalls, sys_enter_exit_group)
+{
+    u64 cgid = 0;
+    if (!dsec_sandbox(&cgid))
+        return 0;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    struct dsec_exit_info info = {};
+    info.code = (int)(args->error_code & 0xff);
+    info.how = DSEC_EXIT_EXIT_GROUP;
+    exit_info.update(&tgid, &info);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_exit)
+{
+    /* exit(2) of one thread: without exit_group, the status of the process is
+     * that of the thread that exits last, so the latest exit() wins */
+    u64 cgid = 0;
+    if (!dsec_sandbox(&cgid))
+        return 0;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    struct dsec_exit_info *old = exit_info.lookup(&tgid);
+    if (old && old->how != DSEC_EXIT_EXIT)
+        return 0;   /* exit_group or a fatal signal came first */
+    struct dsec_exit_info info = {};
+    info.code = (int)(args->error_code & 0xff);
+    info.how = DSEC_EXIT_EXIT;
+    exit_info.update(&tgid, &info);
+    return 0;
+}
+
+TRACEPOINT_PROBE(signal, signal_generate)
+{
+    /* sender's context: the target may be a sandbox task; only remembered */
+    int sig = args->sig;
+    if (args->result != 0 || sig == DSEC_SIGKILL || !dsec_sig_fatal_default(sig))
+        return 0;
+    u32 pid = args->pid;
+    u32 s = sig;
+    sig_generated.update(&pid, &s);
+    return 0;
+}
+
+TRACEPOINT_PROBE(signal, signal_deliver)
+{
+    u64 cgid = 0;
+    if (!dsec_sandbox(&cgid))
+        return 0;
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 tgid = pt >> 32;
+    u32 tid = (u32)pt;
+    int sig = args->sig;
+    if (args->sa_handler != 0 /* SIG_DFL */ || !dsec_sig_fatal_default(sig)) {
+        sig_generated.delete(&tid);
+        sig_generated.delete(&tgid);
+        return 0;
+    }
+    u32 s = sig;
+    if (sig == DSEC_SIGKILL) {
+        u32 *g = sig_generated.lookup(&tgid);
+        if (!g)
+            g = sig_generated.lookup(&tid);
+        if (g && *g)
+            s = *g;
+    }
+    struct dsec_exit_info info = {};
+    info.code = -1;
+    info.signal = s;
+    info.how = DSEC_EXIT_SIGNAL;
+    exit_info.insert(&tgid, &info);   /* the first cause wins */
+    return 0;
+}
+
+/* a thread that dies inside a syscall leaves no pending record behind */
+static __always_inline void dsec_drop_pending(u32 tid)
+{
+    struct dsec_event_small *p = pending.lookup(&tid);
+    if (p) {
+        dsec_inflight_put(p->h.cgroup_id);
+        pending.delete(&tid);
+    }
+    struct dsec_event *x = pending_exec.lookup(&tid);
+    if (x) {
+        dsec_inflight_put(x->h.cgroup_id);
+        pending_exec.delete(&tid);
+    }
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exit)
+{
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 tgid = pt >> 32;
+    dsec_drop_pending((u32)pt);
+    if (!args->group_dead)
+        return 0;
+    u64 cgid = 0;
+    struct dsec_sandbox *cfg = dsec_sandbox(&cgid);
+    struct dsec_state *st = cfg ? sbx_state.lookup(&cgid) : 0;
+    if (st && dsec_admit(cfg, st, DSEC_KIND_EXIT)) {
+        struct dsec_event *e = events.ringbuf_reserve(DSEC_FIXED_BYTES);
+        if (e) {
+            __builtin_memset(&e->u, 0, sizeof(e->u));
+            dsec_fill_hdr(&e->h, DSEC_KIND_EXIT, cgid, cfg->step);
+            struct dsec_exit_info *info = exit_info.lookup(&tgid);
+            if (info) {
+                e->u.exit.exit_code = info->code;
+                e->u.exit.signal = info->signal;
+                e->u.exit.how = info->how;
+            } else {
+                e->u.exit.exit_code = -1;
+                e->u.exit.how = DSEC_EXIT_UNKNOWN;
+            }
+            events.ringbuf_submit(e, 0);
+            dsec_count_emitted(st, DSEC_KIND_EXIT);
+        } else {
+            dsec_count_lost(cfg, st, DSEC_LOST_RINGBUF_FULL, DSEC_KIND_EXIT);
+        }
+    }
+    if (cfg) {
+        parents.delete(&tgid);
+        exit_info.delete(&tgid);
+        sig_generated.delete(&tgid);
+    }
+    return 0;
+}

@@ -1,0 +1,132 @@
+"""dsec run -> eBPF -> spool -> ClickHouse -> dsec events/replay, end to end.
+
+Real BPF programs in the running kernel, a real sandbox, the project's own
+ClickHouse server on loopback."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import dsec
+
+WORKLOAD = r'''
+import os, socket, subprocess, sys
+marker = sys.argv[1]
+# 3 execs (plus this python3 itself): two /bin/true and one /bin/echo with a 200 KB argv
+subprocess.run(["/bin/true"]); subprocess.run(["/bin/true"])
+subprocess.run(["/bin/echo"] + ["A" * 50_000] * 4, stdout=subprocess.DEVNULL)
+# 2 connects: a listener of our own, and a closed port
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+c1 = socket.socket(); c1.connect(("127.0.0.1", srv.getsockname()[1]))
+c2 = socket.socket()
+try:
+    c2.connect(("127.0.0.1", 1))
+except OSError:
+    pass
+# 3 file writes, one with a non-UTF-8 name
+base = os.getcwd().encode()
+open(base + b"/a-" + marker.encode() + b".txt", "w").write("a")
+open(base + b"/caf\xe9-\xff-" + marker.encode(), "wb").write(b"x")
+with open("/tmp/b-" + marker, "a") as f:
+    f.write("b")
+os.unlink(base + b"/a-" + marker.encode() + b".txt")
+os.rename("/tmp/b-" + marker, "/tmp/c-" + marker)
+'''
+
+
+def events(sid, env, *kinds):
+    args = ["events", "--sandbox", sid, "--format", "json"]
+    for k in kinds:
+        args += ["--kind", k]
+    r = dsec(*args, env=env)
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line) for line in r.stdout.decode().splitlines()]
+
+
+@pytest.fixture
+def audit_env(clickhouse_url, tmp_path):
+    return {"DSEC_CLICKHOUSE_URL": clickhouse_url, "DSEC_SPOOL_DIR": str(tmp_path / "spool")}
+
+
+def test_completeness_exact_events_and_nothing_from_outside(audit_env, sid, tmp_path):
+    marker = os.urandom(4).hex()
+    out = tmp_path / "s.json"
+    # the same workload on the host, at the same time, must leave no trace
+    hostdir = tmp_path / "host"
+    hostdir.mkdir()
+    host = subprocess.Popen([sys.executable, "-B", "-c", WORKLOAD, "host" + marker], cwd=hostdir)
+    r = dsec("run", "--sandbox-id", sid, "--summary-json", str(out), "--", "python3", "-B", "-c", WORKLOAD, marker,
+             env=audit_env)
+    assert host.wait(timeout=60) == 0
+    assert r.returncode == 0, r.stderr
+    s = json.loads(out.read_text())
+    assert s["audit"]["lost"] == 0 and s["audit"]["pending"] == 0
+
+    evs = events(sid, audit_env)
+    assert all(e["sandbox_id"] == sid for e in evs)
+    assert not [e for e in evs if "host" + marker in json.dumps(e)]
+    work = [e for e in evs if e["step"] == 1]
+
+    execs = [e for e in work if e["kind"] == "exec" and e["ret"] == 0]
+    assert [os.path.basename(e["path"]) for e in execs][1:] == ["true", "true", "echo"]
+    assert os.path.basename(execs[0]["path"]).startswith("python3")
+    true_sha = hashlib.sha256(open("/usr/bin/true", "rb").read()).hexdigest()
+    assert execs[1]["sha256"] == true_sha and execs[1]["build_id"]
+    assert execs[1]["interp"].startswith("/lib") and execs[1]["is_static"] == 0
+    echo = execs[3]
+    assert echo["argv_truncated"] == 1 and echo["argv"][0] == "/bin/echo" and echo["argv"][1].startswith("AAAA")
+
+    conns = [e for e in work if e["kind"] == "connect"]
+    assert len(conns) == 2
+    assert conns[0]["family"] == "ipv4" and conns[0]["addr"] == "127.0.0.1" and conns[0]["ret"] == 0
+    assert conns[1]["port"] == 1 and conns[1]["ret"] == -111
+
+    writes = [os.fsencode(e["path"]) for e in work if e["kind"] == "open_write" and marker in e["path"]]
+    assert writes == [f"/workspace/a-{marker}.txt".encode(), b"/workspace/caf\xe9-\xff-" + marker.encode(),
+                      f"/tmp/b-{marker}".encode()]
+    unl = [e for e in work if e["kind"] == "unlink"]
+    assert [e["path"] for e in unl] == [f"/workspace/a-{marker}.txt"]
+    ren = [e for e in work if e["kind"] == "rename"]
+    assert [(e["path"], e["path2"]) for e in ren] == [(f"/tmp/b-{marker}", f"/tmp/c-{marker}")]
+
+    kinds = {e["kind"] for e in evs}
+    assert {"sandbox_start", "sandbox_exit", "fork", "exit"} <= kinds
+
+    # replay reads the same record back as a tree and a timeline
+    rr = dsec("replay", sid, env=audit_env)
+    assert rr.returncode == 0, rr.stderr
+    text = rr.stdout.decode()
+    assert "process tree:" in text and "/bin/echo" in text and "connect  ipv4 127.0.0.1:1 -> ECONNREFUSED" in text
+    assert "rename   /tmp/b-" in text
+
+
+def test_clickhouse_down_then_back_loses_nothing(scratch_clickhouse, tmp_path, sid):
+    env = {"DSEC_CLICKHOUSE_URL": scratch_clickhouse.url_for("dsec_outage"), "DSEC_SPOOL_DIR": str(tmp_path / "spool")}
+    scratch_clickhouse.stop()
+    r = dsec("run", "--sandbox-id", sid, "--", "sh", "-c", "for i in 1 2 3 4 5; do echo $i > /workspace/f$i; done",
+             env=env)
+    assert r.returncode == 0
+    assert b"wait in the spool" in r.stderr
+    scratch_clickhouse.start()
+    r = dsec("export", "--timeout", "30", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # a second export (a retry after a crash, say) must not duplicate anything
+    assert dsec("export", env=env).returncode == 0
+    evs = events(sid, env)
+    ids = [e["event_id"] for e in evs]
+    assert len(ids) == len(set(ids))
+    files = sorted(e["path"] for e in evs if e["kind"] == "open_write" and e["path"].startswith("/workspace/f"))
+    assert files == [f"/workspace/f{i}" for i in range(1, 6)]
+    assert {"sandbox_start", "sandbox_exit"} <= {e["kind"] for e in evs}
+
+
+def test_audit_off_records_nothing(audit_env, sid):
+    r = dsec("run", "--audit", "off", "--sandbox-id", sid, "--", "true", env=audit_env)
+    assert r.returncode == 0
+    r = dsec("events", "--sandbox", sid, "--format", "json", env=audit_env)
+    assert r.stdout == b""

@@ -1,0 +1,470 @@
+"""Spool -> ClickHouse -> query layer, against a real clickhouse-server on
+loopback started by dsec's own code (agent/clickhouse_server.py)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from agent.clickhouse_server import PrivateServer, connect, ensure_clickhouse, parse_url
+from agent.errors import DsecError
+from agent.query import AuditStore
+from agent.spool import HEADER_BYTES, Position, Spool, encode_frame
+from audit_schema import migrations
+from audit_schema.events import FIELDS, from_bytes
+from exporters.clickhouse import ClickHouseExporter
+
+from fixtures_clickhouse import (SESSION_DB, clickhouse_client, clickhouse_server, clickhouse_url,  # noqa: F401
+                                 free_ports, scratch_clickhouse)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DSEC = [sys.executable, "-m", "agent.cli"]
+
+
+def new_sid():
+    return "sb-" + uuid.uuid4().hex[:12]
+
+
+def events(sid, n, start=0, **kw):
+    t0 = 1_800_000_000_000_000_000
+    out = []
+    for i in range(start, start + n):
+        r = {"event_id": f"{sid}-{i}", "ts_ns": t0 + i * 1000, "node": "node-a", "sandbox_id": sid,
+             "kind": ("exec", "connect", "open_write")[i % 3], "pid": 100 + i, "ppid": 1, "step": 1,
+             "path": f"/work/f{i}", "decision": "allowed"}
+        r.update(kw)
+        out.append(r)
+    return out
+
+
+def final_count(client, db, sid):
+    return client.execute(f"SELECT count(), uniqExact(event_id) FROM {db}.events FINAL "
+                          f"WHERE sandbox_id = %(s)s", {"s": sid})[0]
+
+
+def run_dsec(*args, env=None):
+    e = dict(os.environ, PYTHONPATH=ROOT)
+    e.update(env or {})
+    return subprocess.run([*DSEC, *args], capture_output=True, cwd=ROOT, env=e, timeout=120)
+
+
+@pytest.fixture
+def spool(tmp_path):
+    s = Spool(str(tmp_path / "spool"), fsync="never")
+    yield s
+    s.close()
+
+
+# --- the private server ----------------------------------------------------------------
+
+def test_private_server_listens_on_loopback_only(clickhouse_server):
+    st = clickhouse_server.status()
+    assert st.running and st.pid
+    assert st.data_dir.startswith(clickhouse_server.home)
+    listen = []
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == "0A" and int(local.split(":")[1], 16) in (st.tcp_port, st.http_port):
+            listen.append(local.split(":")[0])
+    assert listen and set(listen) == {"0100007F"}   # 127.0.0.1
+    # starting again reuses it
+    assert clickhouse_server.start().pid == st.pid
+    assert PrivateServer().start().pid == st.pid
+
+
+def test_ensure_clickhouse_prefers_the_url_from_the_environment(monkeypatch, clickhouse_server):
+    monkeypatch.setenv("DSEC_CLICKHOUSE_URL", "clickhouse://u:p@db.example:9440/audit?secure=1")
+    assert ensure_clickhouse() == "clickhouse://u:p@db.example:9440/audit?secure=1"
+    t = parse_url(ensure_clickhouse())
+    assert (t.host, t.port, t.user, t.password, t.database, t.secure) == ("db.example", 9440, "u", "p", "audit", True)
+    monkeypatch.setenv("DSEC_CLICKHOUSE_URL", "postgres://x/y")
+    with pytest.raises(DsecError, match="DSEC_CLICKHOUSE_URL"):
+        ensure_clickhouse()
+    monkeypatch.setenv("DSEC_CLICKHOUSE_URL", "clickhouse://h/bad-name")
+    with pytest.raises(DsecError, match="database name"):
+        connect(os.environ["DSEC_CLICKHOUSE_URL"])
+    monkeypatch.delenv("DSEC_CLICKHOUSE_URL")
+    assert ensure_clickhouse() == clickhouse_server.url
+
+
+def test_cli_start_stop_status_on_a_private_home(tmp_path):
+    tcp, http = free_ports(2)
+    env = {"DSEC_CLICKHOUSE_DIR": str(tmp_path / "ch"), "DSEC_CLICKHOUSE_PORT": str(tcp),
+           "DSEC_CLICKHOUSE_HTTP_PORT": str(http), "DSEC_CLICKHOUSE_URL": ""}
+    try:
+        r = run_dsec("clickhouse", "status", env=env)
+        assert r.returncode == 1 and b"not running" in r.stdout
+        r = run_dsec("clickhouse", "start", env=env)
+        assert r.returncode == 0, r.stderr
+        pid = int(r.stdout.split(b"(pid ")[1].split(b")")[0])
+        assert b"started" in r.stdout
+        r = run_dsec("clickhouse", "start", env=env)
+        assert r.returncode == 0 and b"already running" in r.stdout and f"(pid {pid})".encode() in r.stdout
+        r = run_dsec("clickhouse", "status", env=env)
+        assert r.returncode == 0
+        for want in (f"127.0.0.1:{tcp}", f"127.0.0.1:{http}", str(tmp_path / "ch" / "data"), "ClickHouse 18."):
+            assert want.encode() in r.stdout, r.stdout
+        r = run_dsec("clickhouse", "stop", env=env)
+        assert r.returncode == 0 and f"stopped (pid {pid})".encode() in r.stdout
+        assert not os.path.exists(f"/proc/{pid}") or b"clickhouse" not in open(f"/proc/{pid}/cmdline", "rb").read()
+        r = run_dsec("clickhouse", "status", env=env)
+        assert r.returncode == 1
+        r = run_dsec("clickhouse", "status", env={**env, "DSEC_CLICKHOUSE_PORT": "99999"})
+        assert r.returncode == 2 and r.stderr.count(b"\n") == 1 and b"DSEC_CLICKHOUSE_PORT" in r.stderr
+    finally:
+        PrivateServer(str(tmp_path / "ch"), tcp, http).stop()
+
+
+def test_port_taken_by_someone_else_is_a_clear_error(tmp_path):
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        srv = PrivateServer(str(tmp_path / "ch"), s.getsockname()[1], free_ports(1)[0])
+        with pytest.raises(DsecError, match="taken by another process"):
+            srv.start()
+    finally:
+        s.close()
+
+
+# --- schema -------------------------------------------------------------------------------
+
+@pytest.fixture
+def scratch_db(clickhouse_url):
+    client, _ = connect(clickhouse_url)
+    db = f"{SESSION_DB}_m{uuid.uuid4().hex[:6]}"
+    yield client, db
+    client.execute(f"DROP DATABASE IF EXISTS {db}")
+    client.disconnect()
+
+
+def test_migrations_are_idempotent_and_recorded(scratch_db):
+    client, db = scratch_db
+    r1 = migrations.migrate(client, db)
+    assert (r1.before, r1.after, r1.applied) == (0, migrations.LATEST, [v for v, _, _ in migrations.MIGRATIONS])
+    r2 = migrations.migrate(client, db)
+    assert (r2.before, r2.after, r2.applied, r2.added_columns) == (migrations.LATEST, migrations.LATEST, [], [])
+    rows = client.execute(f"SELECT version, name, server_version FROM {db}.schema_migrations FINAL ORDER BY version")
+    assert [r[0] for r in rows] == [v for v, _, _ in migrations.MIGRATIONS]
+    assert rows[0][2] == client.execute("SELECT version()")[0][0]
+    cols = migrations.table_columns(client, db)
+    feat = migrations.detect_features(client)
+    for f in FIELDS:   # every field a column, LowCardinality where FIELDS asks for it
+        assert cols[f.name] == migrations.column_type(f, feat)
+    assert cols["node"] == "LowCardinality(String)" and cols["path"] == "String"
+    engine, = client.execute("SELECT engine FROM system.tables WHERE database = %(d)s AND name = 'events'",
+                             {"d": db})[0]
+    assert engine == "ReplacingMergeTree"
+    ddl = client.execute(f"SHOW CREATE TABLE {db}.events")[0][0]
+    assert "ORDER BY (kind, sandbox_id, ts_ns, event_id)" in ddl
+    assert "PARTITION BY toYYYYMM(toDateTime(intDiv(ts_ns, 1000000000), 'UTC'))" in ddl
+
+
+def test_missing_column_is_added_and_a_type_change_is_refused(scratch_db):
+    client, db = scratch_db
+    migrations.migrate(client, db)
+    client.execute(f"ALTER TABLE {db}.events DROP COLUMN shebang")   # as if FIELDS had grown
+    assert migrations.migrate(client, db).added_columns == ["shebang"]
+    client.execute(f"ALTER TABLE {db}.events DROP COLUMN shebang")
+    client.execute(f"ALTER TABLE {db}.events ADD COLUMN shebang UInt8")
+    with pytest.raises(DsecError, match=r"shebang is UInt8 .* String"):
+        migrations.migrate(client, db)
+
+
+def test_a_dropped_events_table_is_recreated(scratch_db):
+    client, db = scratch_db
+    migrations.migrate(client, db)
+    client.execute(f"DROP TABLE {db}.events")
+    client.execute(f"DROP TABLE {db}.sandboxes")
+    r = migrations.migrate(client, db)
+    assert r.before == migrations.LATEST and r.applied == [v for v, _, _ in migrations.MIGRATIONS]
+    assert set(migrations.table_columns(client, db)) >= {f.name for f in FIELDS}
+
+
+def test_a_newer_schema_is_refused_and_nothing_is_lost(scratch_db, clickhouse_server, spool):
+    client, db = scratch_db
+    migrations.migrate(client, db)
+    client.execute(f"INSERT INTO {db}.schema_migrations (version, name) VALUES", [(migrations.LATEST + 1, "future")])
+    with pytest.raises(DsecError, match=f"schema version {migrations.LATEST + 1}, newer"):
+        migrations.migrate(client, db)
+    url = clickhouse_server.url_for(db)
+    with pytest.raises(DsecError, match="newer"):
+        list(AuditStore(url).events("x"))
+    spool.append_many(events("sb-future", 5))
+    exp = ClickHouseExporter(spool, url)
+    res = exp.flush(timeout=5)
+    assert res.fatal and "newer" in res.error and res.pending == 5 and res.sent == 0
+    exp.close()
+
+
+# --- export --------------------------------------------------------------------------------
+
+def test_export_and_query_dedup_by_event_id(clickhouse_url, clickhouse_client, spool):
+    client, db = clickhouse_client
+    sid = new_sid()
+    evs = events(sid, 2500)
+    spool.append_many(evs[:1000])
+    spool.append_many(evs[1000:])
+    exp = ClickHouseExporter(spool, clickhouse_url, batch_records=700)
+    res = exp.flush(timeout=60)
+    assert res.ok and res.sent == 2500 and res.pending == 0
+    # re-send everything (as after a crash between insert and cursor commit)
+    spool.save_cursor("clickhouse", Position(spool.segments()[0], 0))
+    assert exp.flush(timeout=60).sent == 2500
+    raw = client.execute(f"SELECT count() FROM {db}.events WHERE sandbox_id = %(s)s", {"s": sid})[0][0]
+    assert 2500 <= raw <= 5000   # copies may or may not be merged yet
+    assert final_count(client, db, sid) == (2500, 2500)
+    store = AuditStore(clickhouse_url)
+    got = list(store.events(sid))
+    assert [g["event_id"] for g in got] == [e["event_id"] for e in evs]       # once each, time-ordered
+    assert [g["pid"] for g in store.events(sid, ["connect"], limit=3)] == [101, 104, 107]
+    assert store.count(sid) == 2500
+    exp.close()
+    store.close()
+
+
+def test_non_utf8_bytes_round_trip_exactly(clickhouse_url, clickhouse_client, spool):
+    client, db = clickhouse_client
+    sid = new_sid()
+    every_byte = bytes(range(1, 256))
+    path = b"/tmp/\xff\xfe/caf\xc3\xa9/\x00nul\n"
+    big = b"\xc3" + b"x" * (200 * 1024)
+    rec = {"event_id": f"{sid}-bytes", "ts_ns": 1, "sandbox_id": sid, "kind": "exec",
+           "path": from_bytes(path), "argv": [from_bytes(every_byte), from_bytes(big), ""],
+           "comm": from_bytes(b"\x80\x81comm"), "argv_truncated": 1}
+    spool.append(rec)
+    assert ClickHouseExporter(spool, clickhouse_url).flush(timeout=30).ok
+    row = client.execute(f"SELECT path, argv, comm FROM {db}.events FINAL WHERE sandbox_id = %(s)s",
+                         {"s": sid}, settings={"strings_as_bytes": True})
+    assert row == [(path, [every_byte, big, b""], b"\x80\x81comm")]
+    got, = list(AuditStore(clickhouse_url).events(sid))
+    assert os.fsencode(got["path"]) == path and [os.fsencode(a) for a in got["argv"]] == [every_byte, big, b""]
+    # the CLI's JSON lines carry the same bytes as \udcXX escapes
+    r = run_dsec("events", "--sandbox", sid, "--format", "json", env={"DSEC_CLICKHOUSE_URL": clickhouse_url})
+    assert r.returncode == 0, r.stderr
+    line, = r.stdout.decode("utf-8").splitlines()
+    obj = json.loads(line)
+    assert set(obj) == {f.name for f in FIELDS}
+    assert os.fsencode(obj["path"]) == path and os.fsencode(obj["argv"][0]) == every_byte
+    assert "\\udcff" in line
+    # a query by exact non-UTF-8 path, through the literal escaping
+    from agent.query import sql_string
+    n = client.execute(f"SELECT count() FROM {db}.events FINAL WHERE path = {sql_string(from_bytes(path))}")[0][0]
+    assert n == 1
+
+
+def test_cli_events_table_and_bad_usage(clickhouse_url, spool):
+    sid = new_sid()
+    spool.append_many(events(sid, 6, path=from_bytes(b"/etc/\x1b[31mred\xff")))
+    assert ClickHouseExporter(spool, clickhouse_url).flush(timeout=30).ok
+    env = {"DSEC_CLICKHOUSE_URL": clickhouse_url, "COLUMNS": "200"}
+    r = run_dsec("events", "--sandbox", sid, "--kind", "exec,open_write", env=env)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.decode()
+    assert out.count("exec") == 2 and out.count("open_write") == 2 and "connect" not in out
+    assert "\x1b" not in out and "\\x1b[31mred\\xff" in out       # no terminal escapes from hostile names
+    r = run_dsec("events", "--sandbox", sid, "--kind", "execve", env=env)
+    assert r.returncode == 2 and r.stderr.count(b"\n") == 1 and b"execve" in r.stderr
+    r = run_dsec("events", "--sandbox", "no-such-sandbox", env=env)
+    assert r.returncode == 1 and b"no events" in r.stderr and r.stderr.count(b"\n") == 1
+    r = run_dsec("events", "--sandbox", sid, env={"DSEC_CLICKHOUSE_URL": "clickhouse://127.0.0.1:1/x"})
+    assert r.returncode == 1 and r.stderr.count(b"\n") == 1 and b"Connection refused" in r.stderr
+
+
+def test_sandboxes_view_summarises_lifecycle(clickhouse_url, spool):
+    sid = new_sid()
+    spool.append_many([
+        {"event_id": f"{sid}-s", "ts_ns": 10, "sandbox_id": sid, "kind": "sandbox_start", "node": "n1",
+         "argv": ["python3", "-c", "x"], "policy_name": "default", "mode": "audit"},
+        *events(sid, 3),
+        {"event_id": f"{sid}-l", "ts_ns": 20, "sandbox_id": sid, "kind": "events_lost", "count": 7},
+        {"event_id": f"{sid}-e", "ts_ns": 30, "sandbox_id": sid, "kind": "sandbox_exit", "exit_code": 3},
+    ])
+    assert ClickHouseExporter(spool, clickhouse_url).flush(timeout=30).ok
+    s = AuditStore(clickhouse_url).sandbox(sid)
+    assert s["started_ns"] == 10 and s["ended_ns"] == 30 and s["exit_code"] == 3 and s["events_lost"] == 7
+    assert s["argv"] == ["python3", "-c", "x"] and s["mode"] == "audit" and s["exited"] == 1
+    assert AuditStore(clickhouse_url).sandbox("nope") is None
+
+
+def test_unreachable_clickhouse_keeps_events_in_the_spool(clickhouse_url, clickhouse_client, spool):
+    client, db = clickhouse_client
+    sid = new_sid()
+    spool.append_many(events(sid, 40))
+    dead = f"clickhouse://default@127.0.0.1:{free_ports(1)[0]}/{db}"
+    exp = ClickHouseExporter(spool, dead)
+    res = exp.flush(timeout=0.5)
+    assert res.sent == 0 and res.pending == 40 and "refused" in res.error.lower() and not res.fatal
+    exp.close()
+    res = ClickHouseExporter(spool, clickhouse_url).flush(timeout=30)
+    assert res.ok and res.sent == 40
+    assert final_count(client, db, sid) == (40, 40)
+
+
+def test_clickhouse_stopped_mid_stream_every_event_arrives_once(scratch_clickhouse, tmp_path):
+    server = scratch_clickhouse
+    url = server.url_for("outage")
+    spool = Spool(str(tmp_path / "sp"), fsync="never")
+    exp = ClickHouseExporter(spool, url, batch_records=50)
+    stop = threading.Event()
+    results = []
+    t = threading.Thread(target=exp.run, args=(stop,), kwargs={"interval": 0.02, "on_result": results.append})
+    t.start()
+    sid, total = new_sid(), 0
+    try:
+        for chunk in range(6):
+            spool.append_many(events(sid, 200, start=total))
+            total += 200
+            if chunk == 1:
+                server.stop()                 # ClickHouse goes away mid-stream
+            if chunk == 3:
+                deadline = time.monotonic() + 60
+                while not any(r.error for r in results) and time.monotonic() < deadline:
+                    time.sleep(0.02)          # the exporter has seen the outage
+                server.start()                # and comes back
+    finally:
+        stop.set()
+        t.join(60)
+    res = exp.flush(timeout=60)
+    assert res.ok and res.pending == 0
+    assert any(r.error for r in results)      # the outage was reported, not hidden
+    client, db = connect(url)
+    assert final_count(client, db, sid) == (total, total)
+    got = [e["event_id"] for e in AuditStore(url).events(sid)]
+    assert got == [f"{sid}-{i}" for i in range(total)]
+    client.disconnect()
+    exp.close()
+    spool.close()
+
+
+_KILLED_EXPORTER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from agent.spool import Spool
+from exporters.clickhouse import ClickHouseExporter
+exp = ClickHouseExporter(Spool({spool!r}, fsync="never"), {url!r})
+while True:                      # deliver slowly, one small batch at a time
+    b = exp.reader.read(25)
+    if not b:
+        break
+    exp._send(b)
+    print("sent", flush=True)
+    time.sleep(0.05)
+time.sleep(3600)
+"""
+
+_SPOOLER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from agent.spool import Spool
+s = Spool({spool!r})
+s.append_many({recs!r})
+print("spooled", flush=True)
+time.sleep(3600)                 # about to send: never gets there
+"""
+
+
+def test_sigkilled_after_spooling_before_sending_delivers_on_next_start(clickhouse_url, clickhouse_client, tmp_path):
+    client, db = clickhouse_client
+    sid = new_sid()
+    path = str(tmp_path / "sp")
+    recs = events(sid, 300)
+    p = subprocess.Popen([sys.executable, "-c", _SPOOLER.format(root=ROOT, spool=path, recs=recs)],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "spooled"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert final_count(client, db, sid) == (0, 0)
+    res = ClickHouseExporter(Spool(path), clickhouse_url).flush(timeout=60)   # "next start"
+    assert res.ok and res.sent == 300
+    assert final_count(client, db, sid) == (300, 300)
+
+
+def test_exporter_sigkilled_mid_delivery_resumes_without_duplicates(clickhouse_url, clickhouse_client, tmp_path):
+    client, db = clickhouse_client
+    sid = new_sid()
+    path = str(tmp_path / "sp")
+    s = Spool(path, fsync="never")
+    s.append_many(events(sid, 1000))
+    p = subprocess.Popen([sys.executable, "-c", _KILLED_EXPORTER.format(root=ROOT, spool=path, url=clickhouse_url)],
+                         stdout=subprocess.PIPE, text=True)
+    for _ in range(3):
+        assert p.stdout.readline().strip() == "sent"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    sent_before = final_count(client, db, sid)[0]
+    assert 75 <= sent_before < 1000
+    res = ClickHouseExporter(s, clickhouse_url).flush(timeout=60)
+    assert res.ok
+    assert final_count(client, db, sid) == (1000, 1000)
+    s.close()
+
+
+def test_corrupt_segment_delivers_the_rest_and_records_the_gap(clickhouse_url, clickhouse_client, spool):
+    client, db = clickhouse_client
+    sid = new_sid()
+    evs = events(sid, 100)
+    spool.append_many(evs)
+    seg = spool.seg_path(spool.segments()[-1])
+    data = bytearray(open(seg, "rb").read())
+    off = sum(len(encode_frame(e)) for e in evs[:50])
+    data[off + HEADER_BYTES + 3] ^= 0x55                  # bit rot in record 50
+    data += encode_frame(events(sid, 1, start=100)[0])[:30]   # and a torn tail
+    open(seg, "wb").write(bytes(data))
+    exp = ClickHouseExporter(spool, clickhouse_url)
+    res = exp.flush(timeout=30)
+    assert res.ok and res.sent == 99 and res.damaged == 2
+    got = {e["event_id"] for e in AuditStore(clickhouse_url).events(sid)}
+    assert got == {e["event_id"] for e in evs} - {f"{sid}-50"}
+    gaps = client.execute(f"SELECT count, extra FROM {db}.events FINAL WHERE kind = 'events_lost' "
+                          f"AND sandbox_id = '' AND extra LIKE %(p)s", {"p": f"%{spool.path}%"})
+    assert len(gaps) == 2 and all(c >= 1 for c, _ in gaps)
+    details = sorted(json.loads(x)["detail"] for _, x in gaps)
+    assert any("CRC" in d for d in details) and any("torn" in d for d in details)
+    assert os.path.getsize(os.path.join(spool.path, "damage.log")) > 0
+    # re-sent (crash between insert and commit): the gap events are the same events
+    spool.save_cursor("clickhouse", Position(spool.segments()[0], 0))
+    assert exp.flush(timeout=30).damaged == 2
+    n = client.execute(f"SELECT count() FROM {db}.events FINAL WHERE kind = 'events_lost' AND sandbox_id = '' "
+                       f"AND extra LIKE %(p)s", {"p": f"%{spool.path}%"})[0][0]
+    assert n == 2
+    spool.append_many(events(sid, 1, start=101))
+    assert exp.flush(timeout=30).sent == 1
+    exp.close()
+
+
+def test_database_dropped_under_a_live_exporter_is_recreated(clickhouse_server, spool):
+    client, _ = connect(clickhouse_server.url)
+    db = f"{SESSION_DB}_d{uuid.uuid4().hex[:6]}"
+    url = clickhouse_server.url_for(db)
+    try:
+        sid = new_sid()
+        spool.append_many(events(sid, 10))
+        exp = ClickHouseExporter(spool, url)
+        assert exp.flush(timeout=30).sent == 10
+        client.execute(f"DROP DATABASE {db}")
+        spool.append_many(events(sid, 10, start=10))
+        res = exp.flush(timeout=30)
+        assert res.ok and res.sent == 10
+        assert final_count(client, db, sid) == (10, 10)
+        exp.close()
+    finally:
+        client.execute(f"DROP DATABASE IF EXISTS {db}")
+        client.disconnect()
+
+
+def test_module_flush_for_short_lived_runs(clickhouse_url, clickhouse_client, spool):
+    from exporters.clickhouse import flush
+    client, db = clickhouse_client
+    sid = new_sid()
+    spool.append_many(events(sid, 3))
+    res = flush(spool, clickhouse_url, timeout=30)
+    assert res.ok and res.sent == 3 and "3 event(s) sent" in res.summary()

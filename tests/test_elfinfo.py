@@ -1,0 +1,244 @@
+"""Exec enrichment (agent/elfinfo.py) on real files: system binaries, ELF files
+built here byte by byte, scripts, and hostile inputs."""
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agent.elfinfo import ElfInfoCache, inspect_fd, open_in_root
+from audit_schema.events import to_bytes
+
+PT_LOAD, PT_INTERP, PT_NOTE = 1, 3, 4
+
+
+def make_elf(path, *, interp: bytes | None = None, build_id: bytes | None = None,
+             extra_phdrs=(), phnum: int | None = None) -> str:
+    """A minimal ELF64 x86-64 executable: program headers only, no sections
+    (like a binary stripped with sstrip)."""
+    blobs = []
+    if interp is not None:
+        blobs.append((PT_INTERP, interp + b"\0"))
+    if build_id is not None:
+        note = struct.pack("<III", 4, len(build_id), 3) + b"GNU\0" + build_id
+        note += b"\0" * (-len(note) % 4)
+        blobs.append((PT_NOTE, note))
+    n = 1 + len(blobs) + len(extra_phdrs)
+    data_off = 64 + 56 * n
+    phdrs, data = [], b""
+    phdrs.append(struct.pack("<IIQQQQQQ", PT_LOAD, 5, 0, 0x400000, 0x400000, 0, 0, 0x1000))
+    for ptype, blob in blobs:
+        phdrs.append(struct.pack("<IIQQQQQQ", ptype, 4, data_off + len(data), 0, 0, len(blob), len(blob), 1))
+        data += blob
+    for ptype, off, size in extra_phdrs:
+        phdrs.append(struct.pack("<IIQQQQQQ", ptype, 4, off, 0, 0, size, size, 1))
+    ehdr = struct.pack("<16sHHIQQQIHHHHHH", b"\x7fELF\x02\x01\x01" + b"\0" * 9, 2, 62, 1,
+                       0x400000, 64, 0, 0, 64, 56, n if phnum is None else phnum, 64, 0, 0)
+    with open(path, "wb") as f:
+        f.write(ehdr + b"".join(phdrs) + data)
+    os.chmod(path, 0o755)
+    return str(path)
+
+
+def oracle(path):
+    """An independent reading of PT_INTERP and the GNU build-id note."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    phoff, = struct.unpack_from("<Q", blob, 32)
+    phentsize, phnum = struct.unpack_from("<HH", blob, 54)
+    interp, build_id = b"", ""
+    for i in range(phnum):
+        ptype, _, off, _, _, filesz, _, _ = struct.unpack_from("<IIQQQQQQ", blob, phoff + i * phentsize)
+        seg = blob[off: off + filesz]
+        if ptype == PT_INTERP:
+            interp = seg.rstrip(b"\0")
+        elif ptype == PT_NOTE:
+            pos = 0
+            while pos + 12 <= len(seg):
+                namesz, descsz, ntype = struct.unpack_from("<III", seg, pos)
+                name = seg[pos + 12: pos + 12 + namesz]
+                dpos = pos + 12 + namesz + (-namesz % 4)
+                if ntype == 3 and name == b"GNU\0":
+                    build_id = seg[dpos: dpos + descsz].hex()
+                pos = dpos + descsz + (-descsz % 4)
+    return interp, build_id
+
+
+def sha256(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def info(path, **kw):
+    return ElfInfoCache(**kw).info_for_path(path)
+
+
+# ---------------------------------------------------------------- real binaries
+
+def test_dynamic_system_binary():
+    path = os.path.realpath("/bin/true")
+    i = info(path)
+    interp, build_id = oracle(path)
+    assert i.file_type == "elf" and i.sha256 == sha256(path)
+    assert i.interp == interp and interp.startswith(b"/") and i.is_static == 0
+    assert i.build_id == build_id and len(build_id) == 40
+    assert not i.notes
+
+
+def test_static_system_binary():
+    path = os.path.realpath("/sbin/ldconfig")          # glibc's static-pie ldconfig
+    i = info(path)
+    assert i.file_type == "elf" and i.is_static == 1 and i.interp == b""
+    assert i.build_id == oracle(path)[1]
+
+
+# ---------------------------------------------------------------- built here
+
+def test_handmade_elf_without_sections(tmp_path):
+    bid = bytes(range(20))
+    path = make_elf(tmp_path / "dyn", interp=b"/lib/ld-\xff.so", build_id=bid)
+    i = info(path)
+    assert (i.file_type, i.build_id, i.interp, i.is_static) == ("elf", bid.hex(), b"/lib/ld-\xff.so", 0)
+    fields = i.record_fields()
+    assert to_bytes(fields["interp"]) == b"/lib/ld-\xff.so"      # lossless
+    static = make_elf(tmp_path / "static", build_id=b"\xab" * 8)
+    s = info(static)
+    assert (s.is_static, s.interp, s.build_id) == (1, b"", "ab" * 8)
+
+
+def test_script_shebang(tmp_path):
+    p = tmp_path / "s"
+    p.write_bytes(b"#!/usr/bin/env python3 -u\nprint('x')\n")
+    i = info(str(p))
+    assert (i.file_type, i.shebang, i.sha256, i.build_id) == ("script", b"/usr/bin/env python3 -u",
+                                                             sha256(p), "")
+    long = tmp_path / "long"
+    long.write_bytes(b"#!" + b"x" * 10000 + b"\n")
+    assert len(info(str(long)).shebang) <= 254                 # bounded like the kernel's
+
+
+# ---------------------------------------------------------------- hostile files
+
+def test_hostile_elf_headers(tmp_path):
+    trunc = tmp_path / "trunc"
+    trunc.write_bytes(b"\x7fELF\x02\x01\x01" + b"\0" * 20)
+    i = info(str(trunc))
+    assert i.file_type == "elf" and "elf_error" in i.notes and i.sha256 == sha256(trunc)
+
+    for phnum in (1000, 0xFFFF):                               # past the end; PN_XNUM
+        many = make_elf(tmp_path / f"many{phnum}", phnum=phnum)
+        assert "elf_error" in info(many).notes
+
+    huge_note = make_elf(tmp_path / "note", extra_phdrs=[(PT_NOTE, 0, 1 << 40)])
+    t = time.monotonic()
+    i = info(huge_note)
+    assert time.monotonic() - t < 5 and i.build_id == ""
+
+    huge_interp = make_elf(tmp_path / "interp", extra_phdrs=[(PT_INTERP, 0, 1 << 40)])
+    assert "interp_error" in info(huge_interp).notes
+
+
+def test_fifo_is_not_read(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    t = time.monotonic()
+    i = info(str(fifo))                                        # no writer: must not block
+    assert time.monotonic() - t < 5
+    assert i.notes["enrich_error"] == "not a regular file" and i.sha256 == ""
+
+
+def test_huge_file_is_not_hashed(tmp_path):
+    big = tmp_path / "big"
+    with open(big, "wb") as f:
+        f.write(b"\x7fELF")
+        f.truncate(4 << 30)                                    # sparse 4 GiB
+    t = time.monotonic()
+    i = info(str(big), max_hash_bytes=1 << 20)
+    assert time.monotonic() - t < 5
+    assert i.sha256 == "" and "hash_error" in i.notes
+
+
+def test_cache_by_identity(tmp_path):
+    p = tmp_path / "s"
+    p.write_bytes(b"#!/bin/sh\n")
+    cache = ElfInfoCache()
+    first = cache.info_for_path(str(p))
+    assert cache.info_for_path(str(p)) is first and cache.hits == 1
+    p.write_bytes(b"#!/bin/bash\n")
+    os.utime(p, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert cache.info_for_path(str(p)).shebang == b"/bin/bash" and cache.misses == 2
+    small = ElfInfoCache(max_entries=2)
+    for n in range(5):
+        q = tmp_path / f"f{n}"
+        q.write_bytes(b"#!/x\n")
+        small.info_for_path(str(q))
+    assert len(small._cache) == 2
+
+
+# ---------------------------------------------------------------- the sandbox's view
+
+@pytest.fixture
+def chrooted(tmp_path):
+    """A process chrooted into tmp_path/root (stays alive until the test ends)."""
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "bin").mkdir()
+    (root / "etc" / "hostname").write_bytes(b"inside the sandbox\n")
+    os.symlink("/etc/hostname", root / "bin" / "evil")          # absolute: must stay inside
+    os.symlink("/etc/shadow", root / "bin" / "dangling")        # nothing there inside
+    code = "import os, sys, time; os.chroot(sys.argv[1]); os.chdir('/'); print(1, flush=True); time.sleep(60)"
+    p = subprocess.Popen([sys.executable, "-I", "-c", code, str(root)], stdout=subprocess.PIPE)
+    try:
+        p.stdout.readline()
+        yield p.pid, root
+    finally:
+        p.kill()
+        p.wait(10)
+
+
+def test_paths_open_inside_the_process_root(chrooted):
+    pid, root = chrooted
+    inside = sha256(root / "etc" / "hostname")
+    for path in (b"/bin/evil", b"/../../etc/hostname", b"/etc/hostname"):
+        fd = open_in_root(pid, path)
+        try:
+            assert inspect_fd(fd).sha256 == inside
+        finally:
+            os.close(fd)
+    with pytest.raises(OSError):
+        os.close(open_in_root(pid, b"/bin/dangling"))
+
+
+def test_for_exec_prefers_the_sandbox_file(chrooted):
+    pid, root = chrooted
+    cache = ElfInfoCache()
+    got = cache.for_exec(pid, b"/bin/evil")
+    assert got["sha256"] == sha256(root / "etc" / "hostname")
+    assert got["extra"]["enrich_source"] == "path"
+    gone = cache.for_exec(pid, b"/bin/dangling")
+    # not the host's /etc/shadow: the running image, flagged as unverified
+    assert gone["extra"]["enrich_source"] == "exe_unverified"
+    assert gone["sha256"] == sha256(os.path.realpath(sys.executable))
+    nothing = cache.for_exec(2 ** 22 + 12345, b"/bin/true")     # no such process
+    assert "enrich_error" in nothing["extra"] and "sha256" not in nothing
+
+
+def test_for_exec_uses_exe_when_it_is_the_same_file():
+    p = subprocess.Popen(["/bin/sleep", "30"])
+    try:
+        for _ in range(500):
+            with open(f"/proc/{p.pid}/comm") as f:
+                if f.read().strip() == "sleep":
+                    break
+            time.sleep(0.01)
+        got = ElfInfoCache().for_exec(p.pid, b"/bin/sleep")
+        assert got["extra"]["enrich_source"] == "exe"
+        assert got["sha256"] == sha256(os.path.realpath("/bin/sleep")) and got["build_id"]
+    finally:
+        p.kill()
+        p.wait(10)

@@ -1,0 +1,317 @@
+"""The durable spool: framing, cursors, rotation, concurrency, damage. Real
+files, real processes, no ClickHouse needed."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from agent.errors import DsecError
+from agent.spool import (HEADER_BYTES, MAGIC, MAX_RECORD_BYTES, Position, Spool, encode_frame,
+                         validate_record)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def rec(i, **kw):
+    r = {"event_id": f"ev-{i}", "ts_ns": 1_700_000_000_000_000_000 + i, "sandbox_id": "sb", "kind": "exec",
+         "pid": i, "path": f"/bin/p{i}"}
+    r.update(kw)
+    return r
+
+
+def read_all(reader, commit=True, max_records=10000):
+    out, damage = [], []
+    while True:
+        b = reader.read(max_records)
+        if not b:
+            return out, damage
+        out += b.records
+        damage += b.damage
+        if commit:
+            reader.commit(b)
+
+
+@pytest.fixture
+def spool(tmp_path):
+    s = Spool(str(tmp_path / "spool"), fsync="never")
+    yield s
+    s.close()
+
+
+def test_roundtrip_is_exact(spool):
+    weird = os.fsdecode(b"/tmp/\xff\xfe caf\xc3\xa9 \x01\n\\")
+    big = "A" * (200 * 1024)
+    records = [rec(0, path=weird, argv=[weird, big, ""], comm="\udcff\udc80x"),
+               rec(1, kind="connect", family="ipv6", addr="::1", port=65535, ret=-111),
+               rec(2, kind="events_lost", count=2**64 - 1, extra=json.dumps({"k": "v"}))]
+    spool.append_many(records)
+    got, damage = read_all(spool.reader("t"))
+    assert damage == []
+    assert got == [{**r, "argv": list(r["argv"])} if "argv" in r else r for r in records]
+    assert os.fsencode(got[0]["path"]) == b"/tmp/\xff\xfe caf\xc3\xa9 \x01\n\\"
+
+
+def test_frames_are_ascii_json_with_crc(spool):
+    spool.append(rec(0, path="\udcff"))
+    raw = open(spool.seg_path(spool.segments()[0]), "rb").read()
+    assert raw.startswith(MAGIC)
+    payload = raw[HEADER_BYTES:]
+    assert payload.isascii() and b"\\udcff" in payload
+    assert json.loads(payload)["path"] == "\udcff"
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"event_id": "x", "kind": "exec", "nope": 1}, ["'x'", "unknown field 'nope'"]),
+    ({"event_id": "x", "kind": "exec", "pid": "12"}, ["'x'", "'pid'", "integer"]),
+    ({"event_id": "x", "kind": "exec", "port": 70000}, ["'port'", "out of range"]),
+    ({"event_id": "x", "kind": "exec", "path": b"/bin"}, ["'path'", "str"]),
+    ({"event_id": "x", "kind": "exec", "argv": "ls -l"}, ["'argv'", "list"]),
+    ({"event_id": "x", "kind": "exec", "path": "\ud800"}, ["'path'", "surrogateescape"]),
+    ({"event_id": "x", "kind": "teleport"}, ["kind 'teleport'"]),
+    ({"kind": "exec"}, ["event_id"]),
+    ({"event_id": "", "kind": "exec"}, ["event_id"]),
+])
+def test_bad_records_are_refused_with_a_clear_line(spool, bad, words):
+    with pytest.raises(DsecError) as e:
+        spool.append_many([rec(1), bad])          # all or nothing
+    msg = e.value.message
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg
+    assert spool.size_bytes() == 0
+
+
+def test_oversized_record_is_refused(spool):
+    with pytest.raises(DsecError, match="limit"):
+        spool.append(rec(0, argv=["x" * (MAX_RECORD_BYTES + 1)]))
+    assert spool.size_bytes() == 0
+
+
+def test_cursor_persists_and_uncommitted_batch_is_read_again(spool, tmp_path):
+    spool.append_many([rec(i) for i in range(100)])
+    r = spool.reader("sink")
+    b = r.read(30)
+    assert [x["pid"] for x in b.records] == list(range(30))
+    b2 = r.read(30)  # not committed: the same records again
+    assert b2.records == b.records
+    r.commit(b)
+    again = Spool(spool.path).reader("sink")  # another process, later
+    rest, damage = read_all(again)
+    assert [x["pid"] for x in rest] == list(range(30, 100)) and not damage
+    cur = json.load(open(os.path.join(spool.path, "cursors", "sink.json")))
+    assert cur["segment"] == spool.segments()[-1]
+
+
+def test_rotation_and_deletion_wait_for_every_sink(tmp_path):
+    s = Spool(str(tmp_path / "sp"), segment_bytes=4096, fsync="never")
+    a, b = s.reader("a"), s.reader("b")
+    for i in range(0, 200, 10):            # a segment rotates between appends, not within one
+        s.append_many([rec(j) for j in range(i, i + 10)])
+    segs = s.segments()
+    assert len(segs) > 3
+    got_a, _ = read_all(a)
+    assert len(got_a) == 200
+    assert s.segments() == segs            # b has not read them yet
+    got_b, _ = read_all(b, max_records=7)
+    assert got_b == got_a
+    assert s.segments() == segs[-1:]       # only the head is kept
+    s.append(rec(200))
+    assert [x["pid"] for x in read_all(a)[0]] == [200]
+    s.drop_sink("b")
+    assert s.sinks() == ["a"]
+    s.close()
+
+
+def test_every_append_is_fsynced_by_default(tmp_path):
+    s = Spool(str(tmp_path / "sp"))
+    assert s.fsync == "always"
+    s.append(rec(0))
+    s.close()
+    with pytest.raises(DsecError, match="DSEC_SPOOL_FSYNC"):
+        Spool(str(tmp_path / "sp"), fsync="sometimes")
+
+
+_WRITER = """
+import sys, random
+sys.path.insert(0, {root!r})
+from agent.spool import Spool
+w, n = int(sys.argv[1]), int(sys.argv[2])
+s = Spool({path!r}, segment_bytes=16384, fsync="never")
+i = 0
+rnd = random.Random(w)
+while i < n:
+    k = min(n - i, rnd.randint(1, 40))
+    s.append_many([{{"event_id": f"w{{w}}-{{j}}", "kind": "open_write", "pid": w, "flags": j,
+                     "path": "/x" * rnd.randint(0, 50)}} for j in range(i, i + k)])
+    i += k
+s.close()
+"""
+
+
+def test_concurrent_writers_and_a_live_reader_lose_and_duplicate_nothing(tmp_path):
+    path = str(tmp_path / "sp")
+    s = Spool(path, segment_bytes=16384, fsync="never")
+    reader = s.reader("live")
+    script = _WRITER.format(root=ROOT, path=path)
+    writers, n = 4, 1500
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(w), str(n)]) for w in range(writers)]
+    got, damage = [], []
+    while True:  # read while they write (rotations, tails being written)
+        running = any(p.poll() is None for p in procs)
+        more, dmg = read_all(reader, max_records=97)
+        got += more
+        damage += dmg
+        if not running and not more:
+            break
+    assert all(p.wait() == 0 for p in procs)
+    more, dmg = read_all(reader)
+    got += more
+    assert damage == [] and dmg == []
+    ids = [g["event_id"] for g in got]
+    assert len(ids) == writers * n == len(set(ids))
+    for w in range(writers):   # each writer's records in its own order
+        seq = [g["flags"] for g in got if g["pid"] == w]
+        assert seq == list(range(n))
+    assert len(s.segments()) == 1
+    s.close()
+
+
+def test_torn_tail_of_a_crashed_writer_is_reported_and_skipped(spool):
+    spool.append_many([rec(i) for i in range(10)])
+    with open(spool.seg_path(spool.segments()[-1]), "ab") as f:
+        f.write(encode_frame(rec(99))[:25])        # a writer died mid-write
+    r = spool.reader("t")
+    b = r.read()
+    assert len(b.records) == 10
+    assert len(b.damage) == 1 and "torn" in b.damage[0].reason and b.damage[0].length == 25
+    r.commit(b)
+    spool.append(rec(10))                            # new writes after the torn bytes
+    got, damage = read_all(r)
+    assert [x["pid"] for x in got] == [10] and not damage
+    log = [json.loads(x) for x in open(os.path.join(spool.path, "damage.log"))]
+    assert len(log) == 1 and log[0]["length"] == 25
+    assert open(log[0]["bytes_file"], "rb").read() == encode_frame(rec(99))[:25]
+
+
+def test_an_incomplete_frame_being_written_is_waited_for_not_reported(spool):
+    spool.append(rec(0))
+    r = spool.reader("t")
+    r.commit(r.read())
+    frame = encode_frame(rec(1))
+    seg = spool.seg_path(spool.segments()[-1])
+    result = {}
+    with spool.locked():                             # we are "the writer", mid-write
+        with open(seg, "ab") as f:
+            f.write(frame[:20])
+        t = threading.Thread(target=lambda: result.setdefault("b", r.read()))
+        t.start()
+        time.sleep(0.2)
+        with open(seg, "ab") as f:
+            f.write(frame[20:])
+    t.join(10)
+    b = result["b"]
+    assert [x["pid"] for x in b.records] == [1] and b.damage == []
+
+
+def test_a_reader_in_another_process_waits_for_a_write_in_progress(spool):
+    spool.append(rec(0))
+    frame = encode_frame(rec(1))
+    seg = spool.seg_path(spool.segments()[-1])
+    code = (f"import sys; sys.path.insert(0, {ROOT!r}); from agent.spool import Spool; "
+            f"r = Spool({spool.path!r}).reader('p'); b = r.read(); "
+            "print(len(b.records), len(b.damage), flush=True)")
+    with spool.locked():
+        with open(seg, "ab") as f:
+            f.write(frame[:20])
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        with open(seg, "ab") as f:
+            f.write(frame[20:])
+    out, _ = p.communicate(timeout=30)
+    assert out.split() == ["2", "0"]
+
+
+def test_corruption_in_the_middle_keeps_the_records_around_it(spool):
+    spool.append_many([rec(i) for i in range(30)])
+    seg = spool.seg_path(spool.segments()[-1])
+    data = bytearray(open(seg, "rb").read())
+    sizes = [len(encode_frame(rec(i))) for i in range(30)]
+    off = [sum(sizes[:i]) for i in range(30)]
+    data[off[10] + HEADER_BYTES + 5] ^= 0xFF         # payload bit rot: CRC fails
+    data[off[20]:off[20] + 4] = b"XXXX"              # header smashed
+    data[off[25]:off[25]] = b"\x00garbage\xd5\xec"   # junk spliced between frames
+    open(seg, "wb").write(bytes(data))
+    got, damage = read_all(spool.reader("t"))
+    assert [x["pid"] for x in got] == [i for i in range(30) if i not in (10, 20)]
+    reasons = sorted(d.reason for d in damage)
+    assert len(damage) == 3, reasons
+    assert any("CRC" in x for x in reasons) and any("magic" in x for x in reasons)
+
+
+def test_torn_tail_in_a_closed_segment_then_later_segments(tmp_path):
+    s = Spool(str(tmp_path / "sp"), segment_bytes=2048, fsync="never")
+    s.append_many([rec(i) for i in range(20)])
+    first = s.segments()[0]
+    with open(s.seg_path(first), "ab") as f:
+        f.write(b"\xd5\xec\x01\xfe\x10")             # torn header at the end of a closed segment
+    got, damage = read_all(s.reader("t"))
+    assert [x["pid"] for x in got] == list(range(20))
+    assert len(damage) == 1 and damage[0].segment == first
+    s.close()
+
+
+def test_intact_frame_with_invalid_content_is_kept_in_the_damage_log(spool):
+    spool.append(rec(0))
+    bad = {"event_id": "bad", "kind": "exec", "mystery": 1}
+    with open(spool.seg_path(spool.segments()[-1]), "ab") as f:
+        payload = json.dumps(bad).encode()
+        import struct
+        import zlib
+        n = struct.pack("<I", len(payload))
+        f.write(MAGIC + n + struct.pack("<I", zlib.crc32(payload, zlib.crc32(n))) + payload)
+    spool.append(rec(1))
+    got, damage = read_all(spool.reader("t"))
+    assert [x["pid"] for x in got] == [0, 1]
+    assert len(damage) == 1 and "mystery" in damage[0].reason
+    log = [json.loads(x) for x in open(os.path.join(spool.path, "damage.log"))]
+    assert json.loads(log[0]["payload"]) == bad
+
+
+def test_full_spool_refuses_appends_loudly(tmp_path):
+    s = Spool(str(tmp_path / "sp"), segment_bytes=1024, max_bytes=4096, fsync="never")
+    s.reader("slow")
+    with pytest.raises(DsecError, match="full"):
+        for i in range(1000):
+            s.append(rec(i))
+    assert 0 < i < 1000
+    s.close()
+
+
+def test_backlog_counts_records(spool):
+    r = spool.reader("t")
+    spool.append_many([rec(i) for i in range(50)])
+    assert r.backlog()[0] == 50
+    r.commit(r.read(20))
+    assert r.backlog()[0] == 30
+
+
+def test_unreadable_cursor_is_a_clear_error(spool):
+    spool.reader("t")
+    open(os.path.join(spool.path, "cursors", "t.json"), "w").write("{oops")
+    with pytest.raises(DsecError, match="cursor"):
+        spool.reader("t").read()
+
+
+def test_validate_record_accepts_sparse_records():
+    assert validate_record({"event_id": "a", "kind": "fork", "child_pid": 3}) == \
+        {"event_id": "a", "kind": "fork", "child_pid": 3}
+
+
+def test_position_order():
+    assert Position(1, 99) < Position(2, 0)
