@@ -14,6 +14,7 @@ demo: setup
 
 bench: setup
 	.venv/bin/python bench/launch.py
+	.venv/bin/python bench/audit.py
 
 gc: setup
 	.venv/bin/dsec gc

@@ -46,7 +46,7 @@ class SandboxSpec:
 
     def __init__(self, argv, sandbox_id=None, cpus=None, memory=1 << 30, pids=1024, timeout=None,
                  grace=3.0, rootfs=None, network="none", env=None, workdir="/workspace",
-                 user="sandbox", keep=False, tmp_size=None):
+                 user="sandbox", keep=False, tmp_size=None, policy=None):
         self.argv: list[str] = list(argv)
         self.sandbox_id: str | None = sandbox_id
         self.cpus: float | None = cpus
@@ -61,6 +61,7 @@ class SandboxSpec:
         self.user: str = user
         self.keep: bool = keep
         self.tmp_size: int | None = tmp_size
+        self.policy = policy              # policies.model.Policy or None (no filter, all writable)
 
 
 class Result:
@@ -208,7 +209,16 @@ def _launch(sb, layout, lower, host_dirs, uid, gid, home, hooks, stdio, t_start)
         [("/" + d, os.path.join(upper, d), "/" + d) for d in host_dirs]
     cfg = {"root": root, "upper": upper, "work": work, "lower": lower, "host_dirs": host_dirs,
            "hostname": sb.sid, "argv": spec.argv, "env": env, "workdir": spec.workdir,
-           "uid": uid, "gid": gid, "tmp_size": spec.tmp_size or spec.memory or (512 << 20)}
+           "uid": uid, "gid": gid, "tmp_size": spec.tmp_size or spec.memory or (512 << 20),
+           "seccomp": None, "writable": None}
+    if spec.policy is not None:
+        from policies.compile import seccomp_filter, writable_paths
+        try:
+            cfg["seccomp"] = seccomp_filter(spec.policy)   # built here, loaded by the workload right before execve
+        except DsecError as e:
+            raise DsecError(f"policy {spec.policy.name}: {e.message}", EXIT_DSEC)
+        if spec.policy.mode == "enforce":
+            cfg["writable"] = writable_paths(spec.policy)
 
     stdio = stdio or _default_stdio()
     ctl_r, sb.ctl_w = os.pipe2(os.O_CLOEXEC)

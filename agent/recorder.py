@@ -32,6 +32,7 @@ class Recorder:
         self._seq = 0
         self._instance = os.urandom(8).hex()
         self.stopped: dict[int, int] = {}
+        self.policies: dict[str, object] = {}      # sandbox id -> Policy (decision stamping)
         self.sensor = AuditSensor(on_record=self._on_record, node=self.node,
                                   on_over_budget=self._on_over_budget, **sensor_options)
         self._stop = threading.Event()
@@ -41,6 +42,10 @@ class Recorder:
 
     # -- records ----------------------------------------------------------------------
     def _on_record(self, rec: dict):
+        pol = self.policies.get(rec.get("sandbox_id"))
+        if pol is not None and not rec.get("decision"):
+            from policies.evaluate import decision
+            rec["decision"] = decision(pol, rec)
         with self._lock:
             self._pending.append(rec)
 
@@ -70,13 +75,21 @@ class Recorder:
     def record(self, rec: dict):
         """A record of the launcher's own (sandbox_start, sandbox_exit ...)."""
         rec = dict(rec)
+        pol = self.policies.get(rec.get("sandbox_id"))
+        if pol is not None:
+            for k, v in pol.identity().items():
+                rec.setdefault(k, v)
+            rec.setdefault("decision", "allowed")
         rec.setdefault("event_id", self.new_event_id())
         rec.setdefault("ts_ns", time.time_ns())
         rec.setdefault("node", self.node)
         self.spool.append_many([normalize(rec)])
 
     # -- sandboxes ----------------------------------------------------------------------
-    def watch(self, sandbox_id: str, cgroup_id: int, **labels):
+    def watch(self, sandbox_id: str, cgroup_id: int, policy=None, **labels):
+        if policy is not None:
+            self.policies[sandbox_id] = policy
+            labels.update(policy.identity())
         self.sensor.add_sandbox(cgroup_id, sandbox_id, **labels)
 
     def started(self, cgroup_id: int, pid: int):

@@ -135,6 +135,8 @@ def build_mounts(cfg: dict) -> list[str]:
         if os.path.exists(t):
             _mount(t, t, None, su.MS_BIND | su.MS_REC)
             _mount(None, t, None, su.MS_BIND | su.MS_REMOUNT | su.MS_RDONLY | nsx)
+    if cfg.get("writable") is not None:
+        _writable_layout(cfg, root)
     os.chdir(root)
     try:
         su.pivot_root(".", ".")
@@ -143,6 +145,29 @@ def build_mounts(cfg: dict) -> list[str]:
         raise SetupError(f"pivot_root into {root} failed: {e.strerror}")
     os.chdir("/")
     return created
+
+
+def _writable_layout(cfg: dict, root: str):
+    """files.writable in enforce mode: only the listed paths stay writable.
+
+    Each writable path becomes a bind mount of itself (created, owned by the
+    workload's user, if missing); then the overlay mounts are remounted
+    read-only. The scratch tmpfs mounts (/tmp, /dev, /dev/shm) stay writable."""
+    for w in cfg["writable"]:
+        if w.rstrip("/") in ("", "/"):
+            return                       # everything writable: nothing to do
+    for w in cfg["writable"]:
+        t = root + w.rstrip("/")
+        if not os.path.lexists(t):
+            _mkdirs(t)
+            os.chown(t, cfg["uid"], cfg["gid"])
+        elif os.path.islink(t) or not os.path.isdir(t) and not os.path.isfile(t):
+            raise SetupError(f"files.writable: {w} is not a directory or file in the sandbox")
+        _mount(t, t, None, su.MS_BIND | su.MS_REC)
+    ro = su.MS_BIND | su.MS_REMOUNT | su.MS_RDONLY | su.MS_NOSUID | su.MS_NODEV
+    _mount(None, root, None, ro)
+    for d in cfg["host_dirs"]:
+        _mount(None, f"{root}/{d}", None, ro)
 
 
 def loopback_up():

@@ -73,6 +73,11 @@ def register(p):
     p.add_argument("--user", default="sandbox", metavar="USER", help="NAME, UID or UID:GID (default: sandbox, uid 1000)")
     p.add_argument("--keep", action="store_true", help="keep the upper layer after exit (path printed on stderr)")
     p.add_argument("--summary-json", metavar="FILE", help="write the run summary (exit, resources, changes) here")
+    p.add_argument("--policy", metavar="FILE|NAME", default="default",
+                   help="policy file or built-in name (default: default, which denies what container "
+                        "runtimes deny; see `dsec policy list`)")
+    p.add_argument("--mode", choices=("learn", "audit", "enforce"),
+                   help="override the policy's mode")
     p.add_argument("--audit", choices=("on", "off"), default="on",
                    help="eBPF audit of execs, connects and file writes into the spool and ClickHouse (default: on)")
     p.add_argument("--over-budget", choices=("summarise", "stop"), default="summarise",
@@ -101,7 +106,15 @@ def spec_from_args(args):
         raise DsecError(f"--network {args.network!r}: expected none or egress", EXIT_DSEC)
     if args.workdir and not args.workdir.startswith("/"):
         raise DsecError(f"--workdir {args.workdir!r}: must be an absolute path", EXIT_DSEC)
+    from policies.load import load_policy
+    try:
+        policy = load_policy(args.policy)
+        if args.mode:
+            policy = policy.with_mode(args.mode)
+    except DsecError as e:
+        raise DsecError(e.message, EXIT_DSEC)
     return SandboxSpec(
+        policy=policy,
         argv=list(args.cmd), sandbox_id=args.sandbox_id,
         cpus=_positive(float, "--cpus")(args.cpus) if args.cpus else None,
         memory=parse_size(args.memory), pids=_positive(int, "--pids")(args.pids),
@@ -163,7 +176,7 @@ def _run_audited(spec, args):
     t_start = time.time_ns()
 
     def on_cgroup(sandbox_id, cgroup_id):
-        rec.watch(sandbox_id, cgroup_id, step=0)
+        rec.watch(sandbox_id, cgroup_id, policy=spec.policy, step=0)
         watched["cg"] = cgroup_id
         rec.record({"kind": "sandbox_start", "sandbox_id": sandbox_id, "step": 0, "ts_ns": t_start,
                     "pid": os.getpid(), "argv": list(spec.argv),

@@ -1,0 +1,111 @@
+"""Policies applied by `dsec run`: seccomp and the files layout, on the real
+kernel, with the decisions recorded in ClickHouse."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from conftest import dsec
+
+ATTACKS = textwrap.dedent(r'''
+    import ctypes, errno, os
+    libc = ctypes.CDLL(None, use_errno=True)
+    def call(name, *args):
+        r = getattr(libc, name)(*args)
+        e = ctypes.get_errno()
+        print(name, "ok" if r >= 0 else errno.errorcode.get(e, e))
+    call("unshare", 0x10000000)                       # CLONE_NEWUSER
+    call("unshare", 0x00020000)                       # CLONE_NEWNS
+    call("mount", b"none", b"/tmp", b"tmpfs", 0, None)
+    call("ptrace", 16, 1, 0, 0)                       # PTRACE_ATTACH to PID 1
+    call("syscall", 321, 0, 0, 0)                     # bpf(BPF_MAP_CREATE, NULL, 0)
+    call("syscall", 250, 0, 0, 0, 0)                  # keyctl
+    call("syscall", 425, 8, 0)                        # io_uring_setup
+    print("getpid", "ok" if os.getpid() > 0 else "bad")
+''')
+
+
+def results(stdout: bytes) -> dict:
+    return dict(line.split(" ", 1) for line in stdout.decode().splitlines())
+
+
+def test_default_policy_refuses_what_runtimes_refuse():
+    r = dsec("run", "--audit", "off", "--", "python3", "-c", ATTACKS)
+    assert r.returncode == 0, r.stderr
+    res = results(r.stdout)
+    for name in ("unshare", "mount", "ptrace", "syscall"):
+        assert res[name] == "EPERM", res
+    assert res["getpid"] == "ok"
+
+
+def test_audit_mode_lets_the_same_calls_through():
+    r = dsec("run", "--audit", "off", "--mode", "audit", "--", "python3", "-c",
+             "import ctypes, errno\nl = ctypes.CDLL(None, use_errno=True)\n"
+             "r = l.unshare(0x10000000)\nprint('unshare', 'ok' if r == 0 else errno.errorcode[ctypes.get_errno()])")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == b"unshare ok"
+
+
+def test_kill_action_kills(tmp_path):
+    pol = tmp_path / "kill.yaml"
+    pol.write_text(textwrap.dedent("""\
+        apiVersion: dsec/v1
+        kind: SandboxPolicy
+        metadata: {name: kill-ptrace}
+        spec:
+          mode: enforce
+          syscalls: {default: allow, action: kill, deny: [ptrace]}
+        """))
+    r = dsec("run", "--audit", "off", "--policy", str(pol), "--", "python3", "-c",
+             "import ctypes; ctypes.CDLL(None).ptrace(0, 0, 0, 0); print('survived')")
+    assert b"survived" not in r.stdout
+    assert r.returncode == 128 + 31   # SIGSYS
+
+
+def test_bad_policy_is_one_line_125(tmp_path):
+    pol = tmp_path / "bad.yaml"
+    pol.write_text("apiVersion: dsec/v1\nkind: SandboxPolicy\nmetadata: {name: x}\nspec:\n"
+                   "  mode: enforce\n  syscalls: {default: allow, deny: [opne]}\n")
+    r = dsec("run", "--policy", str(pol), "--", "true")
+    assert r.returncode == 125
+    err = [ln for ln in r.stderr.decode().splitlines() if not ln.startswith("dsec: sandbox")]
+    assert len(err) == 1 and "bad.yaml:6" in err[0] and "opne" in err[0], err
+
+
+WS_POLICY = textwrap.dedent("""\
+    apiVersion: dsec/v1
+    kind: SandboxPolicy
+    metadata: {name: ws-only}
+    spec:
+      mode: %s
+      files: {writable: [/workspace]}
+    """)
+
+
+@pytest.mark.parametrize("mode", ["enforce", "audit"])
+def test_files_writable_layout_and_decisions(mode, tmp_path, clickhouse_url, sid):
+    pol = tmp_path / "ws.yaml"
+    pol.write_text(WS_POLICY % mode)
+    env = {"DSEC_CLICKHOUSE_URL": clickhouse_url, "DSEC_SPOOL_DIR": str(tmp_path / "spool")}
+    r = dsec("run", "--sandbox-id", sid, "--policy", str(pol), "--", "sh", "-c",
+             "echo ok > /workspace/ok && echo ws-ok; (echo x > /opt/x) 2>/dev/null && echo opt-ok; "
+             "echo t > /tmp/t && echo tmp-ok", env=env)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.decode().split()
+    if mode == "enforce":
+        assert out == ["ws-ok", "tmp-ok"]
+    else:
+        assert out == ["ws-ok", "tmp-ok"] or out == ["ws-ok", "opt-ok", "tmp-ok"]
+    ev = [json.loads(x) for x in dsec("events", "--sandbox", sid, "--format", "json", "--kind", "open_write",
+                                      env=env).stdout.decode().splitlines()]
+    by_path = {e["path"]: e for e in ev}
+    assert by_path["/workspace/ok"]["decision"] == "allowed"
+    assert by_path["/tmp/t"]["decision"] == "allowed"
+    opt = by_path["/opt/x"]
+    assert opt["policy_name"] == "ws-only" and opt["mode"] == mode and len(opt["policy_hash"]) == 64
+    if mode == "enforce":
+        assert opt["decision"] == "denied" and opt["ret"] == -30      # EROFS
+    else:
+        assert opt["decision"] == "would-deny"
