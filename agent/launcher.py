@@ -150,7 +150,8 @@ class _Sandbox:
         self.layers: list[tuple[str, str, str]] = []
 
 
-def launch(spec: SandboxSpec, on_cgroup=None, on_exit=None, stdio=None, on_started=None, on_go=None) -> Result:
+def launch(spec: SandboxSpec, on_cgroup=None, on_exit=None, stdio=None, on_started=None, on_go=None,
+           on_workload_exit=None) -> Result:
     preflight()
     spec.sandbox_id = validate_id(spec.sandbox_id or new_sandbox_id())
     if not spec.argv:
@@ -177,7 +178,8 @@ def launch(spec: SandboxSpec, on_cgroup=None, on_exit=None, stdio=None, on_start
     except FileExistsError:
         raise DsecError(f"sandbox id {sb.sid} is already in use (state dir {sb.dir} exists; `dsec gc` removes stale ones)", EXIT_DSEC)
     try:
-        hooks = {"on_cgroup": on_cgroup, "on_exit": on_exit, "on_started": on_started, "on_go": on_go}
+        hooks = {"on_cgroup": on_cgroup, "on_exit": on_exit, "on_started": on_started, "on_go": on_go,
+                 "on_workload_exit": on_workload_exit}
         return _launch(sb, layout, lower, host_dirs, uid, gid, home, hooks, stdio, t_start)
     finally:
         _teardown_leftovers(sb)
@@ -210,7 +212,7 @@ def _launch(sb, layout, lower, host_dirs, uid, gid, home, hooks, stdio, t_start)
     cfg = {"root": root, "upper": upper, "work": work, "lower": lower, "host_dirs": host_dirs,
            "hostname": sb.sid, "argv": spec.argv, "env": env, "workdir": spec.workdir,
            "uid": uid, "gid": gid, "tmp_size": spec.tmp_size or spec.memory or (512 << 20),
-           "seccomp": None, "writable": None}
+           "seccomp": None, "writable": None, "hold_after_exit": bool(hooks["on_workload_exit"])}
     if spec.policy is not None:
         from policies.compile import seccomp_filter, writable_paths
         try:
@@ -283,7 +285,7 @@ def _launch(sb, layout, lower, host_dirs, uid, gid, home, hooks, stdio, t_start)
         hooks["on_go"](sb.sid)
     os.write(sb.ctl_w, (json.dumps({"cmd": "go", "net": net_cfg}) + "\n").encode())
     t_go = time.monotonic()
-    final, timed_out = _wait_exit(sb, stdio["relay"], t_go)
+    final, timed_out = _wait_exit(sb, stdio["relay"], t_go, hooks["on_workload_exit"])
     wall_ms = int((time.monotonic() - t_go) * 1000)
 
     oom = sb.cg.oom_kills() > 0
@@ -409,7 +411,7 @@ def _wait_message(sb, kinds, timeout=30.0) -> dict:
             raise DsecError("sandbox supervisor died during setup", EXIT_DSEC)
 
 
-def _wait_exit(sb, relay: dict, t_go: float) -> tuple[dict, bool]:
+def _wait_exit(sb, relay: dict, t_go: float, on_workload_exit=None) -> tuple[dict, bool]:
     spec = sb.spec
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     old_wake = signal.set_wakeup_fd(wake_w)
@@ -460,6 +462,17 @@ def _wait_exit(sb, relay: dict, t_go: float) -> tuple[dict, bool]:
                         _write_all(relay[rfd], data)
             if sb.status_r in r:
                 status_open = _read_messages(sb)
+                if on_workload_exit and any(m.get("ev") == "exit" for m in sb.messages):
+                    # every process but the supervisor is gone; it holds the
+                    # sandbox's namespaces until we release it
+                    try:
+                        on_workload_exit(sb.sid)
+                    finally:
+                        on_workload_exit = None
+                        try:
+                            os.write(sb.ctl_w, b'{"cmd": "release"}\n')
+                        except OSError:
+                            pass
             if sb.pidfd in r and not exited:
                 os.waitpid(sb.sup_pid, 0)
                 exited = True

@@ -95,6 +95,11 @@ class Recorder:
     def started(self, cgroup_id: int, pid: int):
         self.sensor.set_root_pid(cgroup_id, pid)
 
+    def catch_up(self):
+        """Decode (and enrich) everything the kernel has emitted so far."""
+        self.sensor.drain()
+        self._flush_pending()
+
     def unwatch(self, cgroup_id: int) -> dict:
         stats = self.sensor.remove_sandbox(cgroup_id)
         self._flush_pending()

@@ -29,6 +29,7 @@ import select
 import signal
 import socket
 import struct
+import time
 import traceback
 
 from agent import sysutil as su
@@ -43,6 +44,7 @@ MASKED = ("/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/late
           "/sys/firmware", "/sys/devices/virtual/powercap", "/sys/kernel/debug",
           "/sys/kernel/tracing", "/sys/kernel/security", "/sys/fs/bpf")
 READONLY = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
+HOLD_MAX_S = 30.0
 DEVICES = (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8),
            ("urandom", 1, 9), ("tty", 5, 0))
 
@@ -380,6 +382,24 @@ def _supervise(cfg, ctl_r, status_w):
                      "exec_msg": exec_err["msg"] if exec_err else None,
                      "cpu_ms": int(cpu * 1000), "max_rss_bytes": maxrss * 1024,
                      "owner_gone": owner_gone})
+    if cfg.get("hold_after_exit") and not owner_gone:
+        # Keep the sandbox's mount namespace alive (every process but us is
+        # gone) until the launcher has finished reading the record through it
+        # (exec enrichment opens binaries inside /proc/1/root). Bounded.
+        end = time.monotonic() + HOLD_MAX_S
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                r, _, _ = select.select([ctl_r], [], [], left)
+            except InterruptedError:
+                continue
+            if not r:
+                break
+            line = _readline(ctl_r)
+            if not line or b"release" in line:
+                break
     return 0
 
 

@@ -76,7 +76,7 @@ def test_completeness_exact_events_and_nothing_from_outside(audit_env, sid, tmp_
     assert [os.path.basename(e["path"]) for e in execs][1:] == ["true", "true", "echo"]
     assert os.path.basename(execs[0]["path"]).startswith("python3")
     true_sha = hashlib.sha256(open("/usr/bin/true", "rb").read()).hexdigest()
-    assert execs[1]["sha256"] == true_sha and execs[1]["build_id"]
+    assert execs[1]["sha256"] == true_sha and execs[1]["build_id"], execs[1]["extra"]
     assert execs[1]["interp"].startswith("/lib") and execs[1]["is_static"] == 0
     echo = execs[3]
     assert echo["argv_truncated"] == 1 and echo["argv"][0] == "/bin/echo" and echo["argv"][1].startswith("AAAA")

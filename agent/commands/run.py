@@ -190,6 +190,9 @@ def _run_audited(spec, args):
     def on_go(sandbox_id):
         rec.sensor.set_step(watched["cg"], 1)
 
+    def on_workload_exit(sandbox_id):
+        rec.catch_up()
+
     def on_exit(summary):
         stats = rec.unwatch(watched["cg"]) if "cg" in watched else {}
         summary["audit"] = {"events": stats.get("emitted", 0), "lost": stats.get("lost_total", 0),
@@ -201,7 +204,8 @@ def _run_audited(spec, args):
                                         | {"changes": summary["changes"][:1000]})})
 
     try:
-        result = launch(spec, on_cgroup=on_cgroup, on_started=on_started, on_go=on_go, on_exit=on_exit)
+        result = launch(spec, on_cgroup=on_cgroup, on_started=on_started, on_go=on_go, on_exit=on_exit,
+                        on_workload_exit=on_workload_exit)
     finally:
         rec.close()
     res = flush(rec.spool, timeout=10)
