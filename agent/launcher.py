@@ -1,21 +1,28 @@
-"""The sandbox launcher: one sandbox from spec to summary.
+"""The sandbox launcher.
 
-    spec = SandboxSpec(argv=["/bin/true"])
-    result = launch(spec)          # blocks until the sandbox is gone
-    result.exit_code, result.summary
+    sb = Sandbox(SandboxSpec(argv=[])).start()          # ready, nothing running yet
+    r = sb.exec(["python3", "step1.py"], stdout=fd)      # one step; blocks until it exits
+    r = sb.exec(["python3", "step2.py"], timeout=30)     # files and background processes persist
+    summary = sb.close()                                 # kill what is left, tear down, manifest
 
-Sequence: state dir (exclusive, locked for our lifetime) -> cgroups with limits
+    result = launch(SandboxSpec(argv=["/bin/true"]))      # one-shot: start + exec + close
+
+start(): state dir (exclusive, locked for our lifetime) -> cgroups with limits
 -> fork an intermediate child that joins the cgroups and unshares pid, mount,
 ipc, uts and net namespaces, then forks the supervisor (PID 1 inside; see
 agent/supervisor.py) and exits; we are the child subreaper, so the supervisor
-becomes our child -> host side of the network -> "go" -> wait (timeout: SIGTERM
-to everything inside, grace, then SIGKILL) -> tear down: kill what is left in
-the cgroups, remove cgroups and veth, walk the upper layer for the change
-manifest, remove the state dir unless --keep.
+becomes our child -> host side of the network -> "go".
+exec(): the step's stdin/stdout/stderr fds go to the supervisor (SCM_RIGHTS),
+which forks and execs; on timeout the step's process group gets SIGTERM, the
+grace period, then SIGKILL.
+close(): everything left is killed; the cgroups, veth and state dir removed;
+the upper layer walked for the change manifest (kept with --keep).
 
-Hooks let the audit pipeline watch the sandbox: `on_cgroup(sandbox_id,
-cgroup_id)` runs before any sandbox process exists; `on_exit(summary)` after
-the sandbox is gone.
+Hooks let the audit pipeline watch: on_cgroup(sandbox_id, cgroup_id) before
+any sandbox process exists; on_started(sandbox_id, supervisor_pid);
+on_step(sandbox_id, step) before each step starts; on_workload_exit(sandbox_id)
+once every process but the supervisor is gone (the sandbox's mount namespace is
+held until it returns); on_exit(summary) after teardown.
 """
 from __future__ import annotations
 
@@ -26,7 +33,9 @@ import os
 import re
 import select
 import signal
+import socket
 import sys
+import threading
 import time
 
 from agent import cgroups, rootfs
@@ -131,214 +140,566 @@ def _owner_start_time() -> str:
         return f.read().rsplit(")", 1)[1].split()[19]
 
 
-class _Sandbox:
-    """Explicit state of one launch, so teardown knows exactly what exists."""
+class StepResult:
+    """How one step ended. `code` follows `dsec run`'s exit-status convention."""
 
-    def __init__(self, spec: SandboxSpec):
+    def __init__(self, step: int):
+        self.step = step
+        self.pid = 0
+        self.status = None          # raw wait status
+        self.exit_code = None       # CMD's exit status, or None when killed by a signal
+        self.signal = None
+        self.timed_out = False
+        self.error = None           # exec failure / setup failure text
+        self.code = EXIT_DSEC
+        self.cpu_ms = 0
+        self.max_rss_bytes = 0
+        self.wall_ms = 0
+        self.started_ns = 0
+        self.done = False
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "exit_code": self.exit_code, "signal": self.signal,
+                "timed_out": self.timed_out, "error": self.error, "code": self.code,
+                "cpu_ms": self.cpu_ms, "max_rss_bytes": self.max_rss_bytes, "wall_ms": self.wall_ms}
+
+
+class Sandbox:
+    """One sandbox, alive from start() to close(); explicit state so teardown
+    knows exactly what exists. Thread-safe: steps may run concurrently."""
+
+    def __init__(self, spec: SandboxSpec, on_cgroup=None, on_started=None, on_step=None,
+                 on_workload_exit=None, on_exit=None):
         self.spec = spec
-        self.sid = spec.sandbox_id
-        self.dir = os.path.join(SANDBOX_DIR, self.sid)
+        self.hooks = {"on_cgroup": on_cgroup, "on_started": on_started, "on_step": on_step,
+                      "on_workload_exit": on_workload_exit, "on_exit": on_exit}
+        self.sid = None
+        self.dir = None
         self.lock_fd = -1
         self.cg: cgroups.SandboxCgroup | None = None
+        self.cgroup_id = 0
         self.sup_pid = 0
         self.pidfd = -1
-        self.ctl_w = -1
+        self.ctl: socket.socket | None = None
         self.status_r = -1
         self.net = None
-        self.messages: list[dict] = []
         self.created_mountpoints: list[str] = []
         self.layers: list[tuple[str, str, str]] = []
+        self.env: dict = {}
+        self.started_at = 0.0
+        self.state = "new"              # new -> starting -> running -> closing -> closed
+        self.steps: dict[int, StepResult] = {}
+        self.next_step = 1
+        self.closed_msg: dict | None = None
+        self.supervisor_dead = False
+        self.setup_error: str | None = None
+        self._ready: dict | None = None
+        self._cond = threading.Condition()
+        self._reader: threading.Thread | None = None
+        self._send_lock = threading.Lock()
+        self.summary: dict | None = None
+
+    # -- start ------------------------------------------------------------------
+    def start(self) -> "Sandbox":
+        spec = self.spec
+        preflight()
+        self.sid = spec.sandbox_id = validate_id(spec.sandbox_id or new_sandbox_id())
+        if spec.network not in ("none", "egress"):
+            raise DsecError(f"--network {spec.network}: expected none or egress", EXIT_DSEC)
+        layout = cgroups.detect()
+        if spec.rootfs:
+            rf = os.path.abspath(spec.rootfs)
+            if not os.path.isdir(rf):
+                raise DsecError(f"--rootfs {spec.rootfs}: no such directory", EXIT_DSEC)
+            if any(c in rf for c in ",:\\"):
+                raise DsecError(f"--rootfs {spec.rootfs}: path must not contain ',', ':' or '\\'", EXIT_DSEC)
+            lower, host_dirs = rf, []
+        else:
+            lower, host_dirs = rootfs.ensure_base()
+        uid, gid, home = _passwd_lookup(lower, spec.user)
+        self.started_at = time.time()
+        self.dir = os.path.join(SANDBOX_DIR, self.sid)
+        os.makedirs(SANDBOX_DIR, exist_ok=True)
+        try:
+            os.mkdir(self.dir, 0o700)
+        except FileExistsError:
+            raise DsecError(f"sandbox id {self.sid} is already in use (state dir {self.dir} exists; "
+                            f"`dsec gc` removes stale ones)", EXIT_DSEC)
+        self.state = "starting"
+        try:
+            self._start(layout, lower, host_dirs, uid, gid, home)
+        except BaseException:
+            self._teardown()
+            self.state = "closed"
+            raise
+        self.state = "running"
+        return self
+
+    def _start(self, layout, lower, host_dirs, uid, gid, home):
+        spec = self.spec
+        self.lock_fd = os.open(os.path.join(self.dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self.lock_fd, fcntl.LOCK_EX)
+        self._write_state({"sandbox_id": self.sid, "owner_pid": os.getpid(), "owner_start": _owner_start_time(),
+                           "created": self.started_at, "network": spec.network})
+        self.cg = cgroups.SandboxCgroup(layout, self.sid)
+        self.cg.create(spec.cpus, spec.memory, spec.pids)
+        self.cgroup_id = self.cg.cgroup_id
+        self._hook("on_cgroup", self.sid, self.cgroup_id)
+
+        self.env = {"PATH": DEFAULT_PATH, "HOME": home, "LANG": "C.UTF-8", "HOSTNAME": self.sid,
+                    "USER": spec.user if not spec.user[0].isdigit() else str(uid)}
+        self.env.update(spec.env)
+        upper, work = os.path.join(self.dir, "upper"), os.path.join(self.dir, "work")
+        root = os.path.join(self.dir, "root")
+        for d in (root, upper, work):
+            os.mkdir(d)
+        self.layers = [("/", os.path.join(upper, "_root"), lower)] + \
+            [("/" + d, os.path.join(upper, d), "/" + d) for d in host_dirs]
+        cfg = {"root": root, "upper": upper, "work": work, "lower": lower, "host_dirs": host_dirs,
+               "hostname": self.sid, "argv": [], "env": self.env, "workdir": spec.workdir,
+               "uid": uid, "gid": gid, "tmp_size": spec.tmp_size or spec.memory or (512 << 20),
+               "seccomp": None, "writable": None,
+               "hold_after_exit": bool(self.hooks["on_workload_exit"])}
+        if spec.policy is not None:
+            from policies.compile import seccomp_filter, writable_paths
+            try:
+                cfg["seccomp"] = seccomp_filter(spec.policy)   # built here, loaded by each step right before execve
+            except DsecError as e:
+                raise DsecError(f"policy {spec.policy.name}: {e.message}", EXIT_DSEC)
+            if spec.policy.mode == "enforce":
+                cfg["writable"] = writable_paths(spec.policy)
+
+        ctl_parent, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.ctl = ctl_parent
+        self.status_r, status_w = os.pipe2(os.O_CLOEXEC)
+        pid_r, pid_w = os.pipe2(os.O_CLOEXEC)
+        su.prctl(su.PR_SET_CHILD_SUBREAPER, 1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        mid = os.fork()
+        if mid == 0:  # intermediate: join cgroups, new namespaces, fork PID 1, exit
+            code = 125
+            try:
+                os.close(self.lock_fd)
+                devnull = os.open(os.devnull, os.O_RDWR)
+                for target in (0, 1, 2):     # the supervisor holds no terminal or caller pipe
+                    os.dup2(devnull, target)
+                self.cg.join(0)
+                su.unshare(su.CLONE_NEWPID | su.CLONE_NEWNS | su.CLONE_NEWIPC | su.CLONE_NEWUTS | su.CLONE_NEWNET)
+                pid = os.fork()
+                if pid == 0:
+                    supervisor_main(cfg, ctl_child.fileno(), status_w)   # never returns
+                os.write(pid_w, f"{pid}\n".encode())
+                code = 0
+            except OSError as e:
+                os.write(pid_w, f"error {e.strerror or e}\n".encode())
+            finally:
+                os._exit(code)
+        ctl_child.close()
+        os.close(status_w)
+        os.close(pid_w)
+        reply = b""
+        while not reply.endswith(b"\n"):
+            chunk = os.read(pid_r, 256)
+            if not chunk:
+                break
+            reply += chunk
+        os.close(pid_r)
+        os.waitpid(mid, 0)
+        text = reply.decode(errors="replace").strip()
+        if not text.isdigit():
+            raise DsecError(f"cannot create sandbox namespaces: {text.removeprefix('error ') or 'launcher child died'}",
+                            EXIT_DSEC)
+        self.sup_pid = int(text)
+        self.pidfd = os.pidfd_open(self.sup_pid)
+        self._write_state({"supervisor_pid": self.sup_pid})
+        self._hook("on_started", self.sid, self.sup_pid)
+        self._reader = threading.Thread(target=self._read_status, name=f"dsec-sbx-{self.sid}", daemon=True)
+        self._reader.start()
+        ready = self._wait_for(lambda: self._ready, 30.0, "did not become ready")
+        self.created_mountpoints = ready.get("created", [])
+        if spec.network == "egress":
+            from agent import netns
+            self.net = netns.setup_egress(self.sid, self.sup_pid)
+        self._send({"cmd": "go"})
+
+    def _write_state(self, update: dict):
+        path = os.path.join(self.dir, "state.json")
+        try:
+            with open(path) as f:
+                st = json.load(f)
+        except (OSError, ValueError):
+            st = {}
+        st.update(update)
+        with open(path + ".tmp", "w") as f:
+            json.dump(st, f)
+        os.rename(path + ".tmp", path)
+
+    def _hook(self, name, *args):
+        fn = self.hooks.get(name)
+        if fn:
+            fn(*args)
+
+    def _send(self, msg: dict, fds=()):
+        with self._send_lock:
+            if self.ctl is None:
+                raise DsecError(f"sandbox {self.sid} is closed", EXIT_DSEC)
+            try:
+                socket.send_fds(self.ctl, [json.dumps(msg).encode()], list(fds))
+            except OSError as e:
+                raise DsecError(f"sandbox {self.sid}: supervisor is gone ({e.strerror})", EXIT_DSEC)
+
+    # -- the status reader -------------------------------------------------------
+    def _read_status(self):
+        buf = b""
+        fds = [self.status_r, self.pidfd]
+        while True:
+            try:
+                r, _, _ = select.select(fds, [], [])
+            except InterruptedError:
+                continue
+            if self.status_r in r and self.pidfd not in r:
+                data = os.read(self.status_r, 65536)
+                if data:
+                    buf += data
+                    while b"\n" in buf:
+                        line, buf = buf.split(b"\n", 1)
+                        self._dispatch(line)
+                else:
+                    fds.remove(self.status_r)
+                continue
+            # the supervisor exited: drain what it wrote, then reap it
+            while True:
+                try:
+                    data = os.read(self.status_r, 65536)
+                except OSError:
+                    break
+                if not data:
+                    break
+                buf += data
+            for line in buf.split(b"\n"):
+                self._dispatch(line)
+            try:
+                os.waitpid(self.sup_pid, 0)
+            except ChildProcessError:
+                pass
+            with self._cond:
+                self.supervisor_dead = True
+                self._cond.notify_all()
+            return
+
+    def _dispatch(self, line: bytes):
+        if not line.strip():
+            return
+        try:
+            m = json.loads(line)
+        except ValueError:
+            return
+        ev = m.get("ev")
+        with self._cond:
+            if ev == "ready":
+                self._ready = m
+            elif ev == "error":
+                self.setup_error = m.get("msg")
+            elif ev == "started":
+                st = self.steps.get(m.get("step"))
+                if st:
+                    st.pid = m["pid"]
+            elif ev == "step_exit":
+                st = self.steps.get(m.get("step"))
+                if st and not st.done:
+                    _finish_step(st, m)
+            elif ev == "closed":
+                self.closed_msg = m
+            self._cond.notify_all()
+
+    def _wait_for(self, pred, timeout, what):
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                v = pred()
+                if v:
+                    return v
+                if self.setup_error:
+                    raise DsecError(f"sandbox setup failed: {self.setup_error}", EXIT_DSEC)
+                if self.supervisor_dead:
+                    raise DsecError(f"sandbox {self.sid}: supervisor died ({what})", EXIT_DSEC)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DsecError(f"sandbox {self.sid}: supervisor {what} within {timeout:.0f}s", EXIT_DSEC)
+                self._cond.wait(min(left, 1.0))
+
+    # -- steps ---------------------------------------------------------------------
+    def exec(self, argv, *, env=None, workdir=None, stdin=None, stdout=None, stderr=None,
+             timeout=None, grace=None) -> StepResult:
+        """Run one step and wait for its main process to exit. stdin/stdout/stderr
+        are fds (None = /dev/null), passed to the supervisor. On timeout: SIGTERM to
+        the step's process group, `grace` seconds, SIGKILL."""
+        if not argv:
+            raise DsecError("no command given", EXIT_DSEC)
+        with self._cond:
+            if self.state != "running":
+                raise DsecError(f"sandbox {self.sid} is {self.state}", EXIT_DSEC)
+            step = self.next_step
+            self.next_step += 1
+            st = self.steps[step] = StepResult(step)
+        e = dict(self.env)
+        if env:
+            e.update(env)
+        self._hook("on_step", self.sid, step)
+        fds, opened = [], []
+        for fd, mode in ((stdin, os.O_RDONLY), (stdout, os.O_WRONLY), (stderr, os.O_WRONLY)):
+            if fd is None:
+                fd = os.open(os.devnull, mode | os.O_CLOEXEC)
+                opened.append(fd)
+            fds.append(fd)
+        st.started_ns = time.time_ns()
+        t0 = time.monotonic()
+        try:
+            self._send({"cmd": "exec", "step": step, "argv": list(argv), "env": e,
+                        "workdir": workdir or self.spec.workdir}, fds)
+        finally:
+            for fd in opened:
+                os.close(fd)
+        grace = self.spec.grace if grace is None else grace
+        deadline = t0 + timeout if timeout else None
+        kill_at = None
+        with self._cond:
+            while not st.done and not self.supervisor_dead:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline and not st.timed_out:
+                    st.timed_out = True
+                    kill_at = now + grace
+                    self._signal_step(step, signal.SIGTERM)
+                if kill_at is not None and now >= kill_at:
+                    self._signal_step(step, signal.SIGKILL)
+                    kill_at = now + 1.0
+                waits = [t for t in ((None if st.timed_out else deadline), kill_at) if t is not None]
+                self._cond.wait(min([1.0] + [max(0.0, t - now) for t in waits]))
+            if not st.done:      # the supervisor died under the step (OOM of PID 1, killed ...)
+                _finish_step(st, {"status": signal.SIGKILL})
+        st.wall_ms = int((time.monotonic() - t0) * 1000)
+        if st.timed_out:
+            st.code = EXIT_TIMEOUT
+        return st
+
+    def _signal_step(self, step, sig):
+        try:
+            self._send({"cmd": "signal", "sig": int(sig), "step": step, "group": True})
+        except DsecError:
+            pass
+
+    def signal(self, sig: int, step: int | None = None):
+        """Forward a signal to the main process of a step (or of every running step)."""
+        try:
+            self._send({"cmd": "signal", "sig": int(sig), "step": step, "group": False})
+        except DsecError:
+            pass
+
+    def terminate(self):
+        """SIGTERM to every process of the sandbox (preemption, shutdown)."""
+        try:
+            self._send({"cmd": "terminate"})
+        except DsecError:
+            pass
+
+    def kill(self):
+        """SIGKILL everything in the sandbox now (its cgroup)."""
+        if self.cg:
+            self.cg.kill_all(timeout=1.0)
+
+    # -- close ---------------------------------------------------------------------
+    def close(self, timeout: float = 10.0) -> dict:
+        """Kill what is left, tear down, return the summary."""
+        if self.summary is not None:
+            return self.summary
+        with self._cond:
+            self.state = "closing"
+        try:
+            if not self.supervisor_dead:
+                try:
+                    self._send({"cmd": "close"})
+                    self._wait_for(lambda: self.closed_msg, timeout, "did not close")
+                except DsecError:
+                    self.kill()
+                if self.closed_msg and not self.supervisor_dead:
+                    try:
+                        self._hook("on_workload_exit", self.sid)
+                    finally:
+                        try:
+                            self._send({"cmd": "release"})
+                        except DsecError:
+                            pass
+            with self._cond:
+                end = time.monotonic() + timeout
+                while not self.supervisor_dead and time.monotonic() < end:
+                    self._cond.wait(0.5)
+            if not self.supervisor_dead:
+                self.kill()
+            summary = self._summary()
+            if self.cg:
+                self.cg.kill_all()
+            ch, total = rootfs.changes(self.layers)
+            created = set(self.created_mountpoints)
+            summary["changes"] = [c for c in ch if c["path"] not in created]
+            summary["changes_total"] = total - (len(ch) - len(summary["changes"]))
+            summary["changes_truncated"] = total > len(ch)
+            if self.spec.keep:
+                import shutil
+                os.makedirs(KEPT_DIR, exist_ok=True)
+                dest = os.path.join(KEPT_DIR, self.sid)
+                shutil.rmtree(dest, ignore_errors=True)
+                os.rename(os.path.join(self.dir, "upper"), dest)
+                summary["kept_upper"] = dest
+            self.summary = summary
+        finally:
+            self._teardown()
+            self.state = "closed"
+        self._hook("on_exit", self.summary)
+        return self.summary
+
+    def _summary(self) -> dict:
+        last = self.steps[max(self.steps)] if self.steps else None
+        cm = self.closed_msg or {}
+        return {"sandbox_id": self.sid, "node": os.uname().nodename,
+                "argv": self.spec.argv, "exit_code": last.exit_code if last else None,
+                "signal": last.signal if last else None,
+                "timed_out": bool(last and last.timed_out),
+                "oom_killed": self.cg.oom_kills() > 0 if self.cg else False,
+                "wall_ms": int((time.time() - self.started_at) * 1000),
+                "cpu_ms": cm.get("cpu_ms", sum(s.cpu_ms for s in self.steps.values())),
+                # peak of the sandbox's memory cgroup: the honest figure for a whole sandbox
+                # (per-process ru_maxrss would count the forked supervisor's image).
+                "max_rss_bytes": self.cg.memory_peak() if self.cg else 0,
+                "cgroup_id": self.cgroup_id, "started_at": self.started_at,
+                "error": (last.error if last else None) or self.setup_error,
+                "steps": [s.to_dict() for s in self.steps.values()]}
+
+    def _teardown(self):
+        """Remove everything the sandbox had on the host, whatever state we are in."""
+        if self.sup_pid and not self.supervisor_dead:
+            try:
+                os.kill(self.sup_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if self._reader is None:
+                try:
+                    os.waitpid(self.sup_pid, 0)
+                except ChildProcessError:
+                    pass
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        for fd in (self.pidfd, self.status_r):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.pidfd = self.status_r = -1
+        with self._send_lock:
+            if self.ctl is not None:
+                self.ctl.close()
+                self.ctl = None
+        left = []
+        if self.cg:
+            left = self.cg.remove()
+        if self.net or self.spec.network == "egress":
+            from agent import netns
+            netns.teardown(self.sid)
+        if self.dir and not left:
+            import shutil
+            shutil.rmtree(self.dir, ignore_errors=True)
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+            self.lock_fd = -1
+        if left:
+            sys.stderr.write(f"dsec: warning: could not remove cgroups {left}; run `dsec gc`\n")
+
+
+def _finish_step(st: StepResult, m: dict):
+    st.done = True
+    st.cpu_ms = m.get("cpu_ms", 0)
+    st.max_rss_bytes = m.get("max_rss_bytes", 0)
+    if m.get("exec_errno") is not None:
+        e = m["exec_errno"]
+        st.error = f"{m.get('exec_stage')}: {m.get('exec_msg')}"
+        if m.get("exec_stage") == "exec":
+            st.code = EXIT_NOTFOUND if e == errno.ENOENT else EXIT_NOEXEC
+            st.exit_code = st.code
+        else:
+            st.code = EXIT_DSEC
+        return
+    status = m.get("status")
+    if status is None:
+        status = signal.SIGKILL
+    st.status = status
+    if os.WIFSIGNALED(status):
+        st.signal = os.WTERMSIG(status)
+        st.code = 128 + st.signal
+    else:
+        st.exit_code = os.WEXITSTATUS(status)
+        st.code = st.exit_code
 
 
 def launch(spec: SandboxSpec, on_cgroup=None, on_exit=None, stdio=None, on_started=None, on_go=None,
            on_workload_exit=None) -> Result:
-    preflight()
-    spec.sandbox_id = validate_id(spec.sandbox_id or new_sandbox_id())
+    """One-shot: start, run spec.argv as step 1 with the caller's stdio, close."""
     if not spec.argv:
         raise DsecError("no command given", EXIT_DSEC)
-    if spec.network not in ("none", "egress"):
-        raise DsecError(f"--network {spec.network}: expected none or egress", EXIT_DSEC)
-    layout = cgroups.detect()
-    if spec.rootfs:
-        rf = os.path.abspath(spec.rootfs)
-        if not os.path.isdir(rf):
-            raise DsecError(f"--rootfs {spec.rootfs}: no such directory", EXIT_DSEC)
-        if any(c in rf for c in ",:\\"):
-            raise DsecError(f"--rootfs {spec.rootfs}: path must not contain ',', ':' or '\\'", EXIT_DSEC)
-        lower, host_dirs = rf, []
-    else:
-        lower, host_dirs = rootfs.ensure_base()
-    uid, gid, home = _passwd_lookup(lower, spec.user)
-
-    sb = _Sandbox(spec)
-    t_start = time.time()
-    os.makedirs(SANDBOX_DIR, exist_ok=True)
+    sb = Sandbox(spec, on_cgroup=on_cgroup, on_started=on_started,
+                 on_step=(lambda sid, step: on_go(sid)) if on_go else None,
+                 on_workload_exit=on_workload_exit, on_exit=on_exit)
+    sb.start()
+    relay_threads = []
     try:
-        os.mkdir(sb.dir, 0o700)
-    except FileExistsError:
-        raise DsecError(f"sandbox id {sb.sid} is already in use (state dir {sb.dir} exists; `dsec gc` removes stale ones)", EXIT_DSEC)
-    try:
-        hooks = {"on_cgroup": on_cgroup, "on_exit": on_exit, "on_started": on_started, "on_go": on_go,
-                 "on_workload_exit": on_workload_exit}
-        return _launch(sb, layout, lower, host_dirs, uid, gid, home, hooks, stdio, t_start)
-    finally:
-        _teardown_leftovers(sb)
-
-
-def _launch(sb, layout, lower, host_dirs, uid, gid, home, hooks, stdio, t_start):
-    spec = sb.spec
-    sb.lock_fd = os.open(os.path.join(sb.dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    fcntl.flock(sb.lock_fd, fcntl.LOCK_EX)
-    with open(os.path.join(sb.dir, "state.json"), "w") as f:
-        json.dump({"sandbox_id": sb.sid, "owner_pid": os.getpid(), "owner_start": _owner_start_time(),
-                   "created": t_start, "argv": [os.fsencode(a).decode("utf-8", "replace") for a in spec.argv],
-                   "network": spec.network}, f)
-    sb.cg = cgroups.SandboxCgroup(layout, sb.sid)
-    sb.cg.create(spec.cpus, spec.memory, spec.pids)
-    cgroup_id = sb.cg.cgroup_id
-    if hooks["on_cgroup"]:
-        hooks["on_cgroup"](sb.sid, cgroup_id)
-
-    env = {"PATH": DEFAULT_PATH, "HOME": home, "LANG": "C.UTF-8", "HOSTNAME": sb.sid,
-           "USER": spec.user if not spec.user[0].isdigit() else str(uid)}
-    env.update(spec.env)
-    upper, work = os.path.join(sb.dir, "upper"), os.path.join(sb.dir, "work")
-    root = os.path.join(sb.dir, "root")
-    os.mkdir(root)
-    os.mkdir(upper)
-    os.mkdir(work)
-    sb.layers = [("/", os.path.join(upper, "_root"), lower)] + \
-        [("/" + d, os.path.join(upper, d), "/" + d) for d in host_dirs]
-    cfg = {"root": root, "upper": upper, "work": work, "lower": lower, "host_dirs": host_dirs,
-           "hostname": sb.sid, "argv": spec.argv, "env": env, "workdir": spec.workdir,
-           "uid": uid, "gid": gid, "tmp_size": spec.tmp_size or spec.memory or (512 << 20),
-           "seccomp": None, "writable": None, "hold_after_exit": bool(hooks["on_workload_exit"])}
-    if spec.policy is not None:
-        from policies.compile import seccomp_filter, writable_paths
+        stdio = stdio or _default_stdio()
+        for r, w in stdio["relay"].items():
+            t = threading.Thread(target=_relay, args=(r, w), daemon=True)
+            t.start()
+            relay_threads.append(t)
+        forwarded = _forward_signals(sb)
         try:
-            cfg["seccomp"] = seccomp_filter(spec.policy)   # built here, loaded by the workload right before execve
-        except DsecError as e:
-            raise DsecError(f"policy {spec.policy.name}: {e.message}", EXIT_DSEC)
-        if spec.policy.mode == "enforce":
-            cfg["writable"] = writable_paths(spec.policy)
-
-    stdio = stdio or _default_stdio()
-    ctl_r, sb.ctl_w = os.pipe2(os.O_CLOEXEC)
-    sb.status_r, status_w = os.pipe2(os.O_CLOEXEC)
-    pid_r, pid_w = os.pipe2(os.O_CLOEXEC)
-    su.prctl(su.PR_SET_CHILD_SUBREAPER, 1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    mid = os.fork()
-    if mid == 0:  # intermediate: join cgroups, new namespaces, fork PID 1, exit
-        code = 125
-        try:
-            os.close(sb.lock_fd)
-            for fd, target in zip(stdio["child"], (0, 1, 2)):
-                if fd != target:
-                    os.dup2(fd, target)
-            sb.cg.join(0)
-            su.unshare(su.CLONE_NEWPID | su.CLONE_NEWNS | su.CLONE_NEWIPC | su.CLONE_NEWUTS | su.CLONE_NEWNET)
-            pid = os.fork()
-            if pid == 0:
-                supervisor_main(cfg, ctl_r, status_w)   # never returns
-            os.write(pid_w, f"{pid}\n".encode())
-            code = 0
-        except OSError as e:
-            os.write(pid_w, f"error {e.strerror or e}\n".encode())
+            child = stdio["child"]
+            st = sb.exec(spec.argv, stdin=child[0], stdout=child[1], stderr=child[2], timeout=spec.timeout)
         finally:
-            os._exit(code)
-    for fd in (ctl_r, status_w, pid_w):
-        os.close(fd)
-    for fd in stdio["close_after_fork"]:
-        os.close(fd)
-    reply = b""
-    while not reply.endswith(b"\n"):
-        chunk = os.read(pid_r, 256)
-        if not chunk:
+            for fd in stdio["close_after_fork"]:
+                os.close(fd)
+            _restore_signals(forwarded)
+    except BaseException:
+        sb.close()
+        raise
+    summary = sb.close()
+    for t in relay_threads:
+        t.join(timeout=5)
+    summary["wall_ms"] = st.wall_ms
+    summary["timed_out"] = st.timed_out
+    return Result(st.code, summary)
+
+
+def _forward_signals(sb: Sandbox) -> dict:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    old = {}
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        old[s] = signal.signal(s, lambda sig, _f: sb.signal(sig))
+    return old
+
+
+def _restore_signals(old: dict):
+    for s, h in old.items():
+        signal.signal(s, h)
+
+
+def _relay(rfd: int, wfd: int):
+    while True:
+        try:
+            data = os.read(rfd, 65536)
+        except OSError:
             break
-        reply += chunk
-    os.close(pid_r)
-    os.waitpid(mid, 0)
-    text = reply.decode(errors="replace").strip()
-    if not text.isdigit():
-        raise DsecError(f"cannot create sandbox namespaces: {text.removeprefix('error ') or 'launcher child died'}", EXIT_DSEC)
-    sb.sup_pid = int(text)
-    sb.pidfd = os.pidfd_open(sb.sup_pid)
-    if hooks["on_started"]:
-        hooks["on_started"](sb.sid, sb.sup_pid)
-    with open(os.path.join(sb.dir, "state.json"), "r+") as f:
-        st = json.load(f)
-        st["supervisor_pid"] = sb.sup_pid
-        f.seek(0)
-        json.dump(st, f)
-        f.truncate()
-
-    ready = _wait_message(sb, ("ready",))
-    sb.created_mountpoints = ready.get("created", [])
-    net_cfg = None
-    if spec.network == "egress":
-        from agent import netns
-        sb.net = netns.setup_egress(sb.sid, sb.sup_pid)
-        net_cfg = sb.net
-    if hooks["on_go"]:
-        hooks["on_go"](sb.sid)
-    os.write(sb.ctl_w, (json.dumps({"cmd": "go", "net": net_cfg}) + "\n").encode())
-    t_go = time.monotonic()
-    final, timed_out = _wait_exit(sb, stdio["relay"], t_go, hooks["on_workload_exit"])
-    wall_ms = int((time.monotonic() - t_go) * 1000)
-
-    oom = sb.cg.oom_kills() > 0
-    peak = sb.cg.memory_peak()
-    summary = {"sandbox_id": sb.sid, "node": os.uname().nodename, "argv": spec.argv,
-               "exit_code": None, "signal": None, "timed_out": timed_out, "oom_killed": oom,
-               "wall_ms": wall_ms, "cpu_ms": final.get("cpu_ms", 0),
-               # peak of the sandbox's memory cgroup: the honest figure for a whole sandbox
-               # (per-process ru_maxrss would count the forked supervisor's image).
-               "max_rss_bytes": peak,
-               "cgroup_id": cgroup_id, "started_at": t_start, "error": None}
-    if final.get("ev") == "error":
-        summary["error"] = final["msg"]
-        code = EXIT_DSEC
-    elif final.get("exec_errno") is not None:
-        e = final["exec_errno"]
-        summary["error"] = f"{final.get('exec_stage')}: {final.get('exec_msg')}"
-        if final.get("exec_stage") == "exec":
-            code = EXIT_NOTFOUND if e == errno.ENOENT else EXIT_NOEXEC
-            summary["exit_code"] = code
-        else:
-            code = EXIT_DSEC
-    elif final.get("status") is not None:
-        st = final["status"]
-        if os.WIFSIGNALED(st):
-            summary["signal"] = os.WTERMSIG(st)
-            code = 128 + summary["signal"]
-        else:
-            summary["exit_code"] = os.WEXITSTATUS(st)
-            code = summary["exit_code"]
-    else:
-        # supervisor killed before reporting (timeout SIGKILL, OOM of PID 1, ...)
-        summary["signal"] = signal.SIGKILL
-        code = 128 + signal.SIGKILL
-    if timed_out:
-        code = EXIT_TIMEOUT
-
-    _stop_processes(sb)
-    ch, total = rootfs.changes(sb.layers)
-    created = set(sb.created_mountpoints)
-    summary["changes"] = [c for c in ch if c["path"] not in created]
-    summary["changes_total"] = total - (len(ch) - len(summary["changes"]))
-    summary["changes_truncated"] = total > len(ch)
-    if spec.keep:
-        import shutil
-        os.makedirs(KEPT_DIR, exist_ok=True)
-        dest = os.path.join(KEPT_DIR, sb.sid)
-        shutil.rmtree(dest, ignore_errors=True)
-        os.rename(os.path.join(sb.dir, "upper"), dest)
-        summary["kept_upper"] = dest
-    if hooks["on_exit"]:
-        hooks["on_exit"](summary)
-    return Result(code, summary)
+        if not data:
+            break
+        _write_all(wfd, data)
+    os.close(rfd)
 
 
 def _default_stdio() -> dict:
@@ -373,145 +734,6 @@ def _default_stdio() -> dict:
     return {"child": child, "relay": relay, "close_after_fork": close_after}
 
 
-def _read_messages(sb) -> bool:
-    """Read status lines; returns False on EOF."""
-    try:
-        data = os.read(sb.status_r, 65536)
-    except BlockingIOError:
-        return True
-    if not data:
-        return False
-    sb._buf = getattr(sb, "_buf", b"") + data
-    while b"\n" in sb._buf:
-        line, sb._buf = sb._buf.split(b"\n", 1)
-        try:
-            sb.messages.append(json.loads(line))
-        except ValueError:
-            pass
-    return True
-
-
-def _wait_message(sb, kinds, timeout=30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        for m in sb.messages:
-            if m.get("ev") == "error":
-                raise DsecError(f"sandbox setup failed: {m['msg']}", EXIT_DSEC)
-            if m.get("ev") in kinds:
-                sb.messages.remove(m)
-                return m
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise DsecError(f"sandbox supervisor did not answer within {timeout:.0f}s", EXIT_DSEC)
-        r, _, _ = select.select([sb.status_r, sb.pidfd], [], [], left)
-        if sb.status_r in r:
-            if not _read_messages(sb):
-                raise DsecError("sandbox supervisor died during setup", EXIT_DSEC)
-        elif sb.pidfd in r and not _read_messages(sb):
-            raise DsecError("sandbox supervisor died during setup", EXIT_DSEC)
-
-
-def _wait_exit(sb, relay: dict, t_go: float, on_workload_exit=None) -> tuple[dict, bool]:
-    spec = sb.spec
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    old_wake = signal.set_wakeup_fd(wake_w)
-    got = []
-    handlers = {}
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-        handlers[s] = signal.signal(s, lambda sig, _f: got.append(sig))
-    deadline = t_go + spec.timeout if spec.timeout else None
-    kill_at = None
-    timed_out = False
-    exited = False
-    status_open = True
-    try:
-        while not exited or status_open:
-            fds = [wake_r] + list(relay)
-            if not exited:
-                fds.append(sb.pidfd)
-            if status_open:
-                fds.append(sb.status_r)
-            now = time.monotonic()
-            waits = [t for t in (deadline, kill_at) if t is not None]
-            tmo = max(0.0, min(waits) - now) if waits and not exited else (1.0 if exited else None)
-            try:
-                r, _, _ = select.select(fds, [], [], tmo)
-            except InterruptedError:
-                r = []
-            now = time.monotonic()
-            if wake_r in r:
-                try:
-                    os.read(wake_r, 1024)
-                except BlockingIOError:
-                    pass
-            while got:
-                sig = got.pop(0)
-                try:
-                    os.kill(sb.sup_pid, sig)
-                except ProcessLookupError:
-                    pass
-                if kill_at is None:
-                    kill_at = now + spec.grace
-            for rfd in list(relay):
-                if rfd in r:
-                    data = os.read(rfd, 65536)
-                    if not data:
-                        os.close(rfd)
-                        del relay[rfd]
-                    else:
-                        _write_all(relay[rfd], data)
-            if sb.status_r in r:
-                status_open = _read_messages(sb)
-                if on_workload_exit and any(m.get("ev") == "exit" for m in sb.messages):
-                    # every process but the supervisor is gone; it holds the
-                    # sandbox's namespaces until we release it
-                    try:
-                        on_workload_exit(sb.sid)
-                    finally:
-                        on_workload_exit = None
-                        try:
-                            os.write(sb.ctl_w, b'{"cmd": "release"}\n')
-                        except OSError:
-                            pass
-            if sb.pidfd in r and not exited:
-                os.waitpid(sb.sup_pid, 0)
-                exited = True
-            if exited and not r:
-                break   # status pipe should have closed with the supervisor; don't hang
-            if not exited and deadline is not None and now >= deadline and not timed_out:
-                timed_out = True
-                try:
-                    os.write(sb.ctl_w, b'{"cmd": "terminate"}\n')
-                except OSError:
-                    pass
-                kill_at = now + spec.grace
-            if not exited and kill_at is not None and now >= kill_at:
-                sb.cg.kill_all(timeout=0.5)
-                try:
-                    os.kill(sb.sup_pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                kill_at = None
-        for rfd in list(relay):   # drain what is left of the output
-            while True:
-                try:
-                    data = os.read(rfd, 65536)
-                except OSError:
-                    break
-                if not data:
-                    break
-                _write_all(relay[rfd], data)
-            os.close(rfd)
-    finally:
-        signal.set_wakeup_fd(old_wake)
-        for s, h in handlers.items():
-            signal.signal(s, h)
-        os.close(wake_r)
-        os.close(wake_w)
-    final = next((m for m in sb.messages if m.get("ev") in ("exit", "error")), {})
-    return final, timed_out
-
-
 def _write_all(fd, data):
     while data:
         try:
@@ -522,40 +744,3 @@ def _write_all(fd, data):
         except OSError:
             return
         data = data[n:]
-
-
-def _stop_processes(sb):
-    if sb.cg:
-        sb.cg.kill_all()
-
-
-def _teardown_leftovers(sb):
-    """Remove everything the sandbox had on the host, whatever state we are in."""
-    if sb.sup_pid:
-        try:
-            os.kill(sb.sup_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            os.waitpid(sb.sup_pid, 0)
-        except ChildProcessError:
-            pass
-    for fd in (sb.pidfd, sb.ctl_w, sb.status_r):
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-    left = []
-    if sb.cg:
-        left = sb.cg.remove()
-    if sb.net or sb.spec.network == "egress":
-        from agent import netns
-        netns.teardown(sb.sid)
-    if not left:
-        import shutil
-        shutil.rmtree(sb.dir, ignore_errors=True)
-    if sb.lock_fd >= 0:
-        os.close(sb.lock_fd)
-    if left:
-        sys.stderr.write(f"dsec: warning: could not remove cgroups {left}; run `dsec gc`\n")

@@ -12,11 +12,24 @@ to the launcher over a pipe.
 If the launcher dies (its control pipe closes), the supervisor kills the whole
 sandbox: nothing keeps running unsupervised.
 
-Protocol (JSON lines):
-  launcher -> supervisor (ctl):  {"cmd": "go", "net": {...}|null}  {"cmd": "terminate"}
-  supervisor -> launcher (status): {"ev": "ready"}  {"ev": "started", "pid": N}
-       {"ev": "exit", "status": wait-status|null, "exec_errno": N|null, "cpu_ms": N,
-        "max_rss_bytes": N}  {"ev": "error", "msg": "..."}
+A sandbox runs one or more steps (exec calls), each a process tree of its
+own, one after another or at once; files and background processes persist
+between steps until the sandbox is closed.
+
+Protocol:
+  launcher -> supervisor, one JSON message per SOCK_SEQPACKET packet, fds by SCM_RIGHTS:
+    {"cmd": "go"}                         network configured, start serving
+    {"cmd": "exec", "step": N, "argv": [...], "env": {...}, "workdir": "..."}
+                                          + up to 3 fds: the step's stdin, stdout, stderr
+    {"cmd": "signal", "sig": S, "step": N|null, "group": bool}
+    {"cmd": "terminate"}                  SIGTERM to every process of the sandbox
+    {"cmd": "close"}                      kill everything, report, (hold), exit
+    {"cmd": "release"}                    end the hold
+  supervisor -> launcher, JSON lines on a pipe:
+    {"ev": "ready"}  {"ev": "started", "step": N, "pid": P}
+    {"ev": "step_exit", "step": N, "status": wait-status|null, "exec_errno": E, ...}
+    {"ev": "closed", "cpu_ms": N, "max_rss_bytes": N, "owner_gone": bool}
+    {"ev": "error", "msg": "..."}
 """
 from __future__ import annotations
 
@@ -250,14 +263,14 @@ def _exec_workload(cfg: dict, err_w: int):
     os._exit(127)
 
 
-def supervisor_main(cfg: dict, ctl_r: int, status_w: int):
+def supervisor_main(cfg: dict, ctl_fd: int, status_w: int):
     """Entry point in the forked child that is PID 1 of the new pid namespace.
 
     Everything it needs is imported before pivot_root: the sandbox's root may
     have no Python at all."""
     code = 125
     try:
-        code = _supervise(cfg, ctl_r, status_w)
+        code = _supervise(cfg, ctl_fd, status_w)
     except SetupError as e:
         _send(status_w, {"ev": "error", "msg": str(e)})
         code = 125
@@ -269,48 +282,166 @@ def supervisor_main(cfg: dict, ctl_r: int, status_w: int):
         os._exit(code)
 
 
-def _supervise(cfg, ctl_r, status_w):
+def _recv(ctl) -> tuple[dict | None, list[int]]:
+    """One command (a SOCK_SEQPACKET message) and the fds passed with it; (None, []) on EOF."""
+    while True:
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(ctl, 1 << 20, 8)
+            break
+        except InterruptedError:
+            continue
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    return json.loads(data), fds
+
+
+def _supervise(cfg, ctl_fd, status_w):
     su.set_name("dsec-init")
-    keep = {0, 1, 2, ctl_r, status_w}
+    keep = {0, 1, 2, ctl_fd, status_w}
     for fd in list(map(int, os.listdir("/proc/self/fd"))):
         if fd not in keep:
             try:
                 os.close(fd)
             except OSError:
                 pass
+    ctl = socket.socket(fileno=ctl_fd)
     su.sethostname(cfg["hostname"])
     cfg["created_mountpoints"] = build_mounts(cfg)
     loopback_up()
+    null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
     _send(status_w, {"ev": "ready", "created": cfg["created_mountpoints"]})
 
-    line = _readline(ctl_r)
-    if not line:
-        return 125  # launcher gone before go
-    json.loads(line)   # "go": the launcher has configured the network from outside
+    msg, fds = _recv(ctl)
+    if msg is None:
+        return 125  # launcher gone before go ("go": it has configured the network from outside)
 
-    # signals: forward to the workload; wake the loop on SIGCHLD
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
-    child = {"pid": 0}
+    steps: dict[int, int] = {}          # main pid of a running step -> step number
 
-    def forward(sig, _frame):
-        if child["pid"]:
+    def forward(sig, _frame):           # signals to PID 1 go to every running step
+        for pid in list(steps):
             try:
-                os.kill(child["pid"], sig)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
-    for s in FORWARDED:
-        signal.signal(s, forward)
+    for s_ in FORWARDED:
+        signal.signal(s_, forward)
     signal.signal(signal.SIGCHLD, lambda *_: None)
 
+    total = {"cpu": 0.0, "maxrss": 0}
+    closing = False
+    owner_gone = False
+
+    def reap(block=False):
+        while True:
+            try:
+                p, st, ru = os.wait4(-1, 0 if block else os.WNOHANG)
+            except ChildProcessError:
+                return False
+            except InterruptedError:
+                continue
+            if p == 0:
+                return True
+            cpu = ru.ru_utime + ru.ru_stime
+            total["cpu"] += cpu
+            total["maxrss"] = max(total["maxrss"], ru.ru_maxrss)
+            if p in steps:
+                _send(status_w, {"ev": "step_exit", "step": steps.pop(p), "pid": p, "status": st,
+                                 "cpu_ms": int(cpu * 1000), "max_rss_bytes": ru.ru_maxrss * 1024})
+
+    while not closing:
+        try:
+            r, _, _ = select.select([ctl, wake_r], [], [])
+        except InterruptedError:
+            continue
+        if wake_r in r:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+            reap()
+        if ctl not in r:
+            continue
+        msg, fds = _recv(ctl)
+        if msg is None:
+            owner_gone = True            # the launcher died: fail closed
+            break
+        cmd = msg.get("cmd")
+        if cmd == "exec":
+            _start_step(cfg, msg, fds, null, steps, status_w)
+        elif cmd == "signal":
+            for pid, step in list(steps.items()):
+                if msg.get("step") in (None, step):
+                    try:
+                        if msg.get("group"):
+                            os.killpg(pid, msg["sig"])
+                        else:
+                            os.kill(pid, msg["sig"])
+                    except (ProcessLookupError, PermissionError):
+                        pass
+        elif cmd == "terminate":
+            try:
+                os.kill(-1, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        elif cmd == "close":
+            closing = True
+        for fd in fds if cmd != "exec" else ():
+            os.close(fd)
+
+    # closing (or the launcher is gone): nothing may outlive the sandbox
+    _kill_all()
+    while reap(block=True):
+        pass
+    for pid, step in list(steps.items()):
+        _send(status_w, {"ev": "step_exit", "step": step, "pid": pid, "status": 9, "cpu_ms": 0, "max_rss_bytes": 0})
+    _send(status_w, {"ev": "closed", "cpu_ms": int(total["cpu"] * 1000),
+                     "max_rss_bytes": total["maxrss"] * 1024, "owner_gone": owner_gone})
+    if cfg.get("hold_after_exit") and not owner_gone:
+        # Keep the sandbox's mount namespace alive (every process but us is
+        # gone) until the launcher has finished reading the record through it
+        # (exec enrichment opens binaries inside /proc/1/root). Bounded.
+        end = time.monotonic() + HOLD_MAX_S
+        while time.monotonic() < end:
+            try:
+                r, _, _ = select.select([ctl], [], [], max(0.0, end - time.monotonic()))
+            except InterruptedError:
+                continue
+            if not r:
+                break
+            m, fds = _recv(ctl)
+            for fd in fds:
+                os.close(fd)
+            if m is None or m.get("cmd") == "release":
+                break
+    return 0
+
+
+def _start_step(cfg, msg, fds, null, steps, status_w):
+    """Fork one step's main process with the fds the launcher passed (stdin, stdout, stderr)."""
+    step = int(msg.get("step", 0))
+    stdio = (list(fds) + [null, null, null])[:3]
+    scfg = dict(cfg)
+    scfg["argv"] = msg["argv"]
+    scfg["env"] = msg.get("env") or cfg["env"]
+    scfg["workdir"] = msg.get("workdir") or cfg["workdir"]
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:
-        os.close(err_r)
-        _exec_workload(cfg, err_w)
-    child["pid"] = pid
+        try:
+            os.close(err_r)
+            for target, fd in enumerate(stdio):
+                os.dup2(fd, target, inheritable=True)
+        except OSError:
+            os._exit(125)
+        _exec_workload(scfg, err_w)
     os.close(err_w)
+    for fd in fds:
+        os.close(fd)
     err = b""
     while True:
         try:
@@ -321,86 +452,18 @@ def _supervise(cfg, ctl_r, status_w):
             break
         err += chunk
     os.close(err_r)
-    exec_err = json.loads(err) if err else None
-    if not exec_err:
-        _send(status_w, {"ev": "started", "pid": pid})
-
-    cpu = 0.0
-    maxrss = 0
-    status = None
-    owner_gone = False
-    while status is None:
-        # reap whatever is ready
-        while True:
-            try:
-                p, st, ru = os.wait4(-1, os.WNOHANG)
-            except ChildProcessError:
-                p = 0
-            if p == 0:
-                break
-            cpu += ru.ru_utime + ru.ru_stime
-            maxrss = max(maxrss, ru.ru_maxrss)
-            if p == pid:
-                status = st
-        if status is not None:
-            break
+    if err:
+        e = json.loads(err)
         try:
-            r, _, _ = select.select([ctl_r, wake_r], [], [])
-        except InterruptedError:
-            continue
-        if wake_r in r:
-            try:
-                os.read(wake_r, 4096)
-            except BlockingIOError:
-                pass
-        if ctl_r in r:
-            line = _readline(ctl_r)
-            if not line:
-                owner_gone = True           # launcher died: fail closed
-                _kill_all()
-                continue
-            cmd = json.loads(line).get("cmd")
-            if cmd == "terminate":
-                try:
-                    os.kill(-1, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-    # the main process is gone: nothing else may outlive it
-    _kill_all()
-    while True:
-        try:
-            p, st, ru = os.wait4(-1, 0)
+            os.waitpid(pid, 0)
         except ChildProcessError:
-            break
-        except InterruptedError:
-            continue
-        cpu += ru.ru_utime + ru.ru_stime
-        maxrss = max(maxrss, ru.ru_maxrss)
-    _send(status_w, {"ev": "exit", "status": None if exec_err else status,
-                     "exec_errno": exec_err["errno"] if exec_err else None,
-                     "exec_stage": exec_err["stage"] if exec_err else None,
-                     "exec_msg": exec_err["msg"] if exec_err else None,
-                     "cpu_ms": int(cpu * 1000), "max_rss_bytes": maxrss * 1024,
-                     "owner_gone": owner_gone})
-    if cfg.get("hold_after_exit") and not owner_gone:
-        # Keep the sandbox's mount namespace alive (every process but us is
-        # gone) until the launcher has finished reading the record through it
-        # (exec enrichment opens binaries inside /proc/1/root). Bounded.
-        end = time.monotonic() + HOLD_MAX_S
-        while True:
-            left = end - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                r, _, _ = select.select([ctl_r], [], [], left)
-            except InterruptedError:
-                continue
-            if not r:
-                break
-            line = _readline(ctl_r)
-            if not line or b"release" in line:
-                break
-    return 0
+            pass
+        _send(status_w, {"ev": "step_exit", "step": step, "pid": pid, "status": None,
+                         "exec_errno": e["errno"], "exec_stage": e["stage"], "exec_msg": e["msg"],
+                         "cpu_ms": 0, "max_rss_bytes": 0})
+        return
+    steps[pid] = step
+    _send(status_w, {"ev": "started", "step": step, "pid": pid})
 
 
 def _kill_all():

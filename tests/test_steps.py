@@ -1,0 +1,87 @@
+"""Multi-step sandboxes (the launcher's Sandbox API) with the audit recorder:
+steps share the filesystem, every event carries its step number."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from agent.launcher import Sandbox, SandboxSpec
+from agent.recorder import Recorder
+from agent.spool import Spool
+from exporters.clickhouse import flush
+
+
+@pytest.fixture(scope="module")
+def recorder(tmp_path_factory):
+    rec = Recorder(spool=Spool(str(tmp_path_factory.mktemp("spool"))))
+    yield rec
+    rec.close()
+
+
+def _audited_sandbox(rec, **spec):
+    state = {}
+
+    def on_cgroup(sid, cg):
+        state["cg"] = cg
+        rec.watch(sid, cg, step=0)
+
+    sb = Sandbox(SandboxSpec(argv=[], **spec), on_cgroup=on_cgroup,
+                 on_started=lambda sid, pid: rec.started(state["cg"], pid),
+                 on_step=lambda sid, step: rec.sensor.set_step(state["cg"], step),
+                 on_workload_exit=lambda sid: rec.catch_up(),
+                 on_exit=lambda summary: rec.unwatch(state["cg"]))
+    return sb.start()
+
+
+def test_five_steps_share_state_and_events_carry_steps(recorder, clickhouse_url, sid):
+    from agent.query import AuditStore
+    sb = _audited_sandbox(recorder, sandbox_id=sid)
+    r, w = os.pipe()
+    try:
+        results = [
+            sb.exec(["sh", "-c", "echo one > /workspace/state"]),
+            sb.exec(["sh", "-c", "echo two > /workspace/two"]),
+            sb.exec(["cat", "/workspace/state"], stdout=w),
+            sb.exec(["sh", "-c", "exit 7"]),
+            sb.exec(["sleep", "30"], timeout=0.5, grace=0.5),
+        ]
+    finally:
+        os.close(w)
+        summary = sb.close()
+    out = os.read(r, 100)
+    os.close(r)
+    assert out == b"one\n"                        # written in step 1, read in step 3
+    assert [s.code for s in results] == [0, 0, 0, 7, 124]
+    assert results[4].timed_out
+    assert [s["step"] for s in summary["steps"]] == [1, 2, 3, 4, 5]
+    res = flush(recorder.spool, url=clickhouse_url, timeout=20)
+    assert res.ok, res.summary()
+    with AuditStore(clickhouse_url) as store:
+        evs = list(store.events(sid))
+    execs = [(e["step"], os.path.basename(e["path"])) for e in evs if e["kind"] == "exec" and e["ret"] == 0]
+    assert execs == [(1, "sh"), (2, "sh"), (3, "cat"), (4, "sh"), (5, "sleep")]
+    writes = {e["path"]: e["step"] for e in evs if e["kind"] == "open_write" and e["path"].startswith("/workspace")}
+    assert writes == {"/workspace/state": 1, "/workspace/two": 2}
+
+
+def test_background_process_survives_steps_until_close(recorder):
+    sb = _audited_sandbox(recorder)
+    try:
+        assert sb.exec(["sh", "-c", "sleep 60 & echo $! > /tmp/bg"]).code == 0
+        r, w = os.pipe()
+        st = sb.exec(["sh", "-c", "kill -0 $(cat /tmp/bg) && echo alive"], stdout=w)
+        os.close(w)
+        assert os.read(r, 100) == b"alive\n" and st.code == 0
+        os.close(r)
+    finally:
+        sb.close()
+    assert not sb.cg.pids()
+
+
+def test_exec_after_close_is_refused(recorder):
+    from agent.errors import DsecError
+    sb = _audited_sandbox(recorder)
+    sb.close()
+    with pytest.raises(DsecError, match="closed"):
+        sb.exec(["true"])
