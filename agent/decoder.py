@@ -39,6 +39,8 @@ log = logging.getLogger("dsec.audit")
 
 AT_FDCWD = -100
 AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
+PROTOCOLS = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmpv6", 136: "udplite", 132: "sctp"}
+SOCK_TYPES = {1: "stream", 2: "dgram", 3: "raw", 5: "seqpacket"}
 EVENTS_H = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bpf", "events.h")
 
 
@@ -54,6 +56,9 @@ class Constants:
     exit_how: dict       # number -> name
     over: dict           # name -> number ("summarise": 0, "stop": 1)
     values: dict         # every numeric #define, by full name
+
+    hooks: dict = field(default_factory=dict)   # number -> cgroup hook name ("connect4", ...)
+    modes: dict = field(default_factory=dict)   # name -> number ("off", "learn", "audit", "enforce")
 
     @property
     def kind_numbers(self) -> dict:
@@ -87,6 +92,8 @@ def load_constants(path: str = EVENTS_H) -> Constants:
         exit_how=group("DSEC_EXIT_"),
         over={k[len("DSEC_OVER_"):].lower(): v for k, v in values.items() if k.startswith("DSEC_OVER_")},
         values=values,
+        hooks=group("DSEC_HOOK_"),
+        modes={k[len("DSEC_MODE_"):].lower(): v for k, v in values.items() if k.startswith("DSEC_MODE_")},
     )
 
 
@@ -259,6 +266,9 @@ class Decoder:
         self.proc = proc
         self.sandboxes: dict[int, SandboxInfo] = {}
         self.parents: dict[int, int] = {}
+        # (cgroup id, syscall nr) -> violations already reported (enforcement records
+        # carry the kernel's running total; `count` is the part not reported yet)
+        self.sys_reported: dict[tuple[int, int], int] = {}
         self.max_parents = max_parents
         self.seq = 0
         self.unattributed = 0       # records of a cgroup no longer registered
@@ -293,6 +303,8 @@ class Decoder:
 
     def forget(self, cgroup_id: int) -> None:
         self.sandboxes.pop(cgroup_id, None)
+        for k in [k for k in self.sys_reported if k[0] == cgroup_id]:
+            del self.sys_reported[k]
 
     def _ppid(self, pid: int, kernel_ppid: int) -> int:
         if kernel_ppid:
@@ -505,3 +517,99 @@ class Decoder:
         self._path(rec, extra, h.pid, raw2, f.dirfd2, key="path2", raw_key="path2_raw")
         if f.dirfd2 != AT_FDCWD:
             extra["dirfd2"] = f.dirfd2
+
+    # -- enforcement records (bpf/enforce.c; the sensor is agent/enforce_loader.py) ---------
+
+    def _egress(self, rec, extra, h, u, decision):
+        g = u.egress
+        raw = bytes(g.addr)
+        if g.family == AF_INET:
+            rec["family"], rec["addr"] = "ipv4", str(ipaddress.IPv4Address(raw[:4]))
+        else:
+            rec["family"], rec["addr"] = "ipv6", str(ipaddress.IPv6Address(raw))
+        rec["port"] = g.port
+        rec["protocol"] = PROTOCOLS.get(g.protocol, str(g.protocol))
+        rec["decision"] = decision
+        if decision == "denied":
+            rec["ret"] = -1          # EPERM: what connect/sendmsg returned to the process
+        extra["hook"] = self.consts.hooks.get(g.hook, str(g.hook))
+        extra["sock_type"] = SOCK_TYPES.get(g.sock_type & 0xFF, g.sock_type)
+        status = self._status(g.status)
+        if status:
+            extra["status"] = status
+
+    def _egress_denied(self, rec, extra, h, u, buf, info):
+        self._egress(rec, extra, h, u, "denied")
+
+    def _egress_violation(self, rec, extra, h, u, buf, info):
+        self._egress(rec, extra, h, u, "would-deny")
+
+    def _exec_check(self, rec, extra, h, u, buf, decision):
+        x = u.exec_check
+        self._path(rec, extra, h.pid, buf[: x.path_len], AT_FDCWD)
+        rec["decision"] = decision
+        if decision == "denied":
+            rec["signal"] = 9        # SIGKILL, sent before the new image ran
+            if x.signal_ret:
+                extra["signal_ret"] = x.signal_ret
+        if x.old_tid and x.old_tid != h.pid:
+            extra["old_tid"] = x.old_tid
+        status = self._status(x.status)
+        if status:
+            extra["status"] = status
+
+    def _exec_denied(self, rec, extra, h, u, buf, info):
+        self._exec_check(rec, extra, h, u, buf, "denied")
+
+    def _exec_violation(self, rec, extra, h, u, buf, info):
+        self._exec_check(rec, extra, h, u, buf, "would-deny")
+
+    def syscall_fields(self, rec: dict, extra: dict, cgroup_id: int, kind: str, nr: int, total: int,
+                       ret: int, status: int = 0) -> None:
+        """Fields of a syscall_denied / syscall_violation record. `total` is the
+        kernel's running count for (sandbox, syscall); `count` is the part no
+        earlier record reported (0 when a userspace summary got there first)."""
+        from policies.syscalls import name_of
+        key = (cgroup_id, nr)
+        before = self.sys_reported.get(key, 0)
+        if total > before:
+            self.sys_reported[key] = total
+        rec["syscall"] = name_of(nr) or f"nr_{nr}"
+        rec["count"] = max(0, total - before)
+        rec["ret"] = ret
+        rec["decision"] = "denied" if kind == "syscall_denied" else "would-deny"
+        extra["nr"] = nr
+        extra["total"] = total
+        if kind == "syscall_denied":
+            # -errno: seccomp's ERRNO; the number itself: seccomp killed (it rolls the
+            # registers back); anything else: the call ran, no filter refused it
+            extra["action"] = "errno" if ret < 0 else "kill" if ret == nr else "ran"
+            if extra["action"] == "ran":
+                extra["warning"] = "the call was not refused: is the sandbox's seccomp filter installed?"
+        if status:
+            extra["status"] = self._status(status)
+
+    def _syscall(self, rec, extra, h, u, kind):
+        s = u.syscall
+        self.syscall_fields(rec, extra, h.cgroup_id, kind, s.nr, s.total, s.ret, s.status)
+
+    def _syscall_denied(self, rec, extra, h, u, buf, info):
+        self._syscall(rec, extra, h, u, "syscall_denied")
+
+    def _syscall_violation(self, rec, extra, h, u, buf, info):
+        self._syscall(rec, extra, h, u, "syscall_violation")
+
+    def syscall_summary(self, info: SandboxInfo, kind: str, nr: int, total: int, *, pid: int, ret: int,
+                        step: int) -> dict | None:
+        """A record for violations the kernel counted but did not report (its
+        per-syscall rate limit), built by the agent; None when nothing is new."""
+        if total <= self.sys_reported.get((info.cgroup_id, nr), 0):
+            return None
+        rec = self._base(info, kind, time.monotonic_ns(), step)
+        rec["ts_ns"] = time.time_ns()
+        rec["pid"] = pid
+        rec["ppid"] = self._ppid(pid, 0) if pid else 0
+        extra = {"aggregated": True}
+        self.syscall_fields(rec, extra, info.cgroup_id, kind, nr, total, ret)
+        rec["extra"] = json.dumps(extra, sort_keys=True)
+        return normalize(rec)

@@ -27,6 +27,15 @@ KINDS = (
     "events_lost",     # a gap in the record: count events were not recorded
     "sandbox_start",   # the launcher started a sandbox
     "sandbox_exit",    # the sandbox ended (exit_code/signal, summary in extra)
+    # policy enforcement (bpf/enforce.c): *_denied = blocked (enforce mode, decision
+    # "denied"); *_violation = would have been blocked (audit mode, "would-deny")
+    "egress_denied",   # connect/sendmsg refused with EPERM: family, addr, port, protocol
+    "egress_violation",
+    "exec_denied",     # exec'd binary killed (SIGKILL) before running: path
+    "exec_violation",
+    "syscall_denied",  # a call outside the allowlist (seccomp refused it): syscall, count, ret
+    "syscall_violation",
+    "policy_promotion",  # `dsec policy promote` changed a policy's mode: who/when/from/to in extra
 )
 
 
@@ -73,8 +82,12 @@ FIELDS: tuple[Field, ...] = (
     Field("interp", "String", "exec: ELF PT_INTERP", bytes_like=True),
     Field("is_static", "UInt8", "exec: 1 for a static ELF"),
     Field("shebang", "String", "exec: a script's #! line", bytes_like=True),
-    Field("count", "UInt64", "events_lost: how many events are missing"),
+    Field("count", "UInt64", "events_lost: how many events are missing; syscall_*: calls since the last record"),
     Field("extra", "String", "JSON object with anything else (kind-specific)"),
+    # added by schema migration 2 (enforcement); new fields go last, so a table
+    # created fresh and one migrated have the same column order
+    Field("syscall", "String", "syscall_denied/_violation: the x86_64 syscall name", low_card=True),
+    Field("protocol", "String", "egress_*: tcp | udp | icmp | ... of the socket", low_card=True),
 )
 
 FIELD_NAMES = tuple(f.name for f in FIELDS)

@@ -3,7 +3,9 @@
     from audit_schema.migrations import migrate
     result = migrate(client, "dsec")     # idempotent; run at every start
 
-MIGRATIONS is an ordered list of (version, name, statements(db, features)).
+MIGRATIONS is an ordered list of (version, name, statements(db, features)); a
+statement is SQL text or an AddColumn (a new FIELDS column, added only when
+the table lacks it: 18.16 has no ADD COLUMN IF NOT EXISTS).
 Applied versions are recorded in `<db>.schema_migrations`; a database whose
 recorded version is newer than LATEST is refused (an older dsec must not
 write into a schema it does not know). Every statement is idempotent (IF NOT
@@ -13,9 +15,11 @@ statement and its record re-runs it harmlessly.
 Columns come from audit_schema.events.FIELDS, never from a hand-kept list:
 migration 1 creates `events` with the FIELDS of the running code, and after
 the numbered migrations `sync_columns` adds every field FIELDS has and the
-table lacks (ALTER TABLE ADD COLUMN, metadata only). So adding a field needs
-no migration; changing a type, the ORDER BY or dropping a column does (the
-check refuses a type that differs from FIELDS with a clear error).
+table lacks (ALTER TABLE ADD COLUMN, metadata only). A new field is still
+given a numbered AddColumn step (migration 2 added `syscall` and `protocol`),
+so the schema version says which columns a database has; sync_columns is the
+safety net. Changing a type, the ORDER BY or dropping a column needs a real
+migration (the check refuses a type that differs from FIELDS with a clear error).
 
 Server dialects are detected, not assumed (see `detect_features`):
   18.16 (Debian 12)   LowCardinality only with allow_experimental_low_cardinality_type=1
@@ -151,8 +155,30 @@ def _v1(db: str, feat: Features) -> list[str]:
     return [events, sandboxes]
 
 
+@dataclass(frozen=True)
+class AddColumn:
+    """A migration step that adds one FIELDS column to `events`.
+
+    18.16 has no `ADD COLUMN IF NOT EXISTS`, so the step is made idempotent by
+    a check: migrate() adds the column only when the table lacks it (a table
+    created by migration 1 of this code already has every current field)."""
+    db: str
+    name: str
+
+    def sql(self, feat: Features) -> str:
+        from audit_schema.events import BY_NAME
+        return f"ALTER TABLE {self.db}.{EVENTS_TABLE} ADD COLUMN {self.name} {column_type(BY_NAME[self.name], feat)}"
+
+
+def _v2(db: str, feat: Features) -> list:
+    # enforcement records (bpf/enforce.c): the denied/violating syscall's name,
+    # the egress socket's protocol
+    return [AddColumn(db, "syscall"), AddColumn(db, "protocol")]
+
+
 MIGRATIONS = [
     (1, "events table and sandboxes view", _v1),
+    (2, "enforcement columns: syscall, protocol", _v2),
 ]
 LATEST = MIGRATIONS[-1][0]
 
@@ -174,7 +200,9 @@ def all_statements(db: str, feat: Features) -> list[str]:
     db = quote_ident(db)
     out = [f"CREATE DATABASE IF NOT EXISTS {db}", version_table_sql(db)]
     for _, _, stmts in plan(db, feat):
-        out += stmts
+        # AddColumn steps are no-ops on a fresh install (migration 1 creates
+        # every current field): migrate() skips them, and so does this list
+        out += [s for s in stmts if isinstance(s, str)]
     return out
 
 
@@ -225,6 +253,10 @@ def migrate(client, db: str) -> MigrationResult:
         start = 0   # recorded but the events table is gone (dropped by hand): re-apply, all idempotent
     for version, name, stmts in plan(db, feat, start):
         for sql in stmts:
+            if isinstance(sql, AddColumn):
+                if sql.name in table_columns(client, db):
+                    continue
+                sql = sql.sql(feat)
             try:
                 client.execute(sql, settings=feat.ddl_settings)
             except DsecError:

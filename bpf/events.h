@@ -80,7 +80,16 @@
 #define DSEC_KIND_OPEN_WRITE 5
 #define DSEC_KIND_UNLINK 6
 #define DSEC_KIND_RENAME 7
-#define DSEC_NKINDS 8                  /* index 0 unused */
+/* enforcement sensor (bpf/enforce.c): `*_denied` = blocked (enforce mode,
+ * decision "denied"), `*_violation` = would have been blocked (audit mode,
+ * decision "would-deny") */
+#define DSEC_KIND_EGRESS_DENIED 8
+#define DSEC_KIND_EGRESS_VIOLATION 9
+#define DSEC_KIND_EXEC_DENIED 10
+#define DSEC_KIND_EXEC_VIOLATION 11
+#define DSEC_KIND_SYSCALL_DENIED 12
+#define DSEC_KIND_SYSCALL_VIOLATION 13
+#define DSEC_NKINDS 16                 /* a power of two (used as a mask); index 0 unused */
 
 /* ---- the syscall behind an event (body.sys) ----------------------------- */
 #define DSEC_SYS_EXECVE 1
@@ -108,12 +117,18 @@
 #define DSEC_ST_ADDR_FAULT 0x80        /* connect: sockaddr not readable */
 #define DSEC_ST_LATE_READ 0x100        /* not resident at enter: read again at exit (after the
                                         * kernel faulted it in) or taken from sched_process_exec */
+#define DSEC_ST_NOT_ABSOLUTE 0x200     /* exec check: the kernel's filename is not absolute (relative
+                                        * exec, execveat: /dev/fd/N/..): it can match no pattern */
+#define DSEC_ST_IPV4_MAPPED 0x400      /* egress: an IPv4-mapped IPv6 destination, checked as IPv4 */
+#define DSEC_ST_NAMESPACES 0x800       /* syscall: clone/unshare refused (EPERM) under namespaces: deny */
 
 /* ---- loss reasons (index into dsec_state.lost) --------------------------- */
 #define DSEC_LOST_RINGBUF_FULL 0       /* ring buffer reservation failed */
 #define DSEC_LOST_OVER_BUDGET 1        /* over the sandbox's fair share */
 #define DSEC_LOST_INFLIGHT_FULL 2      /* too many syscalls in flight (per sandbox or table) */
-#define DSEC_NLOST 3
+#define DSEC_LOST_TABLE_FULL 3         /* enforcement: a kernel table (violation counters, learned
+                                        * destinations) had no room */
+#define DSEC_NLOST 4
 
 /* ---- how a process ended (body.exit.how) --------------------------------- */
 #define DSEC_EXIT_UNKNOWN 0
@@ -197,12 +212,44 @@ struct dsec_file {
     __u64 upath2;
 };
 
+/* egress_denied / egress_violation (cgroup connect4/6, sendmsg4/6) */
+struct dsec_egress {
+    __u32 hook;         /* DSEC_HOOK_* */
+    __u32 family;       /* 2 (AF_INET) or 10 (AF_INET6): as checked (a mapped address is AF_INET) */
+    __u32 protocol;     /* IPPROTO_* of the socket */
+    __u32 sock_type;    /* SOCK_STREAM, SOCK_DGRAM ... */
+    __u32 port;         /* destination port, host byte order */
+    __u32 status;       /* DSEC_ST_IPV4_MAPPED */
+    __u8 addr[16];      /* destination, network byte order (IPv4: the first 4 bytes) */
+};
+
+/* exec_denied / exec_violation (sched_process_exec): the kernel's filename at buf[0] */
+struct dsec_exec_check {
+    __s64 signal_ret;   /* bpf_send_signal(SIGKILL) result (enforce), 0 otherwise */
+    __u32 path_len;
+    __u32 status;       /* DSEC_ST_PATH_TRUNC, DSEC_ST_NOT_ABSOLUTE */
+    __u32 old_tid;
+    __u32 _pad;
+};
+
+/* syscall_denied / syscall_violation */
+struct dsec_syscall {
+    __u64 total;        /* violations of this syscall by this sandbox so far (kernel count) */
+    __s64 ret;          /* sys_exit (enforce): what the call returned (-errno from seccomp; the
+                         * syscall number when seccomp killed); sys_enter (audit): 0 */
+    __u32 nr;           /* syscall number (raw_syscalls id) */
+    __u32 status;       /* DSEC_ST_NAMESPACES */
+};
+
 union dsec_body {
     struct dsec_exec exec;
     struct dsec_fork fork;
     struct dsec_exit exit;
     struct dsec_connect connect;
     struct dsec_file file;
+    struct dsec_egress egress;
+    struct dsec_exec_check exec_check;
+    struct dsec_syscall syscall;
 };
 
 /* exec records (and the type userspace decodes every record with) */
@@ -242,6 +289,145 @@ struct dsec_exit_info { /* exit_info: tgid -> how it is ending */
     __u32 signal;
     __u32 how;
     __u32 _pad;
+};
+
+/* ==== enforcement sensor (bpf/enforce.c, agent/enforce_loader.py) ======== */
+
+#ifndef DSEC_ENF_RING_PAGES
+#define DSEC_ENF_RING_PAGES 1024       /* 4 MiB with 4 KiB pages; power of two */
+#endif
+#ifndef DSEC_EGRESS_ENTRIES
+#define DSEC_EGRESS_ENTRIES 65536      /* all sandboxes: networks per LPM trie (IPv4, IPv6) */
+#endif
+#ifndef DSEC_EXEC_ENTRIES
+#define DSEC_EXEC_ENTRIES 65536        /* all sandboxes: exec patterns */
+#endif
+#ifndef DSEC_SYSVIOL_ENTRIES
+#define DSEC_SYSVIOL_ENTRIES 65536    /* all sandboxes: (sandbox, syscall) violation counters */
+#endif
+#ifndef DSEC_DEST_ENTRIES
+#define DSEC_DEST_ENTRIES 65536        /* all sandboxes: learned egress destinations */
+#endif
+#ifndef DSEC_MAX_LEARN
+#define DSEC_MAX_LEARN 1024            /* sandboxes in learn mode at once (syscall counters) */
+#endif
+
+#define DSEC_EGRESS_RANGES 16          /* port ranges per network entry */
+#define DSEC_EXEC_KEY_PATH 252         /* path bytes in an exec LPM key (LPM data <= 256 bytes) */
+#define DSEC_EXEC_PATTERN_MAX 250      /* longest exec pattern the kernel matcher takes (a filename
+                                        * of 251+ bytes fills the key: its NUL is not compared) */
+#define DSEC_SYSCALL_NR_MAX 512        /* syscall numbers in the bitmap / counters */
+
+/* ---- per-concern mode (dsec_enf_sandbox.egress/exec/sys) ---------------- */
+#define DSEC_MODE_OFF 0                /* the policy has no rules of this kind */
+#define DSEC_MODE_LEARN 1              /* nothing enforced; observed (counters, destinations) */
+#define DSEC_MODE_AUDIT 2              /* nothing enforced; violations reported (would-deny) */
+#define DSEC_MODE_ENFORCE 3            /* violations blocked and reported (denied) */
+
+/* ---- egress -------------------------------------------------------------- */
+#define DSEC_EGRESS_DEFAULT_DENY 0     /* the tries hold allow rules */
+#define DSEC_EGRESS_DEFAULT_ALLOW 1    /* the tries hold deny rules */
+#define DSEC_PROTO_TCP 1               /* dsec_port_range.protos bits */
+#define DSEC_PROTO_UDP 2
+#define DSEC_PROTO_OTHER 4
+#define DSEC_HOOK_CONNECT4 1           /* which cgroup hook saw it (dsec_egress.hook) */
+#define DSEC_HOOK_CONNECT6 2
+#define DSEC_HOOK_SENDMSG4 3
+#define DSEC_HOOK_SENDMSG6 4
+
+struct dsec_enf_sandbox {   /* enf_sandboxes: cgroup id -> configuration, written by userspace */
+    __u64 interval_ns;      /* event budget (GCRA): 1e9 / rate; 0 = unlimited */
+    __u64 tolerance_ns;     /* (burst - 1) * interval_ns */
+    __u64 report_ns;        /* syscall reports: at most one per (sandbox, syscall) per report_ns */
+    __u32 idx;              /* rule-set index: the first key field of this sandbox's LPM entries */
+    __u32 step;
+    __u8 egress;            /* DSEC_MODE_* */
+    __u8 exec;
+    __u8 sys;
+    __u8 egress_default;    /* DSEC_EGRESS_DEFAULT_* */
+    __u8 ns_deny;           /* policy has namespaces: deny */
+    __u8 _pad[7];
+    __u8 sys_allow[DSEC_SYSCALL_NR_MAX / 8];   /* bit n (byte n/8, bit n%8) = syscall n allowed */
+};
+
+struct dsec_enf_state {     /* enf_state: cgroup id -> counters, written by the kernel */
+    __u64 tat;              /* GCRA theoretical arrival time */
+    __u64 emitted[DSEC_NKINDS];
+    __u64 lost[DSEC_NLOST * DSEC_NKINDS];   /* [reason * DSEC_NKINDS + kind] */
+    __u64 killed;           /* exec enforcement: SIGKILLs sent */
+    __u64 learn_lost;       /* learn mode: destinations not recorded (table full) */
+    __u64 sys_out_of_range; /* learn mode: syscall numbers >= DSEC_SYSCALL_NR_MAX seen */
+};
+
+struct dsec_cg_cache {      /* enf_cgcache: task cgroup id -> its sandbox (0: none) */
+    __u64 gen;              /* enf_gen[0] when computed; stale when it differs */
+    __u64 sandbox;
+};
+
+struct dsec_port_range {
+    __u16 lo;               /* inclusive, host byte order */
+    __u16 hi;
+    __u8 protos;            /* DSEC_PROTO_* bits */
+    __u8 _pad[3];
+};
+
+struct dsec_egress_rule {   /* value of an LPM entry: every rule whose network covers it */
+    __u32 n;
+    __u32 _pad;
+    struct dsec_port_range r[DSEC_EGRESS_RANGES];
+};
+
+/* LPM keys: prefixlen counts the idx bits (32) + the address / path bits */
+struct dsec_lpm4_key {
+    __u32 prefixlen;
+    __u32 idx;
+    __u8 addr[4];
+};
+
+struct dsec_lpm6_key {
+    __u32 prefixlen;
+    __u32 idx;
+    __u8 addr[16];
+};
+
+struct dsec_exec_key {      /* exact pattern: path + NUL; prefix pattern: path bytes only */
+    __u32 prefixlen;
+    __u32 idx;
+    char path[DSEC_EXEC_KEY_PATH];
+};
+
+struct dsec_sys_key {
+    __u64 cgroup_id;
+    __u32 nr;
+    __u32 _pad;
+};
+
+struct dsec_sys_viol {      /* sys_viol: (sandbox, syscall) -> violation counter */
+    __u64 count;            /* every violation */
+    __u64 last_ns;          /* when the kernel last emitted a record for it */
+    __u32 last_pid;         /* the latest offender */
+    __u32 _pad;
+    __s64 last_ret;
+};
+
+struct dsec_sys_counts {    /* sys_counts: learn mode, cgroup id -> calls per syscall number */
+    __u64 n[DSEC_SYSCALL_NR_MAX];
+};
+
+struct dsec_dest_key {      /* egress_dest: learn mode destinations */
+    __u64 cgroup_id;
+    __u8 family;            /* 2 / 10 */
+    __u8 protocol;          /* IPPROTO_*, truncated */
+    __u16 port;             /* host byte order */
+    __u8 hook;              /* DSEC_HOOK_* */
+    __u8 _pad[3];
+    __u8 addr[16];
+};
+
+struct dsec_dest_val {
+    __u64 count;
+    __u64 first_ns;
+    __u64 last_ns;
 };
 
 #endif /* DSEC_EVENTS_H */

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hosts import leftovers  # noqa: E402
 from fixtures_clickhouse import *  # noqa: E402,F401,F403 - clickhouse_server, clickhouse_url, ...
 from fixtures_bpf import audit_sensor, audit_sensor_small, audit_cgroups  # noqa: E402,F401
+from fixtures_enforce import enforce_sensor, enforce_cgroups, enforce_net  # noqa: E402,F401
 
 
 def pytest_configure(config):

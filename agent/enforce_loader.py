@@ -1,0 +1,1150 @@
+"""EnforcementSensor: policy enforcement and violation reporting in the kernel
+(bpf/enforce.c), the second sensor next to the audit sensor (one per concern).
+
+    sensor = EnforcementSensor(on_record=spool.put)       # compiles, loads, attaches
+    sensor.add_sandbox(cgroup_id, cgroup_path, "sbx-1", policy, exempt_pids=[supervisor_pid])
+    ... sensor.poll(100) in the agent's loop ...
+    sensor.update_egress(cgroup_id, new_policy)            # at once, for a running sandbox
+    sensor.syscall_counts(cgroup_id)                        # learn mode: {"read": 120, ...}
+    totals = sensor.remove_sandbox(cgroup_id)
+    sensor.close()
+
+What is enforced where (docs/enforcement.md has the whole story):
+  egress    cgroup connect4/6 + sendmsg4/6 programs attached to the sandbox's
+            own cgroup2 directory (BPF_F_ALLOW_MULTI, legacy attach: the
+            attachment lives as long as the cgroup, whether or not the agent
+            does); rules in LPM tries keyed by the sandbox's rule-set index.
+  exec      sched_process_exec, attached through a BPF link pinned in bpffs
+            (<pin_root>/enf-<pid>-<start>/exec): it outlives the agent too.
+  syscalls  raw_syscalls sys_enter (learn counters, audit reports) and
+            sys_exit (enforce reports), each attached only while a sandbox
+            needs it (they run for every syscall on the host); seccomp,
+            installed by the launcher, is what refuses the calls.
+
+Records have the audit sensor's format (agent/decoder.py; schema in
+audit_schema/events.py): egress_denied / egress_violation, exec_denied /
+exec_violation, syscall_denied / syscall_violation, events_lost. Every record
+carries the policy's name, hash and mode and the decision (denied |
+would-deny).
+
+One sensor per agent process; its methods are serialised by a lock, and poll()
+holds it while it waits (keep timeouts short when other threads manage
+sandboxes). Hostname rules are resolved with agent.resolver.HostResolver and
+refreshed on their TTL from poll() (see refresh_hosts()).
+"""
+from __future__ import annotations
+
+import ctypes as ct
+import ipaddress
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+from agent import bpfsys
+from agent.bpf_loader import TRACEFS, _first_error, _ringbuf_supported, _StderrCapture, cgroup2_mount
+from agent.decoder import PROTOCOLS, Decoder, SandboxInfo, in_cgroup, load_constants
+from agent.errors import EXIT_DSEC, DsecError
+from agent.resolver import HostResolver, ResolveError
+
+log = logging.getLogger("dsec.enforce")
+
+BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bpf")
+SOURCE = "enforce.c"
+PIN_ROOT = "/sys/fs/bpf/dsec"
+DEFAULT_RING_BYTES = 4 << 20
+DEFAULT_RATE = 1000            # egress/exec records per second per sandbox
+DEFAULT_BURST = 5000
+DEFAULT_REPORT_INTERVAL_S = 1.0
+
+# cgroup hook programs (function name, attach type); names are the kernel's
+# program names too, which is how a restarted agent recognises its predecessor's
+EGRESS_PROGS = (
+    ("dsec_enf_c4", bpfsys.BPF_CGROUP_INET4_CONNECT),
+    ("dsec_enf_c6", bpfsys.BPF_CGROUP_INET6_CONNECT),
+    ("dsec_enf_s4", bpfsys.BPF_CGROUP_UDP4_SENDMSG),
+    ("dsec_enf_s6", bpfsys.BPF_CGROUP_UDP6_SENDMSG),
+)
+PROG_PREFIX = "dsec_enf_"
+EXEC_FN = b"tracepoint__sched__sched_process_exec"
+# the syscall programs run for every syscall of every process on the host, so
+# they are attached only while a sandbox needs them: sys_enter for learn and
+# audit mode, sys_exit for enforce mode (docs/enforcement.md, "Cost")
+SYS_HOOK_LINGER_S = 10.0
+SYS_HOOKS = {"enter": ("raw", b"sys_enter", b"raw_tracepoint__sys_enter"),
+             "exit": ("tp", b"raw_syscalls:sys_exit", b"tracepoint__raw_syscalls__sys_exit")}
+PROTO_BITS = {"tcp": 1, "udp": 2, "any": 1 | 2 | 4}
+MAPPED_V4 = ipaddress.ip_network("::ffff:0:0/96")
+
+
+# ---------------------------------------------------------------- features
+
+def _source_text() -> str:
+    with open(os.path.join(BPF_DIR, SOURCE), encoding="utf-8") as f:
+        return f'#line 1 "{SOURCE}"\n' + f.read()
+
+
+def tracepoints_used(text: str | None = None) -> list[str]:
+    text = _source_text() if text is None else text
+    return sorted(set(f"{c}/{e}" for c, e in re.findall(r"\bTRACEPOINT_PROBE\(\s*(\w+)\s*,\s*(\w+)\s*\)", text)))
+
+
+def _bpffs_mounted(path: str) -> bool:
+    """Is `path` (or the directory it would be created in) on a bpf filesystem?"""
+    best = ("", "")
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")):
+                    if len(parts[1]) > len(best[0]):
+                        best = (parts[1], parts[2])
+    except OSError:
+        return False
+    return best[1] == "bpf"
+
+
+def check_features(tracefs_roots=TRACEFS, pin_root: str | None = PIN_ROOT) -> list[str]:
+    """What the enforcement sensor needs and does not have (empty: all there)."""
+    missing = []
+    root = os.geteuid() == 0
+    if not root:
+        missing.append("not root (loading BPF programs needs CAP_BPF/CAP_SYS_ADMIN)")
+    try:
+        import bcc.table
+        if not hasattr(bcc.table, "RingBuf"):
+            missing.append("BCC too old: no ring buffer support (needs bcc >= 0.22)")
+    except ImportError:
+        missing.append("python module bcc not importable (Debian python3-bpfcc; run scripts/setup.sh)")
+    build = f"/lib/modules/{os.uname().release}/build"
+    if not os.path.isdir(build):
+        missing.append(f"kernel headers missing at {build} (run scripts/setup.sh)")
+    tracefs = next((t for t in tracefs_roots if os.path.isdir(os.path.join(t, "events"))), None)
+    if tracefs is None:
+        missing.append("tracefs not mounted (mount -t tracefs tracefs /sys/kernel/tracing)")
+    else:
+        absent = [tp for tp in tracepoints_used() + ["raw_syscalls/sys_enter"]
+                  if not os.path.isdir(os.path.join(tracefs, "events", tp))]
+        if absent:
+            missing.append("tracepoints missing: " + ", ".join(absent))
+    if cgroup2_mount() is None:
+        missing.append("no cgroup2 hierarchy mounted (egress programs attach to the sandbox's cgroup2)")
+    if root:
+        if not _ringbuf_supported():
+            missing.append("BPF ring buffers unsupported by this kernel (needs Linux >= 5.8)")
+        for what, probe in (("cgroup sock_addr programs (connect4/6, sendmsg4/6)", bpfsys.probe_cgroup_sock_addr),
+                            ("bpf_send_signal", bpfsys.probe_send_signal),
+                            ("BPF LPM trie maps", bpfsys.probe_lpm_trie)):
+            try:
+                probe()
+            except OSError as e:
+                missing.append(f"{what} unavailable: {e.strerror}")
+    if pin_root is not None and not _bpffs_mounted(pin_root):
+        missing.append(f"no bpf filesystem at {pin_root} (exec enforcement could not outlive the agent; "
+                       "mount -t bpf bpf /sys/fs/bpf)")
+    return missing
+
+
+def require_features(tracefs_roots=TRACEFS, pin_root: str | None = PIN_ROOT) -> None:
+    missing = check_features(tracefs_roots, pin_root)
+    if missing:
+        # exit status 125 (dsec failed): an enforce-mode sandbox must not start
+        raise DsecError("eBPF enforcement unavailable: " + "; ".join(missing), EXIT_DSEC)
+
+
+def describe_features() -> str:
+    missing = check_features()
+    return "eBPF enforcement: available" if not missing else "eBPF enforcement unavailable: " + "; ".join(missing)
+
+
+# ---------------------------------------------------------------- compile
+
+def build_cflags(*, ring_bytes: int) -> list[str]:
+    page = os.sysconf("SC_PAGE_SIZE")
+    pages = ring_bytes // page
+    if ring_bytes % page or pages < 1 or pages & (pages - 1):
+        raise DsecError(f"enforcement ring buffer size {ring_bytes} is not a power-of-two number of {page}-byte pages")
+    return [f"-I{BPF_DIR}", f"-DDSEC_ENF_RING_PAGES={pages}"]
+
+
+def compile_bpf(cflags: list[str]):
+    from bcc import BPF
+    with _StderrCapture() as cap:
+        try:
+            bpf = BPF(text=_source_text().encode(), cflags=cflags)
+        except Exception as e:   # BCC raises bare Exception for compile/load failures
+            err = e
+        else:
+            err = None
+    if err is not None:
+        raise DsecError(f"eBPF enforcement: BPF compile/load failed: {err}; {_first_error(cap.text)} "
+                        f"(full log: {cap.file.name})")
+    os.unlink(cap.file.name)
+    return bpf
+
+
+# ---------------------------------------------------------------- pins
+
+def _proc_start(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read(4096)
+        return data[data.rindex(b")") + 2:].split()[19].decode()
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def gc_stale_pins(pin_root: str = PIN_ROOT) -> list[str]:
+    """Remove the pinned links of enforcement sensors whose process is gone.
+
+    A SIGKILLed agent leaves its exec link pinned (exec enforcement of its
+    sandboxes goes on). Call this after the restarted agent has re-adopted the
+    running sandboxes (add_sandbox re-attaches their egress programs and takes
+    over exec enforcement): from then on the old link only costs time."""
+    removed = []
+    try:
+        names = os.listdir(pin_root)
+    except OSError:
+        return removed
+    for name in names:
+        m = re.fullmatch(r"enf-(\d+)-(\d+)(?:-\w+)?", name)
+        if not m or _proc_start(int(m.group(1))) == m.group(2):
+            continue
+        d = os.path.join(pin_root, name)
+        for f in os.listdir(d):
+            os.unlink(os.path.join(d, f))
+        os.rmdir(d)
+        removed.append(d)
+    return removed
+
+
+# ---------------------------------------------------------------- rules -> kernel tables
+
+def _merge_ranges(items) -> list[tuple[int, int, int]]:
+    """[(lo, hi, protocol bits)] -> the same coverage as disjoint ranges, adjacent
+    ranges with equal bits merged."""
+    points = sorted({lo for lo, _, _ in items} | {hi + 1 for _, hi, _ in items})
+    out: list[list[int]] = []
+    for a, b in zip(points, points[1:]):
+        bits = 0
+        for lo, hi, pb in items:
+            if lo <= a and b - 1 <= hi:
+                bits |= pb
+        if not bits:
+            continue
+        if out and out[-1][1] == a - 1 and out[-1][2] == bits:
+            out[-1][1] = b - 1
+        else:
+            out.append([a, b - 1, bits])
+    return [tuple(x) for x in out]
+
+
+def _as_v4(net):
+    """An IPv4-mapped IPv6 network as the IPv4 network the kernel checks it as."""
+    if net.version == 6 and net.subnet_of(MAPPED_V4):
+        return ipaddress.ip_network((int(net.network_address) & 0xFFFFFFFF, net.prefixlen - 96))
+    return net
+
+
+def egress_table(rules, host_addrs: dict | None = None, max_ranges: int = 16) -> dict:
+    """{network: ((lo, hi, protocol bits), ...)} for the LPM tries: every network
+    named by a rule (or resolved from a host rule), valued with the port ranges
+    of every rule whose network covers it (the kernel takes only the longest
+    match). Holds the allow rules with `default: deny`, the deny rules with
+    `default: allow`."""
+    host_addrs = host_addrs or {}
+    deny_default = rules.default == "deny"
+    nets = rules.allow if deny_default else rules.deny
+    hosts = rules.allow_hosts if deny_default else rules.deny_hosts
+    flat = [(_as_v4(r.network), r.ports, r.protocol) for r in nets]
+    for h in hosts:
+        for a in host_addrs.get(h.host, ()):
+            ip = ipaddress.ip_address(a)
+            flat.append((_as_v4(ipaddress.ip_network(f"{ip}/{ip.max_prefixlen}")), h.ports, h.protocol))
+    table = {}
+    for net in {n for n, _, _ in flat}:
+        items = [(lo, hi, PROTO_BITS[proto]) for m, ports, proto in flat
+                 if m.version == net.version and net.subnet_of(m) for lo, hi in ports]
+        ranges = _merge_ranges(items)
+        if len(ranges) > max_ranges:
+            raise DsecError(f"egress rules for {net}: {len(ranges)} distinct port ranges after merging the rules "
+                            f"that cover it; the kernel table holds at most {max_ranges}")
+        table[net] = tuple(ranges)
+    return table
+
+
+# ---------------------------------------------------------------- per-sandbox state
+
+@dataclass
+class _Host:
+    host: str
+    deny: bool                                      # a deny rule (default: allow)
+    addrs: dict = field(default_factory=dict)       # address -> expiry (monotonic s)
+    next_refresh: float = 0.0
+    failures: int = 0
+    last_error: str = ""
+    ttl: int = 0
+
+
+@dataclass
+class _Sandbox:
+    cgroup_id: int
+    path: str
+    sandbox_id: str
+    policy: object
+    idx: int
+    modes: dict                     # egress, exec, sys -> "off" | "learn" | "audit" | "enforce"
+    egress_rules: object = None     # policies.compile.EgressRules | None
+    hosts: dict = field(default_factory=dict)          # host -> _Host
+    egress_entries: dict = field(default_factory=dict)  # network -> ranges (what the tries hold)
+    exec_keys: list = field(default_factory=list)       # (prefixlen, data) in exec_allow
+    attached: bool = False
+    step: int = 0
+    exempt: set = field(default_factory=set)
+    adopted: int = 0                # programs of a previous agent detached from the cgroup
+    sys_hook: str | None = None     # "enter" | "exit": the syscall program this sandbox needs
+
+
+def _mode_name(policy_mode: str, present: bool, learn_when_absent: bool = False) -> str:
+    if policy_mode == "learn":
+        return "learn" if (present or learn_when_absent) else "off"
+    return policy_mode if present else "off"
+
+
+class EnforcementSensor:
+    def __init__(self, on_record=None, *, node: str | None = None, ring_bytes: int = DEFAULT_RING_BYTES,
+                 rate: float = DEFAULT_RATE, burst: int = DEFAULT_BURST,
+                 report_interval_s: float = DEFAULT_REPORT_INTERVAL_S, resolver: HostResolver | None = None,
+                 pin_root: str | None = PIN_ROOT, loss_interval_s: float = 0.5, tracefs_roots=TRACEFS):
+        require_features(tracefs_roots, pin_root)
+        self.on_record = on_record
+        self.defaults = {"rate": rate, "burst": burst}
+        _budget(rate, burst)
+        if not report_interval_s > 0:
+            raise DsecError(f"report_interval_s must be > 0, got {report_interval_s!r}")
+        self.report_ns = int(report_interval_s * 1e9)
+        self.loss_interval_s = loss_interval_s
+        self.sys_hook_linger_s = SYS_HOOK_LINGER_S
+        self.resolver = resolver or HostResolver()
+        self.consts = load_constants()
+        self.tracefs = next(t for t in tracefs_roots if os.path.isdir(os.path.join(t, "events")))
+        self.bpf = compile_bpf(build_cflags(ring_bytes=ring_bytes))
+        self._closed = False
+        self.pin_dir = None
+        self._exec_link = None
+        try:
+            self._load(pin_root)
+        except BaseException:
+            self._teardown()
+            raise
+        b = self.bpf
+        self._cfg = b[b"enf_sandboxes"]
+        self._state = b[b"enf_state"]
+        self._gen = b[b"enf_gen"]
+        self._e4 = b[b"egress4"]
+        self._e6 = b[b"egress6"]
+        self._exec = b[b"exec_allow"]
+        self._viol = b[b"sys_viol"]
+        self._counts = b[b"sys_counts"]
+        self._dest = b[b"egress_dest"]
+        self._exempt = b[b"enf_exempt"]
+        self.instance = uuid.uuid4().hex
+        self.decoder = Decoder(b[b"enf_scratch"].sLeaf, self.consts, node=node or socket.gethostname(),
+                               instance=self.instance, enricher=None, cgroup2_root=cgroup2_mount())
+        self.max_sandboxes = self.consts.values["DSEC_MAX_SANDBOXES"]
+        self._lock = threading.RLock()
+        self._sbx: dict[int, _Sandbox] = {}
+        self._free_idx: list[int] = []
+        self._next_idx = 1
+        self._raw: list[bytes] = []
+        self._backlog: deque = deque()
+        self._reported: dict[int, dict] = {}
+        self._last_flush_wall: dict[int, int] = {}
+        self._finals: dict[int, dict] = {}
+        self._next_flush = 0.0
+        self.warnings: list[str] = []
+        b[b"enf_events"].open_ring_buffer(self._on_raw)
+
+    # -- loading --------------------------------------------------------------------
+
+    def _load(self, pin_root):
+        from bcc import BPF
+        self._progs = {}
+        for name, attach_type in EGRESS_PROGS:
+            fn = self.bpf.load_func(name.encode(), BPF.CGROUP_SOCK_ADDR, attach_type=attach_type)
+            self._progs[name] = (fn.fd, attach_type, bpfsys.prog_info(fn.fd)["id"])
+        self._sys_users = {"enter": 0, "exit": 0}
+        self._sys_attached = {"enter": False, "exit": False}
+        self._sys_idle_since = {"enter": 0.0, "exit": 0.0}
+        self.bpf.detach_raw_tracepoint(b"sys_enter")
+        self.bpf.detach_tracepoint(b"raw_syscalls:sys_exit")
+        # exec: BCC attached it through a perf event owned by this process; re-attach
+        # it through a BPF link pinned in bpffs, which outlives the process
+        exec_fd = self.bpf.funcs[EXEC_FN].fd
+        self.bpf.detach_tracepoint(b"sched:sched_process_exec")
+        try:
+            self._exec_link = bpfsys.tracepoint_link(exec_fd, self.tracefs, "sched", "sched_process_exec")
+        except OSError as e:
+            raise DsecError(f"eBPF enforcement unavailable: cannot attach the exec check through a BPF link "
+                            f"(needs Linux >= 5.15): {e.strerror}") from None
+        if pin_root is not None:
+            start = _proc_start(os.getpid())
+            self.pin_dir = os.path.join(pin_root, f"enf-{os.getpid()}-{start}-{uuid.uuid4().hex[:6]}")
+            try:
+                os.makedirs(self.pin_dir, 0o700)
+                bpfsys.obj_pin(self._exec_link, os.path.join(self.pin_dir, "exec"))
+            except OSError as e:
+                raise DsecError(f"eBPF enforcement: cannot pin the exec link in {self.pin_dir}: "
+                                f"{e.strerror}") from None
+
+    def _teardown(self):
+        if self.pin_dir:
+            try:
+                os.unlink(os.path.join(self.pin_dir, "exec"))
+            except OSError:
+                pass
+            try:
+                os.rmdir(self.pin_dir)
+            except OSError:
+                pass
+        if self._exec_link is not None:
+            os.close(self._exec_link)
+            self._exec_link = None
+        self.bpf.cleanup()
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """Remove every sandbox (detaching its programs), unpin, unload."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                for cgid in list(self._sbx):
+                    self.remove_sandbox(cgid)
+                self._deliver()
+            finally:
+                self._closed = True
+                self._teardown()
+
+    def _check_open(self):
+        if self._closed:
+            raise DsecError("enforcement sensor is closed")
+
+    # -- sandboxes ------------------------------------------------------------------
+
+    def add_sandbox(self, cgroup_id: int, cgroup_path: str, sandbox_id: str, policy, *, step: int = 0,
+                    exempt_pids=(), rate: float | None = None, burst: int | None = None,
+                    adopt: bool = True) -> None:
+        """Enforce `policy` (a policies.model.Policy, in its own mode) on cgroup2
+        `cgroup_path` (inode `cgroup_id`) and its sub-cgroups.
+
+        exempt_pids: processes already in the cgroup that are not the workload
+        (the supervisor): they and their children are not syscall-checked until
+        they exec. adopt: detach the egress programs a previous (dead) agent left
+        attached to this cgroup, after this sensor's are attached (no gap).
+        Register the cgroup before the workload runs in it."""
+        from policies.compile import egress_rules, exec_rules, namespace_rules, syscall_bitmap
+        if not isinstance(cgroup_id, int) or cgroup_id <= 1:
+            raise DsecError(f"add_sandbox: cgroup id must be a cgroup2 directory's inode number, got {cgroup_id!r}")
+        if not sandbox_id:
+            raise DsecError("add_sandbox: empty sandbox id")
+        try:
+            st = os.stat(cgroup_path)
+        except OSError as e:
+            raise DsecError(f"add_sandbox: cgroup {cgroup_path}: {e.strerror}") from None
+        if st.st_ino != cgroup_id:
+            raise DsecError(f"add_sandbox: {cgroup_path} is cgroup {st.st_ino}, not {cgroup_id}")
+        interval, tolerance = _budget(self.defaults["rate"] if rate is None else rate,
+                                      self.defaults["burst"] if burst is None else burst)
+        mode = policy.mode
+        erules = egress_rules(policy)
+        xrules = exec_rules(policy)
+        modes = {"egress": _mode_name(mode, erules is not None, learn_when_absent=True),
+                 "exec": _mode_name(mode, xrules is not None),
+                 "sys": mode}
+        limit = self.consts.values["DSEC_EXEC_PATTERN_MAX"]
+        for prefix, exact in xrules or ():
+            if len(prefix) > limit:
+                raise DsecError(f"add_sandbox: exec pattern {prefix.decode(errors='replace')!r} is {len(prefix)} "
+                                f"bytes; the kernel matcher takes at most {limit}")
+        with self._lock:
+            self._check_open()
+            if cgroup_id in self._sbx:
+                raise DsecError(f"add_sandbox: cgroup {cgroup_id} is already enforced as "
+                                f"{self._sbx[cgroup_id].sandbox_id}")
+            if len(self._sbx) >= self.max_sandboxes:
+                raise DsecError(f"add_sandbox: at most {self.max_sandboxes} sandboxes")
+            idx = self._alloc_idx()
+            sb = _Sandbox(cgroup_id, cgroup_path, sandbox_id, policy, idx, modes, erules, step=step)
+            self._sbx[cgroup_id] = sb
+            try:
+                for pid in exempt_pids:
+                    self._exempt_pid(sb, pid)
+                if erules is not None:
+                    for h in erules.allow_hosts + erules.deny_hosts:
+                        sb.hosts[h.host] = _Host(h.host, deny=h in erules.deny_hosts)
+                self._resolve_hosts(sb, initial=True)
+                self._apply_egress(sb)
+                self._apply_exec(sb, xrules or [])
+                if modes["sys"] == "learn":
+                    self._counts[self._counts.Key(cgroup_id)] = self._counts.Leaf()
+                self._state[self._state.Key(cgroup_id)] = self._state.Leaf()
+                cfg = self._cfg.Leaf()
+                cfg.interval_ns, cfg.tolerance_ns, cfg.report_ns = interval, tolerance, self.report_ns
+                cfg.idx, cfg.step = idx, step
+                self._set_modes(cfg, sb)
+                ct.memmove(cfg.sys_allow, syscall_bitmap(policy), len(cfg.sys_allow))
+                cfg.ns_deny = 1 if namespace_rules(policy).deny else 0
+                self._sys_hook_get(sb, "enter" if modes["sys"] in ("learn", "audit") else "exit")
+                self._cfg[self._cfg.Key(cgroup_id)] = cfg
+                self._bump_gen()
+                if modes["egress"] != "off":
+                    self._attach(sb, adopt)
+            except BaseException as e:
+                self._forget(sb)
+                if isinstance(e, DsecError):
+                    raise
+                if isinstance(e, Exception):
+                    raise DsecError(f"add_sandbox: cannot register cgroup {cgroup_id} in the kernel: {e}") from None
+                raise
+            self.decoder.register(SandboxInfo(cgroup_id, sandbox_id, policy.identity()))
+            self._reported[cgroup_id] = {}
+            self._last_flush_wall[cgroup_id] = time.time_ns()
+            self._finals.pop(cgroup_id, None)
+
+    def update_egress(self, cgroup_id: int, policy) -> None:
+        """Replace the egress rules (and the egress mode) of a running sandbox
+        with those of `policy`, at once. Its other rules must be the same as
+        the policy in force (they are applied by seccomp and at exec, and every
+        record names one policy): otherwise DsecError."""
+        from policies.compile import egress_rules, exec_rules, namespace_rules, syscall_bitmap
+        with self._lock:
+            self._check_open()
+            sb = self._get(cgroup_id, "update_egress")
+            old = sb.policy
+            if (policy.mode != old.mode or exec_rules(policy) != exec_rules(old)
+                    or syscall_bitmap(policy) != syscall_bitmap(old)
+                    or namespace_rules(policy) != namespace_rules(old)):
+                raise DsecError(f"update_egress: policy {policy.name!r} changes more than egress rules "
+                                f"(mode, exec or syscall rules differ from {old.name!r}); start a new sandbox")
+            erules = egress_rules(policy)
+            hosts = {}
+            if erules is not None:
+                for h in erules.allow_hosts + erules.deny_hosts:
+                    x = sb.hosts.get(h.host) or _Host(h.host, deny=False)
+                    x.deny = h in erules.deny_hosts
+                    hosts[h.host] = x
+            new = _Sandbox(sb.cgroup_id, sb.path, sb.sandbox_id, policy, self._alloc_idx(),
+                           dict(sb.modes, egress=_mode_name(policy.mode, erules is not None, learn_when_absent=True)),
+                           erules, hosts=hosts)
+            old_idx, old_entries, old_exec = sb.idx, sb.egress_entries, sb.exec_keys
+            try:
+                self._resolve_hosts(new, initial=True, only_new=True)
+                # the new rules go in under a new rule-set index, then one update of the
+                # sandbox's entry switches index, mode and default together: a connection
+                # is checked against the old rules or the new ones, never a mix
+                self._apply_egress(new)
+                self._apply_exec(new, exec_rules(policy) or [])
+                key = self._cfg.Key(cgroup_id)
+                cfg = self._cfg[key]
+                cfg.idx = new.idx
+                self._set_modes(cfg, new)
+                self._cfg[key] = cfg
+            except BaseException:
+                self._drop_rules(new.idx, new.egress_entries, new.exec_keys)
+                raise
+            sb.policy, sb.idx, sb.modes, sb.egress_rules, sb.hosts = policy, new.idx, new.modes, erules, hosts
+            sb.egress_entries, sb.exec_keys = new.egress_entries, new.exec_keys
+            self._drop_rules(old_idx, old_entries, old_exec)
+            if sb.modes["egress"] != "off" and not sb.attached:
+                self._attach(sb, adopt=True)
+            self.decoder.sandboxes[cgroup_id].labels = policy.identity()
+
+    def exempt(self, cgroup_id: int, pid: int) -> None:
+        """Stop syscall-checking process `pid` (and its children until they exec)."""
+        with self._lock:
+            self._exempt_pid(self._get(cgroup_id, "exempt"), pid)
+
+    def set_step(self, cgroup_id: int, step: int) -> None:
+        with self._lock:
+            sb = self._get(cgroup_id, "set_step")
+            key = self._cfg.Key(cgroup_id)
+            cfg = self._cfg[key]
+            cfg.step = step
+            self._cfg[key] = cfg
+            sb.step = step
+
+    def remove_sandbox(self, cgroup_id: int) -> dict:
+        """Stop enforcing: detach the egress programs, drain and report what is
+        pending (syscall counts not yet reported, losses) and return the totals:
+        {"emitted", "lost", "lost_total", "killed", "violations": {syscall: n},
+         "syscalls": {name: n} (learn), "destinations": [...] (learn)}."""
+        with self._lock:
+            self._check_open()
+            sb = self._sbx.get(cgroup_id)
+            if sb is None:
+                if cgroup_id in self._finals:
+                    return self._finals[cgroup_id]
+                raise DsecError(f"remove_sandbox: cgroup {cgroup_id} is not enforced")
+            self._detach(sb)
+            self._consume()
+            self._decode_raw()
+            self._flush_syscalls(cgroup_id, final=True)
+            state = self._read_state(cgroup_id)
+            self._flush_losses(cgroup_id, state)
+            totals = self._totals(state)
+            totals["violations"] = self._violations(cgroup_id)
+            if sb.modes["sys"] == "learn":
+                totals["syscalls"] = self.syscall_counts(cgroup_id)
+            if sb.modes["egress"] == "learn":
+                totals["destinations"] = self.egress_destinations(cgroup_id)
+            self._forget(sb)
+            self._finals[cgroup_id] = totals
+            self._deliver()
+            return totals
+
+    # -- reading ------------------------------------------------------------------------
+
+    def poll(self, timeout_ms: int = 100) -> int:
+        """Wait up to timeout_ms for records; deliver them to on_record; every
+        loss_interval_s also report losses and rate-limited syscall counts, and
+        re-resolve hostname rules whose TTL ran out. Returns records delivered."""
+        with self._lock:
+            self._check_open()
+            self.bpf.ring_buffer_poll(int(timeout_ms))
+            self._decode_raw()
+            now = time.monotonic()
+            periodic = now >= self._next_flush
+            if periodic:
+                self._next_flush = now + self.loss_interval_s
+                self.decoder.sync_clock()
+                self._sys_hooks_idle(now)
+                self._flush_syscalls()
+                for cgid in list(self._sbx):
+                    self._flush_losses(cgid, self._read_state(cgid))
+            n = self._deliver()
+        if periodic:
+            self.refresh_hosts()
+        return n
+
+    def drain(self) -> int:
+        """Consume what is in the ring buffer now, report syscall counts (also
+        those still inside their rate-limit window) and losses, deliver."""
+        with self._lock:
+            self._check_open()
+            self._consume()
+            self._decode_raw()
+            self._flush_syscalls(final=True)
+            for cgid in list(self._sbx):
+                self._flush_losses(cgid, self._read_state(cgid))
+            return self._deliver()
+
+    def stats(self, cgroup_id: int) -> dict:
+        with self._lock:
+            if cgroup_id not in self._sbx:
+                if cgroup_id in self._finals:
+                    return self._finals[cgroup_id]
+                raise DsecError(f"stats: cgroup {cgroup_id} is not enforced")
+            totals = self._totals(self._read_state(cgroup_id))
+            totals["violations"] = self._violations(cgroup_id)
+            totals["adopted"] = self._sbx[cgroup_id].adopted
+            return totals
+
+    def syscall_counts(self, cgroup_id: int) -> dict:
+        """Learn mode: {syscall name: calls} counted in the kernel (the sandbox's
+        exempt processes excluded)."""
+        from policies.syscalls import name_of
+        with self._lock:
+            sb = self._get(cgroup_id, "syscall_counts")
+            if sb.modes["sys"] != "learn":
+                raise DsecError(f"syscall_counts: sandbox {sb.sandbox_id} is in {sb.modes['sys']} mode, not learn")
+            try:
+                c = self._counts[self._counts.Key(cgroup_id)]
+            except KeyError:
+                return {}
+            return {name_of(nr) or f"nr_{nr}": n for nr, n in enumerate(c.n) if n}
+
+    def egress_destinations(self, cgroup_id: int) -> list[dict]:
+        """Learn mode: every destination the sandbox connected / sent to, with counts."""
+        with self._lock:
+            self._get(cgroup_id, "egress_destinations")
+            out = []
+            offset = self.decoder.offset_ns
+            for k, v in self._dest.items():
+                if k.cgroup_id != cgroup_id:
+                    continue
+                raw = bytes(k.addr)
+                fam = "ipv4" if k.family == socket.AF_INET else "ipv6"
+                addr = str(ipaddress.IPv4Address(raw[:4]) if fam == "ipv4" else ipaddress.IPv6Address(raw))
+                out.append({"family": fam, "addr": addr, "port": k.port,
+                            "protocol": PROTOCOLS.get(k.protocol, str(k.protocol)),
+                            "hook": self.consts.hooks.get(k.hook, str(k.hook)), "count": v.count,
+                            "first_ts_ns": v.first_ns + offset, "last_ts_ns": v.last_ns + offset})
+            return sorted(out, key=lambda d: (d["family"], d["addr"], d["port"], d["protocol"]))
+
+    def egress_addresses(self, cgroup_id: int) -> dict:
+        """Hostname rules: {host: [addresses in the kernel tables now]}."""
+        with self._lock:
+            sb = self._get(cgroup_id, "egress_addresses")
+            return {h: sorted(x.addrs) for h, x in sb.hosts.items()}
+
+    # -- hostname rules ------------------------------------------------------------------
+
+    def refresh_hosts(self, force: bool = False) -> int:
+        """Re-resolve the hostname rules whose TTL ran out (all with force) and
+        apply the changes at once. Resolution runs without the sensor's lock.
+        Returns how many sandboxes' tables changed."""
+        with self._lock:
+            if self._closed:
+                return 0
+            now = time.monotonic()
+            due = sorted({h for sb in self._sbx.values() for h, x in sb.hosts.items()
+                          if force or now >= x.next_refresh})
+        if not due:
+            return 0
+        results = {}
+        for host in due:
+            try:
+                results[host] = self.resolver.resolve(host)
+            except ResolveError as e:
+                results[host] = e
+        changed = 0
+        with self._lock:
+            if self._closed:
+                return 0
+            for sb in self._sbx.values():
+                hit = False
+                for host, res in results.items():
+                    x = sb.hosts.get(host)
+                    if x is not None:
+                        hit |= self._apply_resolution(sb, x, res)
+                hit |= self._expire(sb)
+                if hit:
+                    self._apply_egress(sb)
+                    changed += 1
+        return changed
+
+    def _resolve_hosts(self, sb: _Sandbox, initial: bool = False, only_new: bool = False) -> None:
+        for x in sb.hosts.values():
+            if only_new and x.next_refresh:
+                continue
+            try:
+                res = self.resolver.resolve(x.host)
+            except ResolveError as e:
+                res = e
+            self._apply_resolution(sb, x, res)
+            if isinstance(res, ResolveError) and x.deny and sb.modes["egress"] == "enforce" and initial:
+                raise DsecError(f"egress deny rule for host {x.host!r}: {res} (the rule cannot be enforced)")
+
+    def _apply_resolution(self, sb: _Sandbox, x: _Host, res) -> bool:
+        now = time.monotonic()
+        if isinstance(res, ResolveError):
+            x.failures += 1
+            x.last_error = str(res)
+            x.next_refresh = now + min(60, 2 ** min(x.failures, 6))
+            msg = f"sandbox {sb.sandbox_id}: {res}; keeping {len(x.addrs)} known address(es), retrying"
+            log.warning("%s", msg)
+            self.warnings.append(msg)
+            del self.warnings[:-100]
+            return False
+        x.failures, x.last_error, x.ttl = 0, "", res.ttl
+        x.next_refresh = now + res.ttl
+        before = set(x.addrs)
+        for a in res.addresses:
+            # kept one more TTL: a client that resolved just before still connects
+            x.addrs[a] = now + 2 * res.ttl
+        return set(x.addrs) != before
+
+    @staticmethod
+    def _expire(sb: _Sandbox) -> bool:
+        now = time.monotonic()
+        hit = False
+        for x in sb.hosts.values():
+            if x.failures:
+                continue        # while the resolver fails, keep the last known answer
+            for a in [a for a, t in x.addrs.items() if t <= now]:
+                del x.addrs[a]
+                hit = True
+        return hit
+
+    # -- kernel tables ---------------------------------------------------------------------
+
+    def _set_modes(self, cfg, sb: _Sandbox) -> None:
+        m = self.consts.modes
+        cfg.egress = m[sb.modes["egress"]]
+        cfg.exec = m[sb.modes["exec"]]
+        cfg.sys = m[sb.modes["sys"]]
+        er = sb.egress_rules
+        # no rules (learn mode without an egress section): nothing in the tries, all allowed
+        deny_default = er is not None and er.default == "deny"
+        cfg.egress_default = self.consts.values["DSEC_EGRESS_DEFAULT_DENY" if deny_default
+                                                else "DSEC_EGRESS_DEFAULT_ALLOW"]
+
+    def _lpm_key(self, table, idx: int, net):
+        k = table.Key()
+        k.prefixlen = 32 + net.prefixlen
+        k.idx = idx
+        packed = net.network_address.packed
+        ct.memmove(k.addr, packed, len(packed))
+        return k
+
+    def _apply_egress(self, sb: _Sandbox) -> None:
+        """Bring the tries to the sandbox's rules: new and changed entries first,
+        then the stale ones deleted (each entry is replaced atomically)."""
+        if sb.egress_rules is None:
+            new = {}
+        else:
+            addrs = {h: list(x.addrs) for h, x in sb.hosts.items()}
+            new = egress_table(sb.egress_rules, addrs, self.consts.values["DSEC_EGRESS_RANGES"])
+        old = sb.egress_entries
+        for net, ranges in new.items():
+            if old.get(net) == ranges:
+                continue
+            table = self._e4 if net.version == 4 else self._e6
+            leaf = table.Leaf()
+            leaf.n = len(ranges)
+            for i, (lo, hi, bits) in enumerate(ranges):
+                leaf.r[i].lo, leaf.r[i].hi, leaf.r[i].protos = lo, hi, bits
+            table[self._lpm_key(table, sb.idx, net)] = leaf
+            old[net] = ranges
+        for net in [n for n in old if n not in new]:
+            table = self._e4 if net.version == 4 else self._e6
+            try:
+                del table[self._lpm_key(table, sb.idx, net)]
+            except KeyError:
+                pass
+            del old[net]
+
+    def _apply_exec(self, sb: _Sandbox, rules) -> None:
+        for prefix, exact in rules:
+            data = prefix + (b"\0" if exact else b"")
+            k = self._exec_key(sb.idx, (4 + len(data)) * 8, data)
+            self._exec[k] = ct.c_uint8(1)
+            sb.exec_keys.append((k.prefixlen, data))
+
+    def _alloc_idx(self) -> int:
+        if self._free_idx:
+            return self._free_idx.pop()
+        self._next_idx += 1
+        return self._next_idx - 1
+
+    def _drop_rules(self, idx: int, egress_entries: dict, exec_keys: list) -> None:
+        """Delete the LPM entries of rule set `idx` and free the index."""
+        for net in list(egress_entries):
+            table = self._e4 if net.version == 4 else self._e6
+            try:
+                del table[self._lpm_key(table, idx, net)]
+            except KeyError:
+                pass
+        egress_entries.clear()
+        for plen, data in exec_keys:
+            try:
+                del self._exec[self._exec_key(idx, plen, data)]
+            except KeyError:
+                pass
+        exec_keys.clear()
+        self._free_idx.append(idx)
+
+    def _exec_key(self, idx: int, prefixlen: int, data: bytes):
+        k = self._exec.Key()
+        k.prefixlen, k.idx = prefixlen, idx
+        # not ct.memmove(k.path, ...): ctypes hands out a bytes copy of a char array field
+        ct.memmove(ct.addressof(k) + type(k).path.offset, data, len(data))
+        return k
+
+    def _sys_hook_get(self, sb: _Sandbox, hook: str) -> None:
+        if not self._sys_attached[hook]:
+            kind, tp, fn = SYS_HOOKS[hook]
+            try:
+                if kind == "raw":
+                    self.bpf.attach_raw_tracepoint(tp=tp, fn_name=fn)
+                else:
+                    self.bpf.attach_tracepoint(tp=tp, fn_name=fn)
+            except Exception as e:   # BCC raises bare Exception
+                raise DsecError(f"cannot attach the syscall program ({tp.decode()}): {e}") from None
+            self._sys_attached[hook] = True
+        self._sys_users[hook] += 1
+        sb.sys_hook = hook
+
+    def _sys_hook_put(self, sb: _Sandbox) -> None:
+        hook, sb.sys_hook = sb.sys_hook, None
+        if hook is not None:
+            self._sys_users[hook] -= 1
+            if self._sys_users[hook] == 0:
+                self._sys_idle_since[hook] = time.monotonic()
+
+    def _sys_hooks_idle(self, now: float) -> None:
+        """Detach a syscall program nobody has needed for sys_hook_linger_s (from
+        poll(): detaching costs ~80 ms of RCU grace periods, not to be paid by
+        every remove_sandbox of a busy node)."""
+        for hook, attached in self._sys_attached.items():
+            if attached and self._sys_users[hook] == 0 and now - self._sys_idle_since[hook] >= self.sys_hook_linger_s:
+                kind, tp, _ = SYS_HOOKS[hook]
+                try:
+                    if kind == "raw":
+                        self.bpf.detach_raw_tracepoint(tp=tp)
+                    else:
+                        self.bpf.detach_tracepoint(tp=tp)
+                    self._sys_attached[hook] = False
+                except Exception as e:   # noqa: BLE001 - still attached: only costs time
+                    log.warning("cannot detach %s: %s", tp.decode(), e)
+
+    def syscall_hooks(self) -> dict:
+        """The syscall programs: {"enter"|"exit": {"attached": bool, "sandboxes": n}}."""
+        with self._lock:
+            return {h: {"attached": self._sys_attached[h], "sandboxes": self._sys_users[h]}
+                    for h in self._sys_users}
+
+    def _exempt_pid(self, sb: _Sandbox, pid: int) -> None:
+        self._exempt[self._exempt.Key(pid)] = self._exempt.Leaf(sb.cgroup_id)
+        sb.exempt.add(pid)
+
+    def _bump_gen(self) -> None:
+        k = self._gen.Key(0)
+        self._gen[k] = self._gen.Leaf(self._gen[k].value + 1)
+
+    def _attach(self, sb: _Sandbox, adopt: bool) -> None:
+        try:
+            fd = os.open(sb.path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:
+            raise DsecError(f"cannot open cgroup {sb.path}: {e.strerror}") from None
+        done = []
+        try:
+            for name, (pfd, atype, _) in self._progs.items():
+                try:
+                    bpfsys.prog_attach(pfd, fd, atype, bpfsys.BPF_F_ALLOW_MULTI)
+                except OSError as e:
+                    for dfd, dtype in done:
+                        bpfsys.prog_detach(dfd, fd, dtype)
+                    raise DsecError(f"cannot attach egress program {name} to cgroup {sb.path}: "
+                                    f"{e.strerror}") from None
+                done.append((pfd, atype))
+            sb.attached = True
+            if adopt:
+                sb.adopted = self._detach_foreign(fd)
+        finally:
+            os.close(fd)
+
+    def _detach_foreign(self, cg_fd: int) -> int:
+        """Detach programs of a previous dsec agent from this cgroup (ours stay)."""
+        ours = {pid for _, _, pid in self._progs.values()}
+        n = 0
+        for _, atype in EGRESS_PROGS:
+            for prog_id in bpfsys.prog_query(cg_fd, atype):
+                if prog_id in ours:
+                    continue
+                try:
+                    pfd = bpfsys.prog_get_fd_by_id(prog_id)
+                except OSError:
+                    continue
+                try:
+                    if bpfsys.prog_info(pfd)["name"].startswith(PROG_PREFIX):
+                        bpfsys.prog_detach(pfd, cg_fd, atype)
+                        n += 1
+                        log.info("detached %s program %d of a previous agent", PROG_PREFIX, prog_id)
+                finally:
+                    os.close(pfd)
+        return n
+
+    def _detach(self, sb: _Sandbox) -> None:
+        if not sb.attached:
+            return
+        sb.attached = False
+        try:
+            fd = os.open(sb.path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return      # the cgroup is gone, and its attachments with it
+        try:
+            for pfd, atype, _ in self._progs.values():
+                try:
+                    bpfsys.prog_detach(pfd, fd, atype)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+
+    def _forget(self, sb: _Sandbox) -> None:
+        """Every kernel entry of the sandbox, and its index, released."""
+        cgid = sb.cgroup_id
+        self._detach(sb)
+        self._sys_hook_put(sb)
+        for m in (self._cfg, self._counts):
+            try:
+                del m[m.Key(cgid)]
+            except KeyError:
+                pass
+        self._bump_gen()
+        self._drop_rules(sb.idx, sb.egress_entries, sb.exec_keys)
+        for k, v in list(self._exempt.items()):     # the exempt processes and their children
+            if v.value == cgid:
+                try:
+                    del self._exempt[k]
+                except KeyError:
+                    pass
+        for m in (self._viol, self._dest):
+            for k in [k for k in list(m.keys()) if k.cgroup_id == cgid]:
+                try:
+                    del m[k]
+                except KeyError:
+                    pass
+        try:
+            del self._state[self._state.Key(cgid)]
+        except KeyError:
+            pass
+        self._sbx.pop(cgid, None)
+        self.decoder.forget(cgid)
+        for d in (self._reported, self._last_flush_wall):
+            d.pop(cgid, None)
+
+    def _get(self, cgroup_id: int, what: str) -> _Sandbox:
+        self._check_open()
+        sb = self._sbx.get(cgroup_id)
+        if sb is None:
+            raise DsecError(f"{what}: cgroup {cgroup_id} is not enforced")
+        return sb
+
+    # -- records ------------------------------------------------------------------------
+
+    def _on_raw(self, ctx, data, size):
+        self._raw.append(ct.string_at(data, size))
+        return 0
+
+    def _consume(self) -> None:
+        for _ in range(1000):
+            before = len(self._raw)
+            self.bpf.ring_buffer_consume()
+            if len(self._raw) == before:
+                return
+
+    def _decode_raw(self) -> None:
+        raw, self._raw = self._raw, []
+        for r in raw:
+            rec = self.decoder.decode(r)
+            if rec is not None:
+                if rec["kind"] == "exec_denied" and rec["extra"] and '"signal_ret"' in rec["extra"]:
+                    self._kill_late(rec)
+                self._backlog.append(rec)
+
+    def _kill_late(self, rec: dict) -> None:
+        """bpf_send_signal failed for a denied exec: kill the process from here
+        (late: it may have run), if it is still in the sandbox."""
+        pid = rec["pid"]
+        cgid = next((c for c, i in self.decoder.sandboxes.items() if i.sandbox_id == rec["sandbox_id"]), None)
+        done = False
+        if cgid is not None and in_cgroup(pid, cgid, self.decoder.cgroup2_root):
+            try:
+                os.kill(pid, 9)
+                done = True
+            except ProcessLookupError:
+                pass
+        log.error("sandbox %s: the kernel could not SIGKILL denied exec %s (pid %d); %s", rec["sandbox_id"],
+                  rec["path"], pid, "killed from userspace" if done else "the process is gone")
+
+    def _deliver(self) -> int:
+        n = 0
+        while self._backlog:
+            rec = self._backlog[0]
+            if self.on_record is not None:
+                self.on_record(rec)      # raises: the record stays for the next call
+            self._backlog.popleft()
+            n += 1
+        return n
+
+    def _violations(self, cgroup_id: int) -> dict:
+        from policies.syscalls import name_of
+        return {name_of(k.nr) or f"nr_{k.nr}": v.count for k, v in self._viol.items() if k.cgroup_id == cgroup_id}
+
+    def _flush_syscalls(self, cgroup_id: int | None = None, final: bool = False) -> None:
+        """Report violations the kernel counted but did not report (its per-syscall
+        rate limit): once their window is over, or all of them with final. One
+        pass over the counters, for one sandbox or all."""
+        now = time.monotonic_ns()
+        for k, v in list(self._viol.items()):
+            cgid = k.cgroup_id
+            if cgroup_id is not None and cgid != cgroup_id:
+                continue
+            sb = self._sbx.get(cgid)
+            info = self.decoder.sandboxes.get(cgid)
+            if sb is None or info is None or sb.modes["sys"] not in ("audit", "enforce"):
+                continue
+            if not final and now - v.last_ns < self.report_ns:
+                continue            # the kernel may still report them itself
+            kind = "syscall_denied" if sb.modes["sys"] == "enforce" else "syscall_violation"
+            rec = self.decoder.syscall_summary(info, kind, k.nr, v.count, pid=v.last_pid, ret=v.last_ret,
+                                               step=sb.step)
+            if rec is not None:
+                self._backlog.append(rec)
+
+    def _read_state(self, cgroup_id: int) -> dict | None:
+        try:
+            st = self._state[self._state.Key(cgroup_id)]
+        except KeyError:
+            return None
+        nk = len(st.emitted)
+        kinds = self.consts.kinds
+        lost = {}
+        for ridx, reason in self.consts.lost.items():
+            per = {kinds.get(k, str(k)): st.lost[ridx * nk + k] for k in range(nk) if st.lost[ridx * nk + k]}
+            lost[reason] = per
+        if st.learn_lost:
+            lost.setdefault("table_full", {})["egress_destination"] = st.learn_lost
+        emitted = {kinds.get(k, str(k)): st.emitted[k] for k in range(nk) if st.emitted[k]}
+        return {"emitted": emitted, "lost": lost, "killed": st.killed,
+                "sys_out_of_range": st.sys_out_of_range}
+
+    @staticmethod
+    def _totals(state: dict | None) -> dict:
+        if state is None:
+            return {"emitted": {}, "lost": {}, "lost_total": 0, "killed": 0}
+        lost = {r: dict(k) for r, k in state["lost"].items() if k}
+        out = {"emitted": dict(state["emitted"]), "lost": lost,
+               "lost_total": sum(sum(k.values()) for k in lost.values()), "killed": state["killed"]}
+        if state["sys_out_of_range"]:
+            out["sys_out_of_range"] = state["sys_out_of_range"]   # learn: numbers >= 512 (x32 ABI)
+        return out
+
+    def _flush_losses(self, cgroup_id: int, state: dict | None) -> None:
+        info = self.decoder.sandboxes.get(cgroup_id)
+        sb = self._sbx.get(cgroup_id)
+        if info is None or state is None or sb is None:
+            return
+        seen = self._reported.setdefault(cgroup_id, {})
+        now = time.time_ns()
+        window = (self._last_flush_wall.get(cgroup_id, now), now)
+        any_new = False
+        for reason, per_kind in state["lost"].items():
+            before = seen.get(reason, {})
+            delta = {k: v - before.get(k, 0) for k, v in per_kind.items() if v - before.get(k, 0) > 0}
+            if delta:
+                any_new = True
+                self._backlog.append(self.decoder.lost_record(info, sb.step, reason, sum(delta.values()),
+                                                              delta, window))
+                seen[reason] = dict(per_kind)
+        if any_new:
+            self._last_flush_wall[cgroup_id] = now
+
+
+def _budget(rate, burst) -> tuple[int, int]:
+    if rate is None or rate == 0:
+        return 0, 0
+    if rate < 0 or burst is None or burst < 1:
+        raise DsecError(f"event budget: rate must be > 0 records/s and burst >= 1 (got rate={rate}, burst={burst})")
+    interval = max(1, int(1e9 / rate))
+    return interval, interval * (int(burst) - 1)
+
+
+__all__ = ["EnforcementSensor", "check_features", "require_features", "describe_features", "egress_table",
+           "gc_stale_pins", "PIN_ROOT"]

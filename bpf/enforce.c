@@ -1,0 +1,559 @@
+/* dsec BPF: policy enforcement and violation reporting — the second sensor,
+ * next to the audit sensor (process.c, net.c, files.c). Loaded by
+ * agent/enforce_loader.py as its own object (its own maps and ring buffer):
+ * this file is the whole main source text; events.h holds the types.
+ *
+ * Rules (as for the audit sensor): never dereference a kernel struct (the
+ * headers are 6.1, the kernel 6.18): only tracepoint data, helper results and
+ * UAPI contexts (struct bpf_sock_addr); every loop bounded; every record that
+ * cannot be emitted is counted in the sandbox's dsec_enf_state.lost.
+ *
+ * Sandboxes are keyed by cgroup2 id (the task's cgroup or a registered
+ * ancestor) in enf_sandboxes, written by userspace; each concern has its own
+ * mode there (DSEC_MODE_OFF / LEARN / AUDIT / ENFORCE).
+ *
+ * egress   cgroup/connect4, connect6, sendmsg4, sendmsg6 (dsec_enf_c4/c6/s4/s6),
+ *          attached by userspace to each sandbox's own cgroup2 directory.
+ *          Destination -> LPM trie (egress4 / egress6, keyed by the sandbox's
+ *          rule-set index) -> port ranges + protocols of every rule covering
+ *          it. enforce: return 0 (the caller gets EPERM) + one egress_denied;
+ *          audit: allow + one egress_violation; learn: allow + count the
+ *          destination in egress_dest. An IPv4-mapped IPv6 destination is
+ *          checked as IPv4.
+ * exec     sched/sched_process_exec: the kernel's filename (the path as given
+ *          to execve; see docs/enforcement.md) -> LPM trie exec_allow (exact
+ *          paths with their NUL, prefixes without). enforce: bpf_send_signal
+ *          (SIGKILL) — delivered before the new image runs any instruction —
+ *          + exec_denied; audit: exec_violation.
+ * syscalls raw_syscalls: sys_enter (raw tracepoint; the id is ctx->args[1])
+ *          counts calls per syscall in learn mode and reports calls outside
+ *          the allow bitmap in audit mode; sys_exit (tracepoint: id and ret
+ *          are tracepoint data) reports them in enforce mode — seccomp
+ *          refuses a denied call before sys_enter fires, but sys_exit still
+ *          fires with the call's number and the errno seccomp returned.
+ *          Reports are rate-limited per (sandbox, syscall): at most one
+ *          record per report_ns, each carrying the running total.
+ * exempt   tasks registered by userspace (the sandbox supervisor) and their
+ *          children up to their first exec are not syscall-checked: the
+ *          supervisor's own calls are not the workload's.
+ */
+#include "events.h"
+
+#define DSEC_SIGKILL 9
+#define DSEC_EPERM 1
+#define DSEC_CLONE_THREAD 0x00010000ULL
+#define DSEC_AF_INET 2
+#define DSEC_AF_INET6 10
+#define DSEC_IPPROTO_TCP 6
+#define DSEC_IPPROTO_UDP 17
+#define DSEC_NR_CLONE 56
+#define DSEC_NR_UNSHARE 272
+
+#define DSEC_BARRIER(x) asm volatile("" : "+r"(x))
+
+/* ---- maps ---------------------------------------------------------------- */
+BPF_RINGBUF_OUTPUT(enf_events, DSEC_ENF_RING_PAGES);
+BPF_HASH(enf_sandboxes, u64, struct dsec_enf_sandbox, DSEC_MAX_SANDBOXES);
+BPF_HASH(enf_state, u64, struct dsec_enf_state, DSEC_MAX_SANDBOXES);
+/* bumped by userspace at every registration: invalidates enf_cgcache */
+BPF_ARRAY(enf_gen, u64, 1);
+BPF_TABLE("lru_hash", u64, struct dsec_cg_cache, enf_cgcache, 16384);
+BPF_F_TABLE("lpm_trie", struct dsec_lpm4_key, struct dsec_egress_rule, egress4, DSEC_EGRESS_ENTRIES,
+            BPF_F_NO_PREALLOC);
+BPF_F_TABLE("lpm_trie", struct dsec_lpm6_key, struct dsec_egress_rule, egress6, DSEC_EGRESS_ENTRIES,
+            BPF_F_NO_PREALLOC);
+BPF_F_TABLE("lpm_trie", struct dsec_exec_key, u8, exec_allow, DSEC_EXEC_ENTRIES, BPF_F_NO_PREALLOC);
+BPF_PERCPU_ARRAY(exec_key_scratch, struct dsec_exec_key, 1);
+/* exec records are built here (a path does not fit the 512-byte stack); the
+ * value type is also how userspace learns the record layout */
+BPF_PERCPU_ARRAY(enf_scratch, struct dsec_event_small, 1);
+BPF_F_TABLE("hash", struct dsec_sys_key, struct dsec_sys_viol, sys_viol, DSEC_SYSVIOL_ENTRIES,
+            BPF_F_NO_PREALLOC);
+/* learn mode: entries created by userspace at registration, only looked up here */
+BPF_F_TABLE("hash", u64, struct dsec_sys_counts, sys_counts, DSEC_MAX_LEARN, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct dsec_dest_key, struct dsec_dest_val, egress_dest, DSEC_DEST_ENTRIES,
+            BPF_F_NO_PREALLOC);
+/* tgid -> sandbox cgroup id: not syscall-checked (supervisor, its children until they exec) */
+BPF_HASH(enf_exempt, u32, u64, 65536);
+/* child tgid -> parent tgid, for sandbox tasks (record headers) */
+BPF_TABLE("lru_hash", u32, u32, enf_parents, 65536);
+
+/* ---- sandbox lookup -------------------------------------------------------- */
+
+/* The sandbox of the current task: its cgroup2 or the shallowest registered
+ * ancestor (as the audit sensor). Processes outside any sandbox pay one
+ * helper call and three lookups: the per-cgroup answer is cached, and the
+ * cache is invalidated by userspace bumping enf_gen when it registers one. */
+static __always_inline struct dsec_enf_sandbox *enf_sandbox(u64 *cgid)
+{
+    u64 id = bpf_get_current_cgroup_id();
+    struct dsec_enf_sandbox *cfg = enf_sandboxes.lookup(&id);
+    if (cfg) {
+        *cgid = id;
+        return cfg;
+    }
+    u32 zero = 0;
+    u64 *genp = enf_gen.lookup(&zero);
+    u64 gen = genp ? *genp : 0;
+    struct dsec_cg_cache *c = enf_cgcache.lookup(&id);
+    if (c && c->gen == gen) {
+        u64 sb = c->sandbox;
+        if (!sb)
+            return 0;
+        cfg = enf_sandboxes.lookup(&sb);
+        if (cfg)
+            *cgid = sb;
+        return cfg;
+    }
+    struct dsec_cg_cache nc = {};
+    nc.gen = gen;
+    cfg = 0;
+    for (int lvl = 1; lvl < DSEC_MAX_LEVEL; lvl++) {
+        u64 anc = bpf_get_current_ancestor_cgroup_id(lvl);
+        if (anc == 0 || anc == id)
+            break;
+        cfg = enf_sandboxes.lookup(&anc);
+        if (cfg) {
+            nc.sandbox = anc;
+            *cgid = anc;
+            break;
+        }
+    }
+    enf_cgcache.update(&id, &nc);
+    return cfg;
+}
+
+/* ---- accounting and records ------------------------------------------------ */
+
+static __always_inline void enf_count_lost(struct dsec_enf_state *st, u32 reason, u32 kind)
+{
+    u32 i = reason * DSEC_NKINDS + (kind & (DSEC_NKINDS - 1));
+    if (st && i < DSEC_NLOST * DSEC_NKINDS)
+        __sync_fetch_and_add(&st->lost[i], 1);
+}
+
+static __always_inline void enf_count_emitted(struct dsec_enf_state *st, u32 kind)
+{
+    __sync_fetch_and_add(&st->emitted[kind & (DSEC_NKINDS - 1)], 1);
+}
+
+/* GCRA fair share, as common.h's dsec_admit: over budget = counted, not emitted */
+static __always_inline int enf_admit(struct dsec_enf_sandbox *cfg, struct dsec_enf_state *st, u32 kind)
+{
+    u64 interval = cfg->interval_ns;
+    if (interval == 0)
+        return 1;
+    u64 tol = cfg->tolerance_ns;
+    u64 now = bpf_ktime_get_ns();
+    for (int i = 0; i < 4; i++) {
+        u64 tat = *(volatile u64 *)&st->tat;
+        u64 base = tat > now ? tat : now;
+        if (base - now > tol)
+            break;
+        if (__sync_val_compare_and_swap(&st->tat, tat, base + interval) == tat)
+            return 1;
+    }
+    enf_count_lost(st, DSEC_LOST_OVER_BUDGET, kind);
+    return 0;
+}
+
+static __always_inline void enf_fill_hdr(struct dsec_hdr *h, u32 kind, u64 cgid, u32 step)
+{
+    u64 pt = bpf_get_current_pid_tgid();
+    u64 ug = bpf_get_current_uid_gid();
+    u32 tgid = pt >> 32;
+    h->ts_ns = bpf_ktime_get_ns();
+    h->cgroup_id = cgid;
+    h->kind = kind;
+    h->size = DSEC_FIXED_BYTES;
+    h->pid = tgid;
+    h->tid = (u32)pt;
+    u32 *pp = enf_parents.lookup(&tgid);
+    h->ppid = pp ? *pp : 0;
+    h->uid = (u32)ug;
+    h->gid = ug >> 32;
+    h->step = step;
+    bpf_get_current_comm(h->comm, sizeof(h->comm));
+}
+
+/* a fixed-size record (no strings): reserve, fill the header, return the body */
+static __always_inline struct dsec_event_small *enf_reserve(struct dsec_enf_sandbox *cfg,
+                                                            struct dsec_enf_state *st,
+                                                            u32 kind, u64 cgid)
+{
+    if (!enf_admit(cfg, st, kind))
+        return 0;
+    struct dsec_event_small *e = enf_events.ringbuf_reserve(DSEC_FIXED_BYTES);
+    if (!e) {
+        enf_count_lost(st, DSEC_LOST_RINGBUF_FULL, kind);
+        return 0;
+    }
+    __builtin_memset(&e->u, 0, sizeof(e->u));
+    enf_fill_hdr(&e->h, kind, cgid, cfg->step);
+    return e;
+}
+
+/* ---- egress ------------------------------------------------------------------ */
+
+static __always_inline u32 enf_proto_bit(u32 protocol)
+{
+    if (protocol == DSEC_IPPROTO_TCP)
+        return DSEC_PROTO_TCP;
+    if (protocol == DSEC_IPPROTO_UDP)
+        return DSEC_PROTO_UDP;
+    return DSEC_PROTO_OTHER;
+}
+
+static __always_inline int enf_rule_hit(struct dsec_egress_rule *r, u32 port, u32 pbit)
+{
+    if (!r)
+        return 0;
+    u32 n = r->n;
+    for (int i = 0; i < DSEC_EGRESS_RANGES; i++) {
+        if ((u32)i >= n)
+            break;
+        if ((r->r[i].protos & pbit) && port >= r->r[i].lo && port <= r->r[i].hi)
+            return 1;
+    }
+    return 0;
+}
+
+static __always_inline void enf_learn_dest(struct dsec_enf_state *st, u64 cgid, u32 family, u32 protocol,
+                                           u32 port, u32 hook, const u8 *addr)
+{
+    struct dsec_dest_key k = {};
+    k.cgroup_id = cgid;
+    k.family = family;
+    k.protocol = protocol;
+    k.port = port;
+    k.hook = hook;
+    __builtin_memcpy(k.addr, addr, 16);
+    u64 now = bpf_ktime_get_ns();
+    struct dsec_dest_val *v = egress_dest.lookup(&k);
+    if (!v) {
+        struct dsec_dest_val nv = {};
+        nv.first_ns = now;
+        egress_dest.insert(&k, &nv);
+        v = egress_dest.lookup(&k);
+        if (!v) {
+            if (st)
+                __sync_fetch_and_add(&st->learn_lost, 1);
+            return;
+        }
+    }
+    __sync_fetch_and_add(&v->count, 1);
+    v->last_ns = now;
+}
+
+static __always_inline int enf_egress(struct bpf_sock_addr *ctx, u32 hook, int v6)
+{
+    u64 cgid = 0;
+    struct dsec_enf_sandbox *cfg = enf_sandbox(&cgid);
+    if (!cfg)
+        return 0;   /* attached to this cgroup but no rules (being removed): fail closed */
+    u32 mode = cfg->egress;
+    if (mode == DSEC_MODE_OFF)
+        return 1;
+    struct dsec_enf_state *st = enf_state.lookup(&cgid);
+
+    u32 protocol = ctx->protocol;
+    u32 sock_type = ctx->type;
+    u32 p = ctx->user_port;
+    u32 port = ((p & 0xff) << 8) | ((p >> 8) & 0xff);
+    u8 addr[16] = {};
+    u32 family = DSEC_AF_INET;
+    u32 status = 0;
+    if (v6) {
+        u32 w0 = ctx->user_ip6[0];
+        u32 w1 = ctx->user_ip6[1];
+        u32 w2 = ctx->user_ip6[2];
+        u32 w3 = ctx->user_ip6[3];
+        if (w0 == 0 && w1 == 0 && w2 == __builtin_bswap32(0x0000ffff)) {
+            /* ::ffff:a.b.c.d connects over IPv4: check it as IPv4 */
+            __builtin_memcpy(&addr[0], &w3, 4);
+            status |= DSEC_ST_IPV4_MAPPED;
+        } else {
+            family = DSEC_AF_INET6;
+            __builtin_memcpy(&addr[0], &w0, 4);
+            __builtin_memcpy(&addr[4], &w1, 4);
+            __builtin_memcpy(&addr[8], &w2, 4);
+            __builtin_memcpy(&addr[12], &w3, 4);
+        }
+    } else {
+        u32 ip = ctx->user_ip4;
+        __builtin_memcpy(&addr[0], &ip, 4);
+    }
+
+    if (mode == DSEC_MODE_LEARN) {
+        enf_learn_dest(st, cgid, family, protocol, port, hook, addr);
+        return 1;
+    }
+
+    struct dsec_egress_rule *r;
+    if (family == DSEC_AF_INET) {
+        struct dsec_lpm4_key k = {};
+        k.prefixlen = 32 + 32;
+        k.idx = cfg->idx;
+        __builtin_memcpy(k.addr, addr, 4);
+        r = egress4.lookup(&k);
+    } else {
+        struct dsec_lpm6_key k = {};
+        k.prefixlen = 32 + 128;
+        k.idx = cfg->idx;
+        __builtin_memcpy(k.addr, addr, 16);
+        r = egress6.lookup(&k);
+    }
+    int hit = enf_rule_hit(r, port, enf_proto_bit(protocol));
+    int allowed = cfg->egress_default == DSEC_EGRESS_DEFAULT_DENY ? hit : !hit;
+    if (allowed)
+        return 1;
+
+    int enforce = mode == DSEC_MODE_ENFORCE;
+    u32 kind = enforce ? DSEC_KIND_EGRESS_DENIED : DSEC_KIND_EGRESS_VIOLATION;
+    if (st) {
+        struct dsec_event_small *e = enf_reserve(cfg, st, kind, cgid);
+        if (e) {
+            e->u.egress.hook = hook;
+            e->u.egress.family = family;
+            e->u.egress.protocol = protocol;
+            e->u.egress.sock_type = sock_type;
+            e->u.egress.port = port;
+            e->u.egress.status = status;
+            __builtin_memcpy(e->u.egress.addr, addr, 16);
+            enf_events.ringbuf_submit(e, 0);
+            enf_count_emitted(st, kind);
+        }
+    }
+    return enforce ? 0 : 1;
+}
+
+int dsec_enf_c4(struct bpf_sock_addr *ctx) { return enf_egress(ctx, DSEC_HOOK_CONNECT4, 0); }
+int dsec_enf_c6(struct bpf_sock_addr *ctx) { return enf_egress(ctx, DSEC_HOOK_CONNECT6, 1); }
+int dsec_enf_s4(struct bpf_sock_addr *ctx) { return enf_egress(ctx, DSEC_HOOK_SENDMSG4, 0); }
+int dsec_enf_s6(struct bpf_sock_addr *ctx) { return enf_egress(ctx, DSEC_HOOK_SENDMSG6, 1); }
+
+/* ---- exec ------------------------------------------------------------------- */
+
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    /* a fresh image: an exempt task (the supervisor's child) is the workload now */
+    enf_exempt.delete(&tgid);
+
+    u64 cgid = 0;
+    struct dsec_enf_sandbox *cfg = enf_sandbox(&cgid);
+    if (!cfg)
+        return 0;
+    u32 mode = cfg->exec;
+    if (mode != DSEC_MODE_AUDIT && mode != DSEC_MODE_ENFORCE)
+        return 0;
+
+    u32 zero = 0;
+    struct dsec_exec_key *k = exec_key_scratch.lookup(&zero);
+    if (!k)
+        return 0;
+    u32 floc = args->data_loc_filename & 0xFFFF;
+    const char *fname = (const char *)args + floc;
+    __builtin_memset(k->path, 0, sizeof(k->path));
+    long n = bpf_probe_read_kernel_str(k->path, sizeof(k->path), fname);
+    int hit = 0;
+    if (n > 0) {
+        u32 bytes = n;     /* with the NUL */
+        if (bytes >= DSEC_EXEC_KEY_PATH)
+            bytes = DSEC_EXEC_KEY_PATH - 1;   /* cut: the NUL is not the filename's end */
+        k->prefixlen = (4 + bytes) * 8;
+        k->idx = cfg->idx;
+        hit = exec_allow.lookup(k) != 0;
+    }
+    if (hit)
+        return 0;
+
+    int enforce = mode == DSEC_MODE_ENFORCE;
+    long sret = 0;
+    struct dsec_enf_state *st = enf_state.lookup(&cgid);
+    if (enforce) {
+        /* pending SIGKILL: delivered on the way back to user space, before the
+         * new image (or its dynamic loader) runs a single instruction */
+        sret = bpf_send_signal(DSEC_SIGKILL);
+        if (st)
+            __sync_fetch_and_add(&st->killed, 1);
+    }
+    if (!st)
+        return 0;
+    u32 kind = enforce ? DSEC_KIND_EXEC_DENIED : DSEC_KIND_EXEC_VIOLATION;
+    if (!enf_admit(cfg, st, kind))
+        return 0;
+    struct dsec_event_small *e = enf_scratch.lookup(&zero);
+    if (!e) {
+        enf_count_lost(st, DSEC_LOST_INFLIGHT_FULL, kind);
+        return 0;
+    }
+    __builtin_memset(&e->u, 0, sizeof(e->u));
+    enf_fill_hdr(&e->h, kind, cgid, cfg->step);
+    e->u.exec_check.signal_ret = sret;
+    e->u.exec_check.old_tid = args->old_pid;
+    u32 status = 0;
+    long m = bpf_probe_read_kernel_str(&e->buf[0], DSEC_PATH_MAX, fname);
+    if (m <= 0) {
+        e->buf[0] = 0;
+        m = 1;
+        status |= DSEC_ST_PATH_FAULT;
+    } else if (m == DSEC_PATH_MAX) {
+        status |= DSEC_ST_PATH_TRUNC;
+    }
+    if (e->buf[0] != '/')
+        status |= DSEC_ST_NOT_ABSOLUTE;
+    e->u.exec_check.path_len = m - 1;
+    e->u.exec_check.status = status;
+    u64 size = DSEC_FIXED_BYTES + m;
+    DSEC_BARRIER(size);
+    if (size > sizeof(struct dsec_event_small))
+        size = sizeof(struct dsec_event_small);
+    if (size < DSEC_FIXED_BYTES)
+        size = DSEC_FIXED_BYTES;
+    e->h.size = size;
+    if (enf_events.ringbuf_output(e, size, 0) == 0)
+        enf_count_emitted(st, kind);
+    else
+        enf_count_lost(st, DSEC_LOST_RINGBUF_FULL, kind);
+    return 0;
+}
+
+/* ---- process tree: exemption inheritance, parents ------------------------------ */
+
+TRACEPOINT_PROBE(task, task_newtask)
+{
+    if (args->clone_flags & DSEC_CLONE_THREAD)
+        return 0;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    u32 child = args->pid;
+    u64 *ex = enf_exempt.lookup(&tgid);
+    if (ex) {
+        u64 c = *ex;
+        /* no room: the child is checked (reports too much, never too little) */
+        enf_exempt.update(&child, &c);
+    }
+    u64 cgid = 0;
+    if (enf_sandbox(&cgid))
+        enf_parents.update(&child, &tgid);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exit)
+{
+    if (!args->group_dead)
+        return 0;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    enf_exempt.delete(&tgid);
+    enf_parents.delete(&tgid);
+    return 0;
+}
+
+/* ---- syscalls ------------------------------------------------------------------ */
+
+static __always_inline int enf_sys_allowed(struct dsec_enf_sandbox *cfg, long id)
+{
+    if (id < 0 || id >= DSEC_SYSCALL_NR_MAX)
+        return 0;
+    u32 i = id;
+    u8 byte = cfg->sys_allow[(i >> 3) & (DSEC_SYSCALL_NR_MAX / 8 - 1)];
+    return (byte >> (i & 7)) & 1;
+}
+
+static __always_inline void enf_sys_violation(struct dsec_enf_sandbox *cfg, u64 cgid, u32 kind,
+                                              long id, long ret, u32 status)
+{
+    struct dsec_enf_state *st = enf_state.lookup(&cgid);
+    if (!st)
+        return;
+    struct dsec_sys_key k = {};
+    k.cgroup_id = cgid;
+    k.nr = (u32)id;
+    struct dsec_sys_viol *v = sys_viol.lookup(&k);
+    if (!v) {
+        struct dsec_sys_viol nv = {};
+        sys_viol.insert(&k, &nv);
+        v = sys_viol.lookup(&k);
+        if (!v) {
+            enf_count_lost(st, DSEC_LOST_TABLE_FULL, kind);
+            return;
+        }
+    }
+    u64 total = __sync_fetch_and_add(&v->count, 1) + 1;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    v->last_pid = tgid;
+    v->last_ret = ret;
+    u64 now = bpf_ktime_get_ns();
+    u64 last = *(volatile u64 *)&v->last_ns;
+    if (last && now - last < cfg->report_ns)
+        return;     /* counted; reported with a later record or by userspace */
+    if (__sync_val_compare_and_swap(&v->last_ns, last, now) != last)
+        return;     /* another CPU reports it */
+    struct dsec_event_small *e = enf_events.ringbuf_reserve(DSEC_FIXED_BYTES);
+    if (!e) {
+        enf_count_lost(st, DSEC_LOST_RINGBUF_FULL, kind);
+        return;
+    }
+    __builtin_memset(&e->u, 0, sizeof(e->u));
+    enf_fill_hdr(&e->h, kind, cgid, cfg->step);
+    e->u.syscall.total = total;
+    e->u.syscall.ret = ret;
+    e->u.syscall.nr = (u32)id;
+    e->u.syscall.status = status;
+    enf_events.ringbuf_submit(e, 0);
+    enf_count_emitted(st, kind);
+}
+
+RAW_TRACEPOINT_PROBE(sys_enter)
+{
+    u64 cgid = 0;
+    struct dsec_enf_sandbox *cfg = enf_sandbox(&cgid);
+    if (!cfg)
+        return 0;
+    u32 mode = cfg->sys;
+    if (mode != DSEC_MODE_LEARN && mode != DSEC_MODE_AUDIT)
+        return 0;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (enf_exempt.lookup(&tgid))
+        return 0;
+    long id = (long)ctx->args[1];
+    if (mode == DSEC_MODE_LEARN) {
+        struct dsec_sys_counts *c = sys_counts.lookup(&cgid);
+        if (!c)
+            return 0;
+        if (id >= 0 && id < DSEC_SYSCALL_NR_MAX) {
+            u32 i = id;
+            __sync_fetch_and_add(&c->n[i & (DSEC_SYSCALL_NR_MAX - 1)], 1);
+        } else {
+            struct dsec_enf_state *st = enf_state.lookup(&cgid);
+            if (st)
+                __sync_fetch_and_add(&st->sys_out_of_range, 1);
+        }
+        return 0;
+    }
+    /* audit: seccomp is permissive (SCMP_ACT_LOG), every call comes through here */
+    if (!enf_sys_allowed(cfg, id))
+        enf_sys_violation(cfg, cgid, DSEC_KIND_SYSCALL_VIOLATION, id, 0, 0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(raw_syscalls, sys_exit)
+{
+    u64 cgid = 0;
+    struct dsec_enf_sandbox *cfg = enf_sandbox(&cgid);
+    if (!cfg || cfg->sys != DSEC_MODE_ENFORCE)
+        return 0;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (enf_exempt.lookup(&tgid))
+        return 0;
+    long id = args->id;
+    long ret = args->ret;
+    if (enf_sys_allowed(cfg, id)) {
+        /* clone/unshare are allowed by number; seccomp checks their flags */
+        if (cfg->ns_deny && ret == -DSEC_EPERM && (id == DSEC_NR_CLONE || id == DSEC_NR_UNSHARE))
+            enf_sys_violation(cfg, cgid, DSEC_KIND_SYSCALL_DENIED, id, ret, DSEC_ST_NAMESPACES);
+        return 0;
+    }
+    enf_sys_violation(cfg, cgid, DSEC_KIND_SYSCALL_DENIED, id, ret, 0);
+    return 0;
+}
