@@ -15,6 +15,7 @@ matches nothing.
 from __future__ import annotations
 
 import errno
+import posixpath
 
 from policies.compile import egress_rules, exec_allowed, writable_paths
 
@@ -26,6 +27,7 @@ def path_writable(policy, path: str) -> bool:
     w = writable_paths(policy)
     if w is None:
         return True
+    path = posixpath.normpath(path) if path.startswith("/") else path   # "/ws/../x" is not under /ws
     for root in list(w) + list(SCRATCH):
         root = root.rstrip("/") or "/"
         if root == "/" or path == root or path.startswith(root + "/"):

@@ -9,12 +9,33 @@ examples:
   dsec policy export --format oci-seccomp tool.yaml -o tool.json
   dsec policy export --format k8s-seccompprofile tool.yaml -o tool-sp.yaml
   dsec policy import --from oci-seccomp /usr/share/containers/seccomp.json -o podman.yaml
+  dsec policy merge learned-a.yaml learned-b.yaml -o tool.yaml   # union of what each allows
+  dsec policy diff old.yaml tool.yaml                  # what changed (and why, from provenance)
+  dsec policy diff --format json old.yaml tool.yaml
+  dsec policy promote tool.yaml --to audit             # always allowed
+  dsec policy promote tool.yaml --to enforce --window 7d --min-runs 5
+  dsec policy promote python-tool --to audit -o tool-audit.yaml
 
 A policy is a file path or a built-in name (a NAME without '/' and without a
-.yaml/.yml/.json suffix). The format is documented in policies/README.md.
+.yaml/.yml/.json suffix). The format is documented in policies/README.md; the
+learn -> review -> audit -> enforce workflow in docs/learning.md.
+
+merge: the union (syscalls, egress rules, exec patterns, writable paths), in
+the least strict mode of the inputs unless --mode; provenance is kept.
+diff: per section (mode, syscalls, egress, exec, files): added/removed.
+promote: rewrites only spec.mode (the content hash does not change), in place
+unless -o (a built-in needs -o). To enforce it needs, from ClickHouse
+(DSEC_CLICKHOUSE_URL or dsec's private server), at least --min-runs (default
+5) complete audit-mode runs of this exact policy hash in the --window
+(default 7d; 90m, 24h, 2w ...) and no would-deny event of that hash there;
+otherwise it refuses and lists the violations (sandbox, kind, what, count).
+Each promotion is recorded in ClickHouse as a `policy_promotion` event (who,
+when, from/to mode and hash).
 
 Exit status: 0 ok (warnings are printed on stderr); 1 `check --strict` found
-warnings; 2 bad usage or invalid input (a policy or profile that does not load).
+warnings, `diff` found differences, `promote` refused (or could not reach
+ClickHouse); 2 bad usage or invalid input (a policy or profile that does not
+load, a bad --window or --min-runs).
 Errors name the file, the line and the field; notes on export/import (what a
 seccomp profile cannot carry, or what dsec cannot express exactly) go to
 stderr, and into the imported YAML as comments.
@@ -55,6 +76,25 @@ def register(p):
     i.add_argument("--name", help="policy name (default: from the file name)")
     i.add_argument("--conditional", choices=["allow", "deny"], default="allow",
                    help="calls the profile allows only for some arguments: allow them (default) or deny them")
+    mg = sub.add_parser("merge", help="unite policies: what any of them allows (provenance kept)")
+    mg.add_argument("policies", nargs="+", metavar="FILE|NAME")
+    mg.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
+    mg.add_argument("--name", help="metadata.name of the result (default: the first policy's)")
+    mg.add_argument("--mode", choices=["learn", "audit", "enforce"],
+                    help="mode of the result (default: the least strict of the inputs)")
+    df = sub.add_parser("diff", help="what changed between two policies, per section")
+    df.add_argument("a", metavar="A")
+    df.add_argument("b", metavar="B")
+    df.add_argument("--format", choices=["text", "json"], default="text")
+    pr = sub.add_parser("promote", help="change a policy's mode to audit or enforce, gated on audit evidence")
+    pr.add_argument("policy", metavar="FILE|NAME")
+    pr.add_argument("--to", required=True, choices=["audit", "enforce"], dest="target")
+    pr.add_argument("--window", default="7d", metavar="DURATION",
+                    help="how far back audit evidence counts: 90m, 24h, 7d, 2w (default 7d)")
+    pr.add_argument("--min-runs", default=None, metavar="N",
+                    help="complete audit-mode runs of this policy needed for enforce (default 5)")
+    pr.add_argument("-o", "--output", metavar="OUT", help="write the promoted policy here (default: in place; "
+                                                          "'-' = stdout)")
 
 
 def _write(path: str | None, text: str):
@@ -171,5 +211,81 @@ def _import(args) -> int:
     return 0
 
 
+def _merge(args) -> int:
+    from policies.learn import render
+    from policies.merge import merge_with_notes
+    if len(args.policies) < 2:
+        raise DsecError("merge needs at least two policies", EXIT_USAGE)
+    pols = [_load(ref, None) for ref in args.policies]
+    merged, notes = merge_with_notes(pols, name=args.name, mode=args.mode)
+    for n in notes:
+        _err(f"note: {n}")
+    for w in merged.warnings:
+        _err(f"warning: {w}")
+    header = [f"Merged by `dsec policy merge {' '.join(args.policies)}`"[:400],
+              f"sha256:{merged.hash}  (mode {merged.mode})"]
+    _write(args.output, render(merged, header))
+    _err(f"merged {len(pols)} policies into {merged.name} (mode {merged.mode}, sha256:{merged.hash[:16]})"
+         + (f": wrote {args.output}" if args.output and args.output != "-" else ""))
+    return 0
+
+
+def _diff(args) -> int:
+    from policies.diff import diff, render_json, render_text
+    a = _load(args.a, None)
+    b = _load(args.b, None)
+    d = diff(a, b)
+    sys.stdout.write(render_json(d) if args.format == "json" else _disp(render_text(d)))
+    sys.stdout.flush()
+    return 0 if d["empty"] else 1
+
+
+def _promote(args) -> int:
+    from policies.load import decode_utf8, read_bounded, resolve
+    from policies.promote import DEFAULT_MIN_RUNS, parse_duration, promoted_text, promotion_decision
+    window = parse_duration(args.window)
+    min_runs = DEFAULT_MIN_RUNS
+    if args.min_runs is not None:
+        try:
+            min_runs = int(args.min_runs)
+        except ValueError:
+            raise DsecError(f"--min-runs {args.min_runs!r}: not a whole number", EXIT_USAGE) from None
+        if min_runs < 1:
+            raise DsecError(f"--min-runs {args.min_runs!r}: must be at least 1", EXIT_USAGE)
+    path, source = resolve(args.policy)
+    builtin = source.startswith("builtin:")
+    if builtin and not args.output:
+        raise DsecError(f"{args.policy!r} is a built-in policy: give -o OUT for the promoted copy", EXIT_USAGE)
+    original = decode_utf8(read_bounded(path, source), source)
+    p = _load(args.policy, None)
+    from agent.query import AuditStore
+    store = AuditStore()
+    try:
+        evidence = None
+        if args.target == "enforce":
+            from agent.evidence import collect_evidence
+            evidence = collect_evidence(store, p.hash, window)
+        d = promotion_decision(p, args.target, evidence, min_runs=min_runs, window=window)
+        if evidence and evidence.get("violations_total", 0) > sum(v["count"] for v in d.violations):
+            d.notes.append(f"{evidence['violations_total']} violations in all; the {len(d.violations)} largest "
+                           "groups are listed")
+        if not d.allowed:
+            sys.stderr.write(_disp(d.report()))
+            return 1
+        header = [f"Promoted by `dsec policy promote --to {args.target}`", f"sha256:{d.to_hash}"]
+        text = promoted_text(None if builtin else original, d.policy, header)
+        out = args.output or args.policy
+        from agent.evidence import record_promotion
+        rec = record_promotion(store, d, policy_file=path, output=out)
+    finally:
+        store.close()
+    _write(out, text)
+    sys.stderr.write(_disp(d.report()))
+    _err(f"recorded in ClickHouse (event {rec['event_id']}, kind policy_promotion); "
+         + ("wrote the policy to stdout" if out == "-" else f"wrote {out}"))
+    return 0
+
+
 def run(args) -> int:
-    return {"check": _check, "show": _show, "list": _list, "export": _export, "import": _import}[args.action](args)
+    return {"check": _check, "show": _show, "list": _list, "export": _export, "import": _import,
+            "merge": _merge, "diff": _diff, "promote": _promote}[args.action](args)

@@ -182,7 +182,7 @@ def _run_audited(spec, args):
                     "pid": os.getpid(), "argv": list(spec.argv),
                     "extra": json.dumps({"network": spec.network, "memory": spec.memory, "cpus": spec.cpus,
                                          "pids": spec.pids, "user": spec.user, "workdir": spec.workdir,
-                                         "rootfs": spec.rootfs or "default"})})
+                                         "rootfs": spec.rootfs or "default"}, separators=(",", ":"))})
 
     def on_started(sandbox_id, pid):
         rec.started(watched["cg"], pid)
@@ -201,7 +201,7 @@ def _run_audited(spec, args):
                     "exit_code": summary["exit_code"] if summary["exit_code"] is not None else -1,
                     "signal": summary["signal"] or 0,
                     "extra": json.dumps({k: v for k, v in summary.items() if k != "changes"}
-                                        | {"changes": summary["changes"][:1000]})})
+                                        | {"changes": summary["changes"][:1000]}, separators=(",", ":"))})
 
     try:
         result = launch(spec, on_cgroup=on_cgroup, on_started=on_started, on_go=on_go, on_exit=on_exit,

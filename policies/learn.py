@@ -1,0 +1,938 @@
+"""Deriving a policy from observed runs (learning mode), with provenance.
+
+    policy = derive_policy(runs, base=None, name="learned")   # a Policy, mode audit
+    text = render(policy)                                      # YAML with a comment per entry
+    prov = provenance(policy)                                  # the provenance, as plain data
+
+A run is {run_id, records: [audit record dicts], syscall_counts: {name: count}}
+(plus optional `source` and `stats`, as policies.strace produces). Records are
+what the recorder/ClickHouse hold (audit_schema.events.FIELDS; `extra` a JSON
+string or a dict); syscall counts come from the in-kernel per-sandbox counter
+or from strace. Pure: no I/O.
+
+What is derived (each rule documented in docs/learning.md):
+
+  syscalls   `default: deny`, allow = every call any run made, plus the runtime's
+             own unavoidable calls (execve: dsec starts CMD with it, the only call
+             between loading the filter and CMD; exit_group: every process ends
+             with it), marked `runtime`. `namespaces: deny` stays: an observed
+             clone3 adds clone (glibc falls back to it on clone3's ENOSYS); an
+             observed setns is not allowed (noted). Names that are not x86_64
+             calls are noted, not allowed.
+  egress     `default: deny`; one allow rule per destination (address as /32 or
+             /128, or the hostname when the record carries one) and protocol
+             (tcp/udp when the record says, else any), with the ports seen; from
+             connect records of family ipv4/ipv6 whose ret is 0 or -EINPROGRESS.
+             Port-53 destinations become `dns` resolvers. Loopback destinations
+             ARE kept (marked): the egress rules have no loopback exemption, so
+             leaving them out would deny what the run did; inside a sandbox's
+             own network namespace loopback never leaves the sandbox. Failed
+             connects and unix sockets are noted, not learned.
+  exec       the exact paths of successful execs (ret 0).
+  files      written paths (open_write, unlink, rename old+new, mkdir) generalised
+             into a few writable directories (see generalise()); attempts the
+             environment refused (EACCES/EPERM/EROFS) are noted, not learned.
+  mode       audit.
+
+Provenance -- which runs, how often, why -- is kept in metadata.annotations
+(`dsec.learn/provenance`, JSON, one entry per line, split over `.2`, `.3` ...
+keys when long) so it survives loading, merging and promotion (annotations
+are not part of the content hash), and is rendered as a YAML comment beside
+each entry by render().
+"""
+from __future__ import annotations
+
+import errno as _errno
+import ipaddress
+import json
+import posixpath
+import re
+from collections import Counter, defaultdict
+from typing import Iterable
+
+import yaml
+
+from agent.errors import DsecError, EXIT_USAGE
+from policies import model as m
+from policies import syscalls as sc
+from policies.model import Policy
+
+PROV_KEY = "dsec.learn/provenance"
+SUMMARY_KEY = "dsec.learn/summary"
+PROV_VERSION = 1
+CHUNK = 4000                      # < model.ANNOTATION_VALUE_MAX
+MAX_CHUNKS = 40                   # < model.ANNOTATIONS_MAX, leaving room for the user's own
+SEEN_MAX = 20                     # observed examples kept per entry in the provenance
+NOTES_MAX = 60
+
+RUNTIME = {
+    "execve": "runtime: dsec starts the command with it (the only call between loading the filter and CMD)",
+    "exit_group": "runtime: every process ends with it",
+}
+EINPROGRESS = _errno.EINPROGRESS
+REFUSED = {_errno.EACCES, _errno.EPERM, _errno.EROFS}
+
+# Always writable in a sandbox whatever files.writable says (policies.evaluate.SCRATCH
+# has /tmp too; /tmp is listed explicitly when written, so reviewers see it).
+SCRATCH = ("/dev", "/proc/self/fd")
+# Trees where a written file stays an exact entry (no generalisation to its directory):
+# letting a sandbox write /etc/hosts must not let it write /etc/passwd.
+SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/proc", "/sys")
+# Top-level directories shared by unrelated things: never generalised to on their own
+# (/var/log/a and /var/lib/b stay two entries, not /var).
+SHARED_ROOTS = ("/var", "/home", "/run", "/srv", "/mnt", "/media", "/opt", "/snap", "/nix", "/usr", "/etc")
+# Temporary directories: programs write random names there (tempfile.mkdtemp ...), so
+# anything under one generalises to the directory itself.
+TEMP_DIRS = ("/tmp", "/var/tmp")
+WRITE_KINDS = ("open_write", "unlink", "rename", "mkdir")
+
+
+class LearnError(DsecError):
+    def __init__(self, message: str):
+        super().__init__(message, EXIT_USAGE)
+
+
+# ---------------------------------------------------------------- small helpers
+
+def _extra(rec: dict) -> dict:
+    e = rec.get("extra")
+    if isinstance(e, dict):
+        return e
+    if isinstance(e, str) and e.startswith("{"):
+        try:
+            v = json.loads(e)
+            return v if isinstance(v, dict) else {}
+        except ValueError:
+            return {}
+    return {}
+
+
+def _show(s: str) -> str:
+    """Printable form of a (possibly non-UTF-8, surrogateescaped) string, one line."""
+    t = s.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in t)
+
+
+def _utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _valid(check, value) -> str | None:
+    """The model's own value check: the canonical value, or None when it is invalid."""
+    try:
+        return check(value)
+    except Exception:
+        return None
+
+
+def _ret(rec: dict) -> int | None:
+    r = rec.get("ret")
+    if r is None or isinstance(r, bool):
+        return None
+    try:
+        return int(r)
+    except (TypeError, ValueError):
+        return None
+
+
+def _errname(ret: int | None) -> str:
+    if ret is None:
+        return "result unknown"
+    return _errno.errorcode.get(-ret, str(ret)) if ret < 0 else str(ret)
+
+
+def under(path: str, root: str) -> bool:
+    return root == "/" or path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _add(d: dict, run: str, n: int = 1):
+    d[run] = d.get(run, 0) + n
+
+
+# ---------------------------------------------------------------- path generalisation
+
+def _is_scratch(p: str) -> bool:
+    return any(under(p, s) for s in SCRATCH)
+
+
+def _system(p: str) -> bool:
+    return any(under(p, t) for t in SYSTEM_TREES)
+
+
+def _depth(p: str) -> int:
+    return 0 if p == "/" else p.count("/")
+
+
+def _mergeable_ancestor(a: str) -> bool:
+    """May several entries be generalised to directory `a`?"""
+    if a == "/" or _system(a):
+        return False
+    if _depth(a) == 1 and a in SHARED_ROOTS:
+        return False
+    return True
+
+
+def _common(a: str, b: str) -> str:
+    pa, pb = a.strip("/").split("/"), b.strip("/").split("/")
+    out = []
+    for x, y in zip(pa, pb):
+        if x != y:
+            break
+        out.append(x)
+    return "/" + "/".join(out)
+
+
+def generalise(paths: Iterable[str]) -> dict[str, list[str]]:
+    """Written paths (absolute, normalized) -> {writable entry: [observed paths]}.
+
+    1. Paths under a scratch mount (/dev, /proc/self/fd: always writable) map to
+       the key "" (listed in the provenance, not in files.writable); paths under
+       a temporary directory (/tmp, /var/tmp: random names) map to it.
+    2. Under a system tree (/etc, /usr, /bin, /sbin, /lib*, /boot, /proc, /sys)
+       a path stays exact: nothing else in that directory becomes writable.
+    3. Elsewhere a path maps to its directory (creating, replacing or removing a
+       file needs its directory writable); a path directly under "/" stays exact.
+    4. Entries sharing an ancestor collapse into it, repeatedly, when the
+       ancestor is neither "/" nor a system tree nor a shared top-level directory
+       (/var, /home, /run, /srv, /mnt, /media, /opt ...): /workspace/a and
+       /workspace/b/c become /workspace; /home/u/.cache/x and /home/u/src/y
+       become /home/u; /var/log/x and /var/lib/y stay apart.
+    5. An entry inside another entry is dropped into it.
+    Never produces "/".
+    """
+    out: dict[str, list[str]] = defaultdict(list)
+    cand: dict[str, list[str]] = defaultdict(list)
+    for p in sorted(set(paths)):
+        if _is_scratch(p):
+            out[""].append(p)
+            continue
+        if p == "/":
+            continue
+        tmp = next((t for t in TEMP_DIRS if under(p, t)), None)
+        if tmp is not None:
+            cand[tmp].append(p)
+            continue
+        if _system(p):
+            cand[p].append(p)
+            continue
+        parent = posixpath.dirname(p)
+        cand[p if parent == "/" else parent].append(p)
+    # collapse: repeatedly merge the pair of entries with the deepest common mergeable ancestor
+    keys = sorted(cand)
+    changed = True
+    while changed:
+        changed = False
+        # 5: entries inside another entry
+        for k in list(keys):
+            for o in keys:
+                if o != k and under(k, o) and not _system(k):
+                    cand[o].extend(cand.pop(k))
+                    keys.remove(k)
+                    changed = True
+                    break
+            if changed:
+                break
+        if changed:
+            continue
+        best = None
+        for i, a in enumerate(keys):
+            if _system(a):
+                continue
+            for b in keys[i + 1:]:
+                if _system(b):
+                    continue
+                c = _common(a, b)
+                if _mergeable_ancestor(c) and (best is None or _depth(c) > _depth(best[0])):
+                    best = (c, a, b)
+        if best is not None:
+            c, a, b = best
+            merged = cand.pop(a) + cand.pop(b)
+            keys.remove(a)
+            keys.remove(b)
+            cand[c].extend(merged)
+            if c not in keys:
+                keys.append(c)
+                keys.sort()
+            changed = True
+    for k in keys:
+        out[k].extend(cand[k])
+    return {k: sorted(set(v)) for k, v in sorted(out.items())}
+
+
+# ---------------------------------------------------------------- provenance
+
+def _entry() -> dict:
+    return {"runs": {}}
+
+
+def new_provenance() -> dict:
+    return {"v": PROV_VERSION, "runs": [], "syscalls": {}, "egress": {}, "dns": {}, "exec": {}, "files": {},
+            "notes": []}
+
+
+SECTIONS = ("syscalls", "egress", "dns", "exec", "files")
+
+
+def _encode(prov: dict, seen_max: int, compact: bool = False, omit: tuple = ()) -> str:
+    """JSON, one entry per line, runs referenced by their index (1-based). `compact`:
+    per-run counts become a total ("*") and a number of runs ("nruns")."""
+    idx = {r["id"]: str(i + 1) for i, r in enumerate(prov["runs"])}
+
+    def runs(d):
+        return {idx.get(k, k): v for k, v in d.items()}
+
+    def ent(e):
+        o = {}
+        if e.get("runs") and compact:
+            o["runs"] = {"*": sum(e["runs"].values())}
+            o["nruns"] = max(len([k for k in e["runs"] if k != "*"]), int(e.get("nruns", 0)))
+        elif e.get("runs"):
+            o["runs"] = runs(e["runs"])
+            if e.get("nruns"):
+                o["nruns"] = e["nruns"]
+        for k in ("why", "from"):
+            if e.get(k):
+                o[k] = sorted(set(e[k]))
+        if e.get("loopback"):
+            o["loopback"] = True
+        if e.get("addrs"):
+            o["addrs"] = sorted(set(e["addrs"]))[:seen_max]
+        seen = e.get("seen") or {}
+        if seen:
+            items = sorted(seen.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))
+            o["seen"] = {k: runs(v) for k, v in items[:seen_max]}
+            more = len(items) - len(o["seen"]) + int(e.get("more", 0))
+            if more:
+                o["more"] = more
+        elif e.get("more"):
+            o["more"] = e["more"]
+        return o
+
+    lines = ['{"v": %d,' % PROV_VERSION,
+             '"runs": [' + ",\n".join(json.dumps(r, sort_keys=True) for r in prov["runs"]) + "],"]
+    for sec in SECTIONS:
+        items = [] if sec in omit else sorted(prov.get(sec, {}).items())
+        body = ",\n".join(f"{json.dumps(k)}: {json.dumps(ent(e), sort_keys=True)}" for k, e in items)
+        lines.append(f'"{sec}": {{' + ("\n" + body + "\n" if body else "") + "},")
+    lines.append('"notes": [' + ",\n".join(json.dumps(n) for n in prov.get("notes", [])[:NOTES_MAX]) + "]}")
+    return "\n".join(lines)
+
+
+def _chunks(text: str) -> list[str]:
+    out, cur = [], ""
+    for line in text.split("\n"):
+        piece = line + "\n"
+        while len(piece) > CHUNK:               # a single over-long line
+            if cur:
+                out.append(cur)
+                cur = ""
+            out.append(piece[:CHUNK])
+            piece = piece[CHUNK:]
+        if len(cur) + len(piece) > CHUNK:
+            out.append(cur)
+            cur = ""
+        cur += piece
+    if cur:
+        out.append(cur)
+    out[-1] = out[-1].rstrip("\n")
+    return out
+
+
+def _prov_keys(n: int) -> list[str]:
+    return [PROV_KEY] + [f"{PROV_KEY}.{i}" for i in range(2, n + 1)]
+
+
+def provenance_annotations(prov: dict, room: int = MAX_CHUNKS) -> dict[str, str]:
+    """The annotations that carry `prov`; less detail when it would not fit: fewer
+    observed examples, then totals instead of per-run counts, then whole sections
+    left out (largest first, with a note saying so)."""
+    levels = [(SEEN_MAX, False), (5, False), (1, False), (0, False), (0, True)]
+    for seen_max, compact in levels:
+        p = prov
+        if compact:
+            p = dict(prov)
+            p["notes"] = prov.get("notes", [])[:10]
+        chunks = _chunks(_encode(p, seen_max, compact))
+        if len(chunks) <= room:
+            return dict(zip(_prov_keys(len(chunks)), chunks))
+    omit: list[str] = []
+    for sec in sorted(SECTIONS, key=lambda x: -len(prov.get(x, {}))):
+        omit.append(sec)
+        p = dict(prov)
+        p["notes"] = [f"provenance of {', '.join(omit)} left out: too large for the policy's annotations"] + \
+            prov.get("notes", [])[:9]
+        chunks = _chunks(_encode(p, 0, True, tuple(omit)))
+        if len(chunks) <= room:
+            return dict(zip(_prov_keys(len(chunks)), chunks))
+    raise LearnError(f"the provenance of this policy does not fit in {room} annotations")
+
+
+def provenance(policy: Policy) -> dict | None:
+    """The provenance stored in a policy's annotations (run ids resolved), or None."""
+    ann = policy.metadata.annotations
+    if PROV_KEY not in ann:
+        return None
+    parts = [ann[PROV_KEY]]
+    i = 2
+    while f"{PROV_KEY}.{i}" in ann:
+        parts.append(ann[f"{PROV_KEY}.{i}"])
+        i += 1
+    try:
+        raw = json.loads("\n".join(parts))
+    except ValueError:
+        try:
+            raw = json.loads("".join(parts))
+        except ValueError:
+            return None
+    if not isinstance(raw, dict):
+        return None
+    runs = [r for r in raw.get("runs", []) if isinstance(r, dict) and isinstance(r.get("id"), str)]
+    ids = {str(i + 1): r["id"] for i, r in enumerate(runs)}
+    prov = new_provenance()
+    prov["runs"] = runs
+
+    def counts(d):
+        if not isinstance(d, dict):
+            return {}
+        return {ids.get(k, k): int(v) for k, v in d.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+    for sec in SECTIONS:
+        sec_d = raw.get(sec)
+        if not isinstance(sec_d, dict):
+            continue
+        for key, e in sec_d.items():
+            if not isinstance(e, dict):
+                continue
+            o = {"runs": counts(e.get("runs"))}
+            for k in ("why", "from", "addrs"):
+                if isinstance(e.get(k), list):
+                    o[k] = [str(x) for x in e[k]]
+            if e.get("loopback"):
+                o["loopback"] = True
+            if isinstance(e.get("seen"), dict):
+                o["seen"] = {str(k): counts(v) for k, v in e["seen"].items()}
+            if isinstance(e.get("more"), int):
+                o["more"] = e["more"]
+            if isinstance(e.get("nruns"), int):
+                o["nruns"] = e["nruns"]
+            prov[sec][key] = o
+    prov["notes"] = [str(n) for n in raw.get("notes", []) if isinstance(n, str)]
+    return prov
+
+
+def strip_provenance(annotations: dict) -> dict:
+    return {k: v for k, v in annotations.items() if not (k == PROV_KEY or k.startswith(PROV_KEY + "."))}
+
+
+def egress_key(rule: dict) -> str:
+    """The provenance key of an egress rule: 'PROTOCOL TARGET' (ports merge into it)."""
+    return f"{rule.get('protocol', 'any')} {rule.get('cidr') or rule.get('host')}"
+
+
+def merge_entry(into: dict, e: dict):
+    """Fold entry `e` into `into`: per-run counts take the max (the same run seen
+    twice is one observation), reasons and sources are united."""
+    for r, n in (e.get("runs") or {}).items():
+        into.setdefault("runs", {})
+        into["runs"][r] = max(into["runs"].get(r, 0), n)
+    for k in ("why", "from", "addrs"):
+        if e.get(k):
+            into[k] = sorted(set(into.get(k, [])) | set(e[k]))
+    if e.get("loopback"):
+        into["loopback"] = True
+    for obs, d in (e.get("seen") or {}).items():
+        tgt = into.setdefault("seen", {}).setdefault(obs, {})
+        for r, n in d.items():
+            tgt[r] = max(tgt.get(r, 0), n)
+    if e.get("more"):
+        into["more"] = max(into.get("more", 0), e["more"])
+    if e.get("nruns"):
+        into["nruns"] = max(into.get("nruns", 0), e["nruns"])
+
+
+# ---------------------------------------------------------------- derivation
+
+def _check_runs(runs) -> list[dict]:
+    if not isinstance(runs, (list, tuple)):
+        raise LearnError(f"runs must be a list of runs, got {type(runs).__name__}")
+    out, seen = [], Counter()
+    for i, r in enumerate(runs):
+        if not isinstance(r, dict):
+            raise LearnError(f"run {i}: expected a mapping with run_id, records, syscall_counts, "
+                             f"got {type(r).__name__}")
+        rid = r.get("run_id")
+        if not isinstance(rid, str) or not rid:
+            raise LearnError(f"run {i}: run_id must be a non-empty string")
+        recs = r.get("records", [])
+        if not isinstance(recs, (list, tuple)):
+            raise LearnError(f"run {rid}: records must be a list")
+        counts = r.get("syscall_counts", {})
+        if not isinstance(counts, dict):
+            raise LearnError(f"run {rid}: syscall_counts must be a mapping of syscall name to count")
+        seen[rid] += 1
+        if seen[rid] > 1:
+            rid = f"{rid}#{seen[rid]}"
+        out.append({**r, "run_id": rid, "records": recs, "syscall_counts": counts})
+    if not out:
+        raise LearnError("no runs to learn from")
+    return out
+
+
+def _syscall_name(k) -> str | None:
+    if isinstance(k, bool):
+        return None
+    if isinstance(k, int) or (isinstance(k, str) and k.isdigit()):
+        return sc.name_of(int(k))
+    if isinstance(k, str):
+        mm = re.match(r"^syscall_(0x[0-9a-fA-F]+|\d+)$", k)
+        if mm:
+            return sc.name_of(int(mm.group(1), 0))
+        return k
+    return None
+
+
+def _norm_path(p: str) -> str:
+    n = posixpath.normpath(p)
+    return "/" + n.lstrip("/") if n.startswith("/") else n
+
+
+def _run_info(r: dict, lost: int) -> dict:
+    info = {"id": r["run_id"], "from": str(r.get("source") or "sandbox")}
+    info["syscalls"] = int(sum(v for v in r["syscall_counts"].values()
+                               if isinstance(v, int) and not isinstance(v, bool)))
+    info["records"] = len(r["records"])
+    if lost:
+        info["lost"] = lost
+    stats = r.get("stats") if isinstance(r.get("stats"), dict) else {}
+    if stats.get("bad"):
+        info["bad_lines"] = int(stats["bad"])
+    return info
+
+
+class _Notes:
+    """Notes grouped by kind: 'what (runs) xN, ...' one line per kind."""
+
+    def __init__(self):
+        self.items: dict[str, Counter] = defaultdict(Counter)
+        self.free: list[str] = []
+
+    def add(self, kind: str, what: str, n: int = 1):
+        self.items[kind][what] += n
+
+    def lines(self) -> list[str]:
+        out = list(self.free)
+        for kind, c in self.items.items():
+            top = c.most_common(12)
+            s = ", ".join(f"{w} x{n}" if n > 1 else w for w, n in top)
+            if len(c) > len(top):
+                s += f", ... ({len(c) - len(top)} more)"
+            out.append(f"{kind}: {s}")
+        return out
+
+
+def observe(runs) -> tuple[dict, dict]:
+    """Runs -> (spec dict in audit mode, provenance); the core of derive_policy."""
+    runs = _check_runs(runs)
+    prov = new_provenance()
+    notes = _Notes()
+    sysc: dict[str, dict] = {}
+    egress: dict[tuple, dict] = {}          # (target, protocol) -> {"ports": set, entry}
+    dns: dict[str, dict] = {}
+    dns_order: list[str] = []
+    execs: dict[str, dict] = {}
+    written: dict[str, dict] = defaultdict(dict)     # path -> {run: n}
+
+    for r in runs:
+        rid = r["run_id"]
+        lost = 0
+        for k, n in r["syscall_counts"].items():
+            name = _syscall_name(k)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise LearnError(f"run {rid}: syscall_counts[{k!r}] must be a non-negative integer")
+            if n == 0:
+                continue
+            if name is None or not sc.is_syscall(name):
+                notes.add("not x86_64 system calls, not learned", _show(str(k)), n)
+                continue
+            _add(sysc.setdefault(name, _entry())["runs"], rid, n)
+        stats = r.get("stats") if isinstance(r.get("stats"), dict) else {}
+        for n_, c in (stats.get("other_abi_counts") or {}).items():
+            notes.add("calls of a 32-bit process (not x86_64: not learned)", _show(str(n_)), int(c))
+        if stats.get("bad"):
+            notes.free.append(f"run {rid}: {stats['bad']} line(s) of its log could not be parsed "
+                              "(what they held is missing here)")
+        for rec in r["records"]:
+            if not isinstance(rec, dict):
+                raise LearnError(f"run {rid}: a record is not a mapping")
+            kind = rec.get("kind")
+            ex = _extra(rec)
+            if kind == "events_lost":
+                lost += int(rec.get("count") or 0)
+            elif kind == "connect":
+                _observe_connect(rid, rec, ex, egress, dns, dns_order, notes)
+            elif kind == "exec":
+                path = rec.get("path") or ""
+                ret = _ret(rec)
+                if ret != 0:
+                    if ret is None:
+                        notes.add("execs with an unknown result, not learned", _show(path) or "?")
+                    continue
+                if not path.startswith("/"):
+                    notes.add("execs of an unresolved relative path, not learned", _show(path))
+                    continue
+                ok = _valid(m._check_exec_pattern, path) if _utf8(path) and "*" not in path else None
+                if ok is None or _norm_path(path) != path:
+                    notes.add("exec paths an exec allowlist cannot hold, not learned", _show(path))
+                    continue
+                _add(execs.setdefault(path, _entry())["runs"], rid)
+            elif kind in WRITE_KINDS:
+                ret = _ret(rec)
+                paths = [rec.get("path") or ""]
+                if kind == "rename":
+                    paths.append(rec.get("path2") or "")
+                for p in paths:
+                    if not p:
+                        continue
+                    if ret is not None and ret < 0 and -ret in REFUSED:
+                        notes.add("write attempts the environment refused, not learned (audit mode will "
+                                  "report them as would-deny)", f"{_show(p)} ({_errname(ret)})")
+                        continue
+                    if not p.startswith("/"):
+                        notes.add("writes to an unresolved relative path, not learned", _show(p))
+                        continue
+                    p = _norm_path(p)
+                    if p.startswith("/proc/") and re.match(r"^/proc/(\d+|thread-self)(/|$)", p):
+                        p = re.sub(r"^/proc/(\d+|thread-self)", "/proc/self", p)
+                    _add(written[p], rid)
+        if lost:
+            notes.free.append(f"run {rid} LOST {lost} audit event(s): entries may be missing; learn again")
+        prov["runs"].append(_run_info(r, lost))
+
+    # ---- syscalls
+    allow = set(sysc)
+    if "clone3" in allow:
+        e = sysc.setdefault("clone", _entry())
+        e.setdefault("why", []).append("fallback: clone3 gets ENOSYS under namespaces: deny and glibc "
+                                       "falls back to clone")
+        allow.add("clone")
+        allow.discard("clone3")
+        notes.free.append("clone3 was observed: with namespaces: deny it returns ENOSYS and glibc uses "
+                          "clone (allowed) instead")
+    if "setns" in allow:
+        allow.discard("setns")
+        notes.free.append("setns was observed but is not allowed (namespaces: deny); audit mode will "
+                          "report it as would-deny")
+    for name, why in RUNTIME.items():
+        e = sysc.setdefault(name, _entry())
+        e.setdefault("why", []).append(why)
+        allow.add(name)
+    for name in list(sysc):
+        if name not in allow:
+            del sysc[name]
+    prov["syscalls"] = sysc
+
+    # ---- egress
+    rules = []
+    for (target, proto), d in sorted(egress.items()):
+        rule = {("host" if d["host"] else "cidr"): target, "ports": sorted(d["ports"]), "protocol": proto}
+        rules.append(rule)
+        prov["egress"][egress_key(rule)] = d["entry"]
+    egress_spec: dict = {"default": "deny", "allow": rules}
+    if dns_order:
+        egress_spec["dns"] = dns_order
+    prov["dns"] = dns
+
+    # ---- exec
+    prov["exec"] = execs
+
+    # ---- files
+    gen = generalise(written)
+    writable = []
+    for d, observed in gen.items():
+        if d == "":
+            for p in observed:
+                notes.add("written paths that are always writable (scratch mounts), not listed", _show(p),
+                          sum(written[p].values()))
+            continue
+        if _valid(m._check_writable, d) is None or not _utf8(d):
+            notes.add("written paths no writable entry can hold, not learned", _show(d))
+            continue
+        writable.append(d)
+        e = _entry()
+        e["seen"] = {}
+        for p in observed:
+            for rid, n in written[p].items():
+                _add(e["runs"], rid, n)
+            e["seen"][p] = dict(written[p])
+        prov["files"][d] = e
+
+    spec = {
+        "mode": "audit",
+        "syscalls": {"default": "deny", "action": "errno", "errno": "EPERM", "namespaces": "deny",
+                     "allow": sorted(allow)},
+        "egress": egress_spec,
+        "exec": {"allow": sorted(execs)},
+        "files": {"writable": sorted(writable)},
+    }
+    prov["notes"] = notes.lines()
+    return spec, prov
+
+
+def _observe_connect(rid, rec, ex, egress, dns, dns_order, notes):
+    family = rec.get("family")
+    addr = rec.get("addr") or ""
+    if family == "unix":
+        notes.add("unix socket connects (not egress: no rule needed)", _show(addr) or "(unnamed)")
+        return
+    if family not in ("ipv4", "ipv6"):
+        return
+    ret = _ret(rec)
+    port = rec.get("port") or 0
+    try:
+        ip = ipaddress.ip_address(addr.split("%")[0])
+        port = int(port)
+    except (ValueError, TypeError):
+        notes.add("connects to an unreadable address, not learned", _show(f"{addr}:{port}"))
+        return
+    shown = f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+    if ret not in (0, -EINPROGRESS):
+        notes.add("connects that failed, not learned", f"{shown} ({_errname(ret)})")
+        return
+    if port == 0:
+        notes.add("connects without a port (e.g. UDP disconnect), not learned", shown)
+        return
+    proto = ex.get("protocol") if ex.get("protocol") in ("tcp", "udp") else "any"
+    host = rec.get("host") or ex.get("host") or ex.get("hostname")
+    host = _valid(m._check_host, host) if isinstance(host, str) and host else None
+    if port == 53 and host is None:
+        key = str(ip)
+        if key not in dns:
+            dns[key] = _entry()
+            dns_order.append(key)
+        _add(dns[key]["runs"], rid)
+        if ip.is_loopback:
+            dns[key]["loopback"] = True
+        return
+    target = host or f"{ip}/{ip.max_prefixlen}"
+    d = egress.setdefault((target, proto), {"ports": set(), "host": bool(host), "entry": _entry()})
+    d["ports"].add(port)
+    e = d["entry"]
+    _add(e["runs"], rid)
+    _add(e.setdefault("seen", {}).setdefault(shown, {}), rid)
+    if host:
+        e.setdefault("addrs", [])
+        if str(ip) not in e["addrs"]:
+            e["addrs"].append(str(ip))
+    if ip.is_loopback:
+        e["loopback"] = True
+
+
+def _summary(prov: dict) -> str:
+    runs = prov["runs"]
+    ids = ", ".join(r["id"] for r in runs[:5]) + (f", ... ({len(runs) - 5} more)" if len(runs) > 5 else "")
+    return f"derived by dsec learn from {len(runs)} run{'s' if len(runs) != 1 else ''}: {ids}"[:1000]
+
+
+def derive_policy(runs, *, base: Policy | None = None, name: str = "learned") -> Policy:
+    """The policy the runs need, in audit mode, with provenance annotations.
+    With `base`, the union with base (policies.merge) -- still in audit mode."""
+    if _valid(m._check_name, name) is None:
+        raise LearnError(f"invalid policy name {name!r}: use 1-63 of [a-z0-9._-], starting and ending "
+                         "alphanumeric")
+    spec, prov = observe(runs)
+    ann = {"description": _summary(prov), SUMMARY_KEY: _summary(prov)}
+    ann.update(provenance_annotations(prov))
+    data = {"apiVersion": m.API_VERSION, "kind": m.KIND, "metadata": {"name": name, "annotations": ann},
+            "spec": spec}
+    from policies.load import policy_from_data
+    learned = policy_from_data(data, source=f"learned:{name}")
+    if base is None:
+        return learned
+    from policies.merge import merge
+    return merge(learned, base, name=name, mode="audit")
+
+
+# ---------------------------------------------------------------- rendering
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _str_rep(d, v):
+    return d.represent_scalar("tag:yaml.org,2002:str", v, style="|" if "\n" in v else None)
+
+
+_Dumper.add_representer(str, _str_rep)
+
+
+def _scalar(v) -> str:
+    s = yaml.dump(v, Dumper=yaml.SafeDumper, default_flow_style=True, width=1 << 30, allow_unicode=True,
+                  sort_keys=False)
+    s = s.rstrip("\n")
+    if s.endswith("\n..."):
+        s = s[:-4].rstrip("\n")
+    return s
+
+
+def _comment(text: str) -> str:
+    return "  # " + _show(text) if text else ""
+
+
+def _runs_phrase(runs: dict, total: int, unit: str, nruns: int = 0) -> str:
+    if not runs:
+        return ""
+    n = sum(runs.values())
+    k = max(nruns, len([r for r in runs if r != "*"]))
+    return f"{k}/{total} run{'s' if total != 1 else ''}, {n} {unit}{'s' if n != 1 else ''}"
+
+
+def _entry_comment(e: dict | None, total: int, unit: str) -> str:
+    if not e:
+        return ""
+    parts = []
+    for w in e.get("why", []):
+        parts.append(w)
+    ph = _runs_phrase(e.get("runs") or {}, total, unit, int(e.get("nruns", 0)))
+    if ph:
+        parts.append(ph)
+    if e.get("from"):
+        parts.append("from " + ", ".join(e["from"]))
+    if e.get("loopback"):
+        parts.append("loopback")
+    if e.get("addrs"):
+        parts.append("resolved to " + ", ".join(e["addrs"][:3]))
+    return "; ".join(parts)
+
+
+def _seen_phrase(e: dict, total: int, limit: int = 3) -> str:
+    seen = e.get("seen") or {}
+    items = sorted(seen.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))
+    s = ", ".join(k for k, _ in items[:limit])
+    more = len(items) - limit + int(e.get("more", 0))
+    if more > 0:
+        s += f" (+{more} more)"
+    return s
+
+
+def render(policy: Policy, header: list[str] | None = None) -> str:
+    """The policy as YAML: a header (runs, generalisation, notes), then the
+    normalized policy with a provenance comment beside each entry. Loads back to
+    exactly the same policy (checked)."""
+    d = m.canonical(policy)
+    prov = provenance(policy) or new_provenance()
+    total = len(prov["runs"])
+    head = list(header or [])
+    if prov["runs"]:
+        head.append(f"Learned from {total} run{'s' if total != 1 else ''}:")
+        for r in prov["runs"]:
+            extra = []
+            if r.get("syscalls") is not None:
+                extra.append(f"{r['syscalls']} calls")
+            if r.get("records") is not None:
+                extra.append(f"{r['records']} records")
+            if r.get("lost"):
+                extra.append(f"{r['lost']} events LOST")
+            if r.get("bad_lines"):
+                extra.append(f"{r['bad_lines']} unparsed lines")
+            head.append(f"  {r['id']} ({r.get('from', '?')}): {', '.join(extra)}")
+    files = (d["spec"].get("files") or {}).get("writable", [])
+    if files and any(prov["files"].get(f, {}).get("seen") for f in files):
+        head.append("files.writable, generalised from the written paths:")
+        for f in files:
+            e = prov["files"].get(f)
+            if not e or not e.get("seen"):
+                continue
+            head.append(f"  {f}  <-")
+            items = sorted(e["seen"].items(), key=lambda kv: kv[0])
+            for obs, runs in items[:SEEN_MAX]:
+                head.append(f"      {obs}  ({', '.join(f'{r} x{n}' for r, n in sorted(runs.items()))})")
+            more = len(items) - SEEN_MAX + int(e.get("more", 0))
+            if more > 0:
+                head.append(f"      ... and {more} more")
+    if prov["notes"]:
+        head.append("Notes (not in the policy; judge them):")
+        head += [f"  - {n}" for n in prov["notes"]]
+    out = ["".join(f"# {_show(h)}\n" for h in head)]
+    out.append(f"apiVersion: {_scalar(d['apiVersion'])}\nkind: {_scalar(d['kind'])}\n")
+    out.append(yaml.dump({"metadata": d["metadata"]}, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+                         width=1 << 30, allow_unicode=True))
+    spec = d["spec"]
+    lines = ["spec:", f"  mode: {_scalar(spec['mode'])}"]
+    s = spec["syscalls"]
+    lines.append("  syscalls:")
+    for k in ("default", "action", "errno", "namespaces"):
+        if k in s:
+            lines.append(f"    {k}: {_scalar(s[k])}")
+    for lst in ("allow", "deny"):
+        if lst in s:
+            if not s[lst]:
+                lines.append(f"    {lst}: []")
+                continue
+            lines.append(f"    {lst}:")
+            for n in s[lst]:
+                c = _entry_comment(prov["syscalls"].get(n), total, "call") if lst == "allow" else ""
+                lines.append(f"    - {_scalar(n)}{_comment(c)}")
+    if s.get("errnos"):
+        lines.append("    errnos:")
+        for k, v in s["errnos"].items():
+            lines.append(f"      {_scalar(k)}: {_scalar(v)}")
+    e = spec.get("egress")
+    if e is not None:
+        lines.append("  egress:")
+        lines.append(f"    default: {_scalar(e['default'])}")
+        for lst in ("allow", "deny"):
+            if lst not in e:
+                continue
+            if not e[lst]:
+                lines.append(f"    {lst}: []")
+                continue
+            lines.append(f"    {lst}:")
+            for rule in e[lst]:
+                pe = prov["egress"].get(egress_key(rule)) if lst == "allow" else None
+                c = _entry_comment(pe, total, "connect")
+                if pe and pe.get("seen"):
+                    c = (c + "; " if c else "") + "seen " + _seen_phrase(pe, total)
+                lines.append(f"    - {_scalar(rule)}{_comment(c)}")
+        if e.get("dns"):
+            lines.append("    dns:")
+            for a in e["dns"]:
+                lines.append(f"    - {_scalar(a)}{_comment(_entry_comment(prov['dns'].get(a), total, 'connect'))}")
+    x = spec.get("exec")
+    if x is not None:
+        if not x["allow"]:
+            lines.append("  exec:\n    allow: []")
+        else:
+            lines.append("  exec:\n    allow:")
+            for pat in x["allow"]:
+                lines.append(f"    - {_scalar(pat)}{_comment(_entry_comment(prov['exec'].get(pat), total, 'exec'))}")
+    f = spec.get("files")
+    if f is not None:
+        if not f["writable"]:
+            lines.append("  files:\n    writable: []")
+        else:
+            lines.append("  files:\n    writable:")
+            for pth in f["writable"]:
+                pe = prov["files"].get(pth)
+                c = _entry_comment({k: v for k, v in (pe or {}).items() if k != "seen"}, total, "write")
+                if pe and pe.get("seen"):
+                    c = (c + "; " if c else "") + "from " + _seen_phrase(pe, total)
+                lines.append(f"    - {_scalar(pth)}{_comment(c)}")
+    out.append("\n".join(lines) + "\n")
+    text = "".join(out)
+    from policies.load import load_policy_text
+    try:
+        again = load_policy_text(text, "<render>")
+    except DsecError as err:
+        raise DsecError(f"internal error: the rendered policy does not load: {err.message}") from None
+    if m.canonical(again) != d:
+        raise DsecError("internal error: the rendered policy differs from the policy")
+    return text
+
+
+__all__ = ["derive_policy", "observe", "generalise", "render", "provenance", "provenance_annotations",
+           "strip_provenance", "merge_entry", "egress_key", "new_provenance", "LearnError", "PROV_KEY",
+           "RUNTIME", "SCRATCH", "SYSTEM_TREES", "SHARED_ROOTS"]
