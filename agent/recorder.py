@@ -1,28 +1,37 @@
-"""The audit recorder of one dsec process: eBPF sensor -> durable spool.
+"""The audit recorder of one dsec process: eBPF sensors -> durable spool.
 
-    rec = Recorder(node)                 # compiles and attaches the eBPF programs once
-    rec.watch(sandbox_id, cgroup_id)     # before the sandbox's first process exists
-    rec.started(cgroup_id, supervisor_pid)
-    rec.record({...})                    # the launcher's own records (sandbox_start/exit)
-    stats = rec.unwatch(cgroup_id)       # after the sandbox is gone: drains, reports losses
+    rec = Recorder(node)                    # compiles and attaches the eBPF programs once
+    rec.watch(sandbox_id, cgroup_id, policy=p, cgroup_path=path)   # before any sandbox process
+    rec.started(cgroup_id, supervisor_pid)  # enforcement starts here (the supervisor is exempt)
+    rec.set_step(cgroup_id, 2)
+    rec.record({...})                       # the launcher's own records (sandbox_start/exit ...)
+    stats = rec.unwatch(cgroup_id)          # after the sandbox is gone: drains, reports losses
     rec.close()
 
-A background thread polls the ring buffer and appends decoded records to the
-spool in batches; the spool is the durable hand-off to the exporters. The
-recorder knows no sink.
+Two sensors, one per concern (Tetragon style): the audit sensor (exec, fork,
+exit, connect, file writes; agent/bpf_loader.py) and the enforcement sensor
+(egress, exec allowlist, syscall violations and learn-mode counts;
+agent/enforce_loader.py). A background thread polls both and appends decoded
+records to the spool in batches; the spool is the durable hand-off to the
+exporters. The recorder knows no sink. Taps (add_tap) see every record as it
+is spooled (live streams).
+
+Every record is stamped with the policy's name, hash and mode and a decision
+(policies/evaluate.py) unless the sensor set one itself.
 """
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
-from agent.errors import DsecError
+from agent.errors import DsecError, EXIT_DSEC
 from audit_schema.events import normalize
 
 
 class Recorder:
-    def __init__(self, node: str | None = None, spool=None, **sensor_options):
+    def __init__(self, node: str | None = None, spool=None, *, enforce: bool = True, **sensor_options):
         from agent.bpf_loader import AuditSensor
         from agent.spool import Spool
         self.node = node or os.uname().nodename
@@ -33,8 +42,19 @@ class Recorder:
         self._instance = os.urandom(8).hex()
         self.stopped: dict[int, int] = {}
         self.policies: dict[str, object] = {}      # sandbox id -> Policy (decision stamping)
+        self._watched: dict[int, dict] = {}        # cgroup id -> {sandbox_id, policy, path, enforced}
+        self._taps: list = []
         self.sensor = AuditSensor(on_record=self._on_record, node=self.node,
                                   on_over_budget=self._on_over_budget, **sensor_options)
+        self.enforcer = None
+        self.enforce_error: str | None = None
+        if enforce:
+            try:
+                from agent.enforce_loader import EnforcementSensor
+                self.enforcer = EnforcementSensor(on_record=self._on_record, node=self.node)
+            except DsecError as e:
+                # reported by watch(): enforce-mode sandboxes refuse to start; others run degraded
+                self.enforce_error = e.message
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="dsec-audit-poll", daemon=True)
@@ -52,16 +72,34 @@ class Recorder:
     def _on_over_budget(self, cgroup_id, sandbox_id, lost):
         self.stopped[cgroup_id] = lost
 
+    def add_tap(self, fn):
+        """fn(records: list[dict]) is called with every batch as it is spooled."""
+        with self._lock:
+            self._taps.append(fn)
+
+    def remove_tap(self, fn):
+        with self._lock:
+            if fn in self._taps:
+                self._taps.remove(fn)
+
     def _flush_pending(self):
         with self._lock:
             batch, self._pending = self._pending, []
+            taps = list(self._taps)
         if batch:
             self.spool.append_many(batch)
+            for fn in taps:
+                try:
+                    fn(batch)
+                except Exception:  # noqa: BLE001 - a slow or broken listener never stops recording
+                    pass
 
     def _loop(self):
         while not self._stop.is_set():
             try:
                 self.sensor.poll(20)
+                if self.enforcer is not None:
+                    self.enforcer.poll(0)
                 self._flush_pending()
             except BaseException as e:  # noqa: BLE001 - surfaced by close()/unwatch()
                 self._error = e
@@ -83,25 +121,82 @@ class Recorder:
         rec.setdefault("event_id", self.new_event_id())
         rec.setdefault("ts_ns", time.time_ns())
         rec.setdefault("node", self.node)
-        self.spool.append_many([normalize(rec)])
+        rec = normalize(rec)
+        with self._lock:
+            self._pending.append(rec)
+        self._flush_pending()
 
     # -- sandboxes ----------------------------------------------------------------------
-    def watch(self, sandbox_id: str, cgroup_id: int, policy=None, **labels):
+    def watch(self, sandbox_id: str, cgroup_id: int, policy=None, cgroup_path: str | None = None,
+              step: int = 0, **labels):
+        """Audit cgroup `cgroup_id` from now on. With a policy, its eBPF enforcement
+        starts at started(); an enforce-mode policy whose programs cannot load
+        refuses here (exit 125) instead of running unconfined."""
         if policy is not None:
+            if self.enforcer is None and policy.mode == "enforce":
+                raise DsecError(f"policy {policy.name} (enforce) needs eBPF enforcement, which is "
+                                f"unavailable: {self.enforce_error or 'disabled'}", EXIT_DSEC)
             self.policies[sandbox_id] = policy
             labels.update(policy.identity())
-        self.sensor.add_sandbox(cgroup_id, sandbox_id, **labels)
+        self.sensor.add_sandbox(cgroup_id, sandbox_id, step=step, **labels)
+        self._watched[cgroup_id] = {"sandbox_id": sandbox_id, "policy": policy, "path": cgroup_path,
+                                    "enforced": False, "step": step}
 
     def started(self, cgroup_id: int, pid: int):
+        """The supervisor exists: name it for enrichment and start enforcement
+        (the supervisor and its children until they exec are exempt)."""
         self.sensor.set_root_pid(cgroup_id, pid)
+        w = self._watched.get(cgroup_id)
+        if not w or w["policy"] is None or self.enforcer is None or not w["path"]:
+            if w and w["policy"] is not None and self.enforcer is None:
+                sys.stderr.write(f"dsec: warning: sandbox {w['sandbox_id']}: eBPF enforcement unavailable "
+                                 f"({self.enforce_error}); {w['policy'].mode} mode runs without it\n")
+            return
+        self.enforcer.add_sandbox(cgroup_id, w["path"], w["sandbox_id"], w["policy"],
+                                  step=w["step"], exempt_pids=[pid])
+        w["enforced"] = True
+
+    def set_step(self, cgroup_id: int, step: int):
+        self.sensor.set_step(cgroup_id, step)
+        w = self._watched.get(cgroup_id)
+        if w:
+            w["step"] = step
+            if w["enforced"]:
+                self.enforcer.set_step(cgroup_id, step)
+
+    def update_policy(self, cgroup_id: int, policy):
+        """Egress and exec rules of a running sandbox change at once. Syscall rules
+        are fixed by the seccomp filter loaded at exec; they can only be tightened."""
+        w = self._watched.get(cgroup_id)
+        if not w:
+            raise DsecError(f"cgroup {cgroup_id} is not watched")
+        if not w["enforced"]:
+            raise DsecError(f"sandbox {w['sandbox_id']} has no eBPF enforcement to update")
+        self.enforcer.update_egress(cgroup_id, policy)
+        w["policy"] = policy
+        self.policies[w["sandbox_id"]] = policy
+
+    def syscall_counts(self, cgroup_id: int) -> dict:
+        w = self._watched.get(cgroup_id)
+        if not w or not w["enforced"]:
+            return {}
+        return self.enforcer.syscall_counts(cgroup_id)
 
     def catch_up(self):
         """Decode (and enrich) everything the kernel has emitted so far."""
         self.sensor.drain()
+        if self.enforcer is not None:
+            self.enforcer.drain()
         self._flush_pending()
 
     def unwatch(self, cgroup_id: int) -> dict:
+        w = self._watched.pop(cgroup_id, None)
         stats = self.sensor.remove_sandbox(cgroup_id)
+        if w and w["enforced"]:
+            est = self.enforcer.remove_sandbox(cgroup_id)
+            stats = dict(stats)
+            stats["lost_total"] = stats.get("lost_total", 0) + est.get("lost_total", 0)
+            stats["enforcement"] = est
         self._flush_pending()
         if self._error:
             raise DsecError(f"audit pipeline failed: {self._error}")
@@ -112,5 +207,7 @@ class Recorder:
         self._thread.join(timeout=5)
         try:
             self.sensor.close()
+            if self.enforcer is not None:
+                self.enforcer.close()
         finally:
             self._flush_pending()

@@ -537,6 +537,36 @@ RAW_TRACEPOINT_PROBE(sys_enter)
     return 0;
 }
 
+/* audit mode and namespaces: deny: seccomp lets a namespace-creating clone/unshare
+ * through (SCMP_ACT_LOG); the syscall tracepoints give the flags without reading
+ * any kernel struct. CLONE_NEW{NS,CGROUP,UTS,IPC,USER,PID,NET,TIME}. */
+#define DSEC_CLONE_NEW_ANY (0x00020000UL | 0x02000000UL | 0x04000000UL | 0x08000000UL | \
+                            0x10000000UL | 0x20000000UL | 0x40000000UL | 0x00000080UL)
+
+static __always_inline void enf_ns_audit(long id, unsigned long flags)
+{
+    u64 cgid = 0;
+    struct dsec_enf_sandbox *cfg = enf_sandbox(&cgid);
+    if (!cfg || cfg->sys != DSEC_MODE_AUDIT || !cfg->ns_deny || !(flags & DSEC_CLONE_NEW_ANY))
+        return;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (enf_exempt.lookup(&tgid))
+        return;
+    enf_sys_violation(cfg, cgid, DSEC_KIND_SYSCALL_VIOLATION, id, 0, DSEC_ST_NAMESPACES);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_unshare)
+{
+    enf_ns_audit(DSEC_NR_UNSHARE, args->unshare_flags);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_clone)
+{
+    enf_ns_audit(DSEC_NR_CLONE, args->clone_flags);
+    return 0;
+}
+
 TRACEPOINT_PROBE(raw_syscalls, sys_exit)
 {
     u64 cgid = 0;
@@ -548,6 +578,10 @@ TRACEPOINT_PROBE(raw_syscalls, sys_exit)
         return 0;
     long id = args->id;
     long ret = args->ret;
+    /* id -1: rt_sigreturn sets orig_ax to -1 (no syscall restart) and the exit
+     * tracepoint then reports the interrupted call's restored result: not a call */
+    if (id < 0)
+        return 0;
     if (enf_sys_allowed(cfg, id)) {
         /* clone/unshare are allowed by number; seccomp checks their flags */
         if (cfg->ns_deny && ret == -DSEC_EPERM && (id == DSEC_NR_CLONE || id == DSEC_NR_UNSHARE))

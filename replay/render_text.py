@@ -58,6 +58,15 @@ def describe(r: dict) -> str:
         return f"unlink   {_show(r.get('path', ''))} -> {_ret(r)}"
     if k == "rename":
         return f"rename   {_show(r.get('path', ''))} -> {_show(r.get('path2', ''))} : {_ret(r)}"
+    if k in ("syscall_denied", "syscall_violation"):
+        n = r.get("count") or 1
+        return f"{k:17} {r.get('syscall') or '?'}" + (f" x{n}" if n > 1 else "")
+    if k in ("exec_denied", "exec_violation"):
+        return f"{k:17} {_show(r.get('path', ''))}"
+    if k in ("egress_denied", "egress_violation"):
+        addr = r.get("addr", "")
+        dest = f"[{addr}]:{r.get('port')}" if r.get("family") == "ipv6" else f"{addr}:{r.get('port')}"
+        return f"{k:17} {r.get('protocol') or r.get('family') or ''} {dest}"
     if k == "events_lost":
         return f"!! LOST  {r.get('count')} events not recorded ({_show(r.get('extra', ''), 80)})"
     if k == "sandbox_start":

@@ -37,12 +37,13 @@ def leftovers() -> dict:
             "netns": netns, "supervisors": procs}
 
 
-def wait_clean(timeout=5.0) -> dict:
+def wait_clean(timeout=5.0, prefix: str = "") -> dict:
+    """Wait until nothing (named with `prefix`, when given) is left; return what is."""
     deadline = time.monotonic() + timeout
+    keys = ("cgroups", "mounts", "state") if prefix else ("cgroups", "mounts", "links", "state", "supervisors")
     while True:
         lo = leftovers()
-        if not any(lo[k] for k in ("cgroups", "mounts", "links", "state", "supervisors")) \
-                or time.monotonic() > deadline:
+        if not any(x for k in keys for x in lo[k] if prefix in x) or time.monotonic() > deadline:
             return lo
         time.sleep(0.05)
 

@@ -131,14 +131,18 @@ def run(args) -> int:
         d = os.path.dirname(os.path.abspath(args.summary_json))
         if not os.path.isdir(d):
             raise DsecError(f"--summary-json {args.summary_json}: directory {d} does not exist", EXIT_DSEC)
-    if not spec.sandbox_id:
-        spec.sandbox_id = new_sandbox_id()
-        sys.stderr.write(f"dsec: sandbox {spec.sandbox_id}\n")
-        sys.stderr.flush()
-    if args.audit == "on":
-        result = _run_audited(spec, args)
-    else:
-        result = launch(spec)
+    # the node agent does the work when one is running (docs/agent.md); else in-process
+    from agent.commands.agent import run_via_agent
+    result = run_via_agent(spec, args)
+    if result is None:
+        if not spec.sandbox_id:
+            spec.sandbox_id = new_sandbox_id()
+            sys.stderr.write(f"dsec: sandbox {spec.sandbox_id}\n")
+            sys.stderr.flush()
+        if args.audit == "on":
+            result = _run_audited(spec, args)
+        else:
+            result = launch(spec)
     s = result.summary
     if s.get("error") and result.exit_code == EXIT_DSEC:
         sys.stderr.write(f"dsec run: error: {s['error']}\n")
@@ -164,6 +168,12 @@ def run(args) -> int:
     return result.exit_code
 
 
+def _cgroup2_path(sandbox_id):
+    from agent import cgroups
+    layout = cgroups.detect()
+    return cgroups.SandboxCgroup(layout, sandbox_id).v2_path
+
+
 def _run_audited(spec, args):
     """launch() with the eBPF recorder watching the sandbox, then export the record."""
     import time
@@ -176,7 +186,7 @@ def _run_audited(spec, args):
     t_start = time.time_ns()
 
     def on_cgroup(sandbox_id, cgroup_id):
-        rec.watch(sandbox_id, cgroup_id, policy=spec.policy, step=0)
+        rec.watch(sandbox_id, cgroup_id, policy=spec.policy, cgroup_path=_cgroup2_path(sandbox_id), step=0)
         watched["cg"] = cgroup_id
         rec.record({"kind": "sandbox_start", "sandbox_id": sandbox_id, "step": 0, "ts_ns": t_start,
                     "pid": os.getpid(), "argv": list(spec.argv),
@@ -188,7 +198,7 @@ def _run_audited(spec, args):
         rec.started(watched["cg"], pid)
 
     def on_go(sandbox_id):
-        rec.sensor.set_step(watched["cg"], 1)
+        rec.set_step(watched["cg"], 1)
 
     def on_workload_exit(sandbox_id):
         rec.catch_up()
