@@ -282,7 +282,8 @@ class AuditSensor:
                 self._deliver()
             finally:
                 self._closed = True
-                self.bpf.cleanup()
+                from agent.bpfsys import fast_detach
+                fast_detach(self.bpf)
 
     def _check_open(self):
         if self._closed:

@@ -210,3 +210,32 @@ def probe_map(map_type: int, key_size: int, value_size: int, flags: int = 0) -> 
 
 def probe_lpm_trie() -> None:
     probe_map(BPF_MAP_TYPE_LPM_TRIE, 8, 4, BPF_F_NO_PREALLOC)
+
+
+def fast_detach(bpf, workers: int = 16) -> None:
+    """Detach every tracepoint of a BCC module in parallel, then clean up.
+
+    Each perf-event close waits for an RCU grace period in the kernel (tens of
+    ms); one at a time, 40 tracepoints took ~2.6 s to detach. Closing them from
+    several threads overlaps those waits (ctypes releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+    tps = list(getattr(bpf, "tracepoint_fds", {}).keys())
+    raws = list(getattr(bpf, "raw_tracepoint_fds", {}).keys())
+
+    def one(tp):
+        try:
+            bpf.detach_tracepoint(tp)
+        except Exception:  # noqa: BLE001 - cleanup() below retries what is left
+            pass
+
+    def one_raw(tp):
+        try:
+            bpf.detach_raw_tracepoint(tp)
+        except Exception:  # noqa: BLE001
+            pass
+
+    if tps or raws:
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(tps) + len(raws)))) as ex:
+            list(ex.map(one, tps))
+            list(ex.map(one_raw, raws))
+    bpf.cleanup()

@@ -415,7 +415,8 @@ class EnforcementSensor:
         if self._exec_link is not None:
             os.close(self._exec_link)
             self._exec_link = None
-        self.bpf.cleanup()
+        from agent.bpfsys import fast_detach
+        fast_detach(self.bpf)
 
     # -- lifecycle ------------------------------------------------------------------
 

@@ -44,21 +44,29 @@ class Recorder:
         self.policies: dict[str, object] = {}      # sandbox id -> Policy (decision stamping)
         self._watched: dict[int, dict] = {}        # cgroup id -> {sandbox_id, policy, path, enforced}
         self._taps: list = []
+        self.enforcer = None
+        self.enforce_error = None
+        # one after the other: BCC/LLVM crash when two modules compile at once
         self.sensor = AuditSensor(on_record=self._on_record, node=self.node,
                                   on_over_budget=self._on_over_budget, **sensor_options)
-        self.enforcer = None
-        self.enforce_error: str | None = None
         if enforce:
-            try:
-                from agent.enforce_loader import EnforcementSensor
-                self.enforcer = EnforcementSensor(on_record=self._on_record, node=self.node)
-            except DsecError as e:
-                # reported by watch(): enforce-mode sandboxes refuse to start; others run degraded
-                self.enforce_error = e.message
+            self._load_enforcer()
+        if isinstance(self.enforce_error, BaseException):
+            raise self.enforce_error
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="dsec-audit-poll", daemon=True)
         self._thread.start()
+
+    def _load_enforcer(self):
+        try:
+            from agent.enforce_loader import EnforcementSensor
+            self.enforcer = EnforcementSensor(on_record=self._on_record, node=self.node)
+        except DsecError as e:
+            # reported by watch(): enforce-mode sandboxes refuse to start; others run degraded
+            self.enforce_error = e.message
+        except BaseException as e:  # noqa: BLE001 - re-raised in the constructor's thread
+            self.enforce_error = e
 
     # -- records ----------------------------------------------------------------------
     def _on_record(self, rec: dict):
@@ -211,3 +219,74 @@ class Recorder:
                 self.enforcer.close()
         finally:
             self._flush_pending()
+
+
+class SandboxWatch:
+    """Wires one sandbox's launcher hooks to a Recorder.
+
+        w = SandboxWatch(rec, spec)
+        sb = Sandbox(spec, **w.hooks())        # or launch(spec, **w.launch_hooks())
+
+    Records sandbox_start (with the resources asked for) before any process
+    exists, starts enforcement once the supervisor exists, moves the step
+    counter with each step, catches up on the record before the sandbox's
+    namespaces go, and records sandbox_exit with the summary. After close,
+    `stats` holds the sensors' totals (emitted, lost, syscalls in learn mode)
+    and summary["audit"] says the same."""
+
+    def __init__(self, rec: Recorder, spec, labels: dict | None = None):
+        self.rec = rec
+        self.spec = spec
+        self.labels = labels or {}
+        self.cgroup_id = 0
+        self.stats: dict = {}
+        self.step = 0
+        self.t_start = time.time_ns()
+
+    def hooks(self) -> dict:
+        return {"on_cgroup": self.on_cgroup, "on_started": self.on_started, "on_step": self.on_step,
+                "on_workload_exit": self.on_workload_exit, "on_exit": self.on_exit}
+
+    def launch_hooks(self) -> dict:
+        h = self.hooks()
+        step = h.pop("on_step")
+        h["on_go"] = lambda sid: step(sid, 1)
+        return h
+
+    def on_cgroup(self, sandbox_id, cgroup_id):
+        import json
+        from agent import cgroups
+        path = cgroups.SandboxCgroup(cgroups.detect(), sandbox_id).v2_path
+        self.rec.watch(sandbox_id, cgroup_id, policy=self.spec.policy, cgroup_path=path, step=0)
+        self.cgroup_id = cgroup_id
+        s = self.spec
+        self.rec.record({"kind": "sandbox_start", "sandbox_id": sandbox_id, "step": 0, "ts_ns": self.t_start,
+                         "pid": os.getpid(), "argv": list(s.argv),
+                         "extra": json.dumps({"network": s.network, "memory": s.memory, "cpus": s.cpus,
+                                              "pids": s.pids, "user": s.user, "workdir": s.workdir,
+                                              "rootfs": s.rootfs or "default", "labels": self.labels},
+                                             separators=(",", ":"))})
+
+    def on_started(self, sandbox_id, pid):
+        self.rec.started(self.cgroup_id, pid)
+
+    def on_step(self, sandbox_id, step):
+        self.step = step
+        self.rec.set_step(self.cgroup_id, step)
+
+    def on_workload_exit(self, sandbox_id):
+        self.rec.catch_up()
+
+    def on_exit(self, summary):
+        import json
+        self.stats = self.rec.unwatch(self.cgroup_id) if self.cgroup_id else {}
+        summary["audit"] = {"events": self.stats.get("emitted", 0), "lost": self.stats.get("lost_total", 0),
+                            "stopped_over_budget": bool(self.stats.get("stopped"))}
+        self.rec.record({"kind": "sandbox_exit", "sandbox_id": summary["sandbox_id"], "step": self.step,
+                         "exit_code": summary["exit_code"] if summary["exit_code"] is not None else -1,
+                         "signal": summary["signal"] or 0,
+                         "extra": json.dumps({k: v for k, v in summary.items() if k != "changes"}
+                                             | {"changes": summary["changes"][:1000]}, separators=(",", ":"))})
+
+    def syscall_counts(self) -> dict:
+        return dict((self.stats.get("enforcement") or {}).get("syscalls") or {})

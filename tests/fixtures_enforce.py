@@ -32,6 +32,7 @@ import secrets
 import select
 import socket
 import struct
+import signal
 import subprocess
 import threading
 import time
@@ -132,7 +133,8 @@ class TestNet:
             links = subprocess.run([*c, "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
             assert sorted(ln.split(":")[1].strip().split("@")[0] for ln in links.splitlines()) == ["eth0", "lo"]
             self.proc = subprocess.Popen(["ip", "netns", "exec", self.server, "timeout", "600", PYTHON, "-c",
-                                          SERVER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                                          SERVER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         start_new_session=True)
             assert self.proc.stdout.readline().strip() == b"ready"
         except BaseException:
             self.__exit__()
@@ -141,7 +143,10 @@ class TestNet:
 
     def __exit__(self, *exc):
         if self.proc is not None:
-            self.proc.kill()
+            try:   # the whole group: `timeout` and the python it runs
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.proc.wait()
             self.proc.stdout.close()
         for ns in (self.client, self.server):

@@ -3,6 +3,7 @@ namespaces of the test's own (never any address beyond this machine)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 import uuid
@@ -81,7 +82,7 @@ class NetHost:
         addr = addr or self.addr
         p = subprocess.Popen(["ip", "netns", "exec", self.name, "timeout", "300", "python3", "-m",
                               "http.server", "--bind", addr, str(port)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self.procs.append(p)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -95,7 +96,10 @@ class NetHost:
 
     def __exit__(self, *a):
         for p in self.procs:
-            p.kill()
+            try:   # the whole group: `timeout` and the python server it runs
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             p.wait()
         for a in self.extra:
             subprocess.run(["ip", "route", "del", f"{a}/32"], capture_output=True)

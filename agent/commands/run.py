@@ -168,54 +168,15 @@ def run(args) -> int:
     return result.exit_code
 
 
-def _cgroup2_path(sandbox_id):
-    from agent import cgroups
-    layout = cgroups.detect()
-    return cgroups.SandboxCgroup(layout, sandbox_id).v2_path
-
-
 def _run_audited(spec, args):
     """launch() with the eBPF recorder watching the sandbox, then export the record."""
-    import time
     from agent.launcher import launch
-    from agent.recorder import Recorder
+    from agent.recorder import Recorder, SandboxWatch
     from exporters.clickhouse import flush
 
     rec = Recorder(over_budget=args.over_budget)
-    watched = {}
-    t_start = time.time_ns()
-
-    def on_cgroup(sandbox_id, cgroup_id):
-        rec.watch(sandbox_id, cgroup_id, policy=spec.policy, cgroup_path=_cgroup2_path(sandbox_id), step=0)
-        watched["cg"] = cgroup_id
-        rec.record({"kind": "sandbox_start", "sandbox_id": sandbox_id, "step": 0, "ts_ns": t_start,
-                    "pid": os.getpid(), "argv": list(spec.argv),
-                    "extra": json.dumps({"network": spec.network, "memory": spec.memory, "cpus": spec.cpus,
-                                         "pids": spec.pids, "user": spec.user, "workdir": spec.workdir,
-                                         "rootfs": spec.rootfs or "default"}, separators=(",", ":"))})
-
-    def on_started(sandbox_id, pid):
-        rec.started(watched["cg"], pid)
-
-    def on_go(sandbox_id):
-        rec.set_step(watched["cg"], 1)
-
-    def on_workload_exit(sandbox_id):
-        rec.catch_up()
-
-    def on_exit(summary):
-        stats = rec.unwatch(watched["cg"]) if "cg" in watched else {}
-        summary["audit"] = {"events": stats.get("emitted", 0), "lost": stats.get("lost_total", 0),
-                            "stopped_over_budget": bool(stats.get("stopped"))}
-        rec.record({"kind": "sandbox_exit", "sandbox_id": summary["sandbox_id"], "step": 1,
-                    "exit_code": summary["exit_code"] if summary["exit_code"] is not None else -1,
-                    "signal": summary["signal"] or 0,
-                    "extra": json.dumps({k: v for k, v in summary.items() if k != "changes"}
-                                        | {"changes": summary["changes"][:1000]}, separators=(",", ":"))})
-
     try:
-        result = launch(spec, on_cgroup=on_cgroup, on_started=on_started, on_go=on_go, on_exit=on_exit,
-                        on_workload_exit=on_workload_exit)
+        result = launch(spec, **SandboxWatch(rec, spec).launch_hooks())
     finally:
         rec.close()
     res = flush(rec.spool, timeout=10)

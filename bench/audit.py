@@ -1,0 +1,624 @@
+#!/usr/bin/env python3
+"""Audit overhead and kernel-to-ClickHouse throughput, in one run.
+
+usage:
+  .venv/bin/python bench/audit.py              # full run (about 3.5-4 min on 2 cores)
+  .venv/bin/python bench/audit.py --quick      # short run (about 1.5-2 min)
+  .venv/bin/python bench/audit.py --reps 5     # more repetitions of part 1
+  .venv/bin/python bench/audit.py --skip-rate  # part 1 only (--skip-overhead: part 2 only)
+
+Part 1, overhead. Three workloads in a real sandbox, each run with
+`dsec run --audit off` (the baseline) and `dsec run` (audit on), interleaved,
+--reps times; medians:
+  exec      sh loop exec'ing /bin/true N times (fork + exec + exit: 3 events each)
+  open      python loop: open(/workspace/fK, "a"), write, close, N times (1 event each)
+  connect   python loop: N connects to a listener on 127.0.0.1 inside the sandbox
+            (accepted) plus N connects to a closed port (refused) (1 event each)
+The workload times itself (BENCH_ELAPSED_NS on stdout), so the sensor's compile,
+the detach of the programs and the ClickHouse flush at the end of `dsec run` are
+not in that figure; the whole command's wall time is reported beside it. Every
+audited run is checked: ClickHouse holds exactly the events the kernel emitted.
+
+Part 2, throughput. In this process: Recorder (eBPF sensor -> decoder -> spool)
+and ClickHouseExporter.run() in a thread, one cgroup2 of our own per step, a
+generator in it opening files (O_WRONLY|O_CREAT|O_APPEND, one open_write event
+each) at a paced rate, sandbox budget unlimited (add_sandbox(rate=0)). The rate
+doubles from 1000/s (at most 8 probes of 4 s) until a probe fails, bisects 3
+times (2 with --quick, 2 s probes), then the best rate is held for 30 s (10 s
+with --quick). A step passes when: no event was lost in the
+kernel (ring buffer, in-flight table, budget), the generator reached 97% of
+its rate, the pipeline kept up (every event is in ClickHouse at most --max-lag
+seconds, default 1, after the generator stops: the 32 MiB ring buffer hides a
+slow decoder for a few seconds, so only the long hold is conclusive), and
+`SELECT count() ... FINAL` for the step's sandbox equals what the kernel
+emitted. A hold that fails is retried lower (at most 3 holds). Prints the
+wall time of each agent stage per event, the CPU of each party during the
+hold, and the sensor's fixed costs (compile, detach).
+
+Everything goes to a dedicated database on dsec's private ClickHouse server
+(started if needed, left running) and a temporary spool; the database, spools,
+cgroups and temp dirs are removed at the end, also on Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+DSEC = os.path.join(ROOT, ".venv", "bin", "dsec")
+PYTHON = "/usr/bin/python3"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# ---------------------------------------------------------------- part 1: workloads
+
+EXEC_SH = ('t0=$(date +%s%N); i=0; while [ $i -lt {n} ]; do /bin/true; i=$((i+1)); done; '
+           't1=$(date +%s%N); echo BENCH_ELAPSED_NS=$((t1-t0))')
+
+OPEN_PY = r'''
+import sys, time
+n = int(sys.argv[1])
+names = ["/workspace/f%d" % i for i in range(64)]
+t = time.perf_counter_ns()
+for i in range(n):
+    with open(names[i & 63], "a") as f:
+        f.write("x")
+print("BENCH_ELAPSED_NS=%d" % (time.perf_counter_ns() - t))
+'''
+
+CONNECT_PY = r'''
+import socket, sys, time
+n = int(sys.argv[1])
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(128)
+addr = srv.getsockname()
+closed = socket.socket(); closed.bind(("127.0.0.1", 0)); dead = closed.getsockname(); closed.close()
+refused = 0
+t = time.perf_counter_ns()
+for i in range(n):
+    c = socket.socket(); c.connect(addr); a, _ = srv.accept(); a.close(); c.close()
+    c = socket.socket()
+    try:
+        c.connect(dead)
+    except ConnectionRefusedError:
+        refused += 1
+    c.close()
+print("BENCH_ELAPSED_NS=%d" % (time.perf_counter_ns() - t))
+assert refused == n, refused
+'''
+
+
+def workloads(quick: bool) -> list[tuple[str, int, list[str]]]:
+    # bounded counts; each audited run stays under the default per-sandbox
+    # burst (25000 events), so what is measured is full auditing, not the budget
+    ne, no, nc = (500, 5000, 1500) if quick else (2000, 20000, 5000)
+    return [
+        ("exec", ne, ["/bin/sh", "-c", EXEC_SH.format(n=ne)]),
+        ("open", no, ["python3", "-I", "-S", "-B", "-c", OPEN_PY, str(no)]),
+        ("connect", nc, ["python3", "-I", "-S", "-B", "-c", CONNECT_PY, str(nc)]),
+    ]
+
+
+def run_one(env, tmp, name, audit, argv, n_run):
+    sid = f"bench-{name}-{audit}-{n_run}-{uuid.uuid4().hex[:6]}"
+    summ = os.path.join(tmp, sid + ".json")
+    cmd = [DSEC, "run", "--audit", audit, "--sandbox-id", sid, "--summary-json", summ, "--", *argv]
+    t = time.perf_counter()
+    r = subprocess.run(cmd, env=env, capture_output=True, timeout=600)
+    wall = time.perf_counter() - t
+    m = re.search(rb"BENCH_ELAPSED_NS=(\d+)", r.stdout)
+    if r.returncode != 0 or not m:
+        raise RuntimeError(f"{name} (audit {audit}) failed, exit {r.returncode}: "
+                           f"{r.stderr.decode(errors='replace').strip()[-400:]}")
+    with open(summ) as f:
+        s = json.load(f)
+    os.unlink(summ)
+    a = s.get("audit") or {}
+    return {"sid": sid, "work": int(m.group(1)) / 1e9, "wall": wall,
+            "events": sum((a.get("events") or {}).values()), "lost": a.get("lost", 0),
+            "pending": a.get("pending", 0)}
+
+
+def part_overhead(env, tmp, reps, quick, client, db):
+    wls = workloads(quick)
+    res = {(w, m): [] for w, _, _ in wls for m in ("off", "on")}
+    print(f"== part 1: audit overhead, {reps} run(s) of each, interleaved", flush=True)
+    for w, n, argv in wls:      # warm-up: base rootfs, page cache, the private server
+        run_one(env, tmp, w, "off", argv, 0)
+    for i in range(1, reps + 1):
+        for w, n, argv in wls:
+            for m in ("off", "on"):
+                r = run_one(env, tmp, w, m, argv, i)
+                res[(w, m)].append(r)
+                print(f"   {w:8} {m:3} run {i}: workload {r['work'] * 1e3:8.1f} ms, command "
+                      f"{r['wall'] * 1e3:8.1f} ms" + (f", {r['events']} events, {r['lost']} lost"
+                                                       if m == "on" else ""), flush=True)
+    # ClickHouse must hold exactly what the kernel emitted for every audited run
+    on_runs = [r for (w, m), rs in res.items() if m == "on" for r in rs]
+    rows = dict(client.execute(
+        f"SELECT sandbox_id, countIf(kind NOT IN ('sandbox_start', 'sandbox_exit', 'events_lost')) "
+        f"FROM {db}.events FINAL WHERE sandbox_id IN %(s)s GROUP BY sandbox_id",
+        {"s": tuple(r["sid"] for r in on_runs)}))
+    bad = [(r["sid"], r["events"], rows.get(r["sid"], 0)) for r in on_runs if rows.get(r["sid"], 0) != r["events"]]
+
+    print()
+    print(f"{'workload':9}{'N':>6}{'events':>8}{'lost':>6} | {'workload ms off':>15}{'on':>9}{'ratio':>7}"
+          f"{'us/event':>9} | {'command ms off':>14}{'on':>9}{'ratio':>7}")
+    summary = {}
+    for w, n, _ in wls:
+        off, on = res[(w, "off")], res[(w, "on")]
+        wo, wn = statistics.median(r["work"] for r in off), statistics.median(r["work"] for r in on)
+        co, cn = statistics.median(r["wall"] for r in off), statistics.median(r["wall"] for r in on)
+        ev = statistics.median(r["events"] for r in on)
+        lost = sum(r["lost"] for r in on)
+        per = (wn - wo) / ev * 1e6 if ev else 0.0
+        summary[w] = (wn / wo, cn / co)
+        print(f"{w:9}{n:>6}{ev:>8.0f}{lost:>6} | {wo * 1e3:>15.1f}{wn * 1e3:>9.1f}{wn / wo:>6.2f}x{per:>9.1f}"
+              f" | {co * 1e3:>14.1f}{cn * 1e3:>9.1f}{cn / co:>6.2f}x")
+    fixed = statistics.median(
+        (statistics.median(r["wall"] for r in res[(w, "on")]) - statistics.median(r["wall"] for r in res[(w, "off")]))
+        - (statistics.median(r["work"] for r in res[(w, "on")]) - statistics.median(r["work"] for r in res[(w, "off")]))
+        for w, _, _ in wls)
+    print(f"per-command cost of audit outside the workload: {fixed:.2f}s (median over workloads: sensor compile, "
+          f"detach, drain and ClickHouse flush in `dsec run`)")
+    print("ratios (audit on / off, medians): " + ", ".join(
+        f"{w} {a:.2f}x workload, {c:.2f}x command" for w, (a, c) in summary.items()))
+    if bad:
+        print(f"!! ClickHouse count differs from the kernel's emitted count: {bad}")
+    else:
+        print(f"ClickHouse check: {len(on_runs)} audited runs, each sandbox's rows (FINAL) == events the "
+              f"kernel emitted ({sum(r['events'] for r in on_runs)} in all)")
+    print(flush=True)
+    return summary, not bad
+
+
+# ---------------------------------------------------------------- part 2: throughput
+
+GEN_PY = r'''
+import os, sys, time
+rate, dur, d = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+names = [os.path.join(d, "f%d" % i) for i in range(64)]
+flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+op, cl, mono, sleep = os.open, os.close, time.monotonic, time.sleep
+n = 0
+t0 = mono()
+end = t0 + dur
+while True:
+    now = mono()
+    if now >= end:
+        break
+    target = int((now - t0) * rate) + 1
+    if n >= target:
+        sleep(0.001)
+        continue
+    stop = min(target, n + 2000)
+    while n < stop:
+        cl(op(names[n & 63], flags, 0o644))
+        n += 1
+print(n, mono() - t0, flush=True)
+'''
+
+
+class Stages:
+    """Wall time spent inside the agent's stages (wrapped instance methods)."""
+
+    def __init__(self):
+        self.t: dict[str, float] = {}
+        self.n: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def wrap(self, obj, attr, name, count=None):
+        orig = getattr(obj, attr)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                dt = time.perf_counter() - t
+                with self.lock:
+                    self.t[name] = self.t.get(name, 0.0) + dt
+                    self.n[name] = self.n.get(name, 0) + (count(a) if count else 1)
+        setattr(obj, attr, timed)
+
+    def reset(self):
+        with self.lock:
+            self.t.clear()
+            self.n.clear()
+
+
+def system_busy():
+    """CPU seconds of the whole machine (all cores), from /proc/stat:
+    (user+nice+system, irq+softirq, steal)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]] + [0] * 8
+    return ((v[0] + v[1] + v[2]) / CLK_TCK, (v[5] + v[6]) / CLK_TCK, v[7] / CLK_TCK)
+
+
+def proc_cpu(path):
+    """utime+stime seconds from a /proc/.../stat file (0 if gone)."""
+    try:
+        with open(path) as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+        return (int(parts[11]) + int(parts[12])) / CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class Pipeline:
+    def __init__(self, url, spool_dir, gen_dir, cg_root):
+        from agent.recorder import Recorder
+        from agent.spool import Spool
+        from exporters.clickhouse import ClickHouseExporter
+        self.gen_dir, self.cg_root = gen_dir, cg_root
+        self.stages = Stages()
+        self.spool = Spool(spool_dir)
+        self.spooled = 0
+        orig_append = self.spool.append_many
+
+        def counting_append(records):
+            n = orig_append(records)
+            self.spooled += n
+            return n
+        self.spool.append_many = counting_append
+        self.stages.wrap(self.spool, "append_many", "spool append (validate, JSON, write, fdatasync)",
+                         lambda a: len(a[0]))
+        self.rec = None
+        self.exporter = None
+        self.close_s = None
+        self.cgroups: list[str] = []
+        self.gens: list[subprocess.Popen] = []
+        t = time.perf_counter()
+        self.rec = Recorder(node="bench", spool=self.spool)
+        self.compile_s = time.perf_counter() - t
+        self.stages.wrap(self.rec.sensor.decoder, "decode", "decode (+ path resolution)")
+        self.exporter = ClickHouseExporter(self.spool, url)
+        self.stages.wrap(self.exporter.reader, "read", "spool read (parse, CRC, JSON, validate)",
+                         lambda a: 0)
+        self.stages.wrap(self.exporter, "insert", "ClickHouse insert (columns + native INSERT)",
+                         lambda a: len(a[0]))
+        self.stages.wrap(self.exporter.reader, "commit", "cursor commit (atomic write, fsync)", lambda a: 0)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.exporter.run, args=(self.stop,), name="bench-exporter",
+                                       daemon=True)
+        self.thread.start()
+
+    def threads_cpu(self):
+        out = {}
+        for th in threading.enumerate():
+            if th.name in ("dsec-audit-poll", "bench-exporter") and th.native_id:
+                out[th.name] = proc_cpu(f"/proc/self/task/{th.native_id}/stat")
+        return out
+
+    def new_cgroup(self):
+        path = os.path.join(self.cg_root, f"dsec-bench-{uuid.uuid4().hex[:8]}")
+        os.mkdir(path)
+        self.cgroups.append(path)
+        return path, os.stat(path).st_ino
+
+    def remove_cgroup(self, path):
+        deadline = time.monotonic() + 10
+        while True:
+            kill_cgroup(path)
+            try:
+                os.rmdir(path)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        if path in self.cgroups:
+            self.cgroups.remove(path)
+
+    def step(self, rate, duration, max_lag_s, client, db, ch_pid):
+        """One run at `rate` events/s for `duration` s in a fresh cgroup."""
+        path, cgid = self.new_cgroup()
+        sid = f"rate-{int(rate)}-{uuid.uuid4().hex[:6]}"
+        self.rec.watch(sid, cgid, rate=0)           # the sandbox's budget: unlimited
+        base_spooled, base_sent = self.spooled, self.exporter.total_sent
+        self.stages.reset()
+        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu0 = (os.times(), self.threads_cpu(), proc_cpu(f"/proc/{ch_pid}/stat") if ch_pid else 0.0,
+                system_busy())
+        gen = subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0" || exit 125; exec "$@"',
+                                os.path.join(path, "cgroup.procs"), PYTHON, "-I", "-S", "-B", "-c", GEN_PY,
+                                str(rate), str(duration), self.gen_dir],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.gens.append(gen)
+        t0 = time.monotonic()
+        max_lag = max_dec = max_exp = 0
+        lost = 0
+        aborted = None
+        while True:
+            time.sleep(0.25)
+            st = self.rec.sensor.stats(cgid)
+            emitted = sum(st["emitted"].values())
+            lost = st["lost_total"]
+            spooled = self.spooled - base_spooled
+            sent = self.exporter.total_sent - base_sent
+            max_dec = max(max_dec, emitted - spooled)
+            max_exp = max(max_exp, spooled - sent)
+            max_lag = max(max_lag, emitted - sent)
+            if gen.poll() is not None:
+                break
+            if lost:
+                aborted = "kernel loss"
+            elif max_lag > 4 * max_lag_s * rate and time.monotonic() - t0 > 1.0:
+                aborted = "falling behind"      # hopeless: stop early, save time
+            if aborted:
+                kill_cgroup(path)
+                gen.wait()
+                break
+        out, err = gen.communicate()
+        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        gen_cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
+        self.gens.remove(gen)
+        gen_done = time.monotonic()
+        if not aborted:
+            if gen.returncode != 0:
+                raise RuntimeError(f"generator failed ({gen.returncode}): {err.decode(errors='replace')[-300:]}")
+            n_gen, gen_s = out.split()
+            achieved = int(n_gen) / float(gen_s)
+        else:
+            achieved = None
+        # drain: everything the kernel emitted reaches ClickHouse
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            st = self.rec.sensor.stats(cgid)
+            if self.exporter.total_sent - base_sent >= sum(st["emitted"].values()):
+                break
+            time.sleep(0.05)
+        drain_s = time.monotonic() - gen_done
+        totals = self.rec.unwatch(cgid)            # drains the ring, reports losses as events_lost
+        cpu1 = (os.times(), self.threads_cpu(), proc_cpu(f"/proc/{ch_pid}/stat") if ch_pid else 0.0,
+                system_busy())
+        elapsed = time.monotonic() - t0
+        emitted = sum(totals["emitted"].values())
+        lost = totals["lost_total"]
+        deadline = time.monotonic() + 30
+        while self.exporter.total_sent < self.spooled and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ch = client.execute(f"SELECT countIf(kind != 'events_lost'), countIf(kind = 'events_lost') "
+                            f"FROM {db}.events FINAL WHERE sandbox_id = %(s)s", {"s": sid})[0]
+        self.remove_cgroup(path)
+        verdict = "ok"
+        if aborted:
+            verdict = aborted
+        elif lost:
+            verdict = "kernel loss"
+        elif achieved < 0.97 * rate:
+            verdict = "generator limit"
+        elif drain_s > max_lag_s:
+            verdict = "falling behind"
+        elif ch[0] != emitted or ch[1]:
+            verdict = "ClickHouse count mismatch"
+        cpu = {"wall": elapsed,
+               "agent": (cpu1[0].user + cpu1[0].system) - (cpu0[0].user + cpu0[0].system),
+               "clickhouse": cpu1[2] - cpu0[2], "system": [b - a for a, b in zip(cpu0[3], cpu1[3])],
+               "threads": {k: cpu1[1].get(k, 0.0) - cpu0[1].get(k, 0.0) for k in cpu1[1]}}
+        through = emitted / max(1e-3, gen_done - t0 + drain_s)
+        return {"rate": rate, "duration": duration, "achieved": achieved, "through": through,
+                "gen_cpu": gen_cpu, "emitted": emitted, "lost": lost,
+                "lost_detail": totals["lost"], "max_lag": max_lag, "max_dec": max_dec, "max_exp": max_exp,
+                "drain": drain_s, "ch": ch[0], "verdict": verdict, "cpu": cpu,
+                "stages": (dict(self.stages.t), dict(self.stages.n))}
+
+    def close(self):
+        for g in self.gens:
+            try:
+                g.kill()
+                g.wait(5)
+            except Exception:
+                pass
+        for p in list(self.cgroups):
+            try:
+                self.remove_cgroup(p)
+            except OSError as e:
+                print(f"warning: cgroup {p} not removed: {e}", file=sys.stderr)
+        if self.exporter is not None:
+            self.stop.set()
+            self.thread.join(timeout=30)
+        if self.rec is not None:
+            t = time.perf_counter()
+            self.rec.close()
+            self.close_s = time.perf_counter() - t
+        if self.exporter is not None:
+            self.exporter.close()
+        self.spool.close()
+
+
+def kill_cgroup(path):
+    kf = os.path.join(path, "cgroup.kill")
+    try:
+        if os.path.exists(kf):
+            with open(kf, "w") as f:
+                f.write("1")
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            for pid in f.read().split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    except FileNotFoundError:
+        pass
+
+
+def print_step(r):
+    ach = f"{r['achieved']:>8.0f}" if r["achieved"] is not None else "aborted "
+    print(f"   {r['rate']:>8.0f} {r['duration']:>4.0f} {ach} {r['emitted']:>8} {r['lost']:>7} {r['ch']:>8}"
+          f" {r['max_dec']:>8} {r['max_exp']:>8} {r['drain']:>6.1f} {r['through']:>8.0f}  {r['verdict']}",
+          flush=True)
+
+
+STEP_HEADER = ("   (events/s)                                  in CH        max backlog       drain  through-\n"
+               f"   {'target':>8} {'dur':>4} {'achieved':>8} {'emitted':>8} {'lost':>7} {'FINAL':>8}"
+               f" {'ring+dec':>8} {'spool>CH':>8} {'s':>6} {'put/s':>8}  verdict")
+
+
+def print_breakdown(r):
+    cpu = r["cpu"]
+    w = cpu["wall"]
+    th = cpu["threads"]
+    print(f"CPU during that run ({w:.1f}s wall incl. drain; 2 cores = 200%): agent process {cpu['agent'] / w:.0%} "
+          f"(poll/decode/spool thread {th.get('dsec-audit-poll', 0) / w:.0%}, exporter thread "
+          f"{th.get('bench-exporter', 0) / w:.0%}), clickhouse-server {cpu['clickhouse'] / w:.0%}, "
+          f"generator {r['gen_cpu'] / w:.0%}; rest of the machine: other tasks and kernel threads "
+          f"{max(0.0, cpu['system'][0] - cpu['agent'] - cpu['clickhouse'] - r['gen_cpu']) / w:.0%}, "
+          f"irq+softirq {cpu['system'][1] / w:.0%}, steal {cpu['system'][2] / w:.0%}")
+    t, _ = r["stages"]
+    ev = max(1, r["emitted"])
+    print(f"agent wall time per event, by stage ({ev} events):")
+    for k in sorted(t, key=lambda k: -t[k]):
+        print(f"   {k:50} {t[k] / ev * 1e6:6.1f} us/event  ({t[k] / w:4.0%} of the run)")
+
+
+def part_rate(url, tmp, quick, max_lag_s, client, db, ch_pid, cg_root):
+    probe = 2.0 if quick else 4.0
+    hold = 10.0 if quick else 30.0
+    gen_dir = tempfile.mkdtemp(prefix="dsec-bench-gen-", dir="/dev/shm")
+    print(f"== part 2: highest sustained kernel -> ClickHouse rate with zero loss (open_write events; "
+          f"probes {probe:.0f}s, then {hold:.0f}s at the best rate; pass = no loss, all in ClickHouse "
+          f"<= {max_lag_s:g}s after the generator stops)", flush=True)
+    pipe = None
+    try:
+        pipe = Pipeline(url, os.path.join(tmp, "spool-rate"), gen_dir, cg_root)
+        print(f"   sensor compiled and attached in {pipe.compile_s:.2f}s", flush=True)
+        print(STEP_HEADER)
+
+        def step(rate, dur):
+            r = pipe.step(rate, dur, max_lag_s, client, db, ch_pid)
+            print_step(r)
+            return r
+        good, bad, best_through = 0.0, None, 0.0
+        rate = 1000.0
+        for _ in range(8):                                  # bounded ramp: 1k .. 128k
+            r = step(rate, probe)
+            if r["verdict"] != "ok":
+                bad = rate
+                break
+            good = rate
+            rate *= 2
+        if bad is not None:
+            for _ in range(2 if quick else 3):              # bounded bisection
+                mid = round((good + bad) / 2, -2)
+                if mid <= good or mid >= bad:
+                    break
+                r = step(mid, probe)
+                if r["verdict"] == "ok":
+                    good = mid
+                else:
+                    bad = mid
+        final = last = None
+        rate = good
+        for _ in range(3):                                  # hold; step down on failure
+            if rate < 100:
+                break
+            last = step(rate, hold)
+            if last["verdict"] == "ok":
+                final = last
+                break
+            # below both 85% of the rate and 95% of what the pipeline put through
+            rate = round(min(rate * 0.85, last["through"] * 0.95), -2)
+        print()
+        if final is None:
+            print("!! no rate held for the whole run without loss")
+            if last is not None:
+                print_breakdown(last)
+            return None, False
+        print(f"highest sustained zero-loss rate: {final['rate']:.0f} events/s for {hold:.0f}s "
+              f"(first failing probe {f'{bad:.0f}/s' if bad else 'none up to the ramp limit'}); "
+              f"kernel emitted {final['emitted']}, ClickHouse count() FINAL {final['ch']}, lost 0")
+        print_breakdown(final)
+        print(flush=True)
+        return final, True
+    finally:
+        if pipe is not None:
+            pipe.close()
+            if pipe.close_s is not None:
+                print(f"fixed costs of the sensor: compile+load+attach {pipe.compile_s:.2f}s, "
+                      f"close (detach of the programs) {pipe.close_s:.2f}s")
+        shutil.rmtree(gen_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- main
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small counts, 2 s probes, 10 s hold")
+    ap.add_argument("--reps", type=int, help="runs of each workload x mode (default 3)")
+    ap.add_argument("--max-lag", type=float, default=1.0, metavar="S",
+                    help="part 2: every event must be in ClickHouse at most S seconds after the generator "
+                         "stops (default 1)")
+    ap.add_argument("--skip-overhead", action="store_true", help="skip part 1")
+    ap.add_argument("--skip-rate", action="store_true", help="skip part 2")
+    a = ap.parse_args()
+    reps = a.reps or 3
+    if not 1 <= reps <= 20:
+        ap.error("--reps: 1..20")
+    if os.geteuid() != 0:
+        sys.exit("bench/audit.py: must run as root (sandboxes, cgroups, eBPF)")
+    if not os.access(DSEC, os.X_OK):
+        sys.exit(f"bench/audit.py: {DSEC} missing (run `make setup`)")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    from agent.bpf_loader import cgroup2_mount, check_features
+    from agent.clickhouse_server import PrivateServer, connect
+    missing = check_features()
+    if missing:
+        sys.exit("bench/audit.py: eBPF audit unavailable: " + "; ".join(missing))
+    cg_root = cgroup2_mount()
+
+    t_start = time.monotonic()
+    server = PrivateServer()
+    server.start()
+    db = f"dsec_bench_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    url = server.url_for(db)
+    tmp = tempfile.mkdtemp(prefix="dsec-bench-")
+    env = dict(os.environ, DSEC_CLICKHOUSE_URL=url, DSEC_SPOOL_DIR=os.path.join(tmp, "spool-cli"))
+    os.environ["DSEC_CLICKHOUSE_URL"] = url
+    client, _ = connect(url)
+    ok = True
+    print(f"dsec audit benchmark: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
+          f"kernel {os.uname().release}, "
+          f"ClickHouse {server.url} database {db}, spool {tmp}", flush=True)
+    try:
+        client.execute(f"CREATE DATABASE IF NOT EXISTS {db}")
+        if not a.skip_overhead:
+            _, good = part_overhead(env, tmp, reps, a.quick, client, db)
+            ok &= good
+        if not a.skip_rate:
+            _, good = part_rate(url, tmp, a.quick, a.max_lag, client, db, server.pid(), cg_root)
+            ok &= good
+    finally:
+        try:
+            client.execute(f"DROP DATABASE IF EXISTS {db}")
+            client.disconnect()
+        except Exception as e:
+            print(f"warning: database {db} not dropped: {e}", file=sys.stderr)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"total bench time {time.monotonic() - t_start:.0f}s, load average now {os.getloadavg()[0]:.2f}" + ("" if ok else "; some checks FAILED (see !!)"))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:   # one line, no traceback (BENCH_DEBUG=1 for one)
+        if os.environ.get("BENCH_DEBUG"):
+            raise
+        sys.exit(f"bench/audit.py: {type(e).__name__}: {e}")
