@@ -20,7 +20,9 @@ the upper layer walked for the change manifest (kept with --keep).
 
 Hooks let the audit pipeline watch: on_cgroup(sandbox_id, cgroup_id) before
 any sandbox process exists; on_started(sandbox_id, supervisor_pid);
-on_step(sandbox_id, step) before each step starts; on_workload_exit(sandbox_id)
+on_step(sandbox_id, step) before each step starts, on_step_info(sandbox_id,
+step, {argv, env, workdir, timeout, stdin}) right after it, on_step_end(sandbox_id,
+StepResult) when it has ended; on_workload_exit(sandbox_id)
 once every process but the supervisor is gone (the sandbox's mount namespace is
 held until it returns); on_exit(summary) after teardown.
 """
@@ -169,10 +171,11 @@ class Sandbox:
     knows exactly what exists. Thread-safe: steps may run concurrently."""
 
     def __init__(self, spec: SandboxSpec, on_cgroup=None, on_started=None, on_step=None,
-                 on_workload_exit=None, on_exit=None):
+                 on_workload_exit=None, on_exit=None, on_step_info=None, on_step_end=None):
         self.spec = spec
         self.hooks = {"on_cgroup": on_cgroup, "on_started": on_started, "on_step": on_step,
-                      "on_workload_exit": on_workload_exit, "on_exit": on_exit}
+                      "on_workload_exit": on_workload_exit, "on_exit": on_exit,
+                      "on_step_info": on_step_info, "on_step_end": on_step_end}
         self.sid = None
         self.dir = None
         self.lock_fd = -1
@@ -431,7 +434,7 @@ class Sandbox:
 
     # -- steps ---------------------------------------------------------------------
     def exec(self, argv, *, env=None, workdir=None, stdin=None, stdout=None, stderr=None,
-             timeout=None, grace=None) -> StepResult:
+             timeout=None, grace=None, stdin_bytes: bytes | None = None) -> StepResult:
         """Run one step and wait for its main process to exit. stdin/stdout/stderr
         are fds (None = /dev/null), passed to the supervisor. On timeout: SIGTERM to
         the step's process group, `grace` seconds, SIGKILL."""
@@ -447,6 +450,9 @@ class Sandbox:
         if env:
             e.update(env)
         self._hook("on_step", self.sid, step)
+        self._hook("on_step_info", self.sid, step, {"argv": list(argv), "env": e,
+                                                    "workdir": workdir or self.spec.workdir,
+                                                    "timeout": timeout, "stdin": stdin_bytes})
         fds, opened = [], []
         for fd, mode in ((stdin, os.O_RDONLY), (stdout, os.O_WRONLY), (stderr, os.O_WRONLY)):
             if fd is None:
@@ -481,6 +487,7 @@ class Sandbox:
         st.wall_ms = int((time.monotonic() - t0) * 1000)
         if st.timed_out:
             st.code = EXIT_TIMEOUT
+        self._hook("on_step_end", self.sid, st)
         return st
 
     def _signal_step(self, step, sig):
@@ -642,13 +649,14 @@ def _finish_step(st: StepResult, m: dict):
 
 
 def launch(spec: SandboxSpec, on_cgroup=None, on_exit=None, stdio=None, on_started=None, on_go=None,
-           on_workload_exit=None) -> Result:
+           on_workload_exit=None, on_step_info=None, on_step_end=None) -> Result:
     """One-shot: start, run spec.argv as step 1 with the caller's stdio, close."""
     if not spec.argv:
         raise DsecError("no command given", EXIT_DSEC)
     sb = Sandbox(spec, on_cgroup=on_cgroup, on_started=on_started,
                  on_step=(lambda sid, step: on_go(sid)) if on_go else None,
-                 on_workload_exit=on_workload_exit, on_exit=on_exit)
+                 on_workload_exit=on_workload_exit, on_exit=on_exit,
+                 on_step_info=on_step_info, on_step_end=on_step_end)
     sb.start()
     relay_threads = []
     try:

@@ -221,6 +221,24 @@ class Recorder:
             self._flush_pending()
 
 
+STDIN_RECORD_MAX = 64 << 10
+SECRET_ENV_PATTERNS = tuple(p for p in os.environ.get(
+    "DSEC_SECRET_ENV", "*TOKEN*,*SECRET*,*PASSWORD*,*PASSWD*,*KEY*,*CREDENTIAL*,AWS_*,*AUTH*").split(",") if p)
+
+
+def redact_env(env: dict, patterns=SECRET_ENV_PATTERNS) -> dict:
+    """Environment for the record: values of variables whose name matches a
+    secret pattern (fnmatch, case-insensitive; DSEC_SECRET_ENV) are replaced."""
+    import fnmatch
+    out = {}
+    for k, v in env.items():
+        if any(fnmatch.fnmatch(k.upper(), p.upper()) for p in patterns):
+            out[k] = "<redacted>"
+        else:
+            out[k] = v
+    return out
+
+
 class SandboxWatch:
     """Wires one sandbox's launcher hooks to a Recorder.
 
@@ -245,7 +263,8 @@ class SandboxWatch:
 
     def hooks(self) -> dict:
         return {"on_cgroup": self.on_cgroup, "on_started": self.on_started, "on_step": self.on_step,
-                "on_workload_exit": self.on_workload_exit, "on_exit": self.on_exit}
+                "on_workload_exit": self.on_workload_exit, "on_exit": self.on_exit,
+                "on_step_info": self.on_step_info, "on_step_end": self.on_step_end}
 
     def launch_hooks(self) -> dict:
         h = self.hooks()
@@ -273,6 +292,28 @@ class SandboxWatch:
     def on_step(self, sandbox_id, step):
         self.step = step
         self.rec.set_step(self.cgroup_id, step)
+
+    def on_step_info(self, sandbox_id, step, info):
+        """Record what the step runs, so replay can re-run it (env secrets redacted,
+        stdin bounded)."""
+        import base64
+        import json
+        env = redact_env(info.get("env") or {})
+        extra = {"env": env, "workdir": info.get("workdir"), "timeout": info.get("timeout")}
+        stdin = info.get("stdin")
+        if stdin is not None:
+            extra["stdin_b64"] = base64.b64encode(stdin[:STDIN_RECORD_MAX]).decode()
+            extra["stdin_bytes"] = len(stdin)
+            extra["stdin_truncated"] = len(stdin) > STDIN_RECORD_MAX
+        self.rec.record({"kind": "step_start", "sandbox_id": sandbox_id, "step": step, "argv": list(info["argv"]),
+                         "argv_truncated": 0, "extra": json.dumps(extra, separators=(",", ":"))})
+
+    def on_step_end(self, sandbox_id, st):
+        import json
+        self.rec.record({"kind": "step_end", "sandbox_id": sandbox_id, "step": st.step,
+                         "exit_code": st.exit_code if st.exit_code is not None else -1, "signal": st.signal or 0,
+                         "extra": json.dumps({"timed_out": st.timed_out, "wall_ms": st.wall_ms, "cpu_ms": st.cpu_ms,
+                                              "error": st.error, "code": st.code}, separators=(",", ":"))})
 
     def on_workload_exit(self, sandbox_id):
         self.rec.catch_up()
