@@ -78,7 +78,17 @@ class Recorder:
             self._pending.append(rec)
 
     def _on_over_budget(self, cgroup_id, sandbox_id, lost):
+        """over_budget="stop": the kernel killed the process that overflowed; stop the
+        rest of the sandbox too, so its record ends instead of having holes."""
         self.stopped[cgroup_id] = lost
+        w = self._watched.get(cgroup_id)
+        path = w and w.get("path")
+        if path:
+            try:
+                with open(os.path.join(path, "cgroup.kill"), "w") as f:
+                    f.write("1")
+            except OSError:
+                pass
 
     def add_tap(self, fn):
         """fn(records: list[dict]) is called with every batch as it is spooled."""

@@ -130,3 +130,36 @@ def test_audit_off_records_nothing(audit_env, sid):
     assert r.returncode == 0
     r = dsec("events", "--sandbox", sid, "--format", "json", env=audit_env)
     assert r.stdout == b""
+
+
+FLOOD = ("import os\n"
+         "for i in range(40000):\n"
+         "    fd = os.open('/tmp/f', os.O_WRONLY | os.O_CREAT | os.O_APPEND)\n"
+         "    os.close(fd)\n"
+         "print('done')\n")
+
+
+def test_flood_over_budget_is_counted_never_silent(audit_env, sid, tmp_path):
+    out = tmp_path / "s.json"
+    r = dsec("run", "--sandbox-id", sid, "--summary-json", str(out), "--", "python3", "-c", FLOOD, env=audit_env)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(out.read_text())
+    lost = s["audit"]["lost"]
+    assert lost > 1000                                    # 40k events against a burst of 25k
+    assert b"LOST" in r.stderr
+    evs = events(sid, audit_env)
+    gaps = [e for e in evs if e["kind"] == "events_lost"]
+    assert gaps and sum(e["count"] for e in gaps) == lost
+    writes = sum(1 for e in evs if e["kind"] == "open_write")
+    assert 0.9 * 40000 <= writes + lost <= 40000 + 100     # recorded + counted = what happened
+    text = dsec("replay", sid, env=audit_env).stdout.decode()
+    assert "the record has holes" in text and "!! LOST" in text
+
+
+def test_over_budget_stop_kills_the_sandbox(audit_env, sid, tmp_path):
+    out = tmp_path / "s.json"
+    r = dsec("run", "--sandbox-id", sid, "--over-budget", "stop", "--summary-json", str(out), "--",
+             "python3", "-c", FLOOD, env=audit_env)
+    s = json.loads(out.read_text())
+    assert b"done" not in r.stdout
+    assert r.returncode == 128 + 9 and s["audit"]["stopped_over_budget"] is True
