@@ -17,7 +17,7 @@ import sys
 
 from agent.errors import DsecError, EXIT_USAGE
 
-COMMANDS = ["run", "events", "replay", "learn", "policy", "export", "clickhouse", "gc"]
+COMMANDS = ["run", "events", "replay", "search", "learn", "policy", "export", "agent", "clickhouse", "gc"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -232,6 +232,18 @@ class Recorder:
 
 
 STDIN_RECORD_MAX = 64 << 10
+POLICY_RECORD_MAX = 256 << 10
+
+
+def _policy_text(policy) -> str | None:
+    if policy is None:
+        return None
+    try:
+        from policies.load import dump_yaml
+        text = dump_yaml(policy)
+    except Exception:  # noqa: BLE001 - the record goes on without it
+        return None
+    return text if len(text) <= POLICY_RECORD_MAX else None
 SECRET_ENV_PATTERNS = tuple(p for p in os.environ.get(
     "DSEC_SECRET_ENV", "*TOKEN*,*SECRET*,*PASSWORD*,*PASSWD*,*KEY*,*CREDENTIAL*,AWS_*,*AUTH*").split(",") if p)
 
@@ -293,7 +305,10 @@ class SandboxWatch:
                          "pid": os.getpid(), "argv": list(s.argv),
                          "extra": json.dumps({"network": s.network, "memory": s.memory, "cpus": s.cpus,
                                               "pids": s.pids, "user": s.user, "workdir": s.workdir,
-                                              "rootfs": s.rootfs or "default", "labels": self.labels},
+                                              "rootfs": s.rootfs or "default", "labels": self.labels,
+                                              "timeout": s.timeout,
+                                              # the policy itself, so replay can re-run under it
+                                              "policy_yaml": _policy_text(s.policy)},
                                              separators=(",", ":"))})
 
     def on_started(self, sandbox_id, pid):
@@ -333,6 +348,8 @@ class SandboxWatch:
         self.stats = self.rec.unwatch(self.cgroup_id) if self.cgroup_id else {}
         summary["audit"] = {"events": self.stats.get("emitted", 0), "lost": self.stats.get("lost_total", 0),
                             "stopped_over_budget": bool(self.stats.get("stopped"))}
+        if self.syscall_counts():
+            summary["audit"]["syscalls"] = self.syscall_counts()     # learn mode: in-kernel counts
         self.rec.record({"kind": "sandbox_exit", "sandbox_id": summary["sandbox_id"], "step": self.step,
                          "exit_code": summary["exit_code"] if summary["exit_code"] is not None else -1,
                          "signal": summary["signal"] or 0,

@@ -53,9 +53,34 @@ frame that checks out; a frame whose JSON or fields are invalid is skipped;
 both are logged (warning + damage.log + the raw bytes under damaged/) and
 handed to the sink as Damage so it can record a gap (an `events_lost` event).
 Nothing is dropped silently, and no damage stops the records after it.
+
+Disk budget (max_bytes, env DSEC_SPOOL_MAX_BYTES, default 8 GiB; checked at
+every append). The policy is DROP WITH LOUD ACCOUNTING, never block: a
+blocked producer would stall the recorder thread, the kernel's ring buffer
+would overflow and lose events anyway (less precisely accounted), and the
+launcher's own records (sandbox_start/exit) would hang `dsec run`. When an
+append would go over the budget:
+  1. segments needed only by best-effort sinks (cursor "evictable": OTLP and
+     JSON lines by default) are evicted, oldest first: deleted, and each such
+     sink is told how many records it missed (cursors/<sink>.evicted.json;
+     its reader hands that to the sink as Damage with cause "sink_evicted",
+     which becomes an events_lost record in that sink only). A dead
+     best-effort sink therefore never costs the other sinks anything.
+  2. if that frees too little (a required sink, e.g. ClickHouse, is behind),
+     the batch is dropped (all or none, as with any append): counted per
+     sandbox, logged (warning, at most every 5 s), added to the metric
+     dsec.events.lost{reason="spool_full"}, and recorded as `events_lost`
+     records (reason "spool_full", count, kinds, time window) written into a
+     reserve above the budget (reserve_bytes) so that the gap marker itself
+     always fits. Loss records of one episode are coalesced to at most one per
+     sandbox per second; a crash loses at most that last second's count (the
+     gap itself is already marked by the first record of the episode).
+  ENOSPC/EDQUOT from the file system are handled the same way (step 2).
+  Spool(on_full="error") restores the old behaviour: the append raises.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -78,7 +103,9 @@ _HDR = struct.Struct("<4sII")
 HEADER_BYTES = _HDR.size            # 12
 MAX_RECORD_BYTES = 16 << 20         # one record's JSON, at most
 DEFAULT_SEGMENT_BYTES = 64 << 20
-DEFAULT_MAX_BYTES = 8 << 30         # refuse appends past this (ClickHouse down for long)
+DEFAULT_MAX_BYTES = 8 << 30         # disk budget: past it, the drop policy (module doc)
+LOSS_EMIT_INTERVAL = 1.0            # at most one spool_full events_lost per sandbox per second
+ON_FULL = ("drop", "error")
 _READ_CHUNK = MAX_RECORD_BYTES + HEADER_BYTES + (1 << 20)   # holds any frame
 _SMALL_CHUNK = 4 << 20
 FSYNC_POLICIES = ("always", "interval", "never")
@@ -196,8 +223,12 @@ class Damage:
     frames: int = 1                 # how many records it held, at least (estimate)
     payload: str | None = None      # for an intact frame with bad content: its JSON
     ts_ns: int = 0                  # when, roughly: ts_ns of the nearest good record (see read())
+    cause: str = "spool_damage"     # or "sink_evicted": the disk budget evicted it before this sink read it
 
     def describe(self) -> str:
+        if self.cause == "sink_evicted":
+            return (f"segment {self.segment:016d}{_SEG_SUFFIX} from offset {self.offset}: {self.frames} record(s) "
+                    f"({self.length} bytes) {self.reason}")
         return (f"segment {self.segment:016d}{_SEG_SUFFIX} offset {self.offset}: {self.length} bytes, "
                 f"{self.reason} (~{self.frames} record(s))")
 
@@ -237,19 +268,64 @@ def _write_atomic(path: str, data: bytes):
 
 
 def _sink_name(sink: str) -> str:
-    if not sink or not all(c.isalnum() or c in "-_." for c in sink) or sink.startswith("."):
-        raise DsecError(f"spool sink name {sink!r}: use letters, digits, '-', '_', '.'", EXIT_USAGE)
+    if not sink or not all(c.isalnum() or c in "-_." for c in sink) or sink.startswith(".") \
+            or sink.endswith(".evicted") or len(sink) > 100:
+        raise DsecError(f"spool sink name {sink!r}: use 1-100 letters, digits, '-', '_', '.' "
+                        f"(not ending in .evicted)", EXIT_USAGE)
     return sink
+
+
+def _METRICS():
+    from agent.metrics import METRICS
+    return METRICS
+
+
+def _count(records, spooled: bool, lost_markers: bool = True):
+    """Metrics of one append: received (and spooled) by kind; the records'
+    own figures (ring-buffer lag, losses they report, lifecycles)."""
+    m = _METRICS()
+    kinds: dict = {}
+    for r in records:
+        k = r.get("kind")
+        kinds[k] = kinds.get(k, 0) + 1
+    for k, n in kinds.items():
+        m.add("dsec.events.received", n, kind=k)
+        if spooled:
+            m.add("dsec.events.spooled", n, kind=k)
+    if spooled and lost_markers:
+        try:
+            m.observe_records(records)
+        except Exception:  # noqa: BLE001 - telemetry never breaks the audit
+            log.debug("metrics: observe_records failed", exc_info=True)
+
+
+def _count_frames(path: str, offset: int) -> int:
+    """Frames from offset to the end of a segment (walking headers; a damaged
+    region counts as one)."""
+    n = 0
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            off = offset
+            while off + HEADER_BYTES <= size:
+                f.seek(off)
+                magic, length, _ = _HDR.unpack(f.read(HEADER_BYTES))
+                n += 1
+                if magic != MAGIC:
+                    break
+                off += HEADER_BYTES + length
+    except FileNotFoundError:
+        pass
+    return n
 
 
 class Spool:
     """Append side of the spool (any number of processes) and factory of readers."""
 
-    def __init__(self, path: str | None = None, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    def __init__(self, path: str | None = None, *, segment_bytes: int | None = None,
                  fsync: str | None = None, fsync_interval: float | None = None,
-                 max_bytes: int | None = None):
+                 max_bytes: int | None = None, on_full: str = "drop", reserve_bytes: int | None = None):
         self.path = os.path.abspath(path or default_dir())
-        self.segment_bytes = segment_bytes
         self.fsync = fsync or os.environ.get("DSEC_SPOOL_FSYNC") or "always"
         if self.fsync not in FSYNC_POLICIES:
             raise DsecError(f"spool fsync policy {self.fsync!r} (DSEC_SPOOL_FSYNC): use one of "
@@ -258,6 +334,23 @@ class Spool:
             _env_float("DSEC_SPOOL_FSYNC_INTERVAL", 1.0)
         self.max_bytes = max_bytes if max_bytes is not None else \
             int(_env_float("DSEC_SPOOL_MAX_BYTES", DEFAULT_MAX_BYTES))
+        if self.max_bytes < 4096:
+            raise DsecError(f"spool disk budget {self.max_bytes} bytes (DSEC_SPOOL_MAX_BYTES): at least 4096",
+                            EXIT_USAGE)
+        # segments small enough that eviction and deletion can act within the budget
+        self.segment_bytes = segment_bytes or min(DEFAULT_SEGMENT_BYTES, max(4096, self.max_bytes // 8))
+        # room above the budget kept for the events_lost records of the drop policy
+        self.reserve_bytes = reserve_bytes if reserve_bytes is not None else \
+            max(4096, min(self.max_bytes // 16, 16 << 20))
+        if on_full not in ON_FULL:
+            raise DsecError(f"spool on_full={on_full!r}: use one of {', '.join(ON_FULL)}", EXIT_USAGE)
+        self.on_full = on_full
+        self.dropped_total = 0           # records this object dropped (disk budget / ENOSPC)
+        self._lost: dict = {}            # (sandbox_id, node) -> pending spool_full loss accounting
+        self._last_loss_emit = 0.0
+        self._last_drop_log = 0.0
+        self._used = None                # bytes of the segments, cached (see _used_bytes)
+        self._used_at = 0.0
         self.cursor_dir = os.path.join(self.path, "cursors")
         self._tlock = threading.Lock()   # not reentrant: locked() never nests
         try:
@@ -270,6 +363,10 @@ class Spool:
         self._seq = 0
         self._last_sync = time.monotonic()
         self._dirty = False
+        import weakref
+        ref = weakref.ref(self)
+        _METRICS().add_gauge("dsec.spool.usage", self.path,
+                             lambda: {(("spool", ref().path),): ref().size_bytes()} if ref() is not None else {})
 
     def __repr__(self):
         return f"Spool({self.path!r})"
@@ -347,10 +444,6 @@ class Spool:
                 self._fd = os.open(self.seg_path(head), os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
                 self._seq = head
                 return self._fd
-        used = self.size_bytes()
-        if used + incoming > self.max_bytes:
-            raise DsecError(f"spool {self.path} is full ({used} bytes, limit {self.max_bytes}, "
-                            f"DSEC_SPOOL_MAX_BYTES): a sink is not draining it; records refused")
         seq = (segs[-1] + 1) if segs else 1
         self._fd = os.open(self.seg_path(seq), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         self._seq = seq
@@ -361,30 +454,201 @@ class Spool:
         self.append_many([record])
 
     def append_many(self, records) -> int:
-        """Validate, frame and append records (all or none); returns how many.
-        Raises DsecError naming the bad record or the I/O failure."""
+        """Validate, frame and append records (all or none); returns how many were
+        written: len(records), or 0 when the disk budget made the spool drop them
+        (the drop policy, module doc; the loss is recorded, never silent).
+        Raises DsecError naming the bad record, or an I/O failure."""
+        records = records if isinstance(records, list) else list(records)
         data = b"".join(encode_frame(validate_record(r)) for r in records)
         if not data:
             return 0
+        dropped = None
         with self.locked():
+            if not self._room(len(data)):
+                if self.on_full == "error":
+                    used = self._used_bytes(exact=True)
+                    raise DsecError(f"spool {self.path} is full ({used} bytes, limit {self.max_bytes}, "
+                                    f"DSEC_SPOOL_MAX_BYTES): a sink is not draining it; records refused")
+                dropped = "disk budget exhausted"
+            else:
+                try:
+                    self._write(data)
+                except OSError as e:
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT) and self.on_full == "drop":
+                        dropped = f"file system full ({e.strerror})"
+                    else:
+                        raise DsecError(f"spool {self.path}: append failed: {e.strerror}; "
+                                        f"{len(records)} record(s) not spooled")
+            if dropped:
+                self._drop(records, dropped)
+            if self._lost:
+                self._emit_losses()
+        _count(records, dropped is None)
+        return 0 if dropped else len(records)
+
+    def _write(self, data: bytes):
+        """Under the lock: append data to the head segment (all or nothing)."""
+        try:
+            fd = self._head_fd(len(data))
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise DsecError(f"spool {self.path}: cannot open a segment: {e.strerror}")
+        start = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            self._sync(fd)
+        except OSError:
+            try:  # leave no torn frame behind
+                os.ftruncate(fd, start)
+            except OSError:
+                pass
+            raise
+        if self._used is not None:
+            self._used += len(data)
+
+    # -- the disk budget
+    def _used_bytes(self, exact: bool = False) -> int:
+        """Bytes of all segments: exact, or cached for up to a second plus what
+        this object appended since (other processes' appends within that second
+        may overshoot the budget by that much)."""
+        now = time.monotonic()
+        if exact or self._used is None or now - self._used_at > 1.0:
+            self._used = self.size_bytes()
+            self._used_at = now
+        return self._used
+
+    def _room(self, incoming: int, limit: int | None = None) -> bool:
+        """Under the lock: can `incoming` bytes be appended within the budget
+        (evicting best-effort sinks' segments if that makes room)?"""
+        limit = self.max_bytes if limit is None else limit
+        if self._used_bytes() + incoming <= limit:
+            return True
+        used = self._used_bytes(exact=True)
+        if used + incoming <= limit:
+            return True
+        if limit == self.max_bytes:
+            self._evict(used + incoming - limit)
+            used = self._used_bytes(exact=True)
+        return used + incoming <= limit
+
+    def _evict(self, need: int) -> int:
+        """Under the lock: delete the oldest segments that only evictable
+        (best-effort) sinks still need, until `need` bytes are freed. Each such
+        sink is told what it missed (cursors/<sink>.evicted.json)."""
+        docs = {}
+        for sink in self.sinks():
+            d = self.load_cursor_doc(sink)
+            if d is not None:
+                docs[sink] = d
+        segs = self.segments()
+        freed = 0
+        removed = []
+        for seq in segs[:-1]:                       # never the head
+            if freed >= need:
+                break
             try:
-                fd = self._head_fd(len(data))
-            except OSError as e:
-                raise DsecError(f"spool {self.path}: cannot open a segment: {e.strerror}")
-            start = os.fstat(fd).st_size
-            try:
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                self._sync(fd)
-            except OSError as e:
-                try:  # leave no torn frame behind
-                    os.ftruncate(fd, start)
-                except OSError:
-                    pass
-                raise DsecError(f"spool {self.path}: append failed: {e.strerror}; {len(records)} record(s) not spooled")
-        return len(records)
+                size = os.stat(self.seg_path(seq)).st_size
+            except FileNotFoundError:
+                continue
+            needers = {s: d for s, d in docs.items()
+                       if d["segment"] < seq or (d["segment"] == seq and d["offset"] < size)}
+            if any(not d.get("evictable") for d in needers.values()):
+                break                               # a required sink needs it (and every later one)
+            for sink, d in needers.items():
+                off = d["offset"] if d["segment"] == seq else 0
+                n = _count_frames(self.seg_path(seq), off)
+                self._note_evicted(sink, seq, off, n, size - off)
+            os.unlink(self.seg_path(seq))
+            removed.append(seq)
+            freed += size
+        if removed:
+            _fsync_dir(self.path)
+            self._used = None
+        return freed
+
+    def evicted_path(self, sink: str) -> str:
+        return os.path.join(self.cursor_dir, f"{sink}.evicted.json")
+
+    def load_evicted(self, sink: str) -> list:
+        try:
+            with open(self.evicted_path(sink)) as f:
+                return json.load(f).get("segments") or []
+        except FileNotFoundError:
+            return []
+        except (ValueError, AttributeError) as e:
+            log.warning("spool %s: %s unreadable (%s); evictions it recorded are reported as one",
+                        self.path, self.evicted_path(sink), e)
+            return [{"segment": 0, "offset": 0, "records": 1, "bytes": 0, "ts_ns": time.time_ns(),
+                     "note": "eviction record unreadable"}]
+
+    def _note_evicted(self, sink, seq, offset, records, nbytes):
+        entries = self.load_evicted(sink)
+        entries.append({"segment": seq, "offset": offset, "records": records, "bytes": nbytes,
+                        "ts_ns": time.time_ns()})
+        _write_atomic(self.evicted_path(sink), json.dumps({"sink": sink, "segments": entries[-10000:]}).encode())
+        log.warning("spool %s: disk budget (%d bytes) exhausted; evicted segment %d: %d record(s) that "
+                    "best-effort sink %r had not delivered are lost for it (other sinks unaffected)",
+                    self.path, self.max_bytes, seq, records, sink)
+        _METRICS().add("dsec.events.lost", records, reason="sink_evicted", sink=sink)
+
+    def _drop(self, records, why: str):
+        """Under the lock: account for a batch the budget refused."""
+        n = 0
+        for r in records:
+            key = (r.get("sandbox_id") or "", r.get("node") or "")
+            acc = self._lost.get(key)
+            if acc is None:
+                acc = self._lost[key] = {"count": 0, "kinds": {}, "first": 0, "last": 0,
+                                         "step": r.get("step") or 0}
+            kind = r.get("kind") or "?"
+            c = int(r.get("count") or 0) if kind == "events_lost" else 1   # a dropped gap marker: its gap
+            acc["count"] += c
+            acc["kinds"][kind] = acc["kinds"].get(kind, 0) + c
+            ts = r.get("ts_ns") or 0
+            if ts and (not acc["first"] or ts < acc["first"]):
+                acc["first"] = ts
+            acc["last"] = max(acc["last"], ts)
+            n += c
+        self.dropped_total += n
+        _METRICS().add("dsec.events.lost", n, reason="spool_full")
+        now = time.monotonic()
+        if now - self._last_drop_log >= 5.0:
+            self._last_drop_log = now
+            log.warning("spool %s: %s (budget %d bytes, DSEC_SPOOL_MAX_BYTES): a required sink is not "
+                        "draining it; %d event(s) DROPPED so far by this process (recorded as events_lost)",
+                        self.path, why, self.max_bytes, self.dropped_total)
+
+    def _emit_losses(self, force: bool = False):
+        """Under the lock: write the pending spool_full events_lost records into
+        the reserve above the budget (coalesced: at most every LOSS_EMIT_INTERVAL)."""
+        now = time.monotonic()
+        if not self._lost or (not force and now - self._last_loss_emit < LOSS_EMIT_INTERVAL):
+            return
+        import socket
+        recs = []
+        for (sid, node), acc in self._lost.items():
+            recs.append({"event_id": "spoolfull-" + uuid.uuid4().hex, "ts_ns": acc["first"] or time.time_ns(),
+                         "node": node or socket.gethostname(), "sandbox_id": sid, "step": acc["step"],
+                         "kind": "events_lost", "count": acc["count"],
+                         "extra": json.dumps({"reason": "spool_full", "policy": "drop", "spool": self.path,
+                                              "budget_bytes": self.max_bytes, "kinds": acc["kinds"],
+                                              "window_start_ns": acc["first"], "window_end_ns": acc["last"]},
+                                             sort_keys=True, separators=(",", ":"))})
+        data = b"".join(encode_frame(r) for r in recs)
+        if not self._room(len(data), self.max_bytes + self.reserve_bytes):
+            return                                   # even the reserve is full: kept, retried later
+        try:
+            self._write(data)
+        except OSError as e:
+            log.warning("spool %s: cannot write the events_lost record(s) yet: %s", self.path, e.strerror)
+            return
+        self._lost.clear()
+        self._last_loss_emit = now
+        _count(recs, True, lost_markers=False)
 
     def _sync(self, fd):
         if self.fsync == "always":
@@ -397,6 +661,12 @@ class Spool:
                 self._last_sync = time.monotonic()
 
     def close(self):
+        if self._lost and self._lock_fd is not None:
+            try:
+                with self.locked():
+                    self._emit_losses(force=True)
+            except Exception as e:  # noqa: BLE001 - close must not fail; the metric has the count
+                log.warning("spool %s: events_lost record not written at close: %s", self.path, e)
         if self._fd is not None:
             try:
                 if self._dirty:
@@ -415,37 +685,65 @@ class Spool:
         self.close()
 
     # -- sinks
-    def reader(self, sink: str) -> "SpoolReader":
-        return SpoolReader(self, _sink_name(sink))
+    def reader(self, sink: str, evictable: bool | None = None) -> "SpoolReader":
+        """The reader of one sink. evictable=True marks a best-effort sink whose
+        backlog the disk budget may evict (module doc); None keeps what the
+        cursor says (False for a new sink)."""
+        return SpoolReader(self, _sink_name(sink), evictable)
 
     def sinks(self) -> list[str]:
-        return sorted(n[:-5] for n in os.listdir(self.cursor_dir) if n.endswith(".json"))
+        return sorted(n[:-5] for n in os.listdir(self.cursor_dir)
+                      if n.endswith(".json") and not n.endswith(".evicted.json"))
 
     def cursor_path(self, sink: str) -> str:
         return os.path.join(self.cursor_dir, f"{sink}.json")
 
     def load_cursor(self, sink: str) -> Position | None:
+        d = self.load_cursor_doc(sink)
+        return None if d is None else Position(d["segment"], d["offset"])
+
+    def load_cursor_doc(self, sink: str) -> dict | None:
+        """The cursor file: {"segment", "offset", "sink", "updated_ns", "evictable", "state"}
+        (state: what the sink keeps with its position, e.g. the JSON-lines file's
+        committed size)."""
         p = self.cursor_path(sink)
         try:
             with open(p) as f:
                 d = json.load(f)
-            return Position(int(d["segment"]), int(d["offset"]))
+            d["segment"], d["offset"] = int(d["segment"]), int(d["offset"])
+            return d
         except FileNotFoundError:
             return None
         except (ValueError, KeyError, TypeError) as e:
             raise DsecError(f"spool cursor {p} is unreadable ({e}); delete it to re-deliver everything "
                             f"still in the spool to sink {sink!r}")
 
-    def save_cursor(self, sink: str, pos: Position):
-        _write_atomic(self.cursor_path(sink), json.dumps(
-            {"segment": pos.segment, "offset": pos.offset, "sink": sink, "updated_ns": time.time_ns()}).encode())
+    _KEEP = object()
+
+    def save_cursor(self, sink: str, pos: Position, *, state=_KEEP, evictable=_KEEP):
+        """Atomically replace a sink's cursor; state/evictable not given are kept."""
+        if state is Spool._KEEP or evictable is Spool._KEEP:
+            try:
+                old = self.load_cursor_doc(sink) or {}
+            except DsecError:
+                old = {}
+            if state is Spool._KEEP:
+                state = old.get("state")
+            if evictable is Spool._KEEP:
+                evictable = bool(old.get("evictable"))
+        doc = {"segment": pos.segment, "offset": pos.offset, "sink": sink, "updated_ns": time.time_ns(),
+               "evictable": bool(evictable)}
+        if state is not None:
+            doc["state"] = state
+        _write_atomic(self.cursor_path(sink), json.dumps(doc, ensure_ascii=True).encode())
 
     def drop_sink(self, sink: str):
         with self.locked():
-            try:
-                os.unlink(self.cursor_path(_sink_name(sink)))
-            except FileNotFoundError:
-                pass
+            for p in (self.cursor_path(_sink_name(sink)), self.evicted_path(sink)):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
         self.collect()
 
     def collect(self) -> list[int]:
@@ -504,17 +802,31 @@ class SpoolReader:
     """Reads one sink's records from its cursor. read() always starts at the
     committed cursor: a batch that could not be delivered is read again."""
 
-    def __init__(self, spool: Spool, sink: str):
+    def __init__(self, spool: Spool, sink: str, evictable: bool | None = None):
         self.spool = spool
         self.sink = sink
         self._lock_fd = None
         with spool.locked():  # registration must not race segment deletion
-            pos = spool.load_cursor(sink)
-            if pos is None:
+            doc = spool.load_cursor_doc(sink)
+            if doc is None:
                 segs = spool.segments()
                 pos = Position(segs[0] if segs else 1, 0)
-                spool.save_cursor(sink, pos)
+                self.evictable = bool(evictable)
+                self.state = None
+                spool.save_cursor(sink, pos, state=None, evictable=self.evictable)
+            else:
+                pos = Position(doc["segment"], doc["offset"])
+                self.state = doc.get("state")
+                self.evictable = bool(doc.get("evictable")) if evictable is None else bool(evictable)
+                if self.evictable != bool(doc.get("evictable")):
+                    spool.save_cursor(sink, pos, state=self.state, evictable=self.evictable)
         self.position = pos
+
+    def load_state(self):
+        """The state committed with the cursor (None if none)."""
+        doc = self.spool.load_cursor_doc(self.sink)
+        self.state = doc.get("state") if doc else None
+        return self.state
 
     # -- one reader per sink at a time
     def lock(self, timeout: float | None = None) -> bool:
@@ -603,6 +915,13 @@ class SpoolReader:
         batch.end = pos
         if batch.damage:
             self._date_damage(batch)
+        if self.evictable and os.path.exists(self.spool.evicted_path(self.sink)):
+            ev = [Damage(e["segment"], e["offset"], e.get("bytes", 0),
+                         "evicted by the spool's disk budget before this sink delivered it",
+                         frames=max(1, int(e.get("records") or 0)), ts_ns=int(e.get("ts_ns") or 0),
+                         cause="sink_evicted")
+                  for e in self.spool.load_evicted(self.sink)]
+            batch.damage[:0] = ev
         return batch
 
     def _date_damage(self, batch: Batch):
@@ -612,6 +931,8 @@ class SpoolReader:
         event a sink derives from it is the same event when re-sent."""
         import bisect
         for d in batch.damage:
+            if d.ts_ns:
+                continue
             i = bisect.bisect_left(batch.positions, (d.segment, d.offset))
             near = [j for j in (i - 1, i) if 0 <= j < len(batch.positions)
                     and batch.positions[j][0] == d.segment]
@@ -676,17 +997,47 @@ class SpoolReader:
     def _damage(seq, offset, length, reason, frames=1, payload=None) -> Damage:
         return Damage(seq, offset, length, reason, frames, payload)
 
-    def commit(self, batch_or_pos) -> None:
-        """Record delivery up to the batch's end; report its damage (once)."""
+    def commit(self, batch_or_pos, state=Spool._KEEP) -> None:
+        """Record delivery up to the batch's end; report its damage (once).
+        `state` (JSON-able) is stored with the position, atomically."""
+        evicted = []
         if isinstance(batch_or_pos, Batch):
             for d in batch_or_pos.damage:
-                self._report(d)
+                if d.cause == "sink_evicted":
+                    evicted.append(d)
+                else:
+                    self._report(d)
             pos = batch_or_pos.end
         else:
             pos = batch_or_pos
-        self.spool.save_cursor(self.sink, pos)
+        if state is not Spool._KEEP:
+            self.state = state
+        self.spool.save_cursor(self.sink, pos, state=self.state, evictable=self.evictable)
         self.position = pos
+        if evicted:
+            self._clear_evicted(evicted)
         self.spool.collect()
+
+    def _clear_evicted(self, reported):
+        """The evictions this sink has now recorded as gaps are forgotten (under the
+        writer lock: an eviction in between is kept)."""
+        done = {(d.segment, d.offset) for d in reported}
+        with self.spool.locked():
+            rest = [e for e in self.spool.load_evicted(self.sink) if (e["segment"], e["offset"]) not in done]
+            p = self.spool.evicted_path(self.sink)
+            if rest:
+                _write_atomic(p, json.dumps({"sink": self.sink, "segments": rest}).encode())
+            else:
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+        for d in reported:
+            log.warning("spool %s, sink %s: %s", self.spool.path, self.sink, d.describe())
+            with open(os.path.join(self.spool.path, "damage.log"), "a") as f:
+                f.write(json.dumps({"ts_ns": time.time_ns(), "sink": self.sink, "segment": d.segment,
+                                    "offset": d.offset, "length": d.length, "reason": d.reason,
+                                    "frames": d.frames, "cause": d.cause}, ensure_ascii=True) + "\n")
 
     def _report(self, d: Damage):
         log.warning("spool %s, sink %s: %s", self.spool.path, self.sink, d.describe())

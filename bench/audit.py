@@ -6,6 +6,7 @@ usage:
   .venv/bin/python bench/audit.py --quick      # short run (about 1.5-2 min)
   .venv/bin/python bench/audit.py --reps 5     # more repetitions of part 1
   .venv/bin/python bench/audit.py --skip-rate  # part 1 only (--skip-overhead: part 2 only)
+  .venv/bin/python bench/audit.py --skip-overhead --skip-rate   # part 3 only (--skip-sinks: not part 3)
 
 Part 1, overhead. Three workloads in a real sandbox, each run with
 `dsec run --audit off` (the baseline) and `dsec run` (audit on), interleaved,
@@ -34,6 +35,23 @@ slow decoder for a few seconds, so only the long hold is conclusive), and
 emitted. A hold that fails is retried lower (at most 3 holds). Prints the
 wall time of each agent stage per event, the CPU of each party during the
 hold, and the sensor's fixed costs (compile, detach).
+
+Part 3, each sink. The same kind of pipeline (Recorder -> spool -> ONE sink
+in a thread of this process, the sink's own run() loop) for each sink in turn:
+ClickHouse (exporters/clickhouse.py), OTLP/gRPC (exporters/otel.py, to a real
+receiver in its own process: tests/otlp_receiver.py, which counts the log
+records and their distinct log.record.uid per sandbox) and JSON lines
+(exporters/jsonl.py, a file under /dev/shm, fsync on). Paced open_write
+generator as in part 2; probes of 3 s (2 s with --quick) doubling from
+2000/s, one bisection, then a 10 s (5 s) hold at the best rate. A step
+passes when the kernel lost nothing, the generator kept its rate, the sink
+had everything at most --max-lag seconds after the generator stopped, and
+the destination holds exactly the emitted events, each once (ClickHouse:
+count() FINAL; OTLP: records == distinct uids == emitted; JSON lines: lines
+== distinct event_ids == emitted). Reported per sink: the highest zero-loss
+rate held, and the agent process's CPU (user+system of this process:
+recorder, decoder, spool, sink; not the generator, not the destination) per
+10 000 events at that rate.
 
 Everything goes to a dedicated database on dsec's private ClickHouse server
 (started if needed, left running) and a temporary spool; the database, spools,
@@ -146,8 +164,8 @@ def part_overhead(env, tmp, reps, quick, client, db):
                                                        if m == "on" else ""), flush=True)
     # ClickHouse must hold exactly what the kernel emitted for every audited run
     on_runs = [r for (w, m), rs in res.items() if m == "on" for r in rs]
-    rows = dict(client.execute(
-        f"SELECT sandbox_id, countIf(kind NOT IN ('sandbox_start', 'sandbox_exit', 'events_lost')) "
+    rows = dict(client.execute(      # the kernel's kinds only (not the launcher's sandbox_*/step_* records)
+        f"SELECT sandbox_id, countIf(kind IN ('exec', 'fork', 'exit', 'connect', 'open_write', 'unlink', 'rename')) "
         f"FROM {db}.events FINAL WHERE sandbox_id IN %(s)s GROUP BY sandbox_id",
         {"s": tuple(r["sid"] for r in on_runs)}))
     bad = [(r["sid"], r["events"], rows.get(r["sid"], 0)) for r in on_runs if rows.get(r["sid"], 0) != r["events"]]
@@ -553,6 +571,264 @@ def part_rate(url, tmp, quick, max_lag_s, client, db, ch_pid, cg_root):
         shutil.rmtree(gen_dir, ignore_errors=True)
 
 
+
+# ---------------------------------------------------------------- part 3: each sink
+
+RECEIVER = os.path.join(ROOT, "tests", "otlp_receiver.py")
+
+
+class SinkBench:
+    """Recorder (compiled once) -> one spool -> one sink at a time."""
+
+    def __init__(self, url, tmp, cg_root):
+        from agent.recorder import Recorder
+        from agent.spool import Spool
+        self.url, self.tmp, self.cg_root = url, tmp, cg_root
+        self.spool = Spool(os.path.join(tmp, "spool-sinks"), fsync="never")
+        self.rec = Recorder(node="bench", spool=self.spool, enforce=False)
+        self.gen_dir = tempfile.mkdtemp(prefix="dsec-bench-gen3-", dir="/dev/shm")
+        self.jsonl_path = os.path.join(tempfile.mkdtemp(prefix="dsec-bench-jsonl-", dir="/dev/shm"), "audit.jsonl")
+        self.rx = None
+        self.rx_status = os.path.join(tmp, "otlp-status.json")
+        self.cgroups = []
+        self.gens = []
+        self.sink = None
+        self.thread = None
+        self.stop = None
+
+    # -- destinations
+    def start_receiver(self):
+        port = _free_port()
+        self.rx = subprocess.Popen([sys.executable, RECEIVER, "--port", str(port), "--status", self.rx_status],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = self.rx.stdout.readline().split()
+        if not line or line[0] != "listening":
+            raise RuntimeError(f"OTLP receiver did not start: {self.rx.stderr.read()[-300:]}")
+        return f"http://127.0.0.1:{port}"
+
+    def rx_counts(self, sid):
+        try:
+            with open(self.rx_status) as f:
+                d = json.load(f)
+        except (OSError, ValueError):
+            return 0, 0
+        return d["logs"].get(sid, 0), d["unique"].get(sid, 0)
+
+    def use(self, kind, client, db):
+        from agent.spool import Position
+        from exporters.clickhouse import ClickHouseExporter
+        from exporters.jsonl import JsonlSink
+        from exporters.otel import OtlpSink
+        self.close_sink()
+        if kind == "clickhouse":
+            self.sink = ClickHouseExporter(self.spool, self.url, sink="bench-ch")
+        elif kind == "otlp":
+            self.sink = OtlpSink(self.spool, sink="bench-otlp", endpoint=self.start_receiver(), traces=False)
+        else:
+            self.sink = JsonlSink(self.spool, sink="bench-jsonl", path=self.jsonl_path, fsync=True)
+        segs = self.spool.segments()                 # start at the end: earlier parts' records are not ours
+        if segs:
+            self.sink.reader.commit(Position(segs[-1], os.path.getsize(self.spool.seg_path(segs[-1]))))
+        self.kind, self.client, self.db = kind, client, db
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.sink.run, args=(self.stop,), kwargs={"interval": 0.1},
+                                       name="bench-sink", daemon=True)
+        self.thread.start()
+
+    def delivered(self, sid):
+        """(records at the destination, distinct event ids) for sandbox sid."""
+        if self.kind == "clickhouse":
+            return self.client.execute(f"SELECT count(), uniqExact(event_id) FROM {self.db}.events FINAL "
+                                       f"WHERE sandbox_id = %(s)s AND kind != 'events_lost'", {"s": sid})[0]
+        if self.kind == "otlp":
+            return self.rx_counts(sid)
+        n, ids = 0, set()
+        try:
+            with open(self.jsonl_path, "rb") as f:
+                f.seek(self.jsonl_off)
+                for line in f:
+                    if sid.encode() in line:
+                        n += 1
+                        ids.add(json.loads(line)["event_id"])
+        except FileNotFoundError:
+            pass
+        return n, len(ids)
+
+    def close_sink(self):
+        if self.sink is not None:
+            self.stop.set()
+            self.thread.join(30)
+            self.sink.close()
+            self.spool.drop_sink(self.sink.sink)
+            self.sink = None
+        if self.rx is not None:
+            self.rx.terminate()
+            try:
+                self.rx.wait(10)
+            except subprocess.TimeoutExpired:
+                self.rx.kill()
+            self.rx = None
+
+    # -- one probe
+    def step(self, rate, duration, max_lag_s):
+        path = os.path.join(self.cg_root, f"dsec-bench-{uuid.uuid4().hex[:8]}")
+        os.mkdir(path)
+        self.cgroups.append(path)
+        cgid = os.stat(path).st_ino
+        sid = f"sink-{self.kind}-{int(rate)}-{uuid.uuid4().hex[:6]}"
+        self.rec.watch(sid, cgid, rate=0)
+        base_sent = self.sink.total_sent
+        self.jsonl_off = os.path.getsize(self.jsonl_path) if os.path.exists(self.jsonl_path) else 0
+        t_cpu = os.times()
+        gen = subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0" || exit 125; exec "$@"',
+                                os.path.join(path, "cgroup.procs"), PYTHON, "-I", "-S", "-B", "-c", GEN_PY,
+                                str(rate), str(duration), self.gen_dir],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.gens.append(gen)
+        t0 = time.monotonic()
+        aborted = None
+        while gen.poll() is None:
+            time.sleep(0.25)
+            st = self.rec.sensor.stats(cgid)
+            behind = sum(st["emitted"].values()) - (self.sink.total_sent - base_sent)
+            if st["lost_total"]:
+                aborted = "kernel loss"
+            elif behind > 4 * max_lag_s * rate and time.monotonic() - t0 > 1.0:
+                aborted = "falling behind"
+            if aborted:
+                kill_cgroup(path)
+                break
+        out, err = gen.communicate()
+        self.gens.remove(gen)
+        gen_done = time.monotonic()
+        achieved = None
+        if not aborted and gen.returncode == 0:
+            n_gen, gen_s = out.split()
+            achieved = int(n_gen) / float(gen_s)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            st = self.rec.sensor.stats(cgid)
+            if self.sink.total_sent - base_sent >= sum(st["emitted"].values()):
+                break
+            time.sleep(0.02)
+        drain = time.monotonic() - gen_done
+        totals = self.rec.unwatch(cgid)
+        t_cpu1 = os.times()
+        agent_cpu = (t_cpu1.user + t_cpu1.system) - (t_cpu.user + t_cpu.system)
+        emitted = sum(totals["emitted"].values())
+        deadline = time.monotonic() + 30
+        got = (0, 0)
+        while time.monotonic() < deadline:               # the destination's own count
+            got = self.delivered(sid)
+            if got[0] >= emitted:
+                break
+            time.sleep(0.1)
+        try:
+            os.rmdir(path)
+            self.cgroups.remove(path)
+        except OSError:
+            pass
+        verdict = "ok"
+        if aborted:
+            verdict = aborted
+        elif totals["lost_total"]:
+            verdict = "kernel loss"
+        elif achieved is None or achieved < 0.97 * rate:
+            verdict = "generator limit"
+        elif drain > max_lag_s:
+            verdict = "falling behind"
+        elif got != (emitted, emitted):
+            verdict = f"destination has {got[0]} ({got[1]} distinct) of {emitted}"
+        wall = gen_done - t0 + drain
+        return {"rate": rate, "duration": duration, "achieved": achieved, "emitted": emitted,
+                "lost": totals["lost_total"], "drain": drain, "got": got, "verdict": verdict,
+                "through": emitted / max(1e-3, wall), "cpu": agent_cpu,
+                "cpu_10k": agent_cpu / emitted * 10000 if emitted else 0.0}
+
+    def close(self):
+        self.close_sink()
+        for g in self.gens:
+            g.kill()
+        for p in list(self.cgroups):
+            kill_cgroup(p)
+            try:
+                os.rmdir(p)
+            except OSError:
+                pass
+        self.rec.close()
+        self.spool.close()
+        shutil.rmtree(self.gen_dir, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(self.jsonl_path), ignore_errors=True)
+
+
+def _free_port():
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def part_sinks(url, tmp, quick, max_lag_s, client, db, cg_root):
+    probe = 2.0 if quick else 3.0
+    hold = 5.0 if quick else 10.0
+    print(f"== part 3: kernel -> each sink, highest zero-loss rate (open_write events; probes {probe:.0f}s "
+          f"doubling from 2000/s, one bisection, then {hold:.0f}s at the best rate; agent CPU = this process)",
+          flush=True)
+    bench = SinkBench(url, tmp, cg_root)
+    results = {}
+    ok = True
+    try:
+        for kind in ("clickhouse", "otlp", "jsonl"):
+            bench.use(kind, client, db)
+            print(f"   -- {kind}")
+            print(f"   {'target':>8} {'dur':>4} {'achieved':>8} {'emitted':>8} {'lost':>5} {'drain s':>7} "
+                  f"{'put/s':>8} {'CPU s':>6} {'CPU/10k':>8}  verdict")
+
+            def step(rate, dur):
+                r = bench.step(rate, dur, max_lag_s)
+                ach = f"{r['achieved']:>8.0f}" if r["achieved"] is not None else "aborted "
+                print(f"   {r['rate']:>8.0f} {r['duration']:>4.0f} {ach} {r['emitted']:>8} {r['lost']:>5} "
+                      f"{r['drain']:>7.2f} {r['through']:>8.0f} {r['cpu']:>6.2f} {r['cpu_10k']:>7.2f}s  "
+                      f"{r['verdict']}", flush=True)
+                return r
+            good, bad, rate = 0.0, None, 2000.0
+            for _ in range(7):                                 # bounded ramp: 2k .. 128k
+                if step(rate, probe)["verdict"] != "ok":
+                    bad = rate
+                    break
+                good = rate
+                rate *= 2
+            if bad is not None and good:
+                mid = round((good + bad) / 2, -2)
+                if step(mid, probe)["verdict"] == "ok":
+                    good = mid
+            final = None
+            rate = good
+            for _ in range(2):                                 # hold; one step down on failure
+                if rate < 100:
+                    break
+                r = step(rate, hold)
+                if r["verdict"] == "ok":
+                    final = r
+                    break
+                rate = round(min(rate * 0.85, r["through"] * 0.95), -2)
+            results[kind] = final
+            ok &= final is not None
+        print()
+        print(f"   {'sink':12} {'zero-loss events/s':>18} {'agent CPU per 10k events':>26}")
+        for kind, r in results.items():
+            if r is None:
+                print(f"   {kind:12} {'!! none held':>18}")
+            else:
+                print(f"   {kind:12} {r['rate']:>18.0f} {r['cpu_10k']:>24.2f} s   (held {r['duration']:.0f}s, "
+                      f"{r['emitted']} events, all at the destination once)")
+        print(flush=True)
+    finally:
+        bench.close()
+    return results, ok
+
 # ---------------------------------------------------------------- main
 
 def main():
@@ -564,6 +840,7 @@ def main():
                          "stops (default 1)")
     ap.add_argument("--skip-overhead", action="store_true", help="skip part 1")
     ap.add_argument("--skip-rate", action="store_true", help="skip part 2")
+    ap.add_argument("--skip-sinks", action="store_true", help="skip part 3 (each sink)")
     a = ap.parse_args()
     reps = a.reps or 3
     if not 1 <= reps <= 20:
@@ -601,6 +878,9 @@ def main():
             ok &= good
         if not a.skip_rate:
             _, good = part_rate(url, tmp, a.quick, a.max_lag, client, db, server.pid(), cg_root)
+            ok &= good
+        if not a.skip_sinks:
+            _, good = part_sinks(url, tmp, a.quick, a.max_lag, client, db, cg_root)
             ok &= good
     finally:
         try:

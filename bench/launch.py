@@ -1,23 +1,37 @@
 #!/usr/bin/env python3
-"""Sandbox launch latency: dsec vs bubblewrap vs plain fork+exec, in one run.
+"""Sandbox launch latency: dsec vs bubblewrap vs plain fork+exec, in one run;
+then sandboxes per second sustained through the node agent.
 
 usage:
   .venv/bin/python bench/launch.py            # 200 runs of each
   .venv/bin/python bench/launch.py --runs 50
+  .venv/bin/python bench/launch.py --runs 50 --no-agent    # only the in-process cases
 
 Measures, N times each, interleaved so that machine noise hits all alike:
   fork+exec     posix_spawn of /bin/true, waited (the floor)
   bwrap         bubblewrap with the same namespaces (pid, mount, ipc, uts, net),
                 read-only /usr with the merged-usr symlinks, /proc, /dev, tmpfs /tmp
-  dsec-cli      `dsec run -- /bin/true` (a new Python process each time)
+  dsec-cli      `dsec run -- /bin/true` (a new Python process each time, in-process: DSEC_AGENT=off)
   dsec-inproc   launcher.launch() called from this process: the sandbox cost
                 without the interpreter start-up of the CLI
+  agent-cold    through a `dsec agent` started by this script (own socket, spool in a temp dir,
+                eBPF audit on, exporting to ClickHouse): CreateSandbox (no warm sandbox) +
+                Exec /bin/true + CloseSandbox, from the Python SDK
+  agent-warm    the same, the request matching the agent's warm-pool profile (4 sandboxes kept
+                ready, refilled in the background); the share of requests served warm is printed
+  dsec-cli-agent `dsec run -- /bin/true` with the agent running (the CLI's start-up + the agent;
+                it returns once the run's audit record is in ClickHouse)
 Prints min / median / p90 / p99 in ms and the ratios against bwrap and fork+exec.
+
+Then sandboxes per second through the agent (create + exec /bin/true + close,
+64 MiB each, no CPU quota, cold) at concurrency 1, 8 and 32, each for
+--sustain seconds (default 15).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -52,9 +66,99 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
+class BenchAgent:
+    """A `dsec agent` of this benchmark's own: socket, run dir and spool in a temp dir."""
+
+    def __init__(self, warm_count: int):
+        import tempfile
+        import yaml
+        self.dir = tempfile.mkdtemp(prefix="dsec-bench-agent-")
+        self.socket = os.path.join(self.dir, "run", "agent.sock")
+        cfg = {"socket": self.socket, "log_level": "warning",
+               "capacity": {"cpu_oversubscription": 64, "reserve_memory": "1G"},
+               "scheduling": {"tick_seconds": 0.1, "max_parallel_starts": 16},
+               "warm_pool": [{"name": "bench", "count": warm_count, "memory": "128M", "pids": 256}]}
+        with open(os.path.join(self.dir, "agent.yaml"), "w") as f:
+            yaml.safe_dump(cfg, f)
+        env = dict(os.environ, DSEC_SPOOL_DIR=os.path.join(self.dir, "spool"))
+        env.pop("DSEC_AGENT_SOCKET", None)
+        self.log = open(os.path.join(self.dir, "agent.log"), "wb")
+        self.proc = subprocess.Popen([DSEC, "agent", "--config", os.path.join(self.dir, "agent.yaml")],
+                                     env=env, stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL)
+        from agent.client import AgentError, Client
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"bench: the agent exited ({self.proc.returncode}); log: {self.log.name}")
+            if os.path.exists(self.socket):
+                try:
+                    self.client = Client(self.socket, connect_timeout=2)
+                    self.client.capabilities(timeout=5)
+                    break
+                except AgentError:
+                    self.client.close()
+            if time.monotonic() > deadline:
+                raise SystemExit(f"bench: the agent did not come up; log: {self.log.name}")
+            time.sleep(0.2)
+
+    def wait_warm(self, n, timeout=60):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.client.capabilities()["warm_profiles"][0]["ready"] >= n:
+                return True
+            time.sleep(0.1)
+        return False
+
+    def stop(self):
+        import shutil
+        self.client.close()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def sustained(agent, concurrency: int, seconds: float) -> tuple[int, float, int]:
+    """Sandboxes (create + exec /bin/true + close) completed per second by `concurrency`
+    SDK threads for `seconds`. Returns (completed, rate, failures)."""
+    import threading
+    from agent.client import AgentError
+    stop_at = time.monotonic() + seconds
+    done, failed = [0], [0]
+    lock = threading.Lock()
+
+    def worker():
+        while time.monotonic() < stop_at:
+            try:
+                sb = agent.client.create(memory="64M", pids=64, warm=False)   # no CPU quota
+                r = sb.exec(["/bin/true"])
+                sb.close()
+                ok = r.code == 0
+            except AgentError:
+                ok = False
+            with lock:
+                if ok:
+                    done[0] += 1
+                else:
+                    failed[0] += 1
+    t0 = time.monotonic()
+    ts = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return done[0], done[0] / (time.monotonic() - t0), failed[0]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--no-agent", action="store_true", help="skip the node agent cases")
+    ap.add_argument("--sustain", type=float, default=15.0, help="seconds per concurrency level (agent)")
     a = ap.parse_args()
     from agent.launcher import SandboxSpec, launch
 
@@ -68,9 +172,11 @@ def main():
     def bwrap():
         subprocess.run(bw, check=True, stdout=devnull, stderr=devnull)
 
+    cli_env = dict(os.environ, DSEC_AGENT="off")
+
     def dsec_cli():
         subprocess.run([DSEC, "run", "--sandbox-id", f"bench-{os.getpid()}", "--", "/bin/true"],
-                       check=True, stdout=devnull, stderr=devnull)
+                       check=True, stdout=devnull, stderr=devnull, env=cli_env)
 
     def dsec_inproc():
         r = launch(SandboxSpec(argv=["/bin/true"], sandbox_id=f"benchp-{os.getpid()}"),
@@ -78,21 +184,61 @@ def main():
         assert r.exit_code == 0
 
     cases = {"fork+exec": fork_exec, "bwrap": bwrap, "dsec-cli": dsec_cli, "dsec-inproc": dsec_inproc}
-    for fn in cases.values():   # warm caches (base rootfs, page cache)
-        fn()
-    res = {k: [] for k in cases}
-    for i in range(a.runs):
-        for k, fn in cases.items():
-            res[k].append(timed(fn))
-    print(f"launch latency of /bin/true, {a.runs} runs each (ms)")
-    print(f"{'':12} {'min':>8} {'median':>8} {'p90':>8} {'p99':>8}")
-    for k, xs in res.items():
-        print(f"{k:12} {min(xs):8.2f} {statistics.median(xs):8.2f} {pct(xs, 90):8.2f} {pct(xs, 99):8.2f}")
-    med = {k: statistics.median(v) for k, v in res.items()}
-    print("ratios of medians:")
-    for k in ("dsec-cli", "dsec-inproc"):
-        print(f"  {k}/bwrap      {med[k] / med['bwrap']:7.2f}")
-        print(f"  {k}/fork+exec  {med[k] / med['fork+exec']:7.2f}")
+    agent = None
+    warm_hits = [0, 0]
+    if not a.no_agent:
+        agent = BenchAgent(warm_count=4)
+        agent_env = dict(os.environ, DSEC_AGENT_SOCKET=agent.socket)
+        agent.wait_warm(4)
+
+        def agent_cold():
+            sb = agent.client.create(memory="128M", pids=256, warm=False)
+            assert sb.exec(["/bin/true"]).code == 0
+            sb.close()
+
+        def agent_warm():
+            sb = agent.client.create(memory="128M", pids=256)
+            warm_hits[0] += sb.created.warm
+            warm_hits[1] += 1
+            assert sb.exec(["/bin/true"]).code == 0
+            sb.close()
+
+        def dsec_cli_agent():
+            subprocess.run([DSEC, "run", "--", "/bin/true"], check=True, stdout=devnull, stderr=devnull,
+                           env=agent_env)
+        cases.update({"agent-cold": agent_cold, "agent-warm": agent_warm, "dsec-cli-agent": dsec_cli_agent})
+    try:
+        for fn in cases.values():   # warm caches (base rootfs, page cache)
+            fn()
+        warm_hits[:] = [0, 0]
+        res = {k: [] for k in cases}
+        for i in range(a.runs):
+            for k, fn in cases.items():
+                res[k].append(timed(fn))
+        print(f"launch latency of /bin/true, {a.runs} runs each (ms)")
+        print(f"{'':15} {'min':>8} {'median':>8} {'p90':>8} {'p99':>8}")
+        for k, xs in res.items():
+            print(f"{k:15} {min(xs):8.2f} {statistics.median(xs):8.2f} {pct(xs, 90):8.2f} {pct(xs, 99):8.2f}")
+        med = {k: statistics.median(v) for k, v in res.items()}
+        print("ratios of medians:")
+        for k in ("dsec-cli", "dsec-inproc", "agent-cold", "agent-warm", "dsec-cli-agent"):
+            if k in med:
+                print(f"  {(k + '/bwrap'):26} {med[k] / med['bwrap']:8.2f}")
+                print(f"  {(k + '/fork+exec'):26} {med[k] / med['fork+exec']:8.2f}")
+        if agent is not None:
+            print(f"agent-warm: {warm_hits[0]} of {warm_hits[1]} requests took a warm sandbox "
+                  f"(the pool of 4 refills in the background)")
+            print(f"\nsandboxes per second through the agent (create + exec /bin/true + close, cold, "
+                  f"{a.sustain:g} s each):")
+            base = None
+            for conc in (1, 8, 32):
+                n, rate, failed = sustained(agent, conc, a.sustain)
+                base = base or rate
+                print(f"  concurrency {conc:2d}: {rate:6.1f}/s ({n} sandboxes, {failed} failed, "
+                      f"{rate / base:4.2f}x concurrency 1)")
+    finally:
+        if agent is not None:
+            agent.stop()
 
 
 if __name__ == "__main__":

@@ -15,62 +15,30 @@ the copies not merged yet. Raw `SELECT count() FROM events` without FINAL
 may count a re-sent copy until the next merge.
 
 If ClickHouse is unreachable the records stay in the spool; flush() retries
-with backoff until its timeout and returns what is still pending. Damage the
+with backoff and jitter until its timeout and returns what is still pending. Damage the
 spool reader found (corrupt or invalid frames) is inserted as `events_lost`
 events (sandbox_id "", extra.reason "spool_damage", event_id derived from
 the spool id, segment and offset, so it too is inserted once) and logged.
+
+The cursor, batching, retry and run loop are exporters/base.py's (shared by
+every sink); this module is the ClickHouse part: connection, migrations at
+first connection, columnar insert. ClickHouse is a required sink: the disk
+budget never evicts its backlog (agent/spool.py).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import socket
 import threading
-import time
-from dataclasses import dataclass
 
-from agent.errors import DsecError
-from agent.spool import Batch, Damage, Spool
+from agent.spool import Spool
 from audit_schema.events import FIELDS, default
+from exporters.base import FlushResult, RetryPolicy, SpoolSink, damage_event  # noqa: F401 - re-exported
 
 log = logging.getLogger("dsec.exporter.clickhouse")
 
 SINK = "clickhouse"
 _COLUMNS = ", ".join(f.name for f in FIELDS)
 _MIGRATED: set = set()       # (url, db) migrated by this process
-
-
-@dataclass
-class FlushResult:
-    sent: int = 0               # records inserted by this call
-    damaged: int = 0            # spool regions reported as lost
-    pending: int = 0            # records still in the spool for this sink
-    pending_bytes: int = 0
-    error: str | None = None    # the last failure, when something is pending
-    fatal: bool = False         # retrying will not help (e.g. schema too new)
-
-    @property
-    def ok(self) -> bool:
-        return self.pending == 0 and self.error is None
-
-    def summary(self) -> str:
-        s = f"{self.sent} event(s) sent to ClickHouse"
-        if self.damaged:
-            s += f", {self.damaged} damaged spool region(s) reported"
-        if self.pending:
-            s += f", {self.pending} still in the spool"
-        if self.error:
-            s += f" ({self.error})"
-        return s
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    if "Stack trace" in text:
-        text = text.split("Stack trace")[0]
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return " ".join(lines[:2])[:300] if lines else type(e).__name__
 
 
 def columns_for(records: list[dict]) -> list[list]:
@@ -90,32 +58,21 @@ def columns_for(records: list[dict]) -> list[list]:
     return cols
 
 
-def damage_event(d: Damage, spool: Spool) -> dict:
-    """An events_lost record marking a gap the spool could not deliver."""
-    node = socket.gethostname()
-    eid = hashlib.sha256(f"spool-damage\0{spool.id}\0{d.segment}\0{d.offset}".encode()).hexdigest()[:32]
-    extra = {"reason": "spool_damage", "detail": d.reason, "spool": spool.path, "segment": d.segment,
-             "offset": d.offset, "bytes": d.length}
-    if d.payload is not None:
-        extra["payload"] = d.payload[:65536]
-    return {"event_id": eid, "ts_ns": d.ts_ns or time.time_ns(), "node": node, "kind": "events_lost",
-            "count": d.frames, "extra": json.dumps(extra, ensure_ascii=True)}
+class ClickHouseExporter(SpoolSink):
+    kind = SINK
+    label = "ClickHouse"
+    evictable = False
 
-
-class ClickHouseExporter:
     def __init__(self, spool: Spool | None = None, url: str | None = None, *, sink: str = SINK,
-                 batch_records: int = 10000, connect_timeout: float = 3.0):
-        self.spool = spool or Spool()
+                 batch_records: int = 10000, connect_timeout: float = 3.0, flush_interval: float = 0.5,
+                 retry: RetryPolicy | None = None):
+        super().__init__(spool, sink=sink, batch_records=batch_records, flush_interval=flush_interval,
+                         retry=retry or RetryPolicy(initial=0.1, maximum=2.0))
         self._url = url
-        self.sink = sink
-        self.batch_records = batch_records
         self.connect_timeout = connect_timeout
-        self.reader = self.spool.reader(sink)
         self._client = None
         self._db = None
         self._key = None
-        self.total_sent = 0
-        self.total_damaged = 0
 
     @property
     def url(self) -> str:
@@ -148,9 +105,11 @@ class ClickHouseExporter:
                 pass
         self._client = None
 
+    reset_connection = _drop_client
+
     def close(self):
         self._drop_client()
-        self.reader.close()
+        super().close()
 
     def insert(self, records: list[dict]) -> None:
         """One batched native INSERT (raises on failure)."""
@@ -163,71 +122,8 @@ class ClickHouseExporter:
                 _MIGRATED.discard(self._key)
             raise
 
-    def _send(self, batch: Batch) -> int:
-        rows = list(batch.records) + [damage_event(d, self.spool) for d in batch.damage]
-        if rows:
-            self.insert(rows)
-        self.reader.commit(batch)
-        return len(batch.records)
-
-    def flush(self, timeout: float = 30.0) -> FlushResult:
-        """Deliver everything in the spool now, retrying until `timeout` seconds
-        have passed. Never raises for an outage: the result says what is pending."""
-        deadline = time.monotonic() + timeout
-        res = FlushResult()
-        if not self.reader.lock(timeout):
-            res.error = f"another process is delivering spool {self.spool.path} to ClickHouse"
-            res.pending, res.pending_bytes = self.reader.backlog()
-            return res
-        try:
-            backoff = 0.1
-            while True:
-                try:
-                    batch = self.reader.read(self.batch_records)
-                    if not batch:
-                        res.error = None
-                        break
-                    n = self._send(batch)
-                    res.sent += n
-                    res.damaged += len(batch.damage)
-                    self.total_sent += n
-                    self.total_damaged += len(batch.damage)
-                    backoff = 0.1
-                except DsecError as e:   # configuration: schema newer, bad URL ...
-                    self._drop_client()
-                    res.error, res.fatal = e.message, True
-                    break
-                except Exception as e:   # outage, network, server-side error: retry
-                    self._drop_client()
-                    res.error = _first_line(e)
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    time.sleep(min(backoff, left))
-                    backoff = min(backoff * 2, 2.0)
-        finally:
-            self.reader.unlock()
-        res.pending, res.pending_bytes = self.reader.backlog()
-        if res.pending == 0 and res.error and not res.fatal:
-            res.error = None
-        return res
-
-    def run(self, stop: threading.Event, interval: float = 0.5, on_result=None):
-        """Deliver until `stop` is set; logs outages (once per change)."""
-        last_error = None
-        while not stop.is_set():
-            res = self.flush(timeout=min(5.0, max(interval, 0.1) * 4))
-            if on_result:
-                on_result(res)
-            if res.error != last_error:
-                if res.error:
-                    log.warning("ClickHouse export stalled, %d event(s) waiting in %s: %s",
-                                res.pending, self.spool.path, res.error)
-                elif last_error:
-                    log.warning("ClickHouse export resumed")
-                last_error = res.error
-            stop.wait(interval if not res.error else min(10.0, interval * 4))
-        self.flush(timeout=min(5.0, interval * 4))
+    def deliver(self, records: list[dict]) -> None:
+        self.insert(records)
 
 
 def flush(spool: Spool | None = None, url: str | None = None, timeout: float = 10.0) -> FlushResult:

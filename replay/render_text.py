@@ -1,9 +1,15 @@
-"""Render a Trajectory for a terminal: header, process tree, timeline."""
+"""Render a Trajectory for a terminal: header, steps, denials, then per step its
+process tree and timeline, then the file-change manifest.
+
+Everything that comes from the sandbox (paths, argv, comm) goes through _show:
+undecodable bytes and control characters are printed as escapes, so a hostile
+file name cannot drive the terminal."""
 from __future__ import annotations
 
+import errno
 import shlex
 
-from replay.trajectory import Proc, Trajectory, summary_of
+from replay.trajectory import Proc, Trajectory
 
 O_FLAGS = ((0o1, "O_WRONLY"), (0o2, "O_RDWR"), (0o100, "O_CREAT"), (0o1000, "O_TRUNC"),
            (0o2000, "O_APPEND"), (0o200, "O_EXCL"))
@@ -11,14 +17,14 @@ O_FLAGS = ((0o1, "O_WRONLY"), (0o2, "O_RDWR"), (0o100, "O_CREAT"), (0o1000, "O_T
 
 def _show(s: str, limit: int = 120) -> str:
     """Printable form of a surrogateescape string: bad bytes as \\xHH, control chars escaped."""
-    b = s.encode("utf-8", "surrogateescape")
+    b = str(s).encode("utf-8", "surrogateescape")
     text = b.decode("utf-8", "backslashreplace")
     text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _argv(argv, limit=100) -> str:
-    return _show(" ".join(shlex.quote(a) for a in argv), limit)
+    return _show(" ".join(shlex.quote(str(a)) for a in argv), limit)
 
 
 def _flags(f: int) -> str:
@@ -30,8 +36,16 @@ def _ret(r: dict) -> str:
     v = int(r.get("ret") or 0)
     if v >= 0:
         return "ok"
-    import errno
     return errno.errorcode.get(-v, str(v))
+
+
+def _dest(r: dict) -> str:
+    addr = r.get("addr", "")
+    if r.get("family") == "ipv6":
+        return f"[{addr}]:{r.get('port')}"
+    if r.get("family") == "unix":
+        return _show(addr)
+    return f"{addr}:{r.get('port')}"
 
 
 def describe(r: dict) -> str:
@@ -46,12 +60,9 @@ def describe(r: dict) -> str:
     if k == "fork":
         return f"fork     child {r.get('child_pid')}"
     if k == "exit":
-        return f"exit     " + (f"signal {r['signal']}" if r.get("signal") else f"code {r.get('exit_code')}")
+        return "exit     " + (f"signal {r['signal']}" if r.get("signal") else f"code {r.get('exit_code')}")
     if k == "connect":
-        addr = r.get("addr", "")
-        dest = f"[{addr}]:{r.get('port')}" if r.get("family") == "ipv6" else \
-            (_show(addr) if r.get("family") == "unix" else f"{addr}:{r.get('port')}")
-        return f"connect  {r.get('family')} {dest} -> {_ret(r)}"
+        return f"connect  {r.get('family')} {_dest(r)} -> {_ret(r)}"
     if k == "open_write":
         return f"write    {_show(r.get('path', ''))} ({_flags(int(r.get('flags') or 0))}) -> {_ret(r)}"
     if k == "unlink":
@@ -64,28 +75,36 @@ def describe(r: dict) -> str:
     if k in ("exec_denied", "exec_violation"):
         return f"{k:17} {_show(r.get('path', ''))}"
     if k in ("egress_denied", "egress_violation"):
-        addr = r.get("addr", "")
-        dest = f"[{addr}]:{r.get('port')}" if r.get("family") == "ipv6" else f"{addr}:{r.get('port')}"
-        return f"{k:17} {r.get('protocol') or r.get('family') or ''} {dest}"
+        return f"{k:17} {r.get('protocol') or r.get('family') or ''} {_dest(r)}"
     if k == "events_lost":
         return f"!! LOST  {r.get('count')} events not recorded ({_show(r.get('extra', ''), 80)})"
     if k == "sandbox_start":
-        return f"start    {_argv(r.get('argv') or [])}"
+        return f"start    {_argv(r.get('argv') or [])}" if r.get("argv") else "start    sandbox created"
     if k == "sandbox_exit":
         return "end      " + (f"signal {r['signal']}" if r.get("signal") else f"exit {r.get('exit_code')}")
+    if k == "step_start":
+        return f"step     start: {_argv(r.get('argv') or [])}"
+    if k == "step_end":
+        return "step     end: " + (f"signal {r['signal']}" if r.get("signal") else f"exit {r.get('exit_code')}")
+    if k == "lifecycle":
+        return f"agent    {_show(r.get('extra', ''), 100)}"
     return f"{k:8} {_show(r.get('path', ''))}"
 
 
-def _tree_lines(p: Proc, prefix: str, last: bool, root: bool, out: list[str]):
+def _tree_lines(p: Proc, prefix: str, last: bool, root: bool, out: list[str], step=None):
     head = "" if root else ("└─ " if last else "├─ ")
     if p.execs:
         e = p.execs[-1]
         what = _argv(e.get("argv") or [e.get("path", "")], 80)
         extra = []
+        if e.get("path") and (not e.get("argv") or e["argv"][0] != e["path"]):
+            extra.append(_show(e["path"], 60))
         if e.get("sha256"):
-            extra.append(f"sha256 {e['sha256'][:12]}")
+            extra.append(f"sha256 {e['sha256'][:16]}")
         if e.get("build_id"):
-            extra.append(f"build-id {e['build_id'][:12]}")
+            extra.append(f"build-id {e['build_id'][:16]}")
+        if e.get("shebang"):
+            extra.append(f"#!{_show(e['shebang'], 40)}")
         if len(p.execs) > 1:
             extra.append(f"{len(p.execs)} execs")
         what += ("  (" + ", ".join(extra) + ")") if extra else ""
@@ -98,39 +117,113 @@ def _tree_lines(p: Proc, prefix: str, last: bool, root: bool, out: list[str]):
         end = f"  → exit {p.exit_code}"
     out.append(f"{prefix}{head}[{p.pid}] {what}{end}")
     child_prefix = prefix + ("" if root else ("   " if last else "│  "))
-    for i, c in enumerate(p.children):
-        _tree_lines(c, child_prefix, i == len(p.children) - 1, False, out)
+    kids = [c for c in p.children if step is None or c.step == step]
+    for i, c in enumerate(kids):
+        _tree_lines(c, child_prefix, i == len(kids) - 1, False, out, step)
 
 
-def render(t: Trajectory, step: int | None = None) -> str:
+def _mb(v) -> str:
+    return f"{int(v) >> 20}M" if isinstance(v, int) and v else "-"
+
+
+def header(t: Trajectory) -> list[str]:
     out = []
-    s = summary_of(t)
-    counts = t.counts()
+    s = t.summary
     head = f"sandbox {t.sandbox_id}"
     if t.node:
         head += f" on {t.node}"
     out.append(head)
+    pol = t.policy
+    bits = []
+    if pol:
+        bits.append(f"policy {pol['name']} ({pol['mode']}, hash {pol['hash'][:12]})")
+    else:
+        bits.append("no policy")
+    i = t.info
+    if i:
+        bits.append(f"network {i.get('network')}, memory {_mb(i.get('memory'))}, cpus {i.get('cpus') or '-'}, "
+                    f"pids {i.get('pids') or '-'}, user {i.get('user')}, rootfs {i.get('rootfs')}")
+    out.append("  " + "; ".join(bits))
     if s:
         st = "timed out" if s.get("timed_out") else (f"signal {s['signal']}" if s.get("signal") else f"exit {s.get('exit_code')}")
         out.append(f"  {st}, wall {s.get('wall_ms')} ms, cpu {s.get('cpu_ms')} ms"
                    + (", OOM-killed" if s.get("oom_killed") else ""))
+    elif t.start and not t.exit:
+        out.append("  no sandbox_exit record: the sandbox was still running, or its end was not recorded")
+    counts = t.counts()
     out.append("  events: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     if t.lost:
         out.append(f"  WARNING: the record has holes: {t.lost} events were lost (see !! LOST lines)")
+    return out
+
+
+def _step_line(s) -> str:
+    d = s.duration_ms
+    dur = f"{d:.0f} ms" if d is not None else "?"
+    notes = []
+    if s.stdin is not None:
+        notes.append(f"stdin {s.stdin_bytes} bytes" + (" (truncated in the record)" if s.stdin_truncated else ""))
+    if s.redacted:
+        notes.append("env " + ", ".join(s.redacted) + " redacted")
+    notes += [m for m in s.missing if not m.startswith("stdin")]
+    line = f"  {s.n:>3}  {s.status():<16} {dur:>9}  {_argv(s.argv, 90)}"
+    return line + (f"   [{'; '.join(notes)}]" if notes else "")
+
+
+def render(t: Trajectory, step: int | None = None, unattributed_lost: list[dict] | None = None) -> str:
+    out = header(t)
+    for r in unattributed_lost or ():
+        out.append(f"  WARNING: {r.get('count')} events of unknown sandboxes were lost while this sandbox ran "
+                   f"({_show(r.get('extra', ''), 80)}): some of them may be this sandbox's")
     out.append("")
-    out.append("process tree:")
-    lines: list[str] = []
-    for r in t.roots:
-        _tree_lines(r, "  ", True, True, lines)
-    out.extend(lines or ["  (no processes recorded)"])
+    out.append("steps:")
+    if t.steps:
+        out.extend(_step_line(s) for s in t.steps)
+    else:
+        out.append("  (no steps recorded)")
+    rows = t.denial_rows(step=step)
     out.append("")
-    out.append("timeline:" if step is None else f"timeline (step {step}):")
+    out.append(f"denials ({len(rows)}):" if rows else "denials: none")
     t0 = t.t0
-    for r in t.timeline(step=step):
-        if r["kind"] in ("fork",):
-            continue
-        dec = r.get("decision")
-        mark = f" [{dec}]" if dec in ("denied", "would-deny") else ""
-        pid = f"[{r['pid']}]" if r.get("pid") else ""
-        out.append(f"  +{(r['ts_ns'] - t0) / 1e9:9.6f}s {pid:>9} {describe(r)}{mark}")
+    for d in rows:
+        n = f" x{d['count']}" if d["count"] > 1 else ""
+        out.append(f"  +{(d['ts_ns'] - t0) / 1e9:9.6f}s step {d['step']} [{d['pid']}] {d['decision']:<10} "
+                   f"{d['action']:<8} {_show(d['subject'], 80)}{n}   by {_argv(d['process'], 60)}")
+    numbers = [0] + [s.n for s in t.steps]
+    if step is not None:
+        numbers = [step]
+    for n in numbers:
+        out.append("")
+        s = t.step(n)
+        if n == 0:
+            out.append("launch (step 0):")
+        else:
+            out.append(f"step {n}: {_argv(s.argv, 100) if s else '?'}" + (f"  → {s.status()}" if s else ""))
+        out.append("  process tree:")
+        lines: list[str] = []
+        for r in t.step_roots(n):
+            _tree_lines(r, "    ", True, True, lines, step=n)
+        out.extend(lines or ["    (no processes recorded)"])
+        out.append("  timeline:")
+        tl = [r for r in t.timeline(step=n) if r["kind"] != "fork"]
+        if not tl:
+            out.append("    (nothing recorded)")
+        for r in tl:
+            dec = r.get("decision")
+            mark = f" [{dec}]" if dec in ("denied", "would-deny") else ""
+            pid = f"[{r['pid']}]" if r.get("pid") else ""
+            out.append(f"    +{(r['ts_ns'] - t0) / 1e9:9.6f}s {pid:>9} {describe(r)}{mark}")
+    if step is None:
+        out.append("")
+        ch = t.changes
+        out.append(f"files changed ({len(ch)}):" if ch else "files changed: none recorded")
+        if t.changes_note:
+            out.append(f"  ({t.changes_note})")
+        for c in ch:
+            detail = ""
+            if c.get("kind") == "file" and c.get("change") != "deleted":
+                detail = f"  {c.get('size')} bytes  sha256 {str(c.get('sha256') or '')[:16]}"
+            elif c.get("kind") == "symlink":
+                detail = f"  -> {_show(c.get('target', ''))}"
+            out.append(f"  {c.get('change', '?'):<9} {c.get('kind', '?'):<9} {_show(c.get('path', ''))}{detail}")
     return "\n".join(out) + "\n"

@@ -25,6 +25,7 @@ PKGS=(
   strace                                   # strace-style learning input
   golang-github-containers-common          # containers-common default seccomp profile (policy import tests)
   procps psmisc curl ca-certificates
+  chromium fonts-dejavu-core               # headless browser for tests/test_replay_browser.py (HTML incident report)
 )
 missing=()
 for p in "${PKGS[@]}"; do
@@ -68,4 +69,9 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WAN
   echo "$WANT" > "$STAMP"
 fi
 .venv/bin/python -c 'import bcc, seccomp' 2>/dev/null || die "bcc or seccomp bindings not importable from .venv"
+
+# --- generated code -------------------------------------------------------------
+# The agent's gRPC code is generated from agent/proto/*.proto (not kept in git);
+# regenerated only when the .proto changed.
+.venv/bin/python -m agent.proto.generate || die "cannot generate the agent's gRPC code (agent/proto)"
 say "ready: $ROOT/.venv/bin/dsec"

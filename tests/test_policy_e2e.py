@@ -109,3 +109,9 @@ def test_files_writable_layout_and_decisions(mode, tmp_path, clickhouse_url, sid
         assert opt["decision"] == "denied" and opt["ret"] == -30      # EROFS
     else:
         assert opt["decision"] == "would-deny"
+
+
+def test_audit_off_refuses_policies_enforced_in_ebpf():
+    """--audit off does not load eBPF; a policy whose egress/exec rules live there must not run unenforced."""
+    r = dsec("run", "--audit", "off", "--policy", "python-tool", "--", "true")
+    assert r.returncode == 125 and b"unenforced" in r.stderr

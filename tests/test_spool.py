@@ -284,7 +284,9 @@ def test_intact_frame_with_invalid_content_is_kept_in_the_damage_log(spool):
 
 
 def test_full_spool_refuses_appends_loudly(tmp_path):
-    s = Spool(str(tmp_path / "sp"), segment_bytes=1024, max_bytes=4096, fsync="never")
+    # on_full="error": the append raises. The default policy (drop with accounting)
+    # is tested in tests/test_faults.py.
+    s = Spool(str(tmp_path / "sp"), segment_bytes=1024, max_bytes=4096, fsync="never", on_full="error")
     s.reader("slow")
     with pytest.raises(DsecError, match="full"):
         for i in range(1000):

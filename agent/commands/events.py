@@ -128,6 +128,19 @@ def run(args) -> int:
         raise DsecError("--sandbox: empty sandbox id", EXIT_USAGE)
     if args.limit is not None and args.limit < 1:
         raise DsecError(f"--limit {args.limit}: must be at least 1", EXIT_USAGE)
+    # the node agent answers when one is running (it delivers its spool first); else in-process
+    from agent.commands.agent import events_via_agent
+    via = events_via_agent(args.sandbox, kinds, args.limit)
+    if via is not None:
+        n = 0
+        if args.format == "json":
+            for ev in via:
+                sys.stdout.write(to_json_line(ev) + "\n")
+                n += 1
+            sys.stdout.flush()
+        else:
+            n = _table(args.sandbox, via)
+        return 0
     with AuditStore() as store:
         events = store.events(args.sandbox, kinds, limit=args.limit)
         n = 0

@@ -131,6 +131,12 @@ def run(args) -> int:
         d = os.path.dirname(os.path.abspath(args.summary_json))
         if not os.path.isdir(d):
             raise DsecError(f"--summary-json {args.summary_json}: directory {d} does not exist", EXIT_DSEC)
+    if args.audit == "off" and spec.policy is not None and spec.policy.mode != "learn":
+        from policies.compile import egress_rules, exec_rules
+        if egress_rules(spec.policy) is not None or exec_rules(spec.policy) is not None:
+            # fail closed: these rules live in eBPF, loaded with the recorder
+            raise DsecError(f"policy {spec.policy.name} has egress/exec rules, enforced by eBPF: "
+                            f"--audit off would leave them unenforced (use --audit on)", EXIT_DSEC)
     # the node agent does the work when one is running (docs/agent.md); else in-process
     from agent.commands.agent import run_via_agent
     result = run_via_agent(spec, args)
@@ -173,7 +179,9 @@ def _run_audited(spec, args):
     from agent.launcher import launch
     from agent.recorder import Recorder, SandboxWatch
     from exporters.clickhouse import flush
+    from exporters.configure import run_sinks_begin, run_sinks_end
 
+    run_sinks_begin()          # OTLP / JSON-lines sinks from the environment: validated now, metrics started
     rec = Recorder(over_budget=args.over_budget)
     try:
         result = launch(spec, **SandboxWatch(rec, spec).launch_hooks())
@@ -183,4 +191,7 @@ def _run_audited(spec, args):
     result.summary["audit"]["exported"] = res.sent
     result.summary["audit"]["pending"] = res.pending
     result.summary["audit"]["export_error"] = res.error
+    sinks = run_sinks_end(rec.spool)      # docs/exporters.md; never raises, says what is pending
+    if sinks:
+        result.summary["audit"]["sinks"] = sinks
     return result

@@ -1,0 +1,383 @@
+"""The agent's gRPC servicer and server (transport, access control, message
+conversion). The work is done by agent/daemon.py's Agent; this module only
+translates between protobuf messages and the agent's Python values, and maps
+ApiError to gRPC status codes.
+
+Transports:
+  unix socket   the default; only root can open it (directory 0700, socket
+                0600, root-owned): the kernel refuses everyone else.
+  TCP + mTLS    optional (config `tcp`): a client needs a certificate signed
+                by `client_ca`; its identity (CN, SAN DNS/URI) must be in
+                `allowed_clients`, else PERMISSION_DENIED and an
+                `access_denied` audit event.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+
+from agent.proto import pb, pb_grpc  # sets GRPC_ENABLE_FORK_SUPPORT=0 before grpc loads
+
+import grpc  # noqa: E402
+
+from agent.daemon import Agent, ApiError, to_json  # noqa: E402
+from agent.errors import DsecError  # noqa: E402
+
+log = logging.getLogger("dsec.agent.api")
+
+
+def _code(name: str):
+    return getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN)
+
+
+def _abort(context, e: ApiError):
+    context.abort(_code(e.code), e.message)
+
+
+def _policy(msg) -> dict:
+    if not msg.HasField("policy"):
+        return {}
+    p = msg.policy
+    which = p.WhichOneof("source")
+    return {"name": p.name if which == "name" else None, "yaml": p.yaml if which == "yaml" else None,
+            "mode": p.mode, "source_name": p.source_name}
+
+
+def info_message(info: dict) -> "pb.SandboxInfo":
+    m = pb.SandboxInfo(
+        sandbox_id=info["sandbox_id"], state=info["state"], reason=info.get("reason") or "",
+        priority=info.get("priority") or "",
+        resources=pb.Resources(cpus=info.get("cpus") or 0.0, memory_bytes=info.get("memory") or 0,
+                               pids=info.get("pids") or 0),
+        labels=info.get("labels") or {}, policy_name=info.get("policy_name", ""),
+        policy_hash=info.get("policy_hash", ""), mode=info.get("mode", ""), network=info.get("network", ""),
+        created_ns=info.get("created_ns", 0), admitted_ns=info.get("admitted_ns", 0),
+        started_ns=info.get("started_ns", 0), ended_ns=info.get("ended_ns", 0),
+        queued_seconds=info.get("queued_seconds") or 0.0, steps=info.get("steps", 0), warm=info.get("warm", False),
+        waiting=info.get("waiting") or "", queue_position=info.get("queue_position", -1),
+        preempted_for=info.get("preempted_for") or "", node=info.get("node", ""),
+        cgroup_id=info.get("cgroup_id", 0), warm_profile=info.get("warm_profile") or "")
+    if info.get("summary") is not None:
+        m.summary_json = json.dumps(info["summary"], ensure_ascii=True, default=str)
+    return m
+
+
+def event_message(r: dict) -> "pb.EventMessage":
+    return pb.EventMessage(event=pb.AuditEvent(
+        json=to_json(r), sandbox_id=r.get("sandbox_id") or "", kind=r.get("kind") or "",
+        step=int(r.get("step") or 0), ts_ns=int(r.get("ts_ns") or 0), decision=r.get("decision") or "",
+        event_id=r.get("event_id") or ""))
+
+
+def _deadline(context):
+    def remaining():
+        return context.time_remaining()
+    return remaining
+
+
+class AgentServicer(pb_grpc.AgentServicer):
+    def __init__(self, agent: Agent):
+        self.agent = agent
+
+    # every handler: ApiError -> status; anything else -> INTERNAL with one line (logged in full)
+    def _call(self, context, fn, *args):
+        try:
+            return fn(*args)
+        except ApiError as e:
+            _abort(context, e)
+        except DsecError as e:
+            _abort(context, ApiError("FAILED_PRECONDITION", e.message))
+        except Exception as e:  # noqa: BLE001
+            log.exception("internal error")
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+    def CreateSandbox(self, request, context):
+        def run():
+            res = request.resources
+            req = {"sandbox_id": request.sandbox_id,
+                   "resources": {"cpus": res.cpus, "memory_bytes": res.memory_bytes, "pids": res.pids},
+                   "priority": request.priority, "policy": _policy(request), "rootfs": request.rootfs,
+                   "network": request.network, "labels": dict(request.labels),
+                   "env": [(e.name, e.value) for e in request.env], "workdir": request.workdir,
+                   "user": request.user, "lifetime_seconds": request.lifetime_seconds,
+                   "grace_seconds": request.grace_seconds, "keep": request.keep,
+                   "over_budget": request.over_budget, "no_audit": request.no_audit, "no_warm": request.no_warm}
+            rec = self.agent.create(req)
+            if request.wait_running:
+                rem = context.time_remaining()
+                info, timed_out = self.agent.wait(rec.id, "running", rem if rem is not None else None,
+                                                  context.is_active)
+                m = info_message(info)
+                m.timed_out = timed_out
+                return m
+            return info_message(self.agent.info(rec))
+        return self._call(context, run)
+
+    def Exec(self, request_iterator, context):
+        try:
+            first = next(request_iterator)
+        except StopIteration:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Exec: the first message must be `start`")
+            return
+        if first.WhichOneof("msg") != "start":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"Exec: the first message must be `start`, got `{first.WhichOneof('msg')}`")
+            return
+        s = first.start
+        start = {"sandbox_id": s.sandbox_id, "argv": list(s.argv), "env": [(e.name, e.value) for e in s.env],
+                 "workdir": s.workdir, "stdin": s.stdin, "close_stdin": s.close_stdin,
+                 "timeout_seconds": s.timeout_seconds, "grace_seconds": s.grace_seconds,
+                 "close_after": s.close_after, "wait_export": s.wait_export}
+
+        def inputs():
+            for m in request_iterator:
+                kind = m.WhichOneof("msg")
+                if kind == "stdin":
+                    yield ("stdin", m.stdin)
+                elif kind == "close_stdin":
+                    if m.close_stdin:
+                        yield ("close_stdin", True)
+                elif kind == "signal":
+                    if 0 < m.signal < 65:
+                        yield ("signal", m.signal)
+        try:
+            for item in self.agent.exec_step(start, inputs(), context.add_callback, _deadline(context)):
+                kind = item[0]
+                if kind == "started":
+                    yield pb.ExecOutput(started=pb.StepStarted(step=item[1], ts_ns=item[2]))
+                elif kind == "stdout":
+                    yield pb.ExecOutput(stdout=item[1])
+                elif kind == "stderr":
+                    yield pb.ExecOutput(stderr=item[1])
+                elif kind == "exit":
+                    ex = item[1]
+                    st = pb.ExitStatus(step=ex["step"], code=ex["code"], signal=ex["signal"] or 0,
+                                       timed_out=ex["timed_out"], oom_killed=bool(ex["oom_killed"]),
+                                       error=ex["error"] or "", wall_ms=ex["wall_ms"] or 0, cpu_ms=ex["cpu_ms"] or 0,
+                                       max_rss_bytes=ex["max_rss_bytes"] or 0, sandbox_state=ex["sandbox_state"],
+                                       sandbox_reason=ex["sandbox_reason"] or "", preempted=ex["preempted"])
+                    if ex.get("exit_code") is not None:
+                        st.exit_code = ex["exit_code"]
+                    if ex.get("summary") is not None:
+                        st.summary_json = json.dumps(ex["summary"], ensure_ascii=True, default=str)
+                    yield pb.ExecOutput(exit=st)
+        except ApiError as e:
+            _abort(context, e)
+        except DsecError as e:
+            _abort(context, ApiError("FAILED_PRECONDITION", e.message))
+
+    def Wait(self, request, context):
+        def run():
+            info, timed_out = self.agent.wait(request.sandbox_id, request.until,
+                                              request.timeout_seconds or context.time_remaining(),
+                                              context.is_active)
+            m = info_message(info)
+            m.timed_out = timed_out
+            return m
+        return self._call(context, run)
+
+    def Kill(self, request, context):
+        return self._call(context, lambda: info_message(self.agent.kill(
+            request.sandbox_id, request.grace_seconds if request.HasField("grace_seconds") else None,
+            request.reason, context.is_active)))
+
+    def CloseSandbox(self, request, context):
+        return self._call(context, lambda: info_message(self.agent.close(request.sandbox_id, context.is_active)))
+
+    def Get(self, request, context):
+        return self._call(context, lambda: info_message(self.agent.info(self.agent.lookup(request.sandbox_id))))
+
+    def List(self, request, context):
+        return self._call(context, lambda: pb.ListResponse(sandboxes=[
+            info_message(i) for i in self.agent.list(dict(request.labels), list(request.states), request.limit)]))
+
+    def UpdatePolicy(self, request, context):
+        def run():
+            if not request.HasField("policy"):
+                raise ApiError("INVALID_ARGUMENT", "policy: required (name or yaml)")
+            r = self.agent.update_policy(request.sandbox_id, _policy(request))
+            return pb.UpdatePolicyResponse(**r)
+        return self._call(context, run)
+
+    def StreamEvents(self, request, context):
+        try:
+            for item in self.agent.stream_events(list(request.sandbox_ids), list(request.kinds),
+                                                 list(request.decisions), dict(request.labels), context.is_active):
+                if item[0] == "lost":
+                    yield pb.EventMessage(lost=pb.Lost(count=item[1], reason=item[2]))
+                else:
+                    yield event_message(item[1])
+        except ApiError as e:
+            _abort(context, e)
+
+    def QueryEvents(self, request, context):
+        try:
+            for ev in self.agent.query_events(request.sandbox_id, list(request.kinds), request.limit,
+                                              request.flush_timeout_seconds):
+                yield event_message(ev)
+        except ApiError as e:
+            _abort(context, e)
+
+    def Capabilities(self, request, context):
+        def run():
+            c = self.agent.capabilities()
+            return pb.CapabilitiesResponse(
+                node=c["node"], agent_version=c["agent_version"], kernel=c["kernel"], cgroup_mode=c["cgroup_mode"],
+                audit=pb.Feature(**c["audit"]), enforcement=pb.Feature(**c["enforcement"]), degraded=c["degraded"],
+                capacity_json=json.dumps(c["capacity"], default=str),
+                warm_profiles=[pb.WarmProfileInfo(name=w["name"], count=w["count"], ready=w["ready"],
+                                                  spec_json=json.dumps(w["spec"])) for w in c["warm_profiles"]],
+                limits_json=json.dumps(c["limits"]), transports=c["transports"], pid=c["pid"],
+                started_ns=c["started_ns"])
+        return self._call(context, run)
+
+
+# ---------------------------------------------------------------- access control
+
+def _identities(context) -> list[str]:
+    ac = context.auth_context() or {}
+    out = []
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        for v in ac.get(key, ()):
+            s = v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+            if s not in out:
+                out.append(s)
+    return out
+
+
+class AccessControl(grpc.ServerInterceptor):
+    """Unix-socket callers passed the kernel's permission check (root only).
+    TCP callers passed mutual TLS; their certificate identity must be allowed."""
+
+    def __init__(self, agent: Agent, allowed: list[str]):
+        self.agent = agent
+        self.allowed = set(allowed)
+
+    def _check(self, context, method):
+        peer = context.peer() or ""
+        if peer.startswith("unix:"):
+            return
+        ids = _identities(context)
+        if "*" in self.allowed and ids:
+            return
+        if any(i in self.allowed for i in ids):
+            return
+        reason = (f"client certificate identity {', '.join(repr(i) for i in ids) or '(none)'} is not in the "
+                  f"agent's allowlist (tcp.allowed_clients)")
+        try:
+            self.agent.audit_refusal(peer, ids, method, reason)
+        except Exception:  # noqa: BLE001
+            log.exception("could not audit a refused caller")
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        check = self._check
+
+        def wrap(fn, streaming_response):
+            if fn is None:
+                return None
+            if streaming_response:
+                def w(req, context):
+                    check(context, method)
+                    yield from fn(req, context)
+            else:
+                def w(req, context):
+                    check(context, method)
+                    return fn(req, context)
+            return w
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, False),
+                                                       handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream, True),
+                                                        handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary, False),
+                                                        handler.request_deserializer, handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, True),
+                                                     handler.request_deserializer, handler.response_serializer)
+
+
+# ---------------------------------------------------------------- the server
+
+def build_server(agent: Agent):
+    """A started grpc.Server on the unix socket (and TCP+mTLS if configured)."""
+    from concurrent.futures import ThreadPoolExecutor
+    cfg = agent.cfg
+    n = cfg.limits.max_message_bytes
+    options = [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
+               ("grpc.keepalive_time_ms", 30000), ("grpc.keepalive_timeout_ms", 10000),
+               ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+               ("grpc.keepalive_permit_without_calls", 1), ("grpc.so_reuseport", 0)]
+    interceptors = [AccessControl(agent, cfg.tcp.allowed_clients if cfg.tcp else [])]
+    server = grpc.server(ThreadPoolExecutor(max_workers=cfg.limits.max_concurrent_rpcs,
+                                            thread_name_prefix="dsec-rpc"),
+                         options=options, interceptors=interceptors,
+                         maximum_concurrent_rpcs=cfg.limits.max_concurrent_rpcs)
+    pb_grpc.add_AgentServicer_to_server(AgentServicer(agent), server)
+    sock = cfg.socket
+    if os.path.lexists(sock):
+        os.unlink(sock)            # we hold the agent lock: a socket left here is a dead agent's
+    old = os.umask(0o177)          # the socket is created 0600 (never world-connectable, not even briefly)
+    try:
+        server.add_insecure_port(f"unix:{sock}")
+    finally:
+        os.umask(old)
+    os.chmod(sock, 0o600)
+    agent.transports.append(f"unix:{sock}")
+    if cfg.tcp:
+        t = cfg.tcp
+        with open(t.key, "rb") as f:
+            key = f.read()
+        with open(t.cert, "rb") as f:
+            cert = f.read()
+        with open(t.client_ca, "rb") as f:
+            ca = f.read()
+        creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+        try:
+            port = server.add_secure_port(t.listen, creds)
+        except RuntimeError as e:
+            raise DsecError(f"tcp.listen {t.listen}: cannot listen: {e}")
+        if port == 0:
+            raise DsecError(f"tcp.listen {t.listen}: cannot listen (address in use?)")
+        agent.transports.append(f"tcp+mtls:{t.listen}")
+    server.start()
+    st = os.stat(sock)
+    if st.st_mode & 0o777 != 0o600 or st.st_uid != 0:
+        server.stop(0)
+        raise DsecError(f"socket {sock}: mode {oct(st.st_mode & 0o777)} owner {st.st_uid}: expected 0600 root")
+    return server
+
+
+def serve(agent: Agent, stop: threading.Event):
+    """Start the agent and its server; block until `stop`; shut down."""
+    agent.start()
+    try:
+        server = build_server(agent)
+    except BaseException:
+        agent.shutdown("could not start the API server")
+        agent.release()
+        raise
+    log.info("dsec agent (pid %d) serving on %s", os.getpid(), ", ".join(agent.transports))
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        log.info("shutting down: stopping sandboxes")
+        try:
+            agent.shutdown()
+        finally:
+            server.stop(grace=2).wait(5)
+            try:
+                os.unlink(agent.cfg.socket)
+            except OSError:
+                pass
+            agent.release()
+            log.info("stopped")

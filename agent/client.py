@@ -1,0 +1,781 @@
+"""The Python SDK of the dsec node agent (what training code calls).
+
+    from agent.client import Client
+
+    with Client() as c:                                   # unix socket (DSEC_AGENT_SOCKET or /run/dsec/agent.sock)
+        with c.create(memory="512M", labels={"job": "rl-7", "trajectory": "t-42"}) as sb:
+            r = sb.exec(["python3", "-c", "print(6*7)"])     # one step; blocks until it exits
+            print(r.code, r.stdout)                          # 0 b'42\\n'
+            r = sb.exec(["sh", "-c", "cat > f"], stdin=b"data", timeout=30)
+        # leaving the block closes the sandbox (tear down, change manifest in sb.summary)
+
+    import asyncio
+    from agent.client import AsyncClient
+
+    async def main():
+        async with AsyncClient() as c:
+            sb = await c.create(cpus=0.5)
+            r = await sb.exec(["true"])
+            await sb.close()
+
+Remote agents: Client("node7:7443", tls=TLS(ca="ca.pem", cert="me.pem", key="me.key")).
+
+Errors are AgentError subclasses with the gRPC status name in `.status` and
+the agent's one-line message: InvalidArgument, NotFound, PermissionDenied,
+AgentUnavailable, SandboxFailed (it could not start), SandboxStopped (the
+sandbox was killed/closed under a running step; `.result` has what the step
+produced) and its subclass SandboxPreempted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+from dataclasses import dataclass, field
+
+from agent.errors import DsecError
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
+MAX_MESSAGE = 256 << 20
+DEFAULT_SOCKET = "/run/dsec/agent.sock"       # also agent/config.py's default
+ENV_SOCKET = "DSEC_AGENT_SOCKET"
+
+
+# ---------------------------------------------------------------- errors
+
+class AgentError(DsecError):
+    def __init__(self, status: str, message: str):
+        super().__init__(message, 1)
+        self.status = status
+
+
+class InvalidArgument(AgentError):
+    pass
+
+
+class NotFound(AgentError):
+    pass
+
+
+class PermissionDenied(AgentError):
+    pass
+
+
+class AgentUnavailable(AgentError):
+    pass
+
+
+class SandboxFailed(AgentError):
+    """The sandbox could not start; `.reason` is the agent's reason."""
+
+    def __init__(self, status: str, message: str, reason: str = ""):
+        super().__init__(status, message)
+        self.reason = reason or message
+
+
+class SandboxStopped(AgentError):
+    """The sandbox was stopped (killed, closed, lifetime, agent shutdown) under a step."""
+
+    def __init__(self, status: str, message: str, result: "ExecResult | None" = None):
+        super().__init__(status, message)
+        self.result = result
+
+
+class SandboxPreempted(SandboxStopped):
+    """The scheduler preempted the sandbox for a higher-priority request."""
+
+
+_BY_STATUS = {"INVALID_ARGUMENT": InvalidArgument, "NOT_FOUND": NotFound, "PERMISSION_DENIED": PermissionDenied,
+              "UNAVAILABLE": AgentUnavailable, "UNAUTHENTICATED": PermissionDenied}
+
+
+def _convert(e, result=None) -> AgentError:
+    import grpc
+    if not isinstance(e, grpc.RpcError):
+        return e
+    code = e.code()
+    name = code.name if code is not None else "UNKNOWN"
+    msg = e.details() or name
+    if name == "ABORTED":
+        cls = SandboxPreempted if "preempted" in msg else SandboxStopped
+        return cls(name, msg, result)
+    if name == "UNAVAILABLE":
+        msg = f"dsec agent unavailable: {msg}"
+    return _BY_STATUS.get(name, AgentError)(name, msg)
+
+
+# ---------------------------------------------------------------- values
+
+@dataclass
+class TLS:
+    """Mutual TLS for a TCP agent: the CA that signed the agent's certificate,
+    and this client's certificate and key (PEM files)."""
+    ca: str
+    cert: str
+    key: str
+    server_name: str | None = None     # when the address is not in the agent certificate's SAN
+
+
+@dataclass
+class ExecResult:
+    step: int = 0
+    code: int = 0                      # exit code | 128+signal | 124 timeout | 125 dsec | 126 | 127
+    exit_code: int | None = None
+    signal: int = 0
+    timed_out: bool = False
+    oom_killed: bool = False
+    error: str = ""
+    wall_ms: int = 0
+    cpu_ms: int = 0
+    max_rss_bytes: int = 0
+    stdout: bytes = b""
+    stderr: bytes = b""
+    sandbox_state: str = ""
+    sandbox_reason: str = ""
+    preempted: bool = False
+    summary: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0
+
+
+@dataclass
+class SandboxInfo:
+    sandbox_id: str
+    state: str
+    reason: str = ""
+    priority: str = ""
+    cpus: float = 0.0
+    memory: int = 0
+    pids: int = 0
+    labels: dict = field(default_factory=dict)
+    policy_name: str = ""
+    policy_hash: str = ""
+    mode: str = ""
+    network: str = ""
+    created_ns: int = 0
+    admitted_ns: int = 0
+    started_ns: int = 0
+    ended_ns: int = 0
+    queued_seconds: float = 0.0
+    steps: int = 0
+    warm: bool = False
+    warm_profile: str = ""
+    waiting: str = ""
+    queue_position: int = -1
+    preempted_for: str = ""
+    node: str = ""
+    cgroup_id: int = 0
+    summary: dict | None = None
+    timed_out: bool = False
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ("exited", "killed", "preempted", "failed", "cancelled")
+
+
+def _info(m) -> SandboxInfo:
+    return SandboxInfo(
+        sandbox_id=m.sandbox_id, state=m.state, reason=m.reason, priority=m.priority, cpus=m.resources.cpus,
+        memory=m.resources.memory_bytes, pids=m.resources.pids, labels=dict(m.labels), policy_name=m.policy_name,
+        policy_hash=m.policy_hash, mode=m.mode, network=m.network, created_ns=m.created_ns,
+        admitted_ns=m.admitted_ns, started_ns=m.started_ns, ended_ns=m.ended_ns, queued_seconds=m.queued_seconds,
+        steps=m.steps, warm=m.warm, warm_profile=m.warm_profile, waiting=m.waiting,
+        queue_position=m.queue_position, preempted_for=m.preempted_for, node=m.node, cgroup_id=m.cgroup_id,
+        summary=json.loads(m.summary_json) if m.summary_json else None, timed_out=m.timed_out)
+
+
+def _b(v) -> bytes:
+    if isinstance(v, bytes):
+        return v
+    if isinstance(v, str):
+        return v.encode("utf-8", "surrogateescape")
+    if isinstance(v, os.PathLike):
+        return os.fsencode(v)
+    return str(v).encode()
+
+
+def _env(env) -> list:
+    from agent.proto import pb
+    return [pb.EnvVar(name=_b(k), value=_b(v)) for k, v in (env or {}).items()]
+
+
+def _size(v) -> int:
+    if v is None:
+        return 0
+    if isinstance(v, str):
+        import re
+        m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$", v)
+        if not m:
+            raise InvalidArgument("INVALID_ARGUMENT", f"memory {v!r}: expected a size like 512M or 1G")
+        return int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()])
+    return int(v)
+
+
+def _policy_ref(policy=None, policy_yaml=None, mode=None, source_name=None):
+    from agent.proto import pb
+    if policy is None and policy_yaml is None and not mode:
+        return None
+    ref = pb.PolicyRef(mode=mode or "", source_name=source_name or "")
+    if policy_yaml is not None:
+        ref.yaml = policy_yaml
+    elif policy is not None:
+        ref.name = policy
+    return ref
+
+
+def _create_request(*, sandbox_id=None, cpus=None, memory=None, pids=None, priority=None, policy=None,
+                    policy_yaml=None, mode=None, policy_source=None, rootfs=None, network=None, labels=None,
+                    env=None, workdir=None, user=None, lifetime=None, grace=None, keep=False, over_budget=None,
+                    audit=True, warm=True, wait=True):
+    from agent.proto import pb
+    req = pb.CreateSandboxRequest(
+        sandbox_id=sandbox_id or "", resources=pb.Resources(cpus=float(cpus or 0.0), memory_bytes=_size(memory),
+                                                            pids=int(pids or 0)),
+        priority=priority or "", rootfs=rootfs or "", network=network or "", labels=dict(labels or {}),
+        env=_env(env), workdir=workdir or "", user=user or "", lifetime_seconds=float(lifetime or 0.0),
+        grace_seconds=float(grace or 0.0), keep=keep, over_budget=over_budget or "", no_audit=not audit,
+        no_warm=not warm, wait_running=wait)
+    ref = _policy_ref(policy, policy_yaml, mode, policy_source)
+    if ref is not None:
+        req.policy.CopyFrom(ref)
+    return req
+
+
+def _exec_start(sandbox_id, argv, *, env=None, workdir=None, stdin=None, close_stdin=True, timeout=None,
+                grace=None, close_after=False, wait_export=False):
+    from agent.proto import pb
+    if isinstance(argv, (str, bytes)):
+        raise InvalidArgument("INVALID_ARGUMENT", "argv: a list of arguments, not one string "
+                                                  "(use ['sh', '-c', cmd] for a shell command)")
+    return pb.ExecInput(start=pb.ExecStart(
+        sandbox_id=sandbox_id, argv=[_b(a) for a in argv], env=_env(env), workdir=workdir or "",
+        stdin=_b(stdin) if stdin is not None else b"", close_stdin=close_stdin, timeout_seconds=float(timeout or 0),
+        grace_seconds=float(grace or 0), close_after=close_after, wait_export=wait_export))
+
+
+def _exit(m, out: bytearray, err: bytearray) -> ExecResult:
+    return ExecResult(step=m.step, code=m.code, exit_code=m.exit_code if m.HasField("exit_code") else None,
+                      signal=m.signal, timed_out=m.timed_out, oom_killed=m.oom_killed, error=m.error,
+                      wall_ms=m.wall_ms, cpu_ms=m.cpu_ms, max_rss_bytes=m.max_rss_bytes, stdout=bytes(out),
+                      stderr=bytes(err), sandbox_state=m.sandbox_state, sandbox_reason=m.sandbox_reason,
+                      preempted=m.preempted, summary=json.loads(m.summary_json) if m.summary_json else None)
+
+
+def default_target() -> str:
+    return "unix:" + (os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET)
+
+
+def _normalize_target(target: str | None) -> str:
+    target = target or default_target()
+    if target.startswith("/"):
+        target = "unix:" + target
+    return target
+
+
+def _options(tls: TLS | None):
+    opts = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
+            ("grpc.enable_retries", 0)]
+    if tls is not None and tls.server_name:
+        opts.append(("grpc.ssl_target_name_override", tls.server_name))
+    return opts
+
+
+def _credentials(tls: TLS):
+    import grpc
+    with open(tls.ca, "rb") as f:
+        ca = f.read()
+    with open(tls.cert, "rb") as f:
+        cert = f.read()
+    with open(tls.key, "rb") as f:
+        key = f.read()
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def _check_target(target: str, tls: TLS | None):
+    if not target.startswith("unix:") and tls is None:
+        raise AgentError("INVALID_ARGUMENT", f"{target}: a TCP agent is only reachable with mutual TLS "
+                                             f"(pass tls=TLS(ca=..., cert=..., key=...))")
+
+
+def agent_available(target: str | None = None, timeout: float = 1.0) -> bool:
+    """True when an agent answers at `target` (default: the local unix socket)."""
+    target = _normalize_target(target)
+    if target.startswith("unix:") and not os.path.exists(target[5:]):
+        return False
+    try:
+        with Client(target, connect_timeout=timeout) as c:
+            c.capabilities(timeout=timeout)
+        return True
+    except (AgentError, OSError):
+        return False
+
+
+class _Inputs:
+    """The request stream of an Exec call: start, then whatever is put()."""
+
+    _END = object()
+
+    def __init__(self, first):
+        self.q: queue.Queue = queue.Queue()
+        self.q.put(first)
+
+    def put(self, msg):
+        self.q.put(msg)
+
+    def end(self):
+        self.q.put(self._END)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        m = self.q.get()
+        if m is self._END:
+            raise StopIteration
+        return m
+
+
+# ================================================================= synchronous client
+
+class Client:
+    """A connection to a dsec agent. Thread-safe; use one per process."""
+
+    def __init__(self, target: str | None = None, *, tls: TLS | None = None, timeout: float = 60.0,
+                 connect_timeout: float = 5.0):
+        import grpc
+        from agent.proto import pb_grpc
+        self.target = _normalize_target(target)
+        _check_target(self.target, tls)
+        self.timeout = timeout
+        if tls is None:
+            self._channel = grpc.insecure_channel(self.target, options=_options(None))
+        else:
+            self._channel = grpc.secure_channel(self.target, _credentials(tls), options=_options(tls))
+        self.stub = pb_grpc.AgentStub(self._channel)
+        self.connect_timeout = connect_timeout
+        self._ready = False
+
+    def _connect(self):
+        if self._ready:
+            return
+        import grpc
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=self.connect_timeout)
+        except grpc.FutureTimeoutError:
+            raise AgentUnavailable("UNAVAILABLE", f"no dsec agent answers at {self.target} "
+                                                  f"(is `dsec agent` running?)") from None
+        self._ready = True
+
+    def _unary(self, method, req, timeout=None):
+        self._connect()
+        try:
+            return getattr(self.stub, method)(req, timeout=timeout if timeout is not None else self.timeout)
+        except Exception as e:  # noqa: BLE001
+            raise _convert(e) from None
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    # -- sandboxes
+    def create(self, *, wait: bool = True, timeout: float | None = None, **spec) -> "Sandbox":
+        """Create a sandbox. spec: sandbox_id, cpus, memory (bytes or '512M'), pids, priority
+        (reserved|standard|preemptible), policy (name), policy_yaml (text), mode, rootfs,
+        network (none|egress), labels, env, workdir, user, lifetime, grace, keep, over_budget,
+        audit (bool), warm (bool). wait=True returns once it runs (a queued request waits its
+        turn, up to `timeout` seconds); SandboxFailed if it could not start."""
+        req = _create_request(wait=wait, **spec)
+        m = self._unary("CreateSandbox", req, timeout=timeout if wait else None)
+        info = _info(m)
+        if info.state == "failed":
+            raise SandboxFailed("FAILED_PRECONDITION", f"sandbox {info.sandbox_id} failed: {info.reason}",
+                                info.reason)
+        return Sandbox(self, info.sandbox_id, info)
+
+    def sandbox(self, sandbox_id: str) -> "Sandbox":
+        return Sandbox(self, sandbox_id)
+
+    def get(self, sandbox_id: str) -> SandboxInfo:
+        from agent.proto import pb
+        return _info(self._unary("Get", pb.GetRequest(sandbox_id=sandbox_id)))
+
+    def list(self, labels: dict | None = None, states=None, limit: int = 0) -> list[SandboxInfo]:
+        from agent.proto import pb
+        r = self._unary("List", pb.ListRequest(labels=labels or {}, states=list(states or ()), limit=limit))
+        return [_info(m) for m in r.sandboxes]
+
+    def wait(self, sandbox_id: str, until: str = "ended", timeout: float | None = None) -> SandboxInfo:
+        from agent.proto import pb
+        return _info(self._unary("Wait", pb.WaitRequest(sandbox_id=sandbox_id, until=until,
+                                                        timeout_seconds=float(timeout or 0)),
+                                 timeout=None if timeout is None else timeout + 30))
+
+    def kill(self, sandbox_id: str, grace: float | None = None, reason: str = "") -> SandboxInfo:
+        from agent.proto import pb
+        req = pb.KillRequest(sandbox_id=sandbox_id, reason=reason)
+        if grace is not None:
+            req.grace_seconds = float(grace)
+        return _info(self._unary("Kill", req, timeout=None))
+
+    def close_sandbox(self, sandbox_id: str) -> SandboxInfo:
+        from agent.proto import pb
+        return _info(self._unary("CloseSandbox", pb.CloseRequest(sandbox_id=sandbox_id), timeout=None))
+
+    def update_policy(self, sandbox_id: str, policy: str | None = None, policy_yaml: str | None = None,
+                      mode: str | None = None) -> dict:
+        from agent.proto import pb
+        req = pb.UpdatePolicyRequest(sandbox_id=sandbox_id)
+        ref = _policy_ref(policy, policy_yaml, mode)
+        if ref is not None:
+            req.policy.CopyFrom(ref)
+        r = self._unary("UpdatePolicy", req)
+        return {"sandbox_id": r.sandbox_id, "policy_name": r.policy_name, "policy_hash": r.policy_hash,
+                "mode": r.mode, "applied": list(r.applied), "syscalls": r.syscalls}
+
+    def capabilities(self, timeout: float | None = None) -> dict:
+        from agent.proto import pb
+        m = self._unary("Capabilities", pb.CapabilitiesRequest(), timeout=timeout)
+        return _caps(m)
+
+    # -- steps
+    def exec_stream(self, sandbox_id: str, argv, *, stdin=None, stdin_stream=None, env=None, workdir=None,
+                    timeout=None, grace=None, close_after=False, wait_export=False, inputs: _Inputs | None = None):
+        """Yield ("started", step), ("stdout", bytes), ("stderr", bytes), then ("exit", ExecResult).
+        stdin: bytes; stdin_stream: an iterable of byte chunks; inputs: an _Inputs for callers that
+        also forward signals (dsec run)."""
+        from agent.proto import pb
+        self._connect()
+        if inputs is None:
+            first = _exec_start(sandbox_id, argv, env=env, workdir=workdir, stdin=stdin,
+                                close_stdin=stdin_stream is None, timeout=timeout, grace=grace,
+                                close_after=close_after, wait_export=wait_export)
+
+            def gen():
+                yield first
+                if stdin_stream is not None:
+                    for chunk in stdin_stream:
+                        yield pb.ExecInput(stdin=_b(chunk))
+                    yield pb.ExecInput(close_stdin=True)
+            requests = gen()
+        else:
+            requests = inputs
+        call = self.stub.Exec(requests)
+        out, err = bytearray(), bytearray()
+        result = None
+        try:
+            for m in call:
+                kind = m.WhichOneof("msg")
+                if kind == "stdout":
+                    out += m.stdout
+                    yield ("stdout", m.stdout)
+                elif kind == "stderr":
+                    err += m.stderr
+                    yield ("stderr", m.stderr)
+                elif kind == "started":
+                    yield ("started", m.started.step)
+                elif kind == "exit":
+                    result = _exit(m.exit, out, err)
+        except Exception as e:  # noqa: BLE001
+            if result is None and (out or err):
+                result = ExecResult(stdout=bytes(out), stderr=bytes(err))
+            raise _convert(e, result) from None
+        finally:
+            if result is None:          # the caller stopped iterating, or an error: end the call
+                call.cancel()
+        if result is None:
+            raise AgentError("UNKNOWN", "the agent ended the step without an exit status")
+        yield ("exit", result)
+
+    def exec(self, sandbox_id: str, argv, *, on_stdout=None, on_stderr=None, **kw) -> ExecResult:
+        result = None
+        for kind, value in self.exec_stream(sandbox_id, argv, **kw):
+            if kind == "stdout" and on_stdout:
+                on_stdout(value)
+            elif kind == "stderr" and on_stderr:
+                on_stderr(value)
+            elif kind == "exit":
+                result = value
+        return result
+
+    # -- events
+    def events(self, sandbox=None, kinds=None, decisions=None, labels=None):
+        """Live audit events (a tail -f): yields dicts with every audit field; a
+        {"lost": N, "reason": ...} dict when this stream fell behind. Runs until closed."""
+        from agent.proto import pb
+        self._connect()
+        sandboxes = [sandbox] if isinstance(sandbox, str) else list(sandbox or ())
+        call = self.stub.StreamEvents(pb.StreamEventsRequest(sandbox_ids=sandboxes, kinds=list(kinds or ()),
+                                                             decisions=list(decisions or ()),
+                                                             labels=dict(labels or {})))
+        try:
+            for m in call:
+                if m.WhichOneof("msg") == "lost":
+                    yield {"lost": m.lost.count, "reason": m.lost.reason}
+                else:
+                    yield json.loads(m.event.json)
+        except Exception as e:  # noqa: BLE001
+            import grpc
+            if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise _convert(e) from None
+        finally:
+            call.cancel()
+
+    def query_events(self, sandbox_id: str, kinds=None, limit: int = 0, flush_timeout: float = 0.0):
+        """Recorded events of one sandbox (from ClickHouse, after the agent delivered its spool)."""
+        from agent.proto import pb
+        self._connect()
+        call = self.stub.QueryEvents(pb.QueryEventsRequest(sandbox_id=sandbox_id, kinds=list(kinds or ()),
+                                                           limit=limit, flush_timeout_seconds=flush_timeout))
+        try:
+            for m in call:
+                yield json.loads(m.event.json)
+        except Exception as e:  # noqa: BLE001
+            raise _convert(e) from None
+
+
+def _caps(m) -> dict:
+    return {"node": m.node, "agent_version": m.agent_version, "kernel": m.kernel, "cgroup_mode": m.cgroup_mode,
+            "audit": {"available": m.audit.available, "detail": m.audit.detail, "missing": list(m.audit.missing)},
+            "enforcement": {"available": m.enforcement.available, "detail": m.enforcement.detail,
+                            "missing": list(m.enforcement.missing)},
+            "degraded": list(m.degraded), "capacity": json.loads(m.capacity_json or "{}"),
+            "warm_profiles": [{"name": w.name, "count": w.count, "ready": w.ready,
+                               "spec": json.loads(w.spec_json or "{}")} for w in m.warm_profiles],
+            "limits": json.loads(m.limits_json or "{}"), "transports": list(m.transports), "pid": m.pid,
+            "started_ns": m.started_ns}
+
+
+class Sandbox:
+    """A handle on one sandbox of an agent (no state of its own besides the id)."""
+
+    def __init__(self, client: Client, sandbox_id: str, info: SandboxInfo | None = None):
+        self.client = client
+        self.id = sandbox_id
+        self.created = info
+        self.summary: dict | None = None
+
+    def __repr__(self):
+        return f"Sandbox({self.id!r})"
+
+    def info(self) -> SandboxInfo:
+        return self.client.get(self.id)
+
+    def wait(self, until: str = "ended", timeout: float | None = None) -> SandboxInfo:
+        return self.client.wait(self.id, until, timeout)
+
+    def exec(self, argv, **kw) -> ExecResult:
+        """One step. kw: stdin (bytes), stdin_stream, env, workdir, timeout, grace,
+        on_stdout / on_stderr (callbacks per chunk). Returns ExecResult; raises
+        SandboxPreempted / SandboxStopped if the sandbox is stopped under the step."""
+        return self.client.exec(self.id, argv, **kw)
+
+    def exec_stream(self, argv, **kw):
+        return self.client.exec_stream(self.id, argv, **kw)
+
+    def kill(self, grace: float | None = None, reason: str = "") -> SandboxInfo:
+        return self.client.kill(self.id, grace, reason)
+
+    def close(self) -> SandboxInfo:
+        info = self.client.close_sandbox(self.id)
+        self.summary = info.summary
+        return info
+
+    def update_policy(self, policy: str | None = None, policy_yaml: str | None = None, mode: str | None = None):
+        return self.client.update_policy(self.id, policy, policy_yaml, mode)
+
+    def events(self, kinds=None, decisions=None):
+        return self.client.events(self.id, kinds, decisions)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.close()
+        except AgentError:
+            if exc[0] is None:
+                raise
+        return False
+
+
+# ================================================================= asyncio client
+
+class AsyncClient:
+    """The same API for asyncio code (grpc.aio). Create it inside the event loop."""
+
+    def __init__(self, target: str | None = None, *, tls: TLS | None = None, timeout: float = 60.0):
+        import grpc
+        from agent.proto import pb_grpc
+        self.target = _normalize_target(target)
+        _check_target(self.target, tls)
+        self.timeout = timeout
+        if tls is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=_options(None))
+        else:
+            self._channel = grpc.aio.secure_channel(self.target, _credentials(tls), options=_options(tls))
+        self.stub = pb_grpc.AgentStub(self._channel)
+
+    async def _unary(self, method, req, timeout=None):
+        try:
+            return await getattr(self.stub, method)(req, timeout=timeout if timeout is not None else self.timeout)
+        except Exception as e:  # noqa: BLE001
+            raise _convert(e) from None
+
+    async def close(self):
+        await self._channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+        return False
+
+    async def create(self, *, wait: bool = True, timeout: float | None = None, **spec) -> "AsyncSandbox":
+        req = _create_request(wait=wait, **spec)
+        info = _info(await self._unary("CreateSandbox", req, timeout=timeout if wait else None))
+        if info.state == "failed":
+            raise SandboxFailed("FAILED_PRECONDITION", f"sandbox {info.sandbox_id} failed: {info.reason}",
+                                info.reason)
+        return AsyncSandbox(self, info.sandbox_id, info)
+
+    def sandbox(self, sandbox_id: str) -> "AsyncSandbox":
+        return AsyncSandbox(self, sandbox_id)
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        from agent.proto import pb
+        return _info(await self._unary("Get", pb.GetRequest(sandbox_id=sandbox_id)))
+
+    async def list(self, labels: dict | None = None, states=None, limit: int = 0) -> list[SandboxInfo]:
+        from agent.proto import pb
+        r = await self._unary("List", pb.ListRequest(labels=labels or {}, states=list(states or ()), limit=limit))
+        return [_info(m) for m in r.sandboxes]
+
+    async def wait(self, sandbox_id: str, until: str = "ended", timeout: float | None = None) -> SandboxInfo:
+        from agent.proto import pb
+        return _info(await self._unary("Wait", pb.WaitRequest(sandbox_id=sandbox_id, until=until,
+                                                              timeout_seconds=float(timeout or 0)),
+                                       timeout=None if timeout is None else timeout + 30))
+
+    async def kill(self, sandbox_id: str, grace: float | None = None, reason: str = "") -> SandboxInfo:
+        from agent.proto import pb
+        req = pb.KillRequest(sandbox_id=sandbox_id, reason=reason)
+        if grace is not None:
+            req.grace_seconds = float(grace)
+        return _info(await self._unary("Kill", req, timeout=None))
+
+    async def close_sandbox(self, sandbox_id: str) -> SandboxInfo:
+        from agent.proto import pb
+        return _info(await self._unary("CloseSandbox", pb.CloseRequest(sandbox_id=sandbox_id), timeout=None))
+
+    async def update_policy(self, sandbox_id: str, policy=None, policy_yaml=None, mode=None) -> dict:
+        from agent.proto import pb
+        req = pb.UpdatePolicyRequest(sandbox_id=sandbox_id)
+        ref = _policy_ref(policy, policy_yaml, mode)
+        if ref is not None:
+            req.policy.CopyFrom(ref)
+        r = await self._unary("UpdatePolicy", req)
+        return {"sandbox_id": r.sandbox_id, "policy_name": r.policy_name, "policy_hash": r.policy_hash,
+                "mode": r.mode, "applied": list(r.applied), "syscalls": r.syscalls}
+
+    async def capabilities(self) -> dict:
+        from agent.proto import pb
+        return _caps(await self._unary("Capabilities", pb.CapabilitiesRequest()))
+
+    async def exec(self, sandbox_id: str, argv, *, stdin=None, env=None, workdir=None, timeout=None, grace=None,
+                   on_stdout=None, on_stderr=None) -> ExecResult:
+        first = _exec_start(sandbox_id, argv, env=env, workdir=workdir, stdin=stdin, close_stdin=True,
+                            timeout=timeout, grace=grace)
+        call = self.stub.Exec(iter([first]))
+        out, err = bytearray(), bytearray()
+        result = None
+        try:
+            async for m in call:
+                kind = m.WhichOneof("msg")
+                if kind == "stdout":
+                    out += m.stdout
+                    if on_stdout:
+                        on_stdout(m.stdout)
+                elif kind == "stderr":
+                    err += m.stderr
+                    if on_stderr:
+                        on_stderr(m.stderr)
+                elif kind == "exit":
+                    result = _exit(m.exit, out, err)
+        except Exception as e:  # noqa: BLE001
+            raise _convert(e, result or ExecResult(stdout=bytes(out), stderr=bytes(err))) from None
+        if result is None:
+            raise AgentError("UNKNOWN", "the agent ended the step without an exit status")
+        return result
+
+    async def events(self, sandbox=None, kinds=None, decisions=None, labels=None):
+        from agent.proto import pb
+        sandboxes = [sandbox] if isinstance(sandbox, str) else list(sandbox or ())
+        call = self.stub.StreamEvents(pb.StreamEventsRequest(sandbox_ids=sandboxes, kinds=list(kinds or ()),
+                                                             decisions=list(decisions or ()),
+                                                             labels=dict(labels or {})))
+        try:
+            async for m in call:
+                if m.WhichOneof("msg") == "lost":
+                    yield {"lost": m.lost.count, "reason": m.lost.reason}
+                else:
+                    yield json.loads(m.event.json)
+        finally:
+            call.cancel()
+
+
+class AsyncSandbox:
+    def __init__(self, client: AsyncClient, sandbox_id: str, info: SandboxInfo | None = None):
+        self.client = client
+        self.id = sandbox_id
+        self.created = info
+        self.summary: dict | None = None
+
+    def __repr__(self):
+        return f"AsyncSandbox({self.id!r})"
+
+    async def info(self) -> SandboxInfo:
+        return await self.client.get(self.id)
+
+    async def wait(self, until: str = "ended", timeout: float | None = None) -> SandboxInfo:
+        return await self.client.wait(self.id, until, timeout)
+
+    async def exec(self, argv, **kw) -> ExecResult:
+        return await self.client.exec(self.id, argv, **kw)
+
+    async def kill(self, grace: float | None = None, reason: str = "") -> SandboxInfo:
+        return await self.client.kill(self.id, grace, reason)
+
+    async def close(self) -> SandboxInfo:
+        info = await self.client.close_sandbox(self.id)
+        self.summary = info.summary
+        return info
+
+    async def update_policy(self, policy=None, policy_yaml=None, mode=None):
+        return await self.client.update_policy(self.id, policy, policy_yaml, mode)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        try:
+            await self.close()
+        except AgentError:
+            if exc[0] is None:
+                raise
+        return False
+
+
+__all__ = ["Client", "AsyncClient", "Sandbox", "AsyncSandbox", "TLS", "ExecResult", "SandboxInfo", "AgentError",
+           "InvalidArgument", "NotFound", "PermissionDenied", "AgentUnavailable", "SandboxFailed", "SandboxStopped",
+           "SandboxPreempted", "agent_available", "default_target"]

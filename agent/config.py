@@ -1,0 +1,396 @@
+"""The node agent's configuration: a YAML file validated with pydantic, then
+environment overrides.
+
+    cfg = load_config("/etc/dsec/agent.yaml")    # None: defaults + environment only
+    cfg.socket, cfg.capacity.cpu_oversubscription, cfg.warm_pool[0].count ...
+
+Every field has a default: an empty file (or none) is a valid configuration.
+Errors name the file, the line and the field (`agent.yaml:7: capacity.cpus:
+must be > 0`) and raise ConfigError (a DsecError, exit 2).
+
+Environment overrides (applied after the file, before validation):
+
+    DSEC_AGENT_SOCKET=/run/dsec/agent.sock        the unix socket (also read by clients)
+    DSEC_AGENT__SECTION__FIELD=value              any field, e.g.
+    DSEC_AGENT__CAPACITY__RESERVE_CPUS=1          (values are YAML scalars: 1, 2.5, true, 1G)
+    DSEC_AGENT__TCP__ALLOWED_CLIENTS='[trainer-1, trainer-2]'
+
+The full reference with an example file is docs/agent.md.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from typing import Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from agent.errors import DsecError, EXIT_USAGE
+
+from agent.client import DEFAULT_SOCKET, ENV_SOCKET  # noqa: E402 - one definition, light module
+ENV_PREFIX = "DSEC_AGENT__"
+MAX_CONFIG_BYTES = 1 << 20
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
+_MULT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_PROFILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class ConfigError(DsecError):
+    def __init__(self, message: str):
+        super().__init__(message, EXIT_USAGE)
+
+
+def parse_size(v, what: str = "size") -> int:
+    """512M, 1G, 1.5GiB, 1048576 -> bytes."""
+    if isinstance(v, bool):
+        raise ValueError(f"{what}: expected a size like 512M or 1G, got {v!r}")
+    if isinstance(v, int):
+        n = v
+    elif isinstance(v, float):
+        n = int(v)
+    elif isinstance(v, str):
+        m = _SIZE_RE.match(v)
+        if not m:
+            raise ValueError(f"expected a size like 512M, 1G or a number of bytes, got {v!r}")
+        n = int(float(m.group(1)) * _MULT[m.group(2).lower()])
+    else:
+        raise ValueError(f"expected a size like 512M or 1G, got {type(v).__name__}")
+    if n < 0:
+        raise ValueError(f"must not be negative, got {v!r}")
+    return n
+
+
+Size = int   # validated by the field validators below
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class TCPConfig(_Base):
+    """Optional TCP listener; always mutual TLS."""
+    listen: str = Field(description="HOST:PORT, e.g. 127.0.0.1:7443 or [::1]:7443")
+    cert: str = Field(description="server certificate chain (PEM)")
+    key: str = Field(description="server private key (PEM)")
+    client_ca: str = Field(description="CA bundle (PEM) that client certificates must chain to")
+    allowed_clients: list[str] = Field(
+        description="client identities (certificate CN or SAN DNS/URI) allowed to call; '*' = any "
+                    "certificate signed by client_ca")
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        host, sep, port = v.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:7443), got {v!r}")
+        h = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if h not in ("localhost", "0.0.0.0", "::"):
+            try:
+                ipaddress.ip_address(h)
+            except ValueError:
+                raise ValueError(f"host {host!r} must be an IP address, [IPv6] or localhost") from None
+        return v
+
+    @field_validator("cert", "key", "client_ca")
+    @classmethod
+    def _file(cls, v: str) -> str:
+        if not v:
+            raise ValueError("a file path is required")
+        return v
+
+    @field_validator("allowed_clients")
+    @classmethod
+    def _allowed(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("list at least one client identity (or '*' for any certificate of client_ca)")
+        return v
+
+
+class CapacityConfig(_Base):
+    cpus: Union[float, Literal["auto"]] = Field("auto", description="node CPUs ('auto': os.cpu_count())")
+    memory: Union[int, str] = Field("auto", description="node memory ('auto': MemTotal), e.g. 64G")
+    reserve_cpus: float = Field(0.0, ge=0, description="CPUs kept for the host and the agent")
+    reserve_memory: Union[int, str] = Field("512M", description="memory kept for the host and the agent")
+    cpu_oversubscription: float = Field(2.0, ge=1.0, le=64.0,
+                                        description="CPU may be committed up to this x allocatable")
+    max_pids: Optional[int] = Field(None, gt=0, description="sum of pids limits (None: unbounded)")
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, v):
+        if v != "auto" and not v > 0:
+            raise ValueError("must be > 0 or 'auto'")
+        return v
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, v):
+        if v == "auto":
+            return v
+        n = parse_size(v)
+        if n < 64 << 20:
+            raise ValueError(f"{v!r} is less than 64M")
+        return n
+
+    @field_validator("reserve_memory")
+    @classmethod
+    def _reserve(cls, v):
+        return parse_size(v)
+
+    def totals(self) -> tuple[float, int]:
+        cpus = float(os.cpu_count() or 1) if self.cpus == "auto" else float(self.cpus)
+        if self.memory == "auto":
+            mem = 0
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemTotal:"):
+                        mem = int(line.split()[1]) * 1024
+                        break
+        else:
+            mem = int(self.memory)
+        return cpus, mem
+
+
+class SchedulingConfig(_Base):
+    aging_seconds: Optional[float] = Field(60.0, gt=0, description="waiting worth one priority class "
+                                                                   "(null: strict class order)")
+    preemption_grace: float = Field(5.0, ge=0, le=600, description="SIGTERM -> SIGKILL for preempted sandboxes")
+    tick_seconds: float = Field(0.5, gt=0, le=10, description="how often the queue, aging and the warm pool are served")
+    max_parallel_starts: int = Field(8, ge=1, le=256, description="sandbox starts/teardowns in flight")
+
+
+class DefaultsConfig(_Base):
+    cpus: float = Field(1.0, gt=0, description="CPUs accounted for a request that names none (no CPU quota then)")
+    memory: Union[int, str] = Field("1G", description="memory of a request that names none")
+    pids: int = Field(1024, gt=0, le=1 << 22)
+    priority: Literal["reserved", "standard", "preemptible"] = "standard"
+    lifetime_seconds: float = Field(3600.0, gt=0, description="a sandbox is killed after this long")
+    grace_seconds: float = Field(3.0, ge=0, le=600, description="SIGTERM -> SIGKILL for timeouts and Kill")
+    policy: str = Field("default", description="policy of a request that names none")
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, v):
+        n = parse_size(v)
+        if n < 4 << 20:
+            raise ValueError(f"{v!r} is less than 4M")
+        return n
+
+
+class WarmProfile(_Base):
+    """N pre-started sandboxes of one shape. A CreateSandbox request takes one
+    when it names no sandbox id and its resources, policy, network, rootfs,
+    user, workdir, env and audit settings equal the profile's."""
+    name: str
+    count: int = Field(1, ge=0, le=256)
+    cpus: Optional[float] = Field(None, gt=0, description="CPU quota (null: none; accounted as defaults.cpus)")
+    memory: Union[int, str] = "1G"
+    pids: int = Field(1024, gt=0, le=1 << 22)
+    policy: str = "default"
+    mode: Optional[Literal["learn", "audit", "enforce"]] = None
+    network: Literal["none", "egress"] = "none"
+    rootfs: Optional[str] = None
+    user: str = "sandbox"
+    workdir: str = "/workspace"
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _PROFILE_RE.match(v):
+            raise ValueError(f"{v!r}: use 1-63 of [A-Za-z0-9_.-], starting alphanumeric")
+        return v
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, v):
+        n = parse_size(v)
+        if n < 4 << 20:
+            raise ValueError(f"{v!r} is less than 4M")
+        return n
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError("must be an absolute path")
+        return v
+
+
+class LimitsConfig(_Base):
+    max_message_bytes: Union[int, str] = Field("16M", description="largest gRPC message accepted or sent")
+    max_sandboxes: int = Field(4096, ge=1, le=4096, description="live sandboxes (queued + running); "
+                                                                "more are refused")
+    history: int = Field(2000, ge=0, description="ended sandboxes kept for Get/List")
+    max_stream_subscribers: int = Field(64, ge=1, le=4096)
+    stream_buffer: int = Field(10000, ge=100, description="events buffered per StreamEvents subscriber")
+    max_concurrent_rpcs: int = Field(512, ge=8, le=8192)
+    max_lifetime_seconds: float = Field(7 * 86400.0, gt=0)
+
+    @field_validator("max_message_bytes")
+    @classmethod
+    def _msg(cls, v):
+        n = parse_size(v)
+        if not (1 << 20) <= n <= (256 << 20):
+            raise ValueError("must be between 1M and 256M")
+        return n
+
+
+class AuditConfig(_Base):
+    required: bool = Field(True, description="refuse to start when the eBPF audit cannot load "
+                                             "(false: run degraded, say so in Capabilities and the audit)")
+    over_budget: Literal["summarise", "stop"] = "summarise"
+
+
+class ExporterConfig(_Base):
+    clickhouse: bool = Field(True, description="run the ClickHouse exporter thread "
+                                               "(DSEC_CLICKHOUSE_URL or the private server)")
+    interval_seconds: float = Field(0.5, gt=0, le=60)
+
+
+class AgentConfig(_Base):
+    socket: str = Field(DEFAULT_SOCKET, description="unix socket; its directory is made 0700, the socket 0600")
+    state_dir: Optional[str] = Field(None, description="agent lock and pid file (default: the socket's directory)")
+    tcp: Optional[TCPConfig] = None
+    sinks: Optional[dict] = Field(None, description="sink name -> settings (docs/exporters.md); validated by exporters.configure")
+    capacity: CapacityConfig = Field(default_factory=CapacityConfig)
+    scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
+    defaults: DefaultsConfig = Field(default_factory=DefaultsConfig)
+    warm_pool: list[WarmProfile] = Field(default_factory=list)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    audit: AuditConfig = Field(default_factory=AuditConfig)
+    exporter: ExporterConfig = Field(default_factory=ExporterConfig)
+    policy_dirs: list[str] = Field(default_factory=list,
+                                   description="directories searched for policy NAME.yaml before the built-ins")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("socket")
+    @classmethod
+    def _socket(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError("must be an absolute path")
+        if len(v.encode()) > 107:
+            raise ValueError("longer than a unix socket path may be (107 bytes)")
+        return v
+
+    @model_validator(mode="after")
+    def _profiles(self):
+        seen = set()
+        for p in self.warm_pool:
+            if p.name in seen:
+                raise ValueError(f"warm_pool: profile name {p.name!r} is used twice")
+            seen.add(p.name)
+        return self
+
+    @property
+    def run_dir(self) -> str:
+        return self.state_dir or os.path.dirname(self.socket)
+
+
+# ---------------------------------------------------------------- loading
+
+def _format_loc(loc) -> str:
+    out = ""
+    for p in loc:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        else:
+            out += ("." if out else "") + str(p)
+    return out
+
+
+def _env_overrides(data: dict, environ) -> list[str]:
+    applied = []
+    sock = environ.get(ENV_SOCKET)
+    if sock:
+        data["socket"] = sock
+        applied.append(ENV_SOCKET)
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = [p.lower() for p in name[len(ENV_PREFIX):].split("__") if p]
+        if not path:
+            continue
+        try:
+            value = yaml.safe_load(environ[name]) if environ[name] != "" else None
+        except yaml.YAMLError:
+            raise ConfigError(f"{name}: not a YAML value: {environ[name]!r}") from None
+        d = data
+        for p in path[:-1]:
+            nxt = d.get(p)
+            if nxt is None:
+                nxt = d[p] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{name}: {'.'.join(path)}: {p} is not a section")
+            d = nxt
+        d[path[-1]] = value
+        applied.append(name)
+    return applied
+
+
+def load_config(path: str | None = None, environ=None) -> AgentConfig:
+    """Read, override from the environment, validate. Raises ConfigError."""
+    environ = os.environ if environ is None else environ
+    data: dict = {}
+    lines = None
+    source = path or "<defaults>"
+    if path:
+        from policies.load import parse_yaml
+        from policies.model import PolicyError
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 (byte offset {e.start})") from None
+        if text.strip():
+            try:
+                data, lines = parse_yaml(text, path)
+            except PolicyError as e:
+                msg = e.message.replace("empty policy (expected a mapping with apiVersion, kind, metadata, spec)",
+                                        "empty configuration")
+                raise ConfigError(msg) from None
+            if lines.errors:
+                ln, msg = sorted(lines.errors)[0]
+                raise ConfigError(f"{path}:{ln}: {msg}")
+    from_env = _env_overrides(data, environ)
+    try:
+        cfg = AgentConfig.model_validate(data)
+    except ValidationError as e:
+        msgs = []
+        for err in e.errors():
+            loc = tuple(err.get("loc") or ())
+            where = source
+            if lines is not None:
+                ln = lines.line(loc)
+                if ln:
+                    where = f"{path}:{ln}"
+            env_hint = ""
+            key = ENV_PREFIX + "__".join(str(p).upper() for p in loc if not isinstance(p, int))
+            if key in from_env:
+                env_hint = f" (from {key})"
+            msg = err.get("msg", "invalid").removeprefix("Value error, ")
+            if err.get("type") == "extra_forbidden":
+                msg = "unknown field"
+            msgs.append(f"{where}: {_format_loc(loc) or 'document'}: {msg}{env_hint}")
+        raise ConfigError(msgs[0] + (f" (and {len(msgs) - 1} more)" if len(msgs) > 1 else "")) from None
+    if cfg.tcp is not None:
+        for what in ("cert", "key", "client_ca"):
+            p = getattr(cfg.tcp, what)
+            if not os.path.isfile(p):
+                raise ConfigError(f"{source}: tcp.{what}: {p}: no such file")
+    for d in cfg.policy_dirs:
+        if not os.path.isdir(d):
+            raise ConfigError(f"{source}: policy_dirs: {d}: no such directory")
+    return cfg
+
+
+__all__ = ["AgentConfig", "ConfigError", "DEFAULT_SOCKET", "ENV_SOCKET", "WarmProfile", "load_config", "parse_size"]

@@ -1,0 +1,392 @@
+"""Durability under faults, for real: real eBPF (the Recorder on a cgroup of
+our own), real ClickHouse servers on loopback, a real OTLP/gRPC receiver,
+real SIGKILLs. Loads are modest so that the whole file stays around 2-3
+minutes; the 60 s ClickHouse outage is the floor.
+
+  * ClickHouse SIGKILLed for 60 s under a steady kernel event load: every
+    event arrives after it returns, none twice (by event_id); the JSON-lines
+    sink beside it keeps up the whole time.
+  * the producer process (Recorder + ClickHouse exporter) SIGKILLed at random
+    points 20 times: each restart replays the spool; at the end ClickHouse
+    holds exactly what was spooled (count and ids), each once.
+  * disk budget exhausted: the documented policy (evict best-effort sinks'
+    backlog, else drop with accounting) happens, the loss is an events_lost
+    record and a metric.
+  * a corrupt / torn spool segment: the records around it are delivered to
+    every sink, the damage is an events_lost record in each, nothing crashes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+from agent.clickhouse_server import connect
+from agent.metrics import METRICS
+from agent.spool import HEADER_BYTES, Spool, encode_frame
+from exporters.clickhouse import ClickHouseExporter
+from exporters.configure import start_sinks, stop_sinks
+from exporters.jsonl import JsonlSink
+from exporters.otel import OtlpSink
+
+from fixtures_clickhouse import free_ports
+from otlp_receiver import OtlpReceiver
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHON = "/usr/bin/python3"
+KERNEL_KINDS = ("exec", "fork", "exit", "connect", "open_write", "unlink", "rename")
+
+# a paced generator of open_write events (one per open), run inside a cgroup
+GEN = r'''
+import os, sys, time
+rate, dur, d = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+n, t0 = 0, time.monotonic()
+while True:
+    now = time.monotonic() - t0
+    if now >= dur:
+        break
+    while n < int(now * rate) + 1:
+        os.close(os.open(os.path.join(d, "f%d" % (n & 15)), flags, 0o644))
+        n += 1
+    time.sleep(0.005)
+print(n, flush=True)
+'''
+
+
+def start_generator(cg, rate, duration, workdir):
+    return subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0" || exit 125; exec "$@"', cg.procs_file,
+                             PYTHON, "-I", "-S", "-c", GEN, str(rate), str(duration), str(workdir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def read_everything(reader):
+    """All records (and damage) a reader has not committed yet; commits."""
+    recs, damage = [], []
+    while True:
+        b = reader.read(10000)
+        if not b:
+            return recs, damage
+        recs += b.records
+        damage += b.damage
+        reader.commit(b)
+
+
+def ch_ids(client, db, sid):
+    rows = client.execute(f"SELECT event_id, count() FROM {db}.events FINAL WHERE sandbox_id = %(s)s "
+                          f"GROUP BY event_id", {"s": sid})
+    return {e: c for e, c in rows}
+
+
+def readline(p, timeout) -> str:
+    import select
+    if select.select([p.stdout], [], [], timeout)[0]:
+        return p.stdout.readline().strip()
+    return ""
+
+
+def wait_until(pred, timeout, step=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+# --- ClickHouse down for 60 s under load ----------------------------------------------------
+
+def test_clickhouse_killed_for_60s_under_steady_load_loses_and_doubles_nothing(
+        scratch_clickhouse, audit_cgroups, tmp_path):
+    from agent.recorder import Recorder
+    server = scratch_clickhouse
+    url = server.url_for("outage60")
+    spool = Spool(str(tmp_path / "sp"), fsync="never")
+    verify = spool.reader("verify")                 # a required cursor that keeps every record for the check
+    jsonl = str(tmp_path / "audit.jsonl")
+    rec = Recorder(node="faults", spool=spool, enforce=False)
+    cg = audit_cgroups()
+    sid = "outage-" + uuid.uuid4().hex[:8]
+    stop = threading.Event()
+    threads = []
+    gen = None
+    try:
+        rec.watch(sid, cg.id, rate=0)
+        ch = ClickHouseExporter(spool, url, flush_interval=0.2)
+        fl = JsonlSink(spool, path=jsonl, flush_interval=0.2)
+        threads = start_sinks(spool, [ch, fl], stop, metrics=False)
+        (tmp_path / "w").mkdir()
+        gen = start_generator(cg, rate=200, duration=68, workdir=tmp_path / "w")
+        assert wait_until(lambda: ch.total_sent > 100, 10)           # flowing into ClickHouse
+        os.kill(server.pid(), signal.SIGKILL)                         # ClickHouse dies
+        t_kill = time.monotonic()
+        jsonl_lag = []
+        while time.monotonic() - t_kill < 60:                        # 60 s outage under load
+            time.sleep(5)
+            spooled = rec.spool.reader("verify").backlog()[0]
+            jsonl_lag.append(spooled - (fl.total_sent + fl.total_damaged))
+        assert ch.last_error, "the outage was not noticed"
+        sent_during = ch.total_sent
+        server.start()                                                # ... and comes back
+        assert gen.wait(30) == 0, gen.stderr.read()
+        totals = rec.unwatch(cg.id)                                   # drain the kernel's last events
+        assert wait_until(lambda: ch.reader.backlog()[0] == 0 and fl.reader.backlog()[0] == 0, 60)
+    finally:
+        stop.set()
+        stop_sinks(threads)
+        if gen is not None and gen.poll() is None:
+            gen.kill()
+        rec.close()
+    emitted = sum(totals["emitted"].values())
+    assert totals["lost_total"] == 0 and emitted > 60 * 200 * 0.9
+    # JSON lines kept up during the outage (a few seconds behind at most at each check, where
+    # a sink blocked by ClickHouse's outage would be up to 60 s = 12 000 records behind)
+    assert max(jsonl_lag) < 1000, jsonl_lag
+    spooled, damage = read_everything(verify)
+    assert not damage
+    ids = {r["event_id"] for r in spooled if r["sandbox_id"] == sid}
+    kernel = {r["event_id"] for r in spooled if r["sandbox_id"] == sid and r["kind"] in KERNEL_KINDS}
+    assert len(kernel) == emitted                                     # the spool holds what the kernel reported
+    client, db = connect(url)
+    try:
+        got = ch_ids(client, db, sid)
+        assert set(got) == ids and all(c == 1 for c in got.values())  # every event, once (FINAL, by event_id)
+        n, u = client.execute(f"SELECT count(), uniqExact(event_id) FROM {db}.events FINAL "
+                              f"WHERE sandbox_id = %(s)s", {"s": sid})[0]
+        assert n == u == len(ids)
+    finally:
+        client.disconnect()
+    lines = [json.loads(x)["event_id"] for x in open(jsonl)]
+    assert len(lines) == len(set(lines)) and set(lines) == ids
+    assert sent_during < len(ids)                                      # some really waited for ClickHouse
+
+
+# --- the producer SIGKILLed 20 times ---------------------------------------------------------
+
+PRODUCER = r'''
+import sys, threading, time
+sys.path.insert(0, {root!r})
+from agent.spool import Spool
+from exporters.clickhouse import ClickHouseExporter
+spool_dir, url, sid, cgid = sys.argv[1:5]
+spool = Spool(spool_dir, fsync="never")
+exp = ClickHouseExporter(spool, url, flush_interval=0.05)
+res = exp.flush(timeout=60)                      # a restart first replays what the last one spooled
+print("replayed", res.sent, res.pending, res.error, flush=True)
+from agent.recorder import Recorder
+rec = Recorder(node="faults", spool=spool, enforce=False)
+rec.watch(sid, int(cgid), rate=0)
+threading.Thread(target=exp.run, args=(threading.Event(),), daemon=True).start()
+print("ready", flush=True)
+time.sleep(3600)
+'''
+
+
+def test_producer_sigkilled_20_times_final_clickhouse_equals_what_was_spooled(
+        clickhouse_url, clickhouse_client, audit_cgroups, tmp_path):
+    from audit_schema.migrations import migrate
+    client, db = clickhouse_client
+    migrate(client, db)
+    path = str(tmp_path / "sp")
+    spool = Spool(path, fsync="never")
+    verify = spool.reader("verify")
+    cg = audit_cgroups()
+    sid = "kill-" + uuid.uuid4().hex[:8]
+    (tmp_path / "w").mkdir()
+    gen = start_generator(cg, rate=300, duration=600, workdir=tmp_path / "w")   # runs across the restarts
+    script = PRODUCER.format(root=ROOT)
+    rnd = random.Random(os.getpid())
+    spooled: set = set()
+    damage = []
+    replays = []
+    try:
+        for i in range(20):
+            # SIGKILL at a random point: during the replay (the exporter mid-INSERT or mid-commit),
+            # while the sensor compiles and attaches, or while recording, appending and exporting
+            where = ("recording", "replay", "recording", "compile")[i % 4]
+            p = subprocess.Popen([sys.executable, "-c", script, path, clickhouse_url, sid, str(cg.id)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                if where == "replay":
+                    time.sleep(rnd.uniform(0.3, 0.9))
+                    continue
+                line = readline(p, 60).split()
+                assert line and line[0] == "replayed", p.stderr.read() if p.poll() is not None else line
+                replays.append(int(line[1]))
+                # the replay delivered everything the killed producers had spooled: nothing else writes now
+                recs, dmg = read_everything(verify)
+                spooled |= {r["event_id"] for r in recs if r["sandbox_id"] == sid}
+                damage += dmg
+                got = ch_ids(client, db, sid)
+                assert set(got) == spooled, f"restart {i}: {len(spooled - set(got))} spooled event(s) missing"
+                assert all(c == 1 for c in got.values())
+                if where == "compile":
+                    time.sleep(rnd.uniform(0.05, 1.0))
+                else:
+                    assert readline(p, 60) == "ready", p.stderr.read() if p.poll() is not None else "no ready"
+                    time.sleep(rnd.uniform(0.1, 1.5))
+            finally:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+        # the last restart
+        exp = ClickHouseExporter(Spool(path, fsync="never"), clickhouse_url)
+        res = exp.flush(timeout=60)
+        exp.close()
+        assert res.ok, res.summary()
+    finally:
+        gen.kill()
+        gen.wait()
+    recs, dmg = read_everything(verify)
+    spooled |= {r["event_id"] for r in recs if r["sandbox_id"] == sid}
+    damage += dmg
+    assert len(spooled) > 1000 and sum(1 for n in replays if n) >= 5   # real work, really replayed
+    got = ch_ids(client, db, sid)
+    assert set(got) == spooled and all(c == 1 for c in got.values())
+    n, u = client.execute(f"SELECT count(), uniqExact(event_id) FROM {db}.events FINAL WHERE sandbox_id = %(s)s",
+                          {"s": sid})[0]
+    assert n == u == len(spooled)
+    # a torn write of a killed producer is a reported gap, not silence (and not a crash)
+    assert all("torn" in d.reason or "CRC" in d.reason or "magic" in d.reason for d in damage), damage
+    if damage:
+        gaps = client.execute(f"SELECT count() FROM {db}.events FINAL WHERE kind = 'events_lost' AND sandbox_id = '' "
+                              f"AND extra LIKE %(p)s", {"p": f"%{path}%"})[0][0]
+        assert gaps >= 1
+    spool.close()
+
+
+# --- the disk budget ----------------------------------------------------------------------------
+
+def evs(sid, n, start=0):
+    t0 = 1_800_000_000_000_000_000
+    return [{"event_id": f"{sid}-{i}", "ts_ns": t0 + i, "node": "n", "sandbox_id": sid, "step": 1,
+             "kind": "open_write", "pid": 10, "path": f"/workspace/some/longer/path/file-{i:06d}", "flags": 0o101,
+             "ret": 3} for i in range(start, start + n)]
+
+
+def test_disk_budget_exhausted_drops_with_loud_accounting(tmp_path, clickhouse_url, clickhouse_client, caplog):
+    """ClickHouse (required) unreachable: past the budget, batches are dropped,
+    counted, logged, recorded as events_lost (reason spool_full) and in the
+    metric; what was kept and the gap markers reach ClickHouse later."""
+    client, db = clickhouse_client
+    METRICS.reset()
+    budget = 64 << 10
+    path = str(tmp_path / "sp")
+    sp = Spool(path, fsync="never", max_bytes=budget)
+    sp.reader("verify")                                      # a required cursor: keeps every record for the check
+    dead = ClickHouseExporter(sp, f"clickhouse://default@127.0.0.1:{free_ports(1)[0]}/{db}")   # registers its cursor
+    sid = "budget-" + uuid.uuid4().hex[:8]
+    kept = dropped = 0
+    for i in range(0, 2000, 20):
+        n = sp.append_many(evs(sid, 20, start=i))
+        assert n in (0, 20)                                  # all or none
+        kept += n
+        dropped += 20 - n
+        assert sp.size_bytes() <= budget + sp.reserve_bytes
+    assert kept > 100 and dropped > 500 and sp.dropped_total == dropped
+    assert METRICS.counter("dsec.events.lost", reason="spool_full") == dropped
+    assert any("DROPPED" in r.getMessage() for r in caplog.records)
+    assert not dead.flush(timeout=0.2).ok
+    dead.close()
+    sp.close()                                               # writes the last coalesced events_lost record
+    sp2 = Spool(path, fsync="never", max_bytes=budget)
+    recs, damage = read_everything(sp2.reader("verify"))
+    assert not damage
+    lost = [r for r in recs if r["kind"] == "events_lost"]
+    assert lost and all(json.loads(r["extra"])["reason"] == "spool_full" for r in lost)
+    assert sum(r["count"] for r in lost) == dropped and {r["sandbox_id"] for r in lost} == {sid}
+    assert len([r for r in recs if r["kind"] == "open_write"]) == kept
+    # ClickHouse returns: the kept events and the gap markers arrive
+    exp = ClickHouseExporter(sp2, clickhouse_url)
+    res = exp.flush(timeout=60)
+    exp.close()
+    sp2.close()
+    assert res.ok, res.summary()
+    n_ok, n_lost = client.execute(
+        f"SELECT countIf(kind = 'open_write'), sumIf(count, kind = 'events_lost') FROM {db}.events FINAL "
+        f"WHERE sandbox_id = %(s)s", {"s": sid})[0]
+    assert (n_ok, n_lost) == (kept, dropped)
+
+
+def test_disk_budget_evicts_a_dead_best_effort_sink_not_the_others(tmp_path):
+    """OTLP (best effort) down, JSON lines (required here) up: nothing is
+    dropped; the OTLP backlog is evicted, and when the collector returns it
+    gets the rest plus an events_lost record for exactly what it missed."""
+    METRICS.reset()
+    sp = Spool(str(tmp_path / "sp"), fsync="never", max_bytes=64 << 10)
+    rx = OtlpReceiver()                                      # down
+    otlp = OtlpSink(sp, endpoint=rx.endpoint)
+    fl = JsonlSink(sp, path=str(tmp_path / "a.jsonl"), evictable=False)
+    sid = "evict-" + uuid.uuid4().hex[:8]
+    for i in range(0, 3000, 50):
+        assert sp.append_many(evs(sid, 50, start=i)) == 50   # never dropped
+        assert fl.flush(5).ok
+    assert sp.dropped_total == 0
+    assert not otlp.flush(timeout=0.2).ok
+    evicted = METRICS.counter("dsec.events.lost", reason="sink_evicted", sink="otlp")
+    assert evicted > 1000
+    assert os.path.exists(sp.evicted_path("otlp"))
+    rx.start()
+    try:
+        res = otlp.flush(timeout=30)
+        assert res.ok, res.summary()
+        logs = rx.logs()
+    finally:
+        rx.stop()
+        otlp.close()
+    gaps = [a for _, lr, a in logs if lr.event_name == "dsec.events_lost"]
+    delivered = [a for _, lr, a in logs if lr.event_name == "dsec.open_write"]
+    assert gaps and all(json.loads(a["dsec.extra"])["reason"] == "sink_evicted" for a in gaps)
+    assert sum(a["dsec.count"] for a in gaps) == evicted
+    assert len(delivered) + evicted == 3000                  # everything accounted for, nothing twice
+    assert len({a["log.record.uid"] for a in delivered}) == len(delivered)
+    assert not os.path.exists(sp.evicted_path("otlp"))      # reported once
+    lines = [json.loads(x)["event_id"] for x in open(tmp_path / "a.jsonl")]
+    assert lines == [f"{sid}-{i}" for i in range(3000)]      # the other sink lost nothing
+    fl.close()
+    sp.close()
+
+
+# --- a corrupt / torn segment ----------------------------------------------------------------------
+
+def test_corrupt_and_torn_segment_every_sink_keeps_the_rest_and_reports_the_gap(tmp_path):
+    METRICS.reset()
+    sp = Spool(str(tmp_path / "sp"), fsync="never")
+    sid = "dmg-" + uuid.uuid4().hex[:8]
+    recs = evs(sid, 60)
+    sp.append_many(recs)
+    seg = sp.seg_path(sp.segments()[-1])
+    data = bytearray(open(seg, "rb").read())
+    off = sum(len(encode_frame(r)) for r in recs[:30])
+    data[off + HEADER_BYTES + 7] ^= 0x40                      # bit rot inside record 30
+    data += encode_frame(evs(sid, 1, start=60)[0])[:40]       # a torn last write
+    open(seg, "wb").write(bytes(data))
+    rx = OtlpReceiver().start()
+    try:
+        otlp = OtlpSink(sp, endpoint=rx.endpoint)
+        fl = JsonlSink(sp, path=str(tmp_path / "d.jsonl"))
+        r1, r2 = otlp.flush(10), fl.flush(10)
+        assert r1.ok and r2.ok and r1.sent == r2.sent == 59 and r1.damaged == r2.damaged == 2
+        sp.append_many(evs(sid, 5, start=61))                 # writing goes on after the damage
+        assert otlp.flush(10).sent == 5 and fl.flush(10).sent == 5
+        logs = rx.logs()
+    finally:
+        rx.stop()
+    want = {r["event_id"] for r in recs} - {f"{sid}-30"} | {f"{sid}-{i}" for i in range(61, 66)}
+    assert {a["log.record.uid"] for _, lr, a in logs if lr.event_name == "dsec.open_write"} == want
+    lines = [json.loads(x) for x in open(tmp_path / "d.jsonl")]
+    assert {x["event_id"] for x in lines if x["kind"] == "open_write"} == want
+    for gaps in ([json.loads(a["dsec.extra"]) for _, lr, a in logs if lr.event_name == "dsec.events_lost"],
+                 [json.loads(x["extra"]) for x in lines if x["kind"] == "events_lost"]):
+        assert len(gaps) == 2 and {g["reason"] for g in gaps} == {"spool_damage"}
+        assert any("CRC" in g["detail"] for g in gaps) and any("torn" in g["detail"] for g in gaps)
+    assert METRICS.counter("dsec.events.lost", reason="spool_damage") == 4     # 2 regions x 2 sinks
+    assert os.path.getsize(os.path.join(sp.path, "damage.log")) > 0
+    otlp.close()
+    fl.close()
+    sp.close()
