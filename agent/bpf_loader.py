@@ -29,21 +29,17 @@ Over budget (the per-sandbox fair share, a token bucket of `rate` events/s and
 """
 from __future__ import annotations
 
-import ctypes as ct
 import os
-import platform
-import re
-import socket
-import tempfile
-import threading
 import time
-import uuid
-from collections import deque
 
-from agent.decoder import Decoder, SandboxInfo, load_constants
+from agent.bpf_common import BPF_DIR, TRACEFS, RINGBUF_MISSING, RingSensor, base_missing, cgroup2_mount
+from agent.bpf_common import StderrCapture as _StderrCapture, first_error as _first_error  # noqa: F401 (API)
+from agent.bpf_common import ringbuf_supported as _ringbuf_supported
+from agent.bpf_common import (check_sandbox_ids, compile_text, describe, loss_totals, map_discard, ring_pages,
+                              source_text, token_bucket, tracepoints_in, unavailable)
+from agent.decoder import SandboxInfo, load_constants
 from agent.errors import DsecError
 
-BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bpf")
 SOURCES = ("common.h", "process.c", "net.c", "files.c")   # concatenated in this order
 
 DEFAULT_RING_BYTES = 32 << 20
@@ -55,78 +51,22 @@ DEFAULT_MAX_INFLIGHT = 512   # syscalls in flight per sandbox
 OVER_BUDGET = ("summarise", "stop")
 LABELS = ("policy_name", "policy_hash", "mode")
 
-TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
-BPF_MAP_TYPE_RINGBUF = 27
-BPF_MAP_CREATE = 0
-SYS_bpf = 321                # x86_64
-
 
 # ---------------------------------------------------------------- features
 
 def _source_text() -> str:
-    parts = []
-    for name in SOURCES:
-        with open(os.path.join(BPF_DIR, name), encoding="utf-8") as f:
-            parts.append(f'#line 1 "{name}"\n' + f.read())
-    return "\n".join(parts)
+    return source_text(SOURCES)
 
 
 def tracepoints_used(text: str | None = None) -> list[str]:
-    text = _source_text() if text is None else text
-    return sorted(set(f"{c}/{e}" for c, e in re.findall(r"TRACEPOINT_PROBE\(\s*(\w+)\s*,\s*(\w+)\s*\)", text)))
-
-
-def _ringbuf_supported() -> bool:
-    """Create (and close) a one-page BPF ring buffer map."""
-    libc = ct.CDLL(None, use_errno=True)
-    libc.syscall.restype = ct.c_long
-    attr = (ct.c_uint32 * 32)()           # union bpf_attr, zeroed
-    attr[0] = BPF_MAP_TYPE_RINGBUF        # map_type
-    attr[3] = os.sysconf("SC_PAGE_SIZE")  # max_entries (bytes)
-    fd = libc.syscall(SYS_bpf, BPF_MAP_CREATE, ct.byref(attr), ct.sizeof(attr))
-    if fd < 0:
-        return False
-    os.close(fd)
-    return True
-
-
-def cgroup2_mount() -> str | None:
-    """Where the cgroup2 hierarchy is mounted (/sys/fs/cgroup/unified on hybrid
-    hosts, /sys/fs/cgroup on pure v2), or None."""
-    try:
-        with open("/proc/self/mounts", encoding="utf-8") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 2 and parts[2] == "cgroup2":
-                    return parts[1]
-    except OSError:
-        pass
-    return None
+    return tracepoints_in(_source_text() if text is None else text)
 
 
 def check_features(tracefs_roots=TRACEFS) -> list[str]:
     """What the audit sensor needs and does not have (empty list: all there)."""
-    missing = []
-    if os.geteuid() != 0:
-        missing.append("not root (loading BPF programs needs CAP_BPF/CAP_SYS_ADMIN)")
-    try:
-        import bcc.table
-        if not hasattr(bcc.table, "RingBuf"):
-            missing.append("BCC too old: no ring buffer support (needs bcc >= 0.22)")
-    except ImportError:
-        missing.append("python module bcc not importable (Debian python3-bpfcc; run scripts/setup.sh)")
-    build = f"/lib/modules/{platform.release()}/build"
-    if not os.path.isdir(build):
-        missing.append(f"kernel headers missing at {build} (run scripts/setup.sh)")
-    tracefs = next((t for t in tracefs_roots if os.path.isdir(os.path.join(t, "events"))), None)
-    if tracefs is None:
-        missing.append("tracefs not mounted (mount -t tracefs tracefs /sys/kernel/tracing)")
-    else:
-        absent = [tp for tp in tracepoints_used() if not os.path.isdir(os.path.join(tracefs, "events", tp))]
-        if absent:
-            missing.append("tracepoints missing: " + ", ".join(absent))
+    missing = base_missing(tracefs_roots, tracepoints_used())
     if os.geteuid() == 0 and not _ringbuf_supported():
-        missing.append("BPF ring buffers unsupported by this kernel (needs Linux >= 5.8)")
+        missing.append(RINGBUF_MISSING)
     if cgroup2_mount() is None:
         missing.append("no cgroup2 hierarchy mounted (sandboxes are keyed by cgroup2 id)")
     return missing
@@ -135,7 +75,7 @@ def check_features(tracefs_roots=TRACEFS) -> list[str]:
 def require_features(tracefs_roots=TRACEFS) -> None:
     missing = check_features(tracefs_roots)
     if missing:
-        raise DsecError("eBPF audit unavailable: " + "; ".join(missing))
+        raise DsecError(unavailable("audit", missing))
 
 
 # ---------------------------------------------------------------- compile
@@ -148,10 +88,7 @@ def _pow2_at_least(n: int) -> int:
 
 
 def build_cflags(*, ring_bytes: int, argv_bytes: int, max_args: int, max_inflight: int) -> list[str]:
-    page = os.sysconf("SC_PAGE_SIZE")
-    pages = ring_bytes // page
-    if ring_bytes % page or pages < 1 or pages & (pages - 1):
-        raise DsecError(f"audit ring buffer size {ring_bytes} is not a power-of-two number of {page}-byte pages")
+    pages = ring_pages(ring_bytes, "audit")
     if argv_bytes & (argv_bytes - 1) or not 4096 <= argv_bytes <= 131072:
         raise DsecError(f"argv bound {argv_bytes} must be a power of two between 4096 and 131072")
     if not 1 <= max_args <= 1024:
@@ -171,56 +108,16 @@ def build_cflags(*, ring_bytes: int, argv_bytes: int, max_args: int, max_infligh
     ]
 
 
-class _StderrCapture:
-    """Collect what BCC/clang/the verifier print on fd 2 while compiling."""
-
-    def __enter__(self):
-        self.file = tempfile.NamedTemporaryFile(prefix="dsec-bpf-", suffix=".log", delete=False)
-        self.saved = os.dup(2)
-        os.dup2(self.file.fileno(), 2)
-        return self
-
-    def __exit__(self, *exc):
-        os.dup2(self.saved, 2)
-        os.close(self.saved)
-        self.file.close()
-        with open(self.file.name, "rb") as f:
-            self.text = f.read().decode("utf-8", "replace")
-        return False
-
-
-def _first_error(log: str) -> str:
-    """The line of a BCC/clang/verifier log that says what went wrong."""
-    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    for ln in lines:
-        if "error:" in ln:
-            return ln[:300]
-    for i, ln in enumerate(lines):          # the verifier: its complaint precedes "processed N insns"
-        if ln.startswith("processed ") and i > 0:
-            return lines[i - 1][:300]
-    return lines[-1][:300] if lines else "no diagnostic"
-
-
 def compile_bpf(cflags: list[str]):
-    from bcc import BPF
-    text = _source_text()
-    with _StderrCapture() as cap:
-        try:
-            bpf = BPF(text=text.encode(), cflags=cflags)
-        except Exception as e:   # BCC raises bare Exception for compile/load failures
-            err = e
-        else:
-            err = None
-    if err is not None:
-        raise DsecError(f"eBPF audit: BPF compile/load failed: {err}; {_first_error(cap.text)} "
-                        f"(full log: {cap.file.name})")
-    os.unlink(cap.file.name)
-    return bpf
+    return compile_text(_source_text(), cflags, "audit")
 
 
 # ---------------------------------------------------------------- the sensor
 
-class AuditSensor:
+class AuditSensor(RingSensor):
+    WHAT = "audit"
+    VERB = "audited"
+
     def __init__(self, on_record=None, *, node: str | None = None,
                  ring_bytes: int = DEFAULT_RING_BYTES, argv_bytes: int = DEFAULT_ARGV_BYTES,
                  max_args: int = DEFAULT_MAX_ARGS, max_inflight: int = DEFAULT_MAX_INFLIGHT,
@@ -245,49 +142,23 @@ class AuditSensor:
         if enrich:
             from agent.elfinfo import ElfInfoCache
             enricher = ElfInfoCache()
-        self.instance = uuid.uuid4().hex
-        self.decoder = Decoder(self.bpf[b"exec_scratch"].Leaf, self.consts,
-                               node=node or socket.gethostname(), instance=self.instance,
-                               enricher=enricher, cgroup2_root=cgroup2_mount())
-        self._lock = threading.RLock()
-        self._raw: list[bytes] = []
-        self._backlog: deque = deque()
-        self._reported: dict[int, dict] = {}    # cgroup id -> {reason: {kind: count}} already reported
-        self._last_flush_wall: dict[int, int] = {}
         self._steps: dict[int, int] = {}
         self._modes: dict[int, str] = {}
         self._stop_notified: set[int] = set()
-        self._finals: dict[int, dict] = {}
-        self._next_flush = 0.0
-        self._closed = False
-        self.bpf[b"events"].open_ring_buffer(self._on_raw)
+        self._init_records(self.bpf[b"events"], self.bpf[b"exec_scratch"].Leaf, node=node, enricher=enricher)
 
     # -- lifecycle --------------------------------------------------------------
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
     def close(self) -> None:
         """Report outstanding losses, detach everything."""
-        with self._lock:
-            if self._closed:
-                return
-            try:
-                for cgid in list(self.decoder.sandboxes):
-                    self.remove_sandbox(cgid)
-                self._deliver()
-            finally:
-                self._closed = True
-                from agent.bpfsys import fast_detach
-                fast_detach(self.bpf)
+        self._close()
 
-    def _check_open(self):
-        if self._closed:
-            raise DsecError("audit sensor is closed")
+    def _teardown(self) -> None:
+        from agent.bpfsys import fast_detach
+        fast_detach(self.bpf)
+
+    def _sandbox_ids(self) -> list[int]:
+        return list(self.decoder.sandboxes)
 
     # -- sandboxes --------------------------------------------------------------
 
@@ -303,10 +174,7 @@ class AuditSensor:
         bad = sorted(set(labels) - known)
         if bad:
             raise DsecError(f"add_sandbox: unknown label(s) {', '.join(bad)} (known: {', '.join(sorted(known))})")
-        if not isinstance(cgroup_id, int) or cgroup_id <= 1:
-            raise DsecError(f"add_sandbox: cgroup id must be a cgroup2 directory's inode number, got {cgroup_id!r}")
-        if not sandbox_id:
-            raise DsecError("add_sandbox: empty sandbox id")
+        check_sandbox_ids(cgroup_id, sandbox_id)
         rate = labels.get("rate", self.defaults["rate"])
         burst = labels.get("burst", self.defaults["burst"])
         mode = labels.get("over_budget", self.defaults["over_budget"])
@@ -320,11 +188,9 @@ class AuditSensor:
             self.decoder.register(SandboxInfo(
                 cgroup_id, sandbox_id, {k: labels[k] for k in LABELS if k in labels},
                 labels.get("root_pid")))
-            self._reported[cgroup_id] = {}
-            self._last_flush_wall[cgroup_id] = time.time_ns()
+            self._track(cgroup_id)
             self._steps[cgroup_id] = step
             self._modes[cgroup_id] = mode
-            self._finals.pop(cgroup_id, None)
             cfg = self._sandboxes_map.Leaf()
             cfg.interval_ns, cfg.tolerance_ns, cfg.step = interval, tolerance, step
             cfg.mode = self.consts.over[mode]
@@ -333,13 +199,8 @@ class AuditSensor:
                 self._sandboxes_map[self._sandboxes_map.Key(cgroup_id)] = cfg
             except Exception as e:   # BCC raises bare Exception when a map update fails
                 for m in (self._sandboxes_map, self._state_map):
-                    try:
-                        del m[m.Key(cgroup_id)]
-                    except KeyError:
-                        pass
-                self.decoder.forget(cgroup_id)
-                for d in (self._reported, self._last_flush_wall, self._steps, self._modes):
-                    d.pop(cgroup_id, None)
+                    map_discard(m, m.Key(cgroup_id))
+                self._untrack(cgroup_id)
                 raise DsecError(f"add_sandbox: cannot register cgroup {cgroup_id} in the kernel "
                                 f"(at most {self.consts.values['DSEC_MAX_SANDBOXES']} sandboxes): {e}") from None
 
@@ -370,13 +231,8 @@ class AuditSensor:
         with self._lock:
             self._check_open()
             if cgroup_id not in self.decoder.sandboxes:
-                if cgroup_id in self._finals:
-                    return self._finals[cgroup_id]
-                raise DsecError(f"remove_sandbox: cgroup {cgroup_id} is not audited")
-            try:
-                del self._sandboxes_map[self._sandboxes_map.Key(cgroup_id)]
-            except KeyError:
-                pass
+                return self._final(cgroup_id, "remove_sandbox")
+            map_discard(self._sandboxes_map, self._sandboxes_map.Key(cgroup_id))
             # programs already past the lookup finish within microseconds
             self._consume()
             time.sleep(0.005)
@@ -385,54 +241,36 @@ class AuditSensor:
             state = self._read_state(cgroup_id)
             unfinished = max(0, state["inflight"]) if state else 0
             self._flush_losses(cgroup_id, state, unfinished=unfinished)
-            try:
-                del self._state_map[self._state_map.Key(cgroup_id)]
-            except KeyError:
-                pass
+            map_discard(self._state_map, self._state_map.Key(cgroup_id))
             totals = self._totals(state, unfinished)
             self._finals[cgroup_id] = totals
-            self.decoder.forget(cgroup_id)
-            for d in (self._reported, self._last_flush_wall, self._steps, self._modes):
-                d.pop(cgroup_id, None)
+            self._untrack(cgroup_id)
             self._stop_notified.discard(cgroup_id)
             self._deliver()
             return totals
+
+    def _untrack(self, cgroup_id: int) -> None:
+        super()._untrack(cgroup_id)
+        for d in (self._steps, self._modes):
+            d.pop(cgroup_id, None)
 
     # -- reading ----------------------------------------------------------------
 
     def poll(self, timeout_ms: int = 100) -> int:
         """Wait up to timeout_ms for events; hand decoded records to on_record.
         Returns how many records were delivered."""
-        with self._lock:
-            self._check_open()
-            self.bpf.ring_buffer_poll(int(timeout_ms))
-            self._decode_raw()
-            now = time.monotonic()
-            if now >= self._next_flush:
-                self._next_flush = now + self.loss_interval_s
-                self.decoder.sync_clock()
-                for cgid in list(self.decoder.sandboxes):
-                    self._flush_losses(cgid, self._read_state(cgid))
-            return self._deliver()
+        return self._poll(timeout_ms)
 
     def drain(self) -> int:
         """Consume everything already in the ring buffer (no waiting), report
         losses, deliver."""
-        with self._lock:
-            self._check_open()
-            self._consume()
-            self._decode_raw()
-            for cgid in list(self.decoder.sandboxes):
-                self._flush_losses(cgid, self._read_state(cgid))
-            return self._deliver()
+        return self._drain()
 
     def stats(self, cgroup_id: int) -> dict:
         """Kernel counters of an audited sandbox (or the totals of a removed one)."""
         with self._lock:
             if cgroup_id not in self.decoder.sandboxes:
-                if cgroup_id in self._finals:
-                    return self._finals[cgroup_id]
-                raise DsecError(f"stats: cgroup {cgroup_id} is not audited")
+                return self._final(cgroup_id, "stats")
             state = self._read_state(cgroup_id)
             totals = self._totals(state, 0)
             totals["inflight"] = state["inflight"] if state else 0
@@ -448,85 +286,24 @@ class AuditSensor:
 
     # -- internals --------------------------------------------------------------
 
-    def _on_raw(self, ctx, data, size):
-        self._raw.append(ct.string_at(data, size))
-        return 0
-
-    def _consume(self) -> None:
-        for _ in range(1000):        # bounded; each round empties what is there
-            before = len(self._raw)
-            self.bpf.ring_buffer_consume()
-            if len(self._raw) == before:
-                return
-
-    def _decode_raw(self) -> None:
-        raw, self._raw = self._raw, []
-        for r in raw:
-            rec = self.decoder.decode(r)
-            if rec is not None:
-                self._backlog.append(rec)
-
-    def _deliver(self) -> int:
-        n = 0
-        while self._backlog:
-            rec = self._backlog[0]
-            if self.on_record is not None:
-                self.on_record(rec)      # raises: the record stays for the next call
-            self._backlog.popleft()
-            n += 1
-        return n
-
     def _read_state(self, cgroup_id: int) -> dict | None:
-        try:
-            st = self._state_map[self._state_map.Key(cgroup_id)]
-        except KeyError:
+        st = self._state_entry(cgroup_id)
+        if st is None:
             return None
-        nk = len(st.emitted)
-        kinds = self.consts.kinds
-        lost = {}
-        for reason_idx, reason in self.consts.lost.items():
-            per = {}
-            for k in range(nk):
-                v = st.lost[reason_idx * nk + k]
-                if v:
-                    per[kinds.get(k, str(k))] = v
-            lost[reason] = per
-        emitted = {kinds.get(k, str(k)): st.emitted[k] for k in range(nk) if st.emitted[k]}
+        emitted, lost = self._state_counts(st)
         return {"emitted": emitted, "lost": lost, "inflight": st.inflight, "stopped": st.stopped}
 
-    def _totals(self, state: dict | None, unfinished: int) -> dict:
-        if state is None:
-            return {"emitted": {}, "lost": {}, "lost_total": unfinished, "stopped": 0}
-        lost = {r: dict(k) for r, k in state["lost"].items() if k}
-        if unfinished:
-            lost["unfinished"] = {"any": unfinished}
-        total = sum(sum(k.values()) for k in lost.values())
-        return {"emitted": dict(state["emitted"]), "lost": lost, "lost_total": total,
-                "stopped": state["stopped"]}
+    @staticmethod
+    def _totals(state: dict | None, unfinished: int) -> dict:
+        totals = loss_totals(state, unfinished)
+        totals["stopped"] = state["stopped"] if state else 0
+        return totals
 
     def _flush_losses(self, cgroup_id: int, state: dict | None, unfinished: int = 0) -> None:
         info = self.decoder.sandboxes.get(cgroup_id)
         if info is None or state is None:
             return
-        seen = self._reported.setdefault(cgroup_id, {})
-        now = time.time_ns()
-        window = (self._last_flush_wall.get(cgroup_id, now), now)
-        step = self._steps.get(cgroup_id, 0)
-        any_new = False
-        for reason, per_kind in state["lost"].items():
-            before = seen.get(reason, {})
-            delta = {k: v - before.get(k, 0) for k, v in per_kind.items() if v - before.get(k, 0) > 0}
-            if delta:
-                any_new = True
-                self._backlog.append(self.decoder.lost_record(info, step, reason, sum(delta.values()),
-                                                              delta, window))
-                seen[reason] = dict(per_kind)
-        if unfinished:
-            any_new = True
-            self._backlog.append(self.decoder.lost_record(
-                info, step, "unfinished", unfinished, {"any": unfinished}, window))
-        if any_new:
-            self._last_flush_wall[cgroup_id] = now
+        self._report_losses(cgroup_id, info, self._steps.get(cgroup_id, 0), state["lost"], unfinished)
         if (state["stopped"] and self._modes.get(cgroup_id) == "stop"
                 and cgroup_id not in self._stop_notified):
             self._stop_notified.add(cgroup_id)
@@ -538,18 +315,12 @@ def _budget(rate, burst, mode) -> tuple[int, int]:
     """(interval_ns, tolerance_ns) of a token bucket; (0, 0) = unlimited."""
     if mode not in OVER_BUDGET:
         raise DsecError(f"over_budget must be one of {', '.join(OVER_BUDGET)}, got {mode!r}")
-    if rate is None or rate == 0:
-        return 0, 0
-    if rate < 0 or burst is None or burst < 1:
-        raise DsecError(f"fair share: rate must be > 0 events/s and burst >= 1 (got rate={rate}, burst={burst})")
-    interval = max(1, int(1e9 / rate))
-    return interval, interval * (int(burst) - 1)
+    return token_bucket(rate, burst, "fair share", "events")
 
 
 def describe_features() -> str:
     """One line for `dsec` status output."""
-    missing = check_features()
-    return "eBPF audit: available" if not missing else "eBPF audit unavailable: " + "; ".join(missing)
+    return describe("audit", check_features())
 
 
 __all__ = ["AuditSensor", "check_features", "require_features", "describe_features",

@@ -1,12 +1,12 @@
 """The few bpf(2) and perf_event_open(2) commands BCC's Python API lacks.
 
-Used by the enforcement sensor (agent/enforce_loader.py):
+Used by the sensors (agent/enforce_loader.py, agent/bpf_common.py):
   - cgroup attachments with explicit flags (BPF_F_ALLOW_MULTI), their query
     and detach by program fd (re-adopting a sandbox from a dead agent);
   - perf-event BPF links for tracepoints (BPF_LINK_CREATE, Linux >= 5.15),
     pinned in bpffs (BPF_OBJ_PIN) so that the attachment outlives the agent;
   - feature probes: load a two-instruction program of a given type, create a
-    map of a given type.
+    map of a given type (ring buffers, LPM tries).
 
 x86_64 only (syscall numbers below), as the rest of dsec. Every function
 raises OSError with the errno of the failing call.
@@ -37,6 +37,7 @@ BPF_PROG_TYPE_TRACEPOINT = 5
 BPF_PROG_TYPE_CGROUP_SOCK_ADDR = 18
 BPF_MAP_TYPE_HASH = 1
 BPF_MAP_TYPE_LPM_TRIE = 11
+BPF_MAP_TYPE_RINGBUF = 27
 BPF_CGROUP_INET4_CONNECT = 10
 BPF_CGROUP_INET6_CONNECT = 11
 BPF_CGROUP_UDP4_SENDMSG = 14
@@ -202,9 +203,10 @@ def probe_send_signal() -> None:
                     + _insn(_MOV64_IMM, 0, imm=0) + _insn(_EXIT))
 
 
-def probe_map(map_type: int, key_size: int, value_size: int, flags: int = 0) -> None:
+def probe_map(map_type: int, key_size: int, value_size: int, flags: int = 0, max_entries: int = 1) -> None:
+    """Create (and close) a map; raises OSError when the kernel refuses it."""
     attr = _attr()
-    _put(attr, "<IIIII", 0, map_type, key_size, value_size, 1, flags)
+    _put(attr, "<IIIII", 0, map_type, key_size, value_size, max_entries, flags)
     os.close(_bpf(BPF_MAP_CREATE, attr))
 
 

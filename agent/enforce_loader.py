@@ -40,21 +40,21 @@ import logging
 import os
 import re
 import socket
-import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 
 from agent import bpfsys
-from agent.bpf_loader import TRACEFS, _first_error, _ringbuf_supported, _StderrCapture, cgroup2_mount
-from agent.decoder import PROTOCOLS, Decoder, SandboxInfo, in_cgroup, load_constants
+from agent.bpf_common import BPF_DIR, TRACEFS, RINGBUF_MISSING, RingSensor, base_missing
+from agent.bpf_common import (bpffs_mounted, cgroup2_mount, check_sandbox_ids, compile_text, describe, find_tracefs,
+                              loss_totals, map_discard, ring_pages, ringbuf_supported, source_text, token_bucket,
+                              tracepoints_in, unavailable)
+from agent.decoder import PROTOCOLS, SandboxInfo, in_cgroup, load_constants
 from agent.errors import EXIT_DSEC, DsecError
 from agent.resolver import HostResolver, ResolveError
 
 log = logging.getLogger("dsec.enforce")
 
-BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bpf")
 SOURCE = "enforce.c"
 PIN_ROOT = "/sys/fs/bpf/dsec"
 DEFAULT_RING_BYTES = 4 << 20
@@ -85,58 +85,21 @@ MAPPED_V4 = ipaddress.ip_network("::ffff:0:0/96")
 # ---------------------------------------------------------------- features
 
 def _source_text() -> str:
-    with open(os.path.join(BPF_DIR, SOURCE), encoding="utf-8") as f:
-        return f'#line 1 "{SOURCE}"\n' + f.read()
+    return source_text((SOURCE,))
 
 
 def tracepoints_used(text: str | None = None) -> list[str]:
-    text = _source_text() if text is None else text
-    return sorted(set(f"{c}/{e}" for c, e in re.findall(r"\bTRACEPOINT_PROBE\(\s*(\w+)\s*,\s*(\w+)\s*\)", text)))
-
-
-def _bpffs_mounted(path: str) -> bool:
-    """Is `path` (or the directory it would be created in) on a bpf filesystem?"""
-    best = ("", "")
-    try:
-        with open("/proc/self/mounts", encoding="utf-8") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 2 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")):
-                    if len(parts[1]) > len(best[0]):
-                        best = (parts[1], parts[2])
-    except OSError:
-        return False
-    return best[1] == "bpf"
+    return tracepoints_in(_source_text() if text is None else text)
 
 
 def check_features(tracefs_roots=TRACEFS, pin_root: str | None = PIN_ROOT) -> list[str]:
     """What the enforcement sensor needs and does not have (empty: all there)."""
-    missing = []
-    root = os.geteuid() == 0
-    if not root:
-        missing.append("not root (loading BPF programs needs CAP_BPF/CAP_SYS_ADMIN)")
-    try:
-        import bcc.table
-        if not hasattr(bcc.table, "RingBuf"):
-            missing.append("BCC too old: no ring buffer support (needs bcc >= 0.22)")
-    except ImportError:
-        missing.append("python module bcc not importable (Debian python3-bpfcc; run scripts/setup.sh)")
-    build = f"/lib/modules/{os.uname().release}/build"
-    if not os.path.isdir(build):
-        missing.append(f"kernel headers missing at {build} (run scripts/setup.sh)")
-    tracefs = next((t for t in tracefs_roots if os.path.isdir(os.path.join(t, "events"))), None)
-    if tracefs is None:
-        missing.append("tracefs not mounted (mount -t tracefs tracefs /sys/kernel/tracing)")
-    else:
-        absent = [tp for tp in tracepoints_used() + ["raw_syscalls/sys_enter"]
-                  if not os.path.isdir(os.path.join(tracefs, "events", tp))]
-        if absent:
-            missing.append("tracepoints missing: " + ", ".join(absent))
+    missing = base_missing(tracefs_roots, tracepoints_used() + ["raw_syscalls/sys_enter"])
     if cgroup2_mount() is None:
         missing.append("no cgroup2 hierarchy mounted (egress programs attach to the sandbox's cgroup2)")
-    if root:
-        if not _ringbuf_supported():
-            missing.append("BPF ring buffers unsupported by this kernel (needs Linux >= 5.8)")
+    if os.geteuid() == 0:
+        if not ringbuf_supported():
+            missing.append(RINGBUF_MISSING)
         for what, probe in (("cgroup sock_addr programs (connect4/6, sendmsg4/6)", bpfsys.probe_cgroup_sock_addr),
                             ("bpf_send_signal", bpfsys.probe_send_signal),
                             ("BPF LPM trie maps", bpfsys.probe_lpm_trie)):
@@ -144,7 +107,7 @@ def check_features(tracefs_roots=TRACEFS, pin_root: str | None = PIN_ROOT) -> li
                 probe()
             except OSError as e:
                 missing.append(f"{what} unavailable: {e.strerror}")
-    if pin_root is not None and not _bpffs_mounted(pin_root):
+    if pin_root is not None and not bpffs_mounted(pin_root):
         missing.append(f"no bpf filesystem at {pin_root} (exec enforcement could not outlive the agent; "
                        "mount -t bpf bpf /sys/fs/bpf)")
     return missing
@@ -154,38 +117,21 @@ def require_features(tracefs_roots=TRACEFS, pin_root: str | None = PIN_ROOT) -> 
     missing = check_features(tracefs_roots, pin_root)
     if missing:
         # exit status 125 (dsec failed): an enforce-mode sandbox must not start
-        raise DsecError("eBPF enforcement unavailable: " + "; ".join(missing), EXIT_DSEC)
+        raise DsecError(unavailable("enforcement", missing), EXIT_DSEC)
 
 
 def describe_features() -> str:
-    missing = check_features()
-    return "eBPF enforcement: available" if not missing else "eBPF enforcement unavailable: " + "; ".join(missing)
+    return describe("enforcement", check_features())
 
 
 # ---------------------------------------------------------------- compile
 
 def build_cflags(*, ring_bytes: int) -> list[str]:
-    page = os.sysconf("SC_PAGE_SIZE")
-    pages = ring_bytes // page
-    if ring_bytes % page or pages < 1 or pages & (pages - 1):
-        raise DsecError(f"enforcement ring buffer size {ring_bytes} is not a power-of-two number of {page}-byte pages")
-    return [f"-I{BPF_DIR}", f"-DDSEC_ENF_RING_PAGES={pages}"]
+    return [f"-I{BPF_DIR}", f"-DDSEC_ENF_RING_PAGES={ring_pages(ring_bytes, 'enforcement')}"]
 
 
 def compile_bpf(cflags: list[str]):
-    from bcc import BPF
-    with _StderrCapture() as cap:
-        try:
-            bpf = BPF(text=_source_text().encode(), cflags=cflags)
-        except Exception as e:   # BCC raises bare Exception for compile/load failures
-            err = e
-        else:
-            err = None
-    if err is not None:
-        raise DsecError(f"eBPF enforcement: BPF compile/load failed: {err}; {_first_error(cap.text)} "
-                        f"(full log: {cap.file.name})")
-    os.unlink(cap.file.name)
-    return bpf
+    return compile_text(_source_text(), cflags, "enforcement")
 
 
 # ---------------------------------------------------------------- pins
@@ -316,7 +262,10 @@ def _mode_name(policy_mode: str, present: bool, learn_when_absent: bool = False)
     return policy_mode if present else "off"
 
 
-class EnforcementSensor:
+class EnforcementSensor(RingSensor):
+    WHAT = "enforcement"
+    VERB = "enforced"
+
     def __init__(self, on_record=None, *, node: str | None = None, ring_bytes: int = DEFAULT_RING_BYTES,
                  rate: float = DEFAULT_RATE, burst: int = DEFAULT_BURST,
                  report_interval_s: float = DEFAULT_REPORT_INTERVAL_S, resolver: HostResolver | None = None,
@@ -332,7 +281,7 @@ class EnforcementSensor:
         self.sys_hook_linger_s = SYS_HOOK_LINGER_S
         self.resolver = resolver or HostResolver()
         self.consts = load_constants()
-        self.tracefs = next(t for t in tracefs_roots if os.path.isdir(os.path.join(t, "events")))
+        self.tracefs = find_tracefs(tracefs_roots)
         self.bpf = compile_bpf(build_cflags(ring_bytes=ring_bytes))
         self._closed = False
         self.pin_dir = None
@@ -344,7 +293,7 @@ class EnforcementSensor:
             raise
         b = self.bpf
         self._cfg = b[b"enf_sandboxes"]
-        self._state = b[b"enf_state"]
+        self._state_map = b[b"enf_state"]
         self._gen = b[b"enf_gen"]
         self._e4 = b[b"egress4"]
         self._e6 = b[b"egress6"]
@@ -353,22 +302,12 @@ class EnforcementSensor:
         self._counts = b[b"sys_counts"]
         self._dest = b[b"egress_dest"]
         self._exempt = b[b"enf_exempt"]
-        self.instance = uuid.uuid4().hex
-        self.decoder = Decoder(b[b"enf_scratch"].sLeaf, self.consts, node=node or socket.gethostname(),
-                               instance=self.instance, enricher=None, cgroup2_root=cgroup2_mount())
         self.max_sandboxes = self.consts.values["DSEC_MAX_SANDBOXES"]
-        self._lock = threading.RLock()
         self._sbx: dict[int, _Sandbox] = {}
         self._free_idx: list[int] = []
         self._next_idx = 1
-        self._raw: list[bytes] = []
-        self._backlog: deque = deque()
-        self._reported: dict[int, dict] = {}
-        self._last_flush_wall: dict[int, int] = {}
-        self._finals: dict[int, dict] = {}
-        self._next_flush = 0.0
         self.warnings: list[str] = []
-        b[b"enf_events"].open_ring_buffer(self._on_raw)
+        self._init_records(b[b"enf_events"], b[b"enf_scratch"].sLeaf, node=node, enricher=None)
 
     # -- loading --------------------------------------------------------------------
 
@@ -415,34 +354,21 @@ class EnforcementSensor:
         if self._exec_link is not None:
             os.close(self._exec_link)
             self._exec_link = None
-        from agent.bpfsys import fast_detach
-        fast_detach(self.bpf)
+        bpfsys.fast_detach(self.bpf)
 
     # -- lifecycle ------------------------------------------------------------------
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
     def close(self) -> None:
         """Remove every sandbox (detaching its programs), unpin, unload."""
-        with self._lock:
-            if self._closed:
-                return
-            try:
-                for cgid in list(self._sbx):
-                    self.remove_sandbox(cgid)
-                self._deliver()
-            finally:
-                self._closed = True
-                self._teardown()
+        self._close()
 
-    def _check_open(self):
-        if self._closed:
-            raise DsecError("enforcement sensor is closed")
+    def _sandbox_ids(self) -> list[int]:
+        return list(self._sbx)
+
+    @property
+    def _state(self):
+        """The enf_state map (RingSensor's _state_map), by its earlier name."""
+        return self._state_map
 
     # -- sandboxes ------------------------------------------------------------------
 
@@ -458,10 +384,7 @@ class EnforcementSensor:
         attached to this cgroup, after this sensor's are attached (no gap).
         Register the cgroup before the workload runs in it."""
         from policies.compile import egress_rules, exec_rules, namespace_rules, syscall_bitmap
-        if not isinstance(cgroup_id, int) or cgroup_id <= 1:
-            raise DsecError(f"add_sandbox: cgroup id must be a cgroup2 directory's inode number, got {cgroup_id!r}")
-        if not sandbox_id:
-            raise DsecError("add_sandbox: empty sandbox id")
+        check_sandbox_ids(cgroup_id, sandbox_id)
         try:
             st = os.stat(cgroup_path)
         except OSError as e:
@@ -502,7 +425,7 @@ class EnforcementSensor:
                 self._apply_exec(sb, xrules or [])
                 if modes["sys"] == "learn":
                     self._counts[self._counts.Key(cgroup_id)] = self._counts.Leaf()
-                self._state[self._state.Key(cgroup_id)] = self._state.Leaf()
+                self._state_map[self._state_map.Key(cgroup_id)] = self._state_map.Leaf()
                 cfg = self._cfg.Leaf()
                 cfg.interval_ns, cfg.tolerance_ns, cfg.report_ns = interval, tolerance, self.report_ns
                 cfg.idx, cfg.step = idx, step
@@ -522,9 +445,7 @@ class EnforcementSensor:
                     raise DsecError(f"add_sandbox: cannot register cgroup {cgroup_id} in the kernel: {e}") from None
                 raise
             self.decoder.register(SandboxInfo(cgroup_id, sandbox_id, policy.identity()))
-            self._reported[cgroup_id] = {}
-            self._last_flush_wall[cgroup_id] = time.time_ns()
-            self._finals.pop(cgroup_id, None)
+            self._track(cgroup_id)
 
     def update_egress(self, cgroup_id: int, policy) -> None:
         """Replace the egress rules (and the egress mode) of a running sandbox
@@ -597,9 +518,7 @@ class EnforcementSensor:
             self._check_open()
             sb = self._sbx.get(cgroup_id)
             if sb is None:
-                if cgroup_id in self._finals:
-                    return self._finals[cgroup_id]
-                raise DsecError(f"remove_sandbox: cgroup {cgroup_id} is not enforced")
+                return self._final(cgroup_id, "remove_sandbox")
             self._detach(sb)
             self._consume()
             self._decode_raw()
@@ -623,42 +542,27 @@ class EnforcementSensor:
         """Wait up to timeout_ms for records; deliver them to on_record; every
         loss_interval_s also report losses and rate-limited syscall counts, and
         re-resolve hostname rules whose TTL ran out. Returns records delivered."""
-        with self._lock:
-            self._check_open()
-            self.bpf.ring_buffer_poll(int(timeout_ms))
-            self._decode_raw()
-            now = time.monotonic()
-            periodic = now >= self._next_flush
-            if periodic:
-                self._next_flush = now + self.loss_interval_s
-                self.decoder.sync_clock()
-                self._sys_hooks_idle(now)
-                self._flush_syscalls()
-                for cgid in list(self._sbx):
-                    self._flush_losses(cgid, self._read_state(cgid))
-            n = self._deliver()
-        if periodic:
-            self.refresh_hosts()
-        return n
+        return self._poll(timeout_ms)
 
     def drain(self) -> int:
         """Consume what is in the ring buffer now, report syscall counts (also
         those still inside their rate-limit window) and losses, deliver."""
-        with self._lock:
-            self._check_open()
-            self._consume()
-            self._decode_raw()
-            self._flush_syscalls(final=True)
-            for cgid in list(self._sbx):
-                self._flush_losses(cgid, self._read_state(cgid))
-            return self._deliver()
+        return self._drain()
+
+    def _periodic(self, now: float) -> None:
+        self._sys_hooks_idle(now)
+
+    def _after_periodic(self) -> None:
+        self.refresh_hosts()
+
+    def _flush_all(self, final: bool) -> None:
+        self._flush_syscalls(final=final)
+        super()._flush_all(final)
 
     def stats(self, cgroup_id: int) -> dict:
         with self._lock:
             if cgroup_id not in self._sbx:
-                if cgroup_id in self._finals:
-                    return self._finals[cgroup_id]
-                raise DsecError(f"stats: cgroup {cgroup_id} is not enforced")
+                return self._final(cgroup_id, "stats")
             totals = self._totals(self._read_state(cgroup_id))
             totals["violations"] = self._violations(cgroup_id)
             totals["adopted"] = self._sbx[cgroup_id].adopted
@@ -823,10 +727,7 @@ class EnforcementSensor:
             old[net] = ranges
         for net in [n for n in old if n not in new]:
             table = self._e4 if net.version == 4 else self._e6
-            try:
-                del table[self._lpm_key(table, sb.idx, net)]
-            except KeyError:
-                pass
+            map_discard(table, self._lpm_key(table, sb.idx, net))
             del old[net]
 
     def _apply_exec(self, sb: _Sandbox, rules) -> None:
@@ -846,16 +747,10 @@ class EnforcementSensor:
         """Delete the LPM entries of rule set `idx` and free the index."""
         for net in list(egress_entries):
             table = self._e4 if net.version == 4 else self._e6
-            try:
-                del table[self._lpm_key(table, idx, net)]
-            except KeyError:
-                pass
+            map_discard(table, self._lpm_key(table, idx, net))
         egress_entries.clear()
         for plen, data in exec_keys:
-            try:
-                del self._exec[self._exec_key(idx, plen, data)]
-            except KeyError:
-                pass
+            map_discard(self._exec, self._exec_key(idx, plen, data))
         exec_keys.clear()
         self._free_idx.append(idx)
 
@@ -983,32 +878,18 @@ class EnforcementSensor:
         self._detach(sb)
         self._sys_hook_put(sb)
         for m in (self._cfg, self._counts):
-            try:
-                del m[m.Key(cgid)]
-            except KeyError:
-                pass
+            map_discard(m, m.Key(cgid))
         self._bump_gen()
         self._drop_rules(sb.idx, sb.egress_entries, sb.exec_keys)
         for k, v in list(self._exempt.items()):     # the exempt processes and their children
             if v.value == cgid:
-                try:
-                    del self._exempt[k]
-                except KeyError:
-                    pass
+                map_discard(self._exempt, k)
         for m in (self._viol, self._dest):
             for k in [k for k in list(m.keys()) if k.cgroup_id == cgid]:
-                try:
-                    del m[k]
-                except KeyError:
-                    pass
-        try:
-            del self._state[self._state.Key(cgid)]
-        except KeyError:
-            pass
+                map_discard(m, k)
+        map_discard(self._state_map, self._state_map.Key(cgid))
         self._sbx.pop(cgid, None)
-        self.decoder.forget(cgid)
-        for d in (self._reported, self._last_flush_wall):
-            d.pop(cgid, None)
+        self._untrack(cgid)
 
     def _get(self, cgroup_id: int, what: str) -> _Sandbox:
         self._check_open()
@@ -1019,25 +900,10 @@ class EnforcementSensor:
 
     # -- records ------------------------------------------------------------------------
 
-    def _on_raw(self, ctx, data, size):
-        self._raw.append(ct.string_at(data, size))
-        return 0
-
-    def _consume(self) -> None:
-        for _ in range(1000):
-            before = len(self._raw)
-            self.bpf.ring_buffer_consume()
-            if len(self._raw) == before:
-                return
-
-    def _decode_raw(self) -> None:
-        raw, self._raw = self._raw, []
-        for r in raw:
-            rec = self.decoder.decode(r)
-            if rec is not None:
-                if rec["kind"] == "exec_denied" and rec["extra"] and '"signal_ret"' in rec["extra"]:
-                    self._kill_late(rec)
-                self._backlog.append(rec)
+    def _accept(self, rec: dict) -> None:
+        if rec["kind"] == "exec_denied" and rec["extra"] and '"signal_ret"' in rec["extra"]:
+            self._kill_late(rec)
+        self._backlog.append(rec)
 
     def _kill_late(self, rec: dict) -> None:
         """bpf_send_signal failed for a denied exec: kill the process from here
@@ -1053,16 +919,6 @@ class EnforcementSensor:
                 pass
         log.error("sandbox %s: the kernel could not SIGKILL denied exec %s (pid %d); %s", rec["sandbox_id"],
                   rec["path"], pid, "killed from userspace" if done else "the process is gone")
-
-    def _deliver(self) -> int:
-        n = 0
-        while self._backlog:
-            rec = self._backlog[0]
-            if self.on_record is not None:
-                self.on_record(rec)      # raises: the record stays for the next call
-            self._backlog.popleft()
-            n += 1
-        return n
 
     def _violations(self, cgroup_id: int) -> dict:
         from policies.syscalls import name_of
@@ -1090,30 +946,20 @@ class EnforcementSensor:
                 self._backlog.append(rec)
 
     def _read_state(self, cgroup_id: int) -> dict | None:
-        try:
-            st = self._state[self._state.Key(cgroup_id)]
-        except KeyError:
+        st = self._state_entry(cgroup_id)
+        if st is None:
             return None
-        nk = len(st.emitted)
-        kinds = self.consts.kinds
-        lost = {}
-        for ridx, reason in self.consts.lost.items():
-            per = {kinds.get(k, str(k)): st.lost[ridx * nk + k] for k in range(nk) if st.lost[ridx * nk + k]}
-            lost[reason] = per
+        emitted, lost = self._state_counts(st)
         if st.learn_lost:
             lost.setdefault("table_full", {})["egress_destination"] = st.learn_lost
-        emitted = {kinds.get(k, str(k)): st.emitted[k] for k in range(nk) if st.emitted[k]}
         return {"emitted": emitted, "lost": lost, "killed": st.killed,
                 "sys_out_of_range": st.sys_out_of_range}
 
     @staticmethod
     def _totals(state: dict | None) -> dict:
-        if state is None:
-            return {"emitted": {}, "lost": {}, "lost_total": 0, "killed": 0}
-        lost = {r: dict(k) for r, k in state["lost"].items() if k}
-        out = {"emitted": dict(state["emitted"]), "lost": lost,
-               "lost_total": sum(sum(k.values()) for k in lost.values()), "killed": state["killed"]}
-        if state["sys_out_of_range"]:
+        out = loss_totals(state)
+        out["killed"] = state["killed"] if state else 0
+        if state and state["sys_out_of_range"]:
             out["sys_out_of_range"] = state["sys_out_of_range"]   # learn: numbers >= 512 (x32 ABI)
         return out
 
@@ -1122,29 +968,11 @@ class EnforcementSensor:
         sb = self._sbx.get(cgroup_id)
         if info is None or state is None or sb is None:
             return
-        seen = self._reported.setdefault(cgroup_id, {})
-        now = time.time_ns()
-        window = (self._last_flush_wall.get(cgroup_id, now), now)
-        any_new = False
-        for reason, per_kind in state["lost"].items():
-            before = seen.get(reason, {})
-            delta = {k: v - before.get(k, 0) for k, v in per_kind.items() if v - before.get(k, 0) > 0}
-            if delta:
-                any_new = True
-                self._backlog.append(self.decoder.lost_record(info, sb.step, reason, sum(delta.values()),
-                                                              delta, window))
-                seen[reason] = dict(per_kind)
-        if any_new:
-            self._last_flush_wall[cgroup_id] = now
+        self._report_losses(cgroup_id, info, sb.step, state["lost"])
 
 
 def _budget(rate, burst) -> tuple[int, int]:
-    if rate is None or rate == 0:
-        return 0, 0
-    if rate < 0 or burst is None or burst < 1:
-        raise DsecError(f"event budget: rate must be > 0 records/s and burst >= 1 (got rate={rate}, burst={burst})")
-    interval = max(1, int(1e9 / rate))
-    return interval, interval * (int(burst) - 1)
+    return token_bucket(rate, burst, "event budget", "records")
 
 
 __all__ = ["EnforcementSensor", "check_features", "require_features", "describe_features", "egress_table",

@@ -4,7 +4,9 @@
  * ...) only in its main source text, not in #included files. So
  * agent/bpf_loader.py concatenates common.h, process.c, net.c and files.c, in
  * that order and with #line markers (compiler messages name the real file),
- * and compiles that one text. events.h holds no map calls and is #included.
+ * and compiles that one text. events.h (types) and shared.h (the helpers the
+ * enforcement sensor, enforce.c, uses too) hold no map calls and are
+ * #included.
  *
  * Rules for every program here:
  *  - never dereference a kernel struct: the kernel headers (6.1) do not match
@@ -18,18 +20,12 @@
 #ifndef DSEC_COMMON_H
 #define DSEC_COMMON_H
 
-#include "events.h"
+#include "shared.h"
 
 #define DSEC_AT_FDCWD (-100)
 #define DSEC_CLONE_PARENT 0x00008000ULL
-#define DSEC_CLONE_THREAD 0x00010000ULL
-#define DSEC_SIGKILL 9
 /* O_WRONLY | O_RDWR | O_CREAT | O_TRUNC | O_APPEND */
 #define DSEC_WRITE_FLAGS (01 | 02 | 0100 | 01000 | 02000)
-
-/* hide a value's range from clang so that the mask that follows is kept for
- * the verifier */
-#define DSEC_BARRIER(x) asm volatile("" : "+r"(x))
 
 /* ---- maps ---------------------------------------------------------------- */
 BPF_RINGBUF_OUTPUT(events, DSEC_RING_PAGES);
@@ -80,9 +76,7 @@ static __always_inline struct dsec_sandbox *dsec_sandbox(u64 *cgid)
 static __always_inline void dsec_count_lost(struct dsec_sandbox *cfg, struct dsec_state *st,
                                             u32 reason, u32 kind)
 {
-    u32 i = reason * DSEC_NKINDS + (kind & (DSEC_NKINDS - 1));
-    if (i < DSEC_NLOST * DSEC_NKINDS)
-        __sync_fetch_and_add(&st->lost[i], 1);
+    dsec_count_reason(st->lost, reason, kind);
     if (cfg && cfg->mode == DSEC_OVER_STOP) {
         /* the record of this sandbox now has a hole: stop the offender at
          * once; the agent stops the rest of the sandbox */
@@ -93,29 +87,37 @@ static __always_inline void dsec_count_lost(struct dsec_sandbox *cfg, struct dse
 
 static __always_inline void dsec_count_emitted(struct dsec_state *st, u32 kind)
 {
-    __sync_fetch_and_add(&st->emitted[kind & (DSEC_NKINDS - 1)], 1);
+    dsec_count_kind(st->emitted, kind);
 }
 
-/* Fair share: GCRA, the token bucket with rate 1e9/interval_ns per second and
- * burst tolerance_ns/interval_ns + 1, kept in one word updated with
- * compare-and-swap. Over budget: counted, not emitted. */
+/* Fair share (shared.h's GCRA): over budget = counted, not emitted. */
 static __always_inline int dsec_admit(struct dsec_sandbox *cfg, struct dsec_state *st, u32 kind)
 {
-    u64 interval = cfg->interval_ns;
-    if (interval == 0)
+    if (dsec_gcra(&st->tat, cfg->interval_ns, cfg->tolerance_ns))
         return 1;
-    u64 tol = cfg->tolerance_ns;
-    u64 now = bpf_ktime_get_ns();
-    for (int i = 0; i < 4; i++) {
-        u64 tat = *(volatile u64 *)&st->tat;
-        u64 base = tat > now ? tat : now;
-        if (base - now > tol)
-            break;
-        if (__sync_val_compare_and_swap(&st->tat, tat, base + interval) == tat)
-            return 1;
-    }
     dsec_count_lost(cfg, st, DSEC_LOST_OVER_BUDGET, kind);
     return 0;
+}
+
+/* An event of the current task: its sandbox (*cfg, *cgid; *cfg is 0 outside
+ * any) and that sandbox's state when the event is admitted, else 0 (over
+ * budget: counted). */
+static __always_inline struct dsec_state *dsec_admit_task(u32 kind, u64 *cgid, struct dsec_sandbox **cfg)
+{
+    *cfg = dsec_sandbox(cgid);
+    if (!*cfg)
+        return 0;
+    struct dsec_state *st = sbx_state.lookup(cgid);
+    if (!st || !dsec_admit(*cfg, st, kind))
+        return 0;
+    return st;
+}
+
+/* an in-flight syscall's record cannot be kept: out of flight, counted as lost */
+static __always_inline void dsec_inflight_lost(struct dsec_sandbox *cfg, struct dsec_state *st, u32 kind)
+{
+    __sync_fetch_and_add(&st->inflight, -1);
+    dsec_count_lost(cfg, st, DSEC_LOST_INFLIGHT_FULL, kind);
 }
 
 /* a syscall of this sandbox goes in flight (its record waits in a pending map) */
@@ -123,11 +125,20 @@ static __always_inline int dsec_inflight_get(struct dsec_sandbox *cfg, struct ds
 {
     s64 n = __sync_fetch_and_add(&st->inflight, 1);
     if (n >= DSEC_MAX_INFLIGHT) {
-        __sync_fetch_and_add(&st->inflight, -1);
-        dsec_count_lost(cfg, st, DSEC_LOST_INFLIGHT_FULL, kind);
+        dsec_inflight_lost(cfg, st, kind);
         return 0;
     }
     return 1;
+}
+
+/* A syscall of the current task's sandbox, admitted and counted in flight:
+ * its state (and *cfg, *cgid), or 0 (not a sandbox / counted as lost). */
+static __always_inline struct dsec_state *dsec_begin(u32 kind, u64 *cgid, struct dsec_sandbox **cfg)
+{
+    struct dsec_state *st = dsec_admit_task(kind, cgid, cfg);
+    if (!st || !dsec_inflight_get(*cfg, st, kind))
+        return 0;
+    return st;
 }
 
 static __always_inline void dsec_inflight_put(u64 cgid)
@@ -141,21 +152,30 @@ static __always_inline void dsec_inflight_put(u64 cgid)
 
 static __always_inline void dsec_fill_hdr(struct dsec_hdr *h, u32 kind, u64 cgid, u32 step)
 {
-    u64 pt = bpf_get_current_pid_tgid();
-    u64 ug = bpf_get_current_uid_gid();
-    h->ts_ns = bpf_ktime_get_ns();
-    h->cgroup_id = cgid;
-    h->kind = kind;
-    h->size = DSEC_FIXED_BYTES;
-    h->pid = pt >> 32;
-    h->tid = (u32)pt;
-    u32 tgid = pt >> 32;
+    u32 tgid = dsec_hdr_fill(h, kind, cgid, step);
     u32 *pp = parents.lookup(&tgid);
     h->ppid = pp ? *pp : 0;
-    h->uid = (u32)ug;
-    h->gid = ug >> 32;
-    h->step = step;
-    bpf_get_current_comm(h->comm, sizeof(h->comm));
+}
+
+/* A fixed-size record (no strings) of an admitted event: reserved in the ring
+ * buffer with its header filled, or 0 (no room: counted as lost). */
+static __always_inline struct dsec_event *dsec_reserve(struct dsec_sandbox *cfg, struct dsec_state *st,
+                                                      u32 kind, u64 cgid)
+{
+    struct dsec_event *e = events.ringbuf_reserve(DSEC_FIXED_BYTES);
+    if (!e) {
+        dsec_count_lost(cfg, st, DSEC_LOST_RINGBUF_FULL, kind);
+        return 0;
+    }
+    __builtin_memset(&e->u, 0, sizeof(e->u));
+    dsec_fill_hdr(&e->h, kind, cgid, cfg->step);
+    return e;
+}
+
+static __always_inline void dsec_submit(struct dsec_event *e, struct dsec_state *st, u32 kind)
+{
+    events.ringbuf_submit(e, 0);
+    dsec_count_emitted(st, kind);
 }
 
 /* Read a user path into dst (DSEC_PATH_MAX bytes of room); returns its length
@@ -184,11 +204,7 @@ static __always_inline void dsec_output(void *rec, u64 size, u64 max, u64 cgid, 
     struct dsec_state *st = sbx_state.lookup(&cgid);
     if (!st)
         return;   /* sandbox removed while the syscall was in flight */
-    DSEC_BARRIER(size);
-    if (size > max)
-        size = max;
-    if (size < DSEC_FIXED_BYTES)
-        size = DSEC_FIXED_BYTES;
+    size = dsec_record_size(size, max);
     if (events.ringbuf_output(rec, size, 0) == 0) {
         dsec_count_emitted(st, kind);
     } else {
@@ -204,21 +220,14 @@ static __always_inline void dsec_output(void *rec, u64 size, u64 max, u64 cgid, 
 static __always_inline struct dsec_event_small *dsec_pending_begin(u32 kind)
 {
     u64 cgid = 0;
-    struct dsec_sandbox *cfg = dsec_sandbox(&cgid);
-    if (!cfg)
-        return 0;
-    struct dsec_state *st = sbx_state.lookup(&cgid);
+    struct dsec_sandbox *cfg = 0;
+    struct dsec_state *st = dsec_begin(kind, &cgid, &cfg);
     if (!st)
-        return 0;
-    if (!dsec_admit(cfg, st, kind))
-        return 0;
-    if (!dsec_inflight_get(cfg, st, kind))
         return 0;
     u32 zero = 0;
     struct dsec_event_small *e = file_scratch.lookup(&zero);
     if (!e) {
-        __sync_fetch_and_add(&st->inflight, -1);
-        dsec_count_lost(cfg, st, DSEC_LOST_INFLIGHT_FULL, kind);
+        dsec_inflight_lost(cfg, st, kind);
         return 0;
     }
     __builtin_memset(&e->u, 0, sizeof(e->u));
@@ -233,10 +242,8 @@ static __always_inline void dsec_pending_store(struct dsec_event_small *e)
     u32 kind = e->h.kind;
     if (pending.update(&tid, e) != 0) {
         struct dsec_state *st = sbx_state.lookup(&cgid);
-        if (st) {
-            __sync_fetch_and_add(&st->inflight, -1);
-            dsec_count_lost(sandboxes.lookup(&cgid), st, DSEC_LOST_INFLIGHT_FULL, kind);
-        }
+        if (st)
+            dsec_inflight_lost(sandboxes.lookup(&cgid), st, kind);
     }
 }
 

@@ -1,7 +1,8 @@
 /* dsec BPF: policy enforcement and violation reporting — the second sensor,
  * next to the audit sensor (process.c, net.c, files.c). Loaded by
  * agent/enforce_loader.py as its own object (its own maps and ring buffer):
- * this file is the whole main source text; events.h holds the types.
+ * this file is the whole main source text; events.h holds the types and
+ * shared.h the helpers both sensors use (counters, GCRA, record headers).
  *
  * Rules (as for the audit sensor): never dereference a kernel struct (the
  * headers are 6.1, the kernel 6.18): only tracepoint data, helper results and
@@ -37,19 +38,15 @@
  *          children up to their first exec are not syscall-checked: the
  *          supervisor's own calls are not the workload's.
  */
-#include "events.h"
+#include "shared.h"
 
-#define DSEC_SIGKILL 9
 #define DSEC_EPERM 1
-#define DSEC_CLONE_THREAD 0x00010000ULL
 #define DSEC_AF_INET 2
 #define DSEC_AF_INET6 10
 #define DSEC_IPPROTO_TCP 6
 #define DSEC_IPPROTO_UDP 17
 #define DSEC_NR_CLONE 56
 #define DSEC_NR_UNSHARE 272
-
-#define DSEC_BARRIER(x) asm volatile("" : "+r"(x))
 
 /* ---- maps ---------------------------------------------------------------- */
 BPF_RINGBUF_OUTPUT(enf_events, DSEC_ENF_RING_PAGES);
@@ -127,62 +124,37 @@ static __always_inline struct dsec_enf_sandbox *enf_sandbox(u64 *cgid)
 
 static __always_inline void enf_count_lost(struct dsec_enf_state *st, u32 reason, u32 kind)
 {
-    u32 i = reason * DSEC_NKINDS + (kind & (DSEC_NKINDS - 1));
-    if (st && i < DSEC_NLOST * DSEC_NKINDS)
-        __sync_fetch_and_add(&st->lost[i], 1);
+    if (st)
+        dsec_count_reason(st->lost, reason, kind);
 }
 
 static __always_inline void enf_count_emitted(struct dsec_enf_state *st, u32 kind)
 {
-    __sync_fetch_and_add(&st->emitted[kind & (DSEC_NKINDS - 1)], 1);
+    dsec_count_kind(st->emitted, kind);
 }
 
-/* GCRA fair share, as common.h's dsec_admit: over budget = counted, not emitted */
+/* event budget (shared.h's GCRA): over budget = counted, not emitted */
 static __always_inline int enf_admit(struct dsec_enf_sandbox *cfg, struct dsec_enf_state *st, u32 kind)
 {
-    u64 interval = cfg->interval_ns;
-    if (interval == 0)
+    if (dsec_gcra(&st->tat, cfg->interval_ns, cfg->tolerance_ns))
         return 1;
-    u64 tol = cfg->tolerance_ns;
-    u64 now = bpf_ktime_get_ns();
-    for (int i = 0; i < 4; i++) {
-        u64 tat = *(volatile u64 *)&st->tat;
-        u64 base = tat > now ? tat : now;
-        if (base - now > tol)
-            break;
-        if (__sync_val_compare_and_swap(&st->tat, tat, base + interval) == tat)
-            return 1;
-    }
     enf_count_lost(st, DSEC_LOST_OVER_BUDGET, kind);
     return 0;
 }
 
 static __always_inline void enf_fill_hdr(struct dsec_hdr *h, u32 kind, u64 cgid, u32 step)
 {
-    u64 pt = bpf_get_current_pid_tgid();
-    u64 ug = bpf_get_current_uid_gid();
-    u32 tgid = pt >> 32;
-    h->ts_ns = bpf_ktime_get_ns();
-    h->cgroup_id = cgid;
-    h->kind = kind;
-    h->size = DSEC_FIXED_BYTES;
-    h->pid = tgid;
-    h->tid = (u32)pt;
+    u32 tgid = dsec_hdr_fill(h, kind, cgid, step);
     u32 *pp = enf_parents.lookup(&tgid);
     h->ppid = pp ? *pp : 0;
-    h->uid = (u32)ug;
-    h->gid = ug >> 32;
-    h->step = step;
-    bpf_get_current_comm(h->comm, sizeof(h->comm));
 }
 
-/* a fixed-size record (no strings): reserve, fill the header, return the body */
+/* a fixed-size record (no strings): reserve, fill the header, return the body
+ * (0: no room, counted as lost) */
 static __always_inline struct dsec_event_small *enf_reserve(struct dsec_enf_sandbox *cfg,
                                                             struct dsec_enf_state *st,
                                                             u32 kind, u64 cgid)
 {
-    if (!enf_admit(cfg, st, kind))
-        return 0;
     struct dsec_event_small *e = enf_events.ringbuf_reserve(DSEC_FIXED_BYTES);
     if (!e) {
         enf_count_lost(st, DSEC_LOST_RINGBUF_FULL, kind);
@@ -191,6 +163,12 @@ static __always_inline struct dsec_event_small *enf_reserve(struct dsec_enf_sand
     __builtin_memset(&e->u, 0, sizeof(e->u));
     enf_fill_hdr(&e->h, kind, cgid, cfg->step);
     return e;
+}
+
+static __always_inline void enf_submit(struct dsec_event_small *e, struct dsec_enf_state *st, u32 kind)
+{
+    enf_events.ringbuf_submit(e, 0);
+    enf_count_emitted(st, kind);
 }
 
 /* ---- egress ------------------------------------------------------------------ */
@@ -310,7 +288,7 @@ static __always_inline int enf_egress(struct bpf_sock_addr *ctx, u32 hook, int v
 
     int enforce = mode == DSEC_MODE_ENFORCE;
     u32 kind = enforce ? DSEC_KIND_EGRESS_DENIED : DSEC_KIND_EGRESS_VIOLATION;
-    if (st) {
+    if (st && enf_admit(cfg, st, kind)) {
         struct dsec_event_small *e = enf_reserve(cfg, st, kind, cgid);
         if (e) {
             e->u.egress.hook = hook;
@@ -320,8 +298,7 @@ static __always_inline int enf_egress(struct bpf_sock_addr *ctx, u32 hook, int v
             e->u.egress.port = port;
             e->u.egress.status = status;
             __builtin_memcpy(e->u.egress.addr, addr, 16);
-            enf_events.ringbuf_submit(e, 0);
-            enf_count_emitted(st, kind);
+            enf_submit(e, st, kind);
         }
     }
     return enforce ? 0 : 1;
@@ -405,12 +382,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
         status |= DSEC_ST_NOT_ABSOLUTE;
     e->u.exec_check.path_len = m - 1;
     e->u.exec_check.status = status;
-    u64 size = DSEC_FIXED_BYTES + m;
-    DSEC_BARRIER(size);
-    if (size > sizeof(struct dsec_event_small))
-        size = sizeof(struct dsec_event_small);
-    if (size < DSEC_FIXED_BYTES)
-        size = DSEC_FIXED_BYTES;
+    u64 size = dsec_record_size(DSEC_FIXED_BYTES + m, sizeof(struct dsec_event_small));
     e->h.size = size;
     if (enf_events.ringbuf_output(e, size, 0) == 0)
         enf_count_emitted(st, kind);
@@ -489,19 +461,14 @@ static __always_inline void enf_sys_violation(struct dsec_enf_sandbox *cfg, u64 
         return;     /* counted; reported with a later record or by userspace */
     if (__sync_val_compare_and_swap(&v->last_ns, last, now) != last)
         return;     /* another CPU reports it */
-    struct dsec_event_small *e = enf_events.ringbuf_reserve(DSEC_FIXED_BYTES);
-    if (!e) {
-        enf_count_lost(st, DSEC_LOST_RINGBUF_FULL, kind);
+    struct dsec_event_small *e = enf_reserve(cfg, st, kind, cgid);
+    if (!e)
         return;
-    }
-    __builtin_memset(&e->u, 0, sizeof(e->u));
-    enf_fill_hdr(&e->h, kind, cgid, cfg->step);
     e->u.syscall.total = total;
     e->u.syscall.ret = ret;
     e->u.syscall.nr = (u32)id;
     e->u.syscall.status = status;
-    enf_events.ringbuf_submit(e, 0);
-    enf_count_emitted(st, kind);
+    enf_submit(e, st, kind);
 }
 
 RAW_TRACEPOINT_PROBE(sys_enter)

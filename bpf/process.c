@@ -61,17 +61,12 @@ TRACEPOINT_PROBE(task, task_newtask)
     struct dsec_state *st = sbx_state.lookup(&cgid);
     if (!st || !dsec_admit(cfg, st, DSEC_KIND_FORK))
         return 0;
-    struct dsec_event *e = events.ringbuf_reserve(DSEC_FIXED_BYTES);
-    if (!e) {
-        dsec_count_lost(cfg, st, DSEC_LOST_RINGBUF_FULL, DSEC_KIND_FORK);
+    struct dsec_event *e = dsec_reserve(cfg, st, DSEC_KIND_FORK, cgid);
+    if (!e)
         return 0;
-    }
-    __builtin_memset(&e->u, 0, sizeof(e->u));
-    dsec_fill_hdr(&e->h, DSEC_KIND_FORK, cgid, cfg->step);
     e->u.fork.child_pid = child;
     e->u.fork.clone_flags = flags;
-    events.ringbuf_submit(e, 0);
-    dsec_count_emitted(st, DSEC_KIND_FORK);
+    dsec_submit(e, st, DSEC_KIND_FORK);
     return 0;
 }
 
@@ -153,29 +148,31 @@ static __always_inline void dsec_read_argv(struct dsec_event *e, const char *con
     e->h.size = DSEC_FIXED_BYTES + off;
 }
 
+/* this CPU's exec record, zeroed, with its header filled (0: no slot) */
+static __always_inline struct dsec_event *dsec_exec_scratch(struct dsec_sandbox *cfg, u64 cgid)
+{
+    u32 cpu = bpf_get_smp_processor_id();
+    struct dsec_event *e = exec_scratch.lookup(&cpu);
+    if (e) {
+        __builtin_memset(&e->u, 0, sizeof(e->u));
+        dsec_fill_hdr(&e->h, DSEC_KIND_EXEC, cgid, cfg->step);
+    }
+    return e;
+}
+
 static __always_inline int dsec_exec_enter(u32 sys, int dirfd, const char *path,
                                            const char *const *argv, u32 at_flags)
 {
     u64 cgid = 0;
-    struct dsec_sandbox *cfg = dsec_sandbox(&cgid);
-    if (!cfg)
-        return 0;
-    struct dsec_state *st = sbx_state.lookup(&cgid);
+    struct dsec_sandbox *cfg = 0;
+    struct dsec_state *st = dsec_begin(DSEC_KIND_EXEC, &cgid, &cfg);
     if (!st)
         return 0;
-    if (!dsec_admit(cfg, st, DSEC_KIND_EXEC))
-        return 0;
-    if (!dsec_inflight_get(cfg, st, DSEC_KIND_EXEC))
-        return 0;
-    u32 cpu = bpf_get_smp_processor_id();
-    struct dsec_event *e = exec_scratch.lookup(&cpu);
+    struct dsec_event *e = dsec_exec_scratch(cfg, cgid);
     if (!e) {
-        __sync_fetch_and_add(&st->inflight, -1);
-        dsec_count_lost(cfg, st, DSEC_LOST_INFLIGHT_FULL, DSEC_KIND_EXEC);
+        dsec_inflight_lost(cfg, st, DSEC_KIND_EXEC);
         return 0;
     }
-    __builtin_memset(&e->u, 0, sizeof(e->u));
-    dsec_fill_hdr(&e->h, DSEC_KIND_EXEC, cgid, cfg->step);
     e->u.exec.sys = sys;
     e->u.exec.dirfd = dirfd;
     e->u.exec.at_flags = at_flags;
@@ -187,10 +184,8 @@ static __always_inline int dsec_exec_enter(u32 sys, int dirfd, const char *path,
     dsec_read_argv(e, argv, (u64)plen + 1);
 
     u32 tid = e->h.tid;
-    if (pending_exec.update(&tid, e) != 0) {
-        __sync_fetch_and_add(&st->inflight, -1);
-        dsec_count_lost(cfg, st, DSEC_LOST_INFLIGHT_FULL, DSEC_KIND_EXEC);
-    }
+    if (pending_exec.update(&tid, e) != 0)
+        dsec_inflight_lost(cfg, st, DSEC_KIND_EXEC);
     return 0;
 }
 
@@ -285,20 +280,15 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
 
     /* not captured at enter: still report the exec, without argv */
     u64 cgid = 0;
-    struct dsec_sandbox *cfg = dsec_sandbox(&cgid);
-    if (!cfg)
+    struct dsec_sandbox *cfg = 0;
+    struct dsec_state *st = dsec_admit_task(DSEC_KIND_EXEC, &cgid, &cfg);
+    if (!st)
         return 0;
-    struct dsec_state *st = sbx_state.lookup(&cgid);
-    if (!st || !dsec_admit(cfg, st, DSEC_KIND_EXEC))
-        return 0;
-    u32 cpu = bpf_get_smp_processor_id();
-    e = exec_scratch.lookup(&cpu);
+    e = dsec_exec_scratch(cfg, cgid);
     if (!e) {
         dsec_count_lost(cfg, st, DSEC_LOST_INFLIGHT_FULL, DSEC_KIND_EXEC);
         return 0;
     }
-    __builtin_memset(&e->u, 0, sizeof(e->u));
-    dsec_fill_hdr(&e->h, DSEC_KIND_EXEC, cgid, cfg->step);
     e->u.exec.old_tid = old;
     e->u.exec.dirfd = DSEC_AT_FDCWD;
     e->u.exec.status = DSEC_ST_NO_ARGV;
@@ -319,35 +309,35 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
 
 /* ---- exit ------------------------------------------------------------------ */
 
-TRACEPOINT_PROBE(syscalls, sys_enter_exit_group)
+/* exit_group(2) / exit(2) of a sandbox task: the code, should the process end */
+static __always_inline int dsec_exit_call(u32 how, long error_code)
 {
     u64 cgid = 0;
     if (!dsec_sandbox(&cgid))
         return 0;
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (how == DSEC_EXIT_EXIT) {
+        struct dsec_exit_info *old = exit_info.lookup(&tgid);
+        if (old && old->how != DSEC_EXIT_EXIT)
+            return 0;   /* exit_group or a fatal signal came first */
+    }
     struct dsec_exit_info info = {};
-    info.code = (int)(args->error_code & 0xff);
-    info.how = DSEC_EXIT_EXIT_GROUP;
+    info.code = (int)(error_code & 0xff);
+    info.how = how;
     exit_info.update(&tgid, &info);
     return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_exit_group)
+{
+    return dsec_exit_call(DSEC_EXIT_EXIT_GROUP, args->error_code);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_exit)
 {
     /* exit(2) of one thread: without exit_group, the status of the process is
      * that of the thread that exits last, so the latest exit() wins */
-    u64 cgid = 0;
-    if (!dsec_sandbox(&cgid))
-        return 0;
-    u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    struct dsec_exit_info *old = exit_info.lookup(&tgid);
-    if (old && old->how != DSEC_EXIT_EXIT)
-        return 0;   /* exit_group or a fatal signal came first */
-    struct dsec_exit_info info = {};
-    info.code = (int)(args->error_code & 0xff);
-    info.how = DSEC_EXIT_EXIT;
-    exit_info.update(&tgid, &info);
-    return 0;
+    return dsec_exit_call(DSEC_EXIT_EXIT, args->error_code);
 }
 
 TRACEPOINT_PROBE(signal, signal_generate)
@@ -415,27 +405,20 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     if (!args->group_dead)
         return 0;
     u64 cgid = 0;
-    struct dsec_sandbox *cfg = dsec_sandbox(&cgid);
-    struct dsec_state *st = cfg ? sbx_state.lookup(&cgid) : 0;
-    if (st && dsec_admit(cfg, st, DSEC_KIND_EXIT)) {
-        struct dsec_event *e = events.ringbuf_reserve(DSEC_FIXED_BYTES);
-        if (e) {
-            __builtin_memset(&e->u, 0, sizeof(e->u));
-            dsec_fill_hdr(&e->h, DSEC_KIND_EXIT, cgid, cfg->step);
-            struct dsec_exit_info *info = exit_info.lookup(&tgid);
-            if (info) {
-                e->u.exit.exit_code = info->code;
-                e->u.exit.signal = info->signal;
-                e->u.exit.how = info->how;
-            } else {
-                e->u.exit.exit_code = -1;
-                e->u.exit.how = DSEC_EXIT_UNKNOWN;
-            }
-            events.ringbuf_submit(e, 0);
-            dsec_count_emitted(st, DSEC_KIND_EXIT);
+    struct dsec_sandbox *cfg = 0;
+    struct dsec_state *st = dsec_admit_task(DSEC_KIND_EXIT, &cgid, &cfg);
+    struct dsec_event *e = 0;
+    if (st && (e = dsec_reserve(cfg, st, DSEC_KIND_EXIT, cgid))) {
+        struct dsec_exit_info *info = exit_info.lookup(&tgid);
+        if (info) {
+            e->u.exit.exit_code = info->code;
+            e->u.exit.signal = info->signal;
+            e->u.exit.how = info->how;
         } else {
-            dsec_count_lost(cfg, st, DSEC_LOST_RINGBUF_FULL, DSEC_KIND_EXIT);
+            e->u.exit.exit_code = -1;
+            e->u.exit.how = DSEC_EXIT_UNKNOWN;
         }
+        dsec_submit(e, st, DSEC_KIND_EXIT);
     }
     if (cfg) {
         parents.delete(&tgid);

@@ -13,7 +13,8 @@ Fixtures
 
 Harness.sandbox(...) creates a cgroup and registers it; records are routed
 per sandbox_id into Harness.records. Everything created is removed, every
-process started in a test cgroup is killed at teardown.
+process started in a test cgroup is killed at teardown. SensorHarness and
+cgroup_factory() serve the enforcement fixtures (fixtures_enforce.py) too.
 """
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ def run_in_cgroup(cg: Cgroup | None, argv: list, **kw) -> subprocess.Popen:
 # ---------------------------------------------------------------- harness
 
 class Sandbox:
-    def __init__(self, harness: "Harness", cg: Cgroup, sandbox_id: str):
+    def __init__(self, harness: "SensorHarness", cg: Cgroup, sandbox_id: str):
         self.harness, self.cg, self.sandbox_id = harness, cg, sandbox_id
         self.totals = None
 
@@ -147,8 +148,8 @@ class Sandbox:
     def records(self) -> list[dict]:
         return self.harness.records.setdefault(self.sandbox_id, [])
 
-    def of_kind(self, kind: str) -> list[dict]:
-        return [r for r in self.records if r["kind"] == kind]
+    def of_kind(self, *kinds: str) -> list[dict]:
+        return [r for r in self.records if r["kind"] in kinds]
 
     def remove(self) -> dict:
         if self.totals is None:
@@ -156,23 +157,24 @@ class Sandbox:
         return self.totals
 
 
-class Harness:
-    """One AuditSensor shared by the tests of a session; records by sandbox."""
+class SensorHarness:
+    """One sensor (AuditSensor, EnforcementSensor) shared by the tests of a
+    session; records by sandbox."""
 
-    def __init__(self, **sensor_kw):
+    def __init__(self, sensor_class, **sensor_kw):
         self.records: dict[str, list[dict]] = {}
-        self.sensor = AuditSensor(on_record=self._route, **sensor_kw)
-        self.over_budget_calls: list[tuple] = []
-        self.sensor.on_over_budget = lambda *a: self.over_budget_calls.append(a)
+        self.sensor = sensor_class(on_record=self._route, **sensor_kw)
 
     def _route(self, rec: dict) -> None:
         self.records.setdefault(rec["sandbox_id"], []).append(rec)
 
-    def sandbox(self, cgroups: CgroupFactory, **labels) -> Sandbox:
+    def _sandbox(self, cgroups: CgroupFactory, cg: Cgroup | None, register) -> Sandbox:
+        """A new sandbox id registered (register(cg, sandbox_id)) on `cg` or a
+        new cgroup; removed from the sensor before the cgroups are."""
         self.sensor.drain()
-        cg = cgroups()
+        cg = cg or cgroups()
         sid = "sbx-" + secrets.token_hex(4)
-        self.sensor.add_sandbox(cg.id, sid, **labels)
+        register(cg, sid)
         sbx = Sandbox(self, cg, sid)
         cgroups.defer(sbx.remove)
         return sbx
@@ -187,6 +189,25 @@ class Harness:
 
     def close(self) -> None:
         self.sensor.close()
+
+
+class Harness(SensorHarness):
+    """The AuditSensor harness; on_over_budget calls land in over_budget_calls."""
+
+    def __init__(self, **sensor_kw):
+        super().__init__(AuditSensor, **sensor_kw)
+        self.over_budget_calls: list[tuple] = []
+        self.sensor.on_over_budget = lambda *a: self.over_budget_calls.append(a)
+
+    def sandbox(self, cgroups: CgroupFactory, **labels) -> Sandbox:
+        return self._sandbox(cgroups, None, lambda cg, sid: self.sensor.add_sandbox(cg.id, sid, **labels))
+
+
+def cgroup_factory():
+    """Body of the *_cgroups fixtures: a CgroupFactory, cleaned up afterwards."""
+    f = CgroupFactory()
+    yield f
+    f.cleanup()
 
 
 @pytest.fixture(scope="session")
@@ -205,6 +226,4 @@ def audit_sensor_small():
 
 @pytest.fixture
 def audit_cgroups():
-    f = CgroupFactory()
-    yield f
-    f.cleanup()
+    yield from cgroup_factory()

@@ -40,7 +40,7 @@ import time
 import pytest
 
 from agent.enforce_loader import EnforcementSensor
-from fixtures_bpf import CgroupFactory
+from fixtures_bpf import CgroupFactory, Sandbox, SensorHarness, cgroup_factory
 
 PYTHON = "/usr/bin/python3"
 TEST_PIN_ROOT = "/sys/fs/bpf/dsec-test"
@@ -208,50 +208,19 @@ class DnsServer:
 
 # ---------------------------------------------------------------- the sensor harness
 
-class EnforceSandbox:
-    def __init__(self, harness: "EnforceHarness", cg, sandbox_id: str):
-        self.harness, self.cg, self.sandbox_id = harness, cg, sandbox_id
-        self.totals = None
-
-    @property
-    def records(self) -> list[dict]:
-        return self.harness.records.setdefault(self.sandbox_id, [])
-
-    def of_kind(self, *kinds) -> list[dict]:
-        return [r for r in self.records if r["kind"] in kinds]
-
-    def remove(self) -> dict:
-        if self.totals is None:
-            self.totals = self.harness.sensor.remove_sandbox(self.cg.id)
-        return self.totals
+EnforceSandbox = Sandbox
 
 
-class EnforceHarness:
-    """One EnforcementSensor shared by the tests of a session; records by sandbox."""
+class EnforceHarness(SensorHarness):
+    """One EnforcementSensor shared by the tests of a session (exec link pinned
+    under TEST_PIN_ROOT); records by sandbox."""
 
     def __init__(self, **kw):
-        self.records: dict[str, list[dict]] = {}
-        self.sensor = EnforcementSensor(on_record=self._route, pin_root=TEST_PIN_ROOT, **kw)
-
-    def _route(self, rec: dict) -> None:
-        self.records.setdefault(rec["sandbox_id"], []).append(rec)
+        super().__init__(EnforcementSensor, pin_root=TEST_PIN_ROOT, **kw)
 
     def sandbox(self, cgroups: CgroupFactory, policy, cg=None, **kw) -> EnforceSandbox:
-        self.sensor.drain()
-        cg = cg or cgroups()
-        sid = "sbx-" + secrets.token_hex(4)
-        self.sensor.add_sandbox(cg.id, cg.path, sid, policy, **kw)
-        sbx = EnforceSandbox(self, cg, sid)
-        cgroups.defer(sbx.remove)
-        return sbx
-
-    def poll_until(self, predicate, timeout_s: float = 10.0) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.sensor.poll(50)
-            if predicate():
-                return True
-        return predicate()
+        return self._sandbox(cgroups, cg,
+                             lambda cg, sid: self.sensor.add_sandbox(cg.id, cg.path, sid, policy, **kw))
 
     def settle(self, seconds: float = 0.3) -> None:
         """Poll for a while (records of actions that already happened)."""
@@ -261,7 +230,7 @@ class EnforceHarness:
         self.sensor.drain()
 
     def close(self) -> None:
-        self.sensor.close()
+        super().close()
         try:
             os.rmdir(TEST_PIN_ROOT)
         except OSError:
@@ -277,9 +246,7 @@ def enforce_sensor():
 
 @pytest.fixture
 def enforce_cgroups():
-    f = CgroupFactory()
-    yield f
-    f.cleanup()
+    yield from cgroup_factory()
 
 
 @pytest.fixture

@@ -1,0 +1,401 @@
+"""What the two BCC sensors share: the audit sensor (agent/bpf_loader.py,
+bpf/process.c net.c files.c) and the enforcement sensor
+(agent/enforce_loader.py, bpf/enforce.c).
+
+  - the source text: BCC rewrites map calls (.lookup, .ringbuf_output, ...)
+    only in its main source text, not in #included files, so a sensor's files
+    are concatenated into one text, each behind a #line marker (compiler
+    messages name the real file); bpf/shared.h, which has no map calls, is
+    #included by both;
+  - feature checks (root, BCC, kernel headers, tracefs and the tracepoints a
+    source uses, ring buffers, cgroup2 and bpffs mounts);
+  - compiling with the compiler/verifier log captured, reported as one line;
+  - RingSensor: the ring buffer -> decoder -> backlog -> on_record plumbing and
+    the per-sandbox loss reporting (events_lost records) both sensors run.
+"""
+from __future__ import annotations
+
+import ctypes as ct
+import os
+import re
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+
+from agent import bpfsys
+from agent.decoder import Decoder
+from agent.errors import DsecError
+
+BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bpf")
+TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+RINGBUF_MISSING = "BPF ring buffers unsupported by this kernel (needs Linux >= 5.8)"
+
+
+# ---------------------------------------------------------------- source
+
+def source_text(names) -> str:
+    """The files `names` of bpf/ as one main source text, with #line markers."""
+    parts = []
+    for name in names:
+        with open(os.path.join(BPF_DIR, name), encoding="utf-8") as f:
+            parts.append(f'#line 1 "{name}"\n' + f.read())
+    return "\n".join(parts)
+
+
+def tracepoints_in(text: str) -> list[str]:
+    """The "category/event" tracepoints a source text attaches TRACEPOINT_PROBEs to."""
+    return sorted(set(f"{c}/{e}" for c, e in re.findall(r"\bTRACEPOINT_PROBE\(\s*(\w+)\s*,\s*(\w+)\s*\)", text)))
+
+
+# ---------------------------------------------------------------- features
+
+def find_tracefs(roots=TRACEFS) -> str | None:
+    return next((t for t in roots if os.path.isdir(os.path.join(t, "events"))), None)
+
+
+def _mounts() -> list[tuple[str, str]]:
+    """(mount point, filesystem type) of /proc/self/mounts, in its order."""
+    out = []
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2:
+                    out.append((parts[1], parts[2]))
+    except OSError:
+        pass
+    return out
+
+
+def cgroup2_mount() -> str | None:
+    """Where the cgroup2 hierarchy is mounted (/sys/fs/cgroup/unified on hybrid
+    hosts, /sys/fs/cgroup on pure v2), or None."""
+    return next((where for where, fstype in _mounts() if fstype == "cgroup2"), None)
+
+
+def bpffs_mounted(path: str) -> bool:
+    """Is `path` (or the directory it would be created in) on a bpf filesystem?"""
+    best = ("", "")
+    for where, fstype in _mounts():
+        if (path == where or path.startswith(where.rstrip("/") + "/")) and len(where) > len(best[0]):
+            best = (where, fstype)
+    return best[1] == "bpf"
+
+
+def ringbuf_supported() -> bool:
+    """Create (and close) a one-page BPF ring buffer map."""
+    try:
+        bpfsys.probe_map(bpfsys.BPF_MAP_TYPE_RINGBUF, 0, 0, max_entries=os.sysconf("SC_PAGE_SIZE"))
+    except OSError:
+        return False
+    return True
+
+
+def base_missing(tracefs_roots, tracepoints) -> list[str]:
+    """What every BCC sensor needs and does not have: root, BCC with ring
+    buffers, the kernel headers, tracefs with `tracepoints`."""
+    missing = []
+    if os.geteuid() != 0:
+        missing.append("not root (loading BPF programs needs CAP_BPF/CAP_SYS_ADMIN)")
+    try:
+        import bcc.table
+        if not hasattr(bcc.table, "RingBuf"):
+            missing.append("BCC too old: no ring buffer support (needs bcc >= 0.22)")
+    except ImportError:
+        missing.append("python module bcc not importable (Debian python3-bpfcc; run scripts/setup.sh)")
+    build = f"/lib/modules/{os.uname().release}/build"
+    if not os.path.isdir(build):
+        missing.append(f"kernel headers missing at {build} (run scripts/setup.sh)")
+    tracefs = find_tracefs(tracefs_roots)
+    if tracefs is None:
+        missing.append("tracefs not mounted (mount -t tracefs tracefs /sys/kernel/tracing)")
+    else:
+        absent = [tp for tp in tracepoints if not os.path.isdir(os.path.join(tracefs, "events", tp))]
+        if absent:
+            missing.append("tracepoints missing: " + ", ".join(absent))
+    return missing
+
+
+def unavailable(what: str, missing: list[str]) -> str:
+    return f"eBPF {what} unavailable: " + "; ".join(missing)
+
+
+def describe(what: str, missing: list[str]) -> str:
+    """One line for `dsec` status output."""
+    return f"eBPF {what}: available" if not missing else unavailable(what, missing)
+
+
+# ---------------------------------------------------------------- compile
+
+def ring_pages(ring_bytes: int, what: str) -> int:
+    """A ring buffer size as its number of pages (a power of two)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    pages = ring_bytes // page
+    if ring_bytes % page or pages < 1 or pages & (pages - 1):
+        raise DsecError(f"{what} ring buffer size {ring_bytes} is not a power-of-two number of {page}-byte pages")
+    return pages
+
+
+class StderrCapture:
+    """Collect what BCC/clang/the verifier print on fd 2 while compiling."""
+
+    def __enter__(self):
+        self.file = tempfile.NamedTemporaryFile(prefix="dsec-bpf-", suffix=".log", delete=False)
+        self.saved = os.dup(2)
+        os.dup2(self.file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc):
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        self.file.close()
+        with open(self.file.name, "rb") as f:
+            self.text = f.read().decode("utf-8", "replace")
+        return False
+
+
+def first_error(log: str) -> str:
+    """The line of a BCC/clang/verifier log that says what went wrong."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for ln in lines:
+        if "error:" in ln:
+            return ln[:300]
+    for i, ln in enumerate(lines):          # the verifier: its complaint precedes "processed N insns"
+        if ln.startswith("processed ") and i > 0:
+            return lines[i - 1][:300]
+    return lines[-1][:300] if lines else "no diagnostic"
+
+
+def compile_text(text: str, cflags: list[str], what: str):
+    """BPF(text) compiled, loaded and attached; failures as one DsecError line
+    naming the first error and the full log."""
+    from bcc import BPF
+    with StderrCapture() as cap:
+        try:
+            bpf = BPF(text=text.encode(), cflags=cflags)
+        except Exception as e:   # BCC raises bare Exception for compile/load failures
+            err = e
+        else:
+            err = None
+    if err is not None:
+        raise DsecError(f"eBPF {what}: BPF compile/load failed: {err}; {first_error(cap.text)} "
+                        f"(full log: {cap.file.name})")
+    os.unlink(cap.file.name)
+    return bpf
+
+
+# ---------------------------------------------------------------- small pieces
+
+def token_bucket(rate, burst, what: str, unit: str) -> tuple[int, int]:
+    """(interval_ns, tolerance_ns) of the kernel's GCRA token bucket; (0, 0) = unlimited."""
+    if rate is None or rate == 0:
+        return 0, 0
+    if rate < 0 or burst is None or burst < 1:
+        raise DsecError(f"{what}: rate must be > 0 {unit}/s and burst >= 1 (got rate={rate}, burst={burst})")
+    interval = max(1, int(1e9 / rate))
+    return interval, interval * (int(burst) - 1)
+
+
+def check_sandbox_ids(cgroup_id, sandbox_id) -> None:
+    if not isinstance(cgroup_id, int) or cgroup_id <= 1:
+        raise DsecError(f"add_sandbox: cgroup id must be a cgroup2 directory's inode number, got {cgroup_id!r}")
+    if not sandbox_id:
+        raise DsecError("add_sandbox: empty sandbox id")
+
+
+def map_discard(table, key) -> None:
+    """Delete a BCC map entry (table.Key) that may not be there."""
+    try:
+        del table[key]
+    except KeyError:
+        pass
+
+
+def loss_totals(state: dict | None, unfinished: int = 0) -> dict:
+    """{"emitted", "lost", "lost_total"} of a sandbox's state (RingSensor._state_counts)."""
+    if state is None:
+        return {"emitted": {}, "lost": {}, "lost_total": unfinished}
+    lost = {r: dict(k) for r, k in state["lost"].items() if k}
+    if unfinished:
+        lost["unfinished"] = {"any": unfinished}
+    return {"emitted": dict(state["emitted"]), "lost": lost,
+            "lost_total": sum(sum(k.values()) for k in lost.values())}
+
+
+# ---------------------------------------------------------------- the sensors' plumbing
+
+class RingSensor:
+    """Ring buffer -> Decoder -> backlog -> on_record, and loss reporting.
+
+    A sensor sets self.bpf, self.consts, self.on_record, self.loss_interval_s
+    and self._state_map (cgroup id -> a struct with emitted[] and lost[]),
+    calls _init_records() last in __init__, and provides _sandbox_ids(),
+    _read_state(), _flush_losses(), _teardown() and remove_sandbox()."""
+
+    WHAT = "sensor"          # "audit" | "enforcement", in error messages
+    VERB = "watched"         # "audited" | "enforced"
+
+    def _init_records(self, ring, leaf_type, *, node: str | None, enricher) -> None:
+        self.instance = uuid.uuid4().hex
+        self.decoder = Decoder(leaf_type, self.consts, node=node or socket.gethostname(), instance=self.instance,
+                               enricher=enricher, cgroup2_root=cgroup2_mount())
+        self._lock = threading.RLock()
+        self._raw: list[bytes] = []
+        self._backlog: deque = deque()
+        self._reported: dict[int, dict] = {}    # cgroup id -> {reason: {kind: count}} already reported
+        self._last_flush_wall: dict[int, int] = {}
+        self._finals: dict[int, dict] = {}      # totals of removed sandboxes
+        self._next_flush = 0.0
+        self._closed = False
+        ring.open_ring_buffer(self._on_raw)
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def _close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                for cgid in self._sandbox_ids():
+                    self.remove_sandbox(cgid)
+                self._deliver()
+            finally:
+                self._closed = True
+                self._teardown()
+
+    def _check_open(self):
+        if self._closed:
+            raise DsecError(f"{self.WHAT} sensor is closed")
+
+    def _final(self, cgroup_id: int, what: str) -> dict:
+        """The totals of a removed sandbox, or DsecError: not one of ours."""
+        if cgroup_id in self._finals:
+            return self._finals[cgroup_id]
+        raise DsecError(f"{what}: cgroup {cgroup_id} is not {self.VERB}")
+
+    def _track(self, cgroup_id: int) -> None:
+        self._reported[cgroup_id] = {}
+        self._last_flush_wall[cgroup_id] = time.time_ns()
+        self._finals.pop(cgroup_id, None)
+
+    def _untrack(self, cgroup_id: int) -> None:
+        self.decoder.forget(cgroup_id)
+        for d in (self._reported, self._last_flush_wall):
+            d.pop(cgroup_id, None)
+
+    # -- reading ----------------------------------------------------------------
+
+    def _poll(self, timeout_ms: int) -> int:
+        with self._lock:
+            self._check_open()
+            self.bpf.ring_buffer_poll(int(timeout_ms))
+            self._decode_raw()
+            now = time.monotonic()
+            periodic = now >= self._next_flush
+            if periodic:
+                self._next_flush = now + self.loss_interval_s
+                self.decoder.sync_clock()
+                self._periodic(now)
+                self._flush_all(final=False)
+            n = self._deliver()
+        if periodic:
+            self._after_periodic()
+        return n
+
+    def _drain(self) -> int:
+        with self._lock:
+            self._check_open()
+            self._consume()
+            self._decode_raw()
+            self._flush_all(final=True)
+            return self._deliver()
+
+    def _periodic(self, now: float) -> None:
+        """Every loss_interval_s in poll(), with the lock, before the losses."""
+
+    def _after_periodic(self) -> None:
+        """Every loss_interval_s in poll(), after the lock is released."""
+
+    def _flush_all(self, final: bool) -> None:
+        for cgid in self._sandbox_ids():
+            self._flush_losses(cgid, self._read_state(cgid))
+
+    def _on_raw(self, ctx, data, size):
+        self._raw.append(ct.string_at(data, size))
+        return 0
+
+    def _consume(self) -> None:
+        for _ in range(1000):        # bounded; each round empties what is there
+            before = len(self._raw)
+            self.bpf.ring_buffer_consume()
+            if len(self._raw) == before:
+                return
+
+    def _decode_raw(self) -> None:
+        raw, self._raw = self._raw, []
+        for r in raw:
+            rec = self.decoder.decode(r)
+            if rec is not None:
+                self._accept(rec)
+
+    def _accept(self, rec: dict) -> None:
+        self._backlog.append(rec)
+
+    def _deliver(self) -> int:
+        n = 0
+        while self._backlog:
+            rec = self._backlog[0]
+            if self.on_record is not None:
+                self.on_record(rec)      # raises: the record stays for the next call
+            self._backlog.popleft()
+            n += 1
+        return n
+
+    # -- losses -----------------------------------------------------------------
+
+    def _state_entry(self, cgroup_id: int):
+        try:
+            return self._state_map[self._state_map.Key(cgroup_id)]
+        except KeyError:
+            return None
+
+    def _state_counts(self, st) -> tuple[dict, dict]:
+        """(emitted {kind: n}, lost {reason: {kind: n}}) of a state map value."""
+        nk = len(st.emitted)
+        kinds = self.consts.kinds
+        lost = {}
+        for ridx, reason in self.consts.lost.items():
+            lost[reason] = {kinds.get(k, str(k)): st.lost[ridx * nk + k] for k in range(nk) if st.lost[ridx * nk + k]}
+        emitted = {kinds.get(k, str(k)): st.emitted[k] for k in range(nk) if st.emitted[k]}
+        return emitted, lost
+
+    def _report_losses(self, cgroup_id: int, info, step: int, lost: dict, unfinished: int = 0) -> None:
+        """events_lost records for what was lost since the last report."""
+        seen = self._reported.setdefault(cgroup_id, {})
+        now = time.time_ns()
+        window = (self._last_flush_wall.get(cgroup_id, now), now)
+        any_new = False
+        for reason, per_kind in lost.items():
+            before = seen.get(reason, {})
+            delta = {k: v - before.get(k, 0) for k, v in per_kind.items() if v - before.get(k, 0) > 0}
+            if delta:
+                any_new = True
+                self._backlog.append(self.decoder.lost_record(info, step, reason, sum(delta.values()),
+                                                              delta, window))
+                seen[reason] = dict(per_kind)
+        if unfinished:
+            any_new = True
+            self._backlog.append(self.decoder.lost_record(
+                info, step, "unfinished", unfinished, {"any": unfinished}, window))
+        if any_new:
+            self._last_flush_wall[cgroup_id] = now

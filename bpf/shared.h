@@ -1,0 +1,92 @@
+/* dsec BPF: what the two sensors share — the audit sensor (common.h,
+ * process.c, net.c, files.c) and the enforcement sensor (enforce.c).
+ *
+ * No maps and no map calls here: BCC rewrites map calls only in the main
+ * source text, and this header is #included (see common.h). Each helper works
+ * on the counters, token-bucket word or record header it is handed; the
+ * sensors wrap them with their own maps (sbx_state / enf_state, parents /
+ * enf_parents, events / enf_events).
+ */
+#ifndef DSEC_SHARED_H
+#define DSEC_SHARED_H
+
+#include "events.h"
+
+#define DSEC_SIGKILL 9
+#define DSEC_CLONE_THREAD 0x00010000ULL
+
+/* hide a value's range from clang so that the mask that follows is kept for
+ * the verifier */
+#define DSEC_BARRIER(x) asm volatile("" : "+r"(x))
+
+/* ---- counters (a state's emitted[] and lost[]) ------------------------------ */
+
+/* lost[reason * DSEC_NKINDS + kind] += 1 */
+static __always_inline void dsec_count_reason(u64 *lost, u32 reason, u32 kind)
+{
+    u32 i = reason * DSEC_NKINDS + (kind & (DSEC_NKINDS - 1));
+    if (i < DSEC_NLOST * DSEC_NKINDS)
+        __sync_fetch_and_add(&lost[i], 1);
+}
+
+/* emitted[kind] += 1 */
+static __always_inline void dsec_count_kind(u64 *emitted, u32 kind)
+{
+    __sync_fetch_and_add(&emitted[kind & (DSEC_NKINDS - 1)], 1);
+}
+
+/* Fair share (audit) / event budget (enforcement): GCRA, the token bucket with
+ * rate 1e9/interval_ns per second and burst tolerance_ns/interval_ns + 1, kept
+ * in one word (*tat, the theoretical arrival time) updated with
+ * compare-and-swap. 1: admitted; 0: over budget (the caller counts it). */
+static __always_inline int dsec_gcra(u64 *tat, u64 interval, u64 tol)
+{
+    if (interval == 0)
+        return 1;
+    u64 now = bpf_ktime_get_ns();
+    for (int i = 0; i < 4; i++) {
+        u64 t = *(volatile u64 *)tat;
+        u64 base = t > now ? t : now;
+        if (base - now > tol)
+            break;
+        if (__sync_val_compare_and_swap(tat, t, base + interval) == t)
+            return 1;
+    }
+    return 0;
+}
+
+/* ---- records ------------------------------------------------------------------ */
+
+/* The header of a record of the current task, all but ppid (the caller looks
+ * it up in its sensor's parents map); returns the task's tgid. */
+static __always_inline u32 dsec_hdr_fill(struct dsec_hdr *h, u32 kind, u64 cgid, u32 step)
+{
+    u64 pt = bpf_get_current_pid_tgid();
+    u64 ug = bpf_get_current_uid_gid();
+    u32 tgid = pt >> 32;
+    h->ts_ns = bpf_ktime_get_ns();
+    h->cgroup_id = cgid;
+    h->kind = kind;
+    h->size = DSEC_FIXED_BYTES;
+    h->pid = tgid;
+    h->tid = (u32)pt;
+    h->uid = (u32)ug;
+    h->gid = ug >> 32;
+    h->step = step;
+    bpf_get_current_comm(h->comm, sizeof(h->comm));
+    return tgid;
+}
+
+/* The bytes to emit of a variable-size record built in a map value of `max`
+ * bytes: between DSEC_FIXED_BYTES and max, as the verifier can see. */
+static __always_inline u64 dsec_record_size(u64 size, u64 max)
+{
+    DSEC_BARRIER(size);
+    if (size > max)
+        size = max;
+    if (size < DSEC_FIXED_BYTES)
+        size = DSEC_FIXED_BYTES;
+    return size;
+}
+
+#endif /* DSEC_SHARED_H */
