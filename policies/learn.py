@@ -638,8 +638,7 @@ def observe(runs) -> tuple[dict, dict]:
     # ---- egress
     rules = []
     for (target, proto), d in sorted(egress.items()):
-        rule = {("host" if d["host"] else "cidr"): target,
-                "ports": sorted(d["ports"], key=lambda p: (isinstance(p, str), str(p).zfill(5))), "protocol": proto}
+        rule = {("host" if d["host"] else "cidr"): target, "ports": sorted(d["ports"]), "protocol": proto}
         rules.append(rule)
         prov["egress"][egress_key(rule)] = d["entry"]
     egress_spec: dict = {"default": "deny", "allow": rules}
@@ -719,11 +718,6 @@ def _observe_connect(rid, rec, ex, egress, dns, dns_order, notes):
             dns[key]["loopback"] = True
         return
     target = host or f"{ip}/{ip.max_prefixlen}"
-    if ip.is_loopback and not host:
-        # a workload talking to itself picks ephemeral ports: pinning the one seen
-        # would break the next run. Loopback never leaves the sandbox: allow all of it.
-        target = "127.0.0.0/8" if ip.version == 4 else "::1/128"
-        port = "1-65535"
     d = egress.setdefault((target, proto), {"ports": set(), "host": bool(host), "entry": _entry()})
     d["ports"].add(port)
     e = d["entry"]

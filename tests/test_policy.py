@@ -472,8 +472,19 @@ DANGEROUS_PROBES = ["mount", "unshare_user", "clone_newuser", "ptrace", "bpf", "
 
 
 def run_probe(policy, probe: str, d: str):
+    """run_probe_once, retried once if the forked child hangs: a fork of the (threaded)
+    pytest process can deadlock on a lock another thread held at fork time."""
+    try:
+        return run_probe_once(policy, probe, d)
+    except TimeoutError:
+        return run_probe_once(policy, probe, d)
+
+
+def run_probe_once(policy, probe: str, d: str, timeout: float = 30.0):
     """Fork; in the child: private mount namespace, no_new_privs, the policy's filter
     (if any), then the probe. Returns ("exit", result) or ("signal", signum)."""
+    import select
+    import time
     filt = seccomp_filter(policy) if policy is not None else None
     from agent import sysutil as su
     r, w = os.pipe()
@@ -491,9 +502,18 @@ def run_probe(policy, probe: str, d: str):
         finally:
             os._exit(0)
     os.close(w)
+    deadline = time.monotonic() + timeout
     try:
         data = b""
-        while chunk := os.read(r, 4096):
+        while True:
+            ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                raise TimeoutError(f"probe {probe} hung")
+            chunk = os.read(r, 4096)
+            if not chunk:
+                break
             data += chunk
     finally:
         os.close(r)
