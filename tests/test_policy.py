@@ -552,10 +552,16 @@ def test_audit_and_learn_block_nothing(probe_dir):
     for ref in ("default-audit",):
         p = load_policy(ref)
         for probe, expected in base.items():
-            assert run_probe(p, probe, probe_dir) == expected, (ref, probe)
+            got = run_probe(p, probe, probe_dir)
+            # seccomp refused nothing: no SIGSYS, and no EPERM the unfiltered call did not get
+            # (exact equality is too strict: unshare(CLONE_NEWUSER) on this kernel sometimes
+            # says EINVAL in one child and succeeds in the next, filter or not)
+            assert got[0] == "exit", (ref, probe, got)
+            assert got[1] == expected[1] or got[1][1] != "EPERM" or expected[1][1] == "EPERM", (ref, probe, got)
     learn = load_policy("python-tool").with_mode("learn")
     for probe in ("ptrace", "mount", "clone3"):
-        assert run_probe(learn, probe, probe_dir) == run_probe(None, probe, probe_dir), probe
+        got, expected = run_probe(learn, probe, probe_dir), run_probe(None, probe, probe_dir)
+        assert got[0] == "exit" and (got[1][1] != "EPERM" or expected[1][1] == "EPERM"), (probe, got)
 
 
 def test_action_kill_kills(probe_dir):
