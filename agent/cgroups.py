@@ -73,6 +73,34 @@ def _ensure_parent_v2(root: str):
     return parent
 
 
+def _mkdir_under_parent(path: str):
+    """mkdir path, creating the "dsec" parent; `dsec gc` may remove an empty parent
+    between the two steps, so try again (bounded)."""
+    for attempt in range(3):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            os.mkdir(path)
+            return
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+
+
+def remove_empty_parents(layout: Layout) -> list[str]:
+    """Remove the "dsec" parent cgroups that hold no sandbox (for `dsec gc`)."""
+    removed = []
+    roots = ([layout.v2_root] if layout.v2_root else []) + \
+        (list(layout.v1_roots.values()) if layout.mode != "v2" else [])
+    for r in roots:
+        parent = os.path.join(r, PARENT)
+        try:
+            os.rmdir(parent)            # fails (EBUSY/ENOTEMPTY) while a sandbox cgroup is inside
+            removed.append(parent)
+        except OSError:
+            pass
+    return removed
+
+
 class SandboxCgroup:
     """The cgroups of one sandbox. Create, join (from the child), read stats, remove."""
 
@@ -98,13 +126,10 @@ class SandboxCgroup:
             if self.v2_path:
                 if self.layout.mode == "v2":
                     _ensure_parent_v2(self.layout.v2_root)
-                else:
-                    os.makedirs(os.path.dirname(self.v2_path), exist_ok=True)
-                os.mkdir(self.v2_path)
+                _mkdir_under_parent(self.v2_path)
                 made.append(self.v2_path)
             for c, p in self.v1_paths.items():
-                os.makedirs(os.path.dirname(p), exist_ok=True)
-                os.mkdir(p)
+                _mkdir_under_parent(p)
                 made.append(p)
             self._set_limits(cpus, memory, pids)
         except FileExistsError as e:

@@ -28,6 +28,7 @@ import time
 
 from agent.errors import DsecError, EXIT_DSEC
 from audit_schema.events import normalize
+from policies.evaluate import decision      # per record, on the poll thread: imported once here
 
 
 class Recorder:
@@ -72,7 +73,6 @@ class Recorder:
     def _on_record(self, rec: dict):
         pol = self.policies.get(rec.get("sandbox_id"))
         if pol is not None and not rec.get("decision"):
-            from policies.evaluate import decision
             rec["decision"] = decision(pol, rec)
         with self._lock:
             self._pending.append(rec)

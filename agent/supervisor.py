@@ -472,15 +472,3 @@ def _kill_all():
     except ProcessLookupError:
         pass
 
-
-def _readline(fd) -> bytes:
-    buf = b""
-    while not buf.endswith(b"\n"):
-        try:
-            c = os.read(fd, 1)
-        except InterruptedError:
-            continue
-        if not c:
-            return b""
-        buf += c
-    return buf

@@ -14,7 +14,6 @@ matches nothing.
 """
 from __future__ import annotations
 
-import errno
 import posixpath
 
 from policies.compile import egress_rules, exec_allowed, writable_paths
@@ -71,8 +70,3 @@ def decision(policy, rec: dict, host_addrs: dict | None = None) -> str:
     # reason (ECONNREFUSED ...) before enforcement could act is still "denied":
     # the policy would not have let it through.
     return "denied"
-
-
-def refused_by_enforcement(rec: dict) -> bool:
-    """Did this record's syscall fail the way dsec's enforcement makes it fail?"""
-    return int(rec.get("ret") or 0) in (-errno.EPERM, -errno.EROFS, -errno.EACCES)

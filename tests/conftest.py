@@ -46,3 +46,4 @@ def no_leftovers_at_end():
     new = {k: sorted(set(v) - set(before.get(k, []))) for k, v in after.items()}
     new = {k: v for k, v in new.items() if v}
     assert not new, f"the test session left things behind: {new}"
+    dsec("gc")   # and the empty "dsec" parent cgroups the sandboxes were created under

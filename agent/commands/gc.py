@@ -8,7 +8,8 @@ A sandbox is orphaned when no dsec process holds its state directory's lock
 (the launcher holds it for the sandbox's whole life). Live sandboxes are never
 touched. Everything dsec creates is recognisable: cgroups under "dsec/" in
 each hierarchy, host links named dsv*/dsp*, state under /var/lib/dsec, the
-nftables table "ip dsec" (removed when no sandbox is left).
+nftables table "ip dsec" and the empty "dsec" parent cgroups (removed when no
+sandbox is left).
 
 Prints one line per removed item; exit 0 when everything is clean, 1 when
 something could not be removed.
@@ -111,6 +112,9 @@ def run(args) -> int:
                         failed += 1
     if not found["live"] and not args.dry_run:
         netns.remove_nat()
+    parents = [] if found["live"] or args.dry_run else cgroups.remove_empty_parents(found["layout"])
     if not found["orphans"] and not found["links"]:
         print(f"clean ({len(found['live'])} live sandbox{'es' if len(found['live']) != 1 else ''})")
+    for parent in parents:
+        print(f"removed empty cgroup parent {parent}")
     return 1 if failed else 0
