@@ -36,7 +36,7 @@ KINDS = (
     "syscall_denied",  # a call outside the allowlist (seccomp refused it): syscall, count, ret
     "syscall_violation",
     "policy_promotion",  # `dsec policy promote` changed a policy's mode: who/when/from/to in extra
-    # the node agent (agent/daemon.py)
+    # the node agent (agent/node/daemon.py)
     "lifecycle",       # a sandbox (or agent) state transition: extra = {"state": queued|admitted|started|...}
     "access_denied",   # the agent refused a caller (TCP client outside the allowlist): peer in addr, extra
     # steps of a sandbox's trajectory (what replay --rerun re-executes)

@@ -276,8 +276,8 @@ def proc_cpu(path):
 
 class Pipeline:
     def __init__(self, url, spool_dir, gen_dir, cg_root):
-        from agent.recorder import Recorder
-        from agent.spool import Spool
+        from agent.sensors.recorder import Recorder
+        from exporters.spool import Spool
         from exporters.clickhouse import ClickHouseExporter
         self.gen_dir, self.cg_root = gen_dir, cg_root
         self.stages = Stages()
@@ -581,8 +581,8 @@ class SinkBench:
     """Recorder (compiled once) -> one spool -> one sink at a time."""
 
     def __init__(self, url, tmp, cg_root):
-        from agent.recorder import Recorder
-        from agent.spool import Spool
+        from agent.sensors.recorder import Recorder
+        from exporters.spool import Spool
         self.url, self.tmp, self.cg_root = url, tmp, cg_root
         self.spool = Spool(os.path.join(tmp, "spool-sinks"), fsync="never")
         self.rec = Recorder(node="bench", spool=self.spool, enforce=False)
@@ -615,7 +615,7 @@ class SinkBench:
         return d["logs"].get(sid, 0), d["unique"].get(sid, 0)
 
     def use(self, kind, client, db):
-        from agent.spool import Position
+        from exporters.spool import Position
         from exporters.clickhouse import ClickHouseExporter
         from exporters.jsonl import JsonlSink
         from exporters.otel import OtlpSink
@@ -851,8 +851,8 @@ def main():
         sys.exit(f"bench/audit.py: {DSEC} missing (run `make setup`)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from agent.bpf_loader import cgroup2_mount, check_features
-    from agent.clickhouse_server import PrivateServer, connect
+    from agent.sensors.audit import cgroup2_mount, check_features
+    from exporters.clickhouse_server import PrivateServer, connect
     missing = check_features()
     if missing:
         sys.exit("bench/audit.py: eBPF audit unavailable: " + "; ".join(missing))

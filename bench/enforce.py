@@ -326,7 +326,7 @@ def parse_sysbench(out: bytes, what: str, eperm: bool) -> dict[str, list[float]]
 
 def host_child(binary, n, rounds, filt):
     """A forked child: no_new_privs + filter.load(), then exec the C program."""
-    from agent import sysutil as su
+    from agent.sandbox import sysutil as su
 
     def pre():
         su.prctl(su.PR_SET_NO_NEW_PRIVS, 1)
@@ -382,7 +382,7 @@ class AliveSandboxes:
 def _bpf_ids(next_cmd: int, limit: int = 100000):
     """Every id of one kind of BPF object in the kernel (BPF_*_GET_NEXT_ID), bounded."""
     import struct
-    from agent import bpfsys
+    from agent.sensors import bpfsys
     oid = 0
     for _ in range(limit):
         attr = bpfsys._attr()
@@ -398,7 +398,7 @@ def _bpf_ids(next_cmd: int, limit: int = 100000):
 def _link_info(fd: int, name_buf=None) -> bytes:
     import ctypes as ct
     import struct
-    from agent import bpfsys
+    from agent.sensors import bpfsys
     info = (ct.c_uint8 * 128)()
     if name_buf is not None:                        # raw_tracepoint: {tp_name ptr, tp_name_len} at 16
         struct.pack_into("<QI", info, 16, ct.addressof(name_buf), len(name_buf))
@@ -415,7 +415,7 @@ def tracing_programs() -> str:
     import ctypes as ct
     import struct
     from collections import Counter
-    from agent import bpfsys
+    from agent.sensors import bpfsys
     kinds = {5: "tracepoint", 17: "raw_tracepoint"}
     progs: Counter = Counter()
     for pid in _bpf_ids(11):                        # BPF_PROG_GET_NEXT_ID
@@ -516,8 +516,8 @@ def part_syscall(ctx, quick):
 def sensor_costs() -> str:
     """Compile, load and attach of each eBPF sensor (BCC), and its close."""
     try:
-        from agent.bpf_loader import AuditSensor
-        from agent.enforce_loader import EnforcementSensor
+        from agent.sensors.audit import AuditSensor
+        from agent.sensors.enforce import EnforcementSensor
         parts = []
         for name, cls in (("audit", AuditSensor), ("enforcement", EnforcementSensor)):
             t = time.perf_counter()
@@ -548,7 +548,7 @@ def main():
         sys.exit(f"bench/enforce.py: {DSEC} missing (run `make setup`)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from agent.clickhouse_server import PrivateServer, connect
+    from exporters.clickhouse_server import PrivateServer, connect
     t_start = time.monotonic()
     server = PrivateServer()
     server.start()

@@ -85,7 +85,7 @@ class BenchAgent:
         self.log = open(os.path.join(self.dir, "agent.log"), "wb")
         self.proc = subprocess.Popen([DSEC, "agent", "--config", os.path.join(self.dir, "agent.yaml")],
                                      env=env, stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL)
-        from agent.client import AgentError, Client
+        from agent.node.client import AgentError, Client
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None:
@@ -126,7 +126,7 @@ def sustained(agent, concurrency: int, seconds: float) -> tuple[int, float, int]
     """Sandboxes (create + exec /bin/true + close) completed per second by `concurrency`
     SDK threads for `seconds`. Returns (completed, rate, failures)."""
     import threading
-    from agent.client import AgentError
+    from agent.node.client import AgentError
     stop_at = time.monotonic() + seconds
     done, failed = [0], [0]
     lock = threading.Lock()
@@ -134,7 +134,7 @@ def sustained(agent, concurrency: int, seconds: float) -> tuple[int, float, int]
     def worker():
         while time.monotonic() < stop_at:
             try:
-                sb = agent.client.create(memory="64M", pids=64, warm=False)   # no CPU quota
+                sb = agent.node.client.create(memory="64M", pids=64, warm=False)   # no CPU quota
                 r = sb.exec(["/bin/true"])
                 sb.close()
                 ok = r.code == 0
@@ -160,7 +160,7 @@ def main():
     ap.add_argument("--no-agent", action="store_true", help="skip the node agent cases")
     ap.add_argument("--sustain", type=float, default=15.0, help="seconds per concurrency level (agent)")
     a = ap.parse_args()
-    from agent.launcher import SandboxSpec, launch
+    from agent.sandbox.launcher import SandboxSpec, launch
 
     devnull = open(os.devnull, "wb")
     bw = bwrap_cmd()
@@ -192,12 +192,12 @@ def main():
         agent.wait_warm(4)
 
         def agent_cold():
-            sb = agent.client.create(memory="128M", pids=256, warm=False)
+            sb = agent.node.client.create(memory="128M", pids=256, warm=False)
             assert sb.exec(["/bin/true"]).code == 0
             sb.close()
 
         def agent_warm():
-            sb = agent.client.create(memory="128M", pids=256)
+            sb = agent.node.client.create(memory="128M", pids=256)
             warm_hits[0] += sb.created.warm
             warm_hits[1] += 1
             assert sb.exec(["/bin/true"]).code == 0

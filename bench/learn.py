@@ -193,8 +193,8 @@ def sensor_costs() -> str:
     """The fixed cost every audited dsec command pays, measured here once: compile,
     load and attach of each eBPF sensor (BCC), and its close."""
     try:
-        from agent.bpf_loader import AuditSensor
-        from agent.enforce_loader import EnforcementSensor
+        from agent.sensors.audit import AuditSensor
+        from agent.sensors.enforce import EnforcementSensor
         parts = []
         for name, cls in (("audit", AuditSensor), ("enforcement", EnforcementSensor)):
             t = time.perf_counter()
@@ -225,7 +225,7 @@ def main():
         sys.exit(f"bench/learn.py: {DSEC} missing (run `make setup`)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from agent.clickhouse_server import PrivateServer, connect
+    from exporters.clickhouse_server import PrivateServer, connect
     t_start = time.monotonic()
     n_cc, n_table, n_default = containers_default()
     server = PrivateServer()

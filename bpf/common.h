@@ -2,7 +2,7 @@
  *
  * How the source is built: BCC rewrites map calls (.lookup, .ringbuf_output,
  * ...) only in its main source text, not in #included files. So
- * agent/bpf_loader.py concatenates common.h, process.c, net.c and files.c, in
+ * agent/sensors/audit.py concatenates common.h, process.c, net.c and files.c, in
  * that order and with #line markers (compiler messages name the real file),
  * and compiles that one text. events.h (types) and shared.h (the helpers the
  * enforcement sensor, enforce.c, uses too) hold no map calls and are

@@ -1,6 +1,6 @@
 /* dsec BPF: policy enforcement and violation reporting — the second sensor,
  * next to the audit sensor (process.c, net.c, files.c). Loaded by
- * agent/enforce_loader.py as its own object (its own maps and ring buffer):
+ * agent/sensors/enforce.py as its own object (its own maps and ring buffer):
  * this file is the whole main source text; events.h holds the types and
  * shared.h the helpers both sensors use (counters, GCRA, record headers).
  *

@@ -1,8 +1,8 @@
 /* dsec audit events: the one declaration of what leaves the kernel.
  *
- * Userspace never mirrors these structs by hand: agent/bpf_loader.py asks BCC
+ * Userspace never mirrors these structs by hand: agent/sensors/audit.py asks BCC
  * for the ctypes type of a map whose value is `struct dsec_event`
- * (exec_scratch), and agent/decoder.py reads the header, the body and the
+ * (exec_scratch), and agent/sensors/decoder.py reads the header, the body and the
  * string area from it. The #define constants below are read by the loader with
  * a regex (DSEC_KIND_*, DSEC_SYS_*, DSEC_ST_*, DSEC_LOST_*, DSEC_EXIT_*,
  * DSEC_OVER_*), so a name added here is known to Python at once.
@@ -291,7 +291,7 @@ struct dsec_exit_info { /* exit_info: tgid -> how it is ending */
     __u32 _pad;
 };
 
-/* ==== enforcement sensor (bpf/enforce.c, agent/enforce_loader.py) ======== */
+/* ==== enforcement sensor (bpf/enforce.c, agent/sensors/enforce.py) ======== */
 
 #ifndef DSEC_ENF_RING_PAGES
 #define DSEC_ENF_RING_PAGES 1024       /* 4 MiB with 4 KiB pages; power of two */

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 
 from agent.errors import DsecError
-from agent.spool import Batch, Damage, Spool
+from exporters.spool import Batch, Damage, Spool
 from audit_schema.events import FIELDS, default
 
 log = logging.getLogger("dsec.exporter")
@@ -131,7 +131,7 @@ def damage_event(d: Damage, spool: Spool, sink: str | None = None) -> dict:
 
 
 def _metrics():
-    from agent.metrics import METRICS
+    from exporters.metrics import METRICS
     return METRICS
 
 

@@ -23,14 +23,14 @@ the spool id, segment and offset, so it too is inserted once) and logged.
 The cursor, batching, retry and run loop are exporters/base.py's (shared by
 every sink); this module is the ClickHouse part: connection, migrations at
 first connection, columnar insert. ClickHouse is a required sink: the disk
-budget never evicts its backlog (agent/spool.py).
+budget never evicts its backlog (exporters/spool.py).
 """
 from __future__ import annotations
 
 import logging
 import threading
 
-from agent.spool import Spool
+from exporters.spool import Spool
 from audit_schema.events import FIELDS, default
 from exporters.base import FlushResult, RetryPolicy, SpoolSink, damage_event  # noqa: F401 - re-exported
 
@@ -81,12 +81,12 @@ class ClickHouseExporter(SpoolSink):
         restarts it if it died (costs a pid check when it is up)."""
         if self._url is not None:
             return self._url
-        from agent.clickhouse_server import ensure_clickhouse
+        from exporters.clickhouse_server import ensure_clickhouse
         return ensure_clickhouse()
 
     def _connected(self):
         if self._client is None:
-            from agent.clickhouse_server import connect
+            from exporters.clickhouse_server import connect
             from audit_schema.migrations import migrate
             url = self.url
             client, db = connect(url, connect_timeout=self.connect_timeout)

@@ -1,7 +1,7 @@
 """Which sinks a dsec process delivers its spool to, from the agent's config
 file and the environment; and running them.
 
-For the node agent (agent/daemon.py):
+For the node agent (agent/node/daemon.py):
 
     from exporters.configure import sinks_from_config, start_sinks, stop_sinks
     specs = sinks_from_config(raw_sinks_section)        # validated; DsecError (exit 2) names the key
@@ -159,7 +159,7 @@ class SinkSpec:
 
 
 def _validate(name: str, settings, where: str = "sinks") -> SinkSpec:
-    from agent.spool import _sink_name
+    from exporters.spool import _sink_name
     where = f"{where}." if where == "sinks" else f"{where} "
     if settings is None:
         settings = {}
@@ -270,7 +270,7 @@ def sinks_from_names(names: list[str], *, jsonl_path: str | None = None, otlp_en
 
 def configure_metrics(specs: list[SinkSpec]) -> bool:
     """OTLP export of the agent's own metrics, if an OTLP sink asks for it."""
-    from agent.metrics import METRICS
+    from exporters.metrics import METRICS
     for s in specs:
         if s.metrics:
             c = s.cfg
@@ -315,7 +315,7 @@ def stop_sinks(threads, timeout: float = 15.0):
             t.sink.close()
         except Exception:  # noqa: BLE001
             pass
-    from agent.metrics import METRICS
+    from exporters.metrics import METRICS
     METRICS.force_flush(2.0)
 
 
@@ -390,7 +390,7 @@ def run_sinks_end(spool, timeout: float | None = None, environ=None) -> dict:
         if not r.ok:
             sys.stderr.write(f"dsec run: {r.pending} audit events wait in the spool for sink {name} "
                              f"({r.error or 'not yet exported'}); the next export delivers them\n")
-    from agent.metrics import METRICS
+    from exporters.metrics import METRICS
     if METRICS.configured:
         METRICS.force_flush(min(timeout, 5.0))
         METRICS.shutdown()

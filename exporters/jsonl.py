@@ -33,7 +33,7 @@ import stat
 import sys
 
 from agent.errors import DsecError, EXIT_USAGE
-from agent.spool import Spool
+from exporters.spool import Spool
 from exporters.base import RetryPolicy, SpoolSink, normalize
 
 log = logging.getLogger("dsec.exporter.jsonl")

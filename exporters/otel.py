@@ -75,7 +75,7 @@ import os
 import time
 
 from agent.errors import DsecError, EXIT_USAGE
-from agent.spool import Spool
+from exporters.spool import Spool
 from audit_schema.events import BY_NAME
 from exporters.base import RetryPolicy, SpoolSink
 
@@ -599,7 +599,7 @@ class OtlpSink(SpoolSink):
         ps = getattr(resp, "partial_success", None)
         rejected = getattr(ps, "rejected_log_records", 0) or getattr(ps, "rejected_spans", 0) if ps else 0
         if rejected:
-            from agent.metrics import METRICS
+            from exporters.metrics import METRICS
             log.warning("OTLP collector %s rejected %d %s: %s", self.endpoint, rejected, what,
                         getattr(ps, "error_message", ""))
             METRICS.add("dsec.events.lost", rejected, reason="otlp_rejected", sink=self.sink)

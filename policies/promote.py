@@ -1,5 +1,5 @@
 """Promotion of a policy between modes, gated on audit evidence. Pure: the
-evidence comes from agent/evidence.py (ClickHouse), the decision is made here.
+evidence comes from replay/evidence.py (ClickHouse), the decision is made here.
 
     d = promotion_decision(policy, "enforce", evidence, min_runs=5, window="7d")
     d.allowed, d.policy (the promoted Policy), d.reasons, d.violations

@@ -31,7 +31,7 @@ import time
 from datetime import datetime, timezone
 
 from agent.errors import DsecError, EXIT_USAGE
-from agent.query import sql_int, sql_string
+from replay.store import sql_int, sql_string
 from audit_schema.migrations import EVENTS_TABLE, parse_version, quote_ident
 
 DENIED = ("denied", "would-deny")
@@ -208,7 +208,7 @@ def denial_totals_sql(db: str, policy_hash: str, since_ns=None, until_ns=None) -
 
 
 def sandbox_events_sql(db: str, sandbox_id: str) -> str:
-    """One sandbox's events, each once, ordered by (ts_ns, event_id): what agent.query.events_sql
+    """One sandbox's events, each once, ordered by (ts_ns, event_id): what replay.store.events_sql
     returns, without FINAL (on 18.16 FINAL costs ~10x here, bench/replay.py); copies of an event
     that the exporter re-sent are dropped by LIMIT 1 BY event_id (they are identical)."""
     from audit_schema.events import FIELD_NAMES

@@ -168,7 +168,7 @@ def new_replay_id() -> str:
 
 
 def spec_for(plan: Plan, sandbox_id: str):
-    from agent.launcher import SandboxSpec
+    from agent.sandbox.launcher import SandboxSpec
     sb = plan.sandbox
     kw = {k: sb[k] for k in ("network", "user", "workdir", "rootfs") if sb.get(k) is not None}
     for k in ("memory", "cpus", "pids"):
@@ -181,8 +181,8 @@ def run_in_process(plan: Plan, *, spool=None, url: str | None = None, flush_time
                    recorder=None) -> tuple[str, list[StepRun], dict]:
     """The fresh sandbox in this process (Sandbox + Recorder, like `dsec run`), then the
     record is flushed to ClickHouse. Returns (sandbox id, step results, summary)."""
-    from agent.launcher import Sandbox
-    from agent.recorder import Recorder, SandboxWatch
+    from agent.sandbox.launcher import Sandbox
+    from agent.sensors.recorder import Recorder, SandboxWatch
     from exporters.clickhouse import flush
     sid = plan.sandbox_id or new_replay_id()
     own = recorder is None
@@ -215,9 +215,9 @@ def run_in_process(plan: Plan, *, spool=None, url: str | None = None, flush_time
 
 
 def run_via_agent(plan: Plan, client) -> tuple[str, list[StepRun], dict]:
-    """The fresh sandbox through the running node agent (agent/client.py): the agent
+    """The fresh sandbox through the running node agent (agent/node/client.py): the agent
     records and exports it. Returns (sandbox id, step results, summary)."""
-    from agent.client import SandboxStopped
+    from agent.node.client import SandboxStopped
     from policies.load import dump_yaml
     sb_spec = plan.sandbox
     kw = {"sandbox_id": plan.sandbox_id or new_replay_id(), "network": sb_spec.get("network"), "memory": sb_spec.get("memory"),

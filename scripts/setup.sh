@@ -71,7 +71,7 @@ fi
 .venv/bin/python -c 'import bcc, seccomp' 2>/dev/null || die "bcc or seccomp bindings not importable from .venv"
 
 # --- generated code -------------------------------------------------------------
-# The agent's gRPC code is generated from agent/proto/*.proto (not kept in git);
+# The agent's gRPC code is generated from agent/node/proto/*.proto (not kept in git);
 # regenerated only when the .proto changed.
-.venv/bin/python -m agent.proto.generate || die "cannot generate the agent's gRPC code (agent/proto)"
+.venv/bin/python -m agent.node.proto.generate || die "cannot generate the agent's gRPC code (agent/node/proto)"
 say "ready: $ROOT/.venv/bin/dsec"

@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from agent.bpf_loader import AuditSensor, cgroup2_mount
+from agent.sensors.audit import AuditSensor, cgroup2_mount
 
 PYTHON = "/usr/bin/python3"
 

@@ -1,6 +1,6 @@
 """ClickHouse fixtures: the project's own private server, real, on loopback.
 
-    clickhouse_server    (session)  the reusable private server (agent.clickhouse_server.PrivateServer),
+    clickhouse_server    (session)  the reusable private server (exporters.clickhouse_server.PrivateServer),
                                     started by the project's code if it is not running; left running
     clickhouse_url       (session)  clickhouse://... URL of a database unique to this test session on
                                     that server; the database is dropped at the end of the session
@@ -22,7 +22,7 @@ import uuid
 
 import pytest
 
-from agent.clickhouse_server import PrivateServer, connect
+from exporters.clickhouse_server import PrivateServer, connect
 
 __all__ = ["clickhouse_server", "clickhouse_url", "clickhouse_client", "scratch_clickhouse", "free_ports",
            "SESSION_DB"]

@@ -1,4 +1,4 @@
-"""Real-kernel enforcement fixtures (agent/enforce_loader.py), compiled once per
+"""Real-kernel enforcement fixtures (agent/sensors/enforce.py), compiled once per
 test session.
 
 Import into tests/conftest.py (pytest puts tests/ on sys.path):
@@ -39,7 +39,7 @@ import time
 
 import pytest
 
-from agent.enforce_loader import EnforcementSensor
+from agent.sensors.enforce import EnforcementSensor
 from fixtures_bpf import CgroupFactory, Sandbox, SensorHarness, cgroup_factory
 
 PYTHON = "/usr/bin/python3"

@@ -1,6 +1,6 @@
 """The node agent (`dsec agent`): a real agent process per fixture (own socket
 and run directory in tmp, spool in tmp, the session's ClickHouse database),
-real sandboxes, the Python SDK (agent/client.py) as the caller.
+real sandboxes, the Python SDK (agent/node/client.py) as the caller.
 
 Agents are started under a small reaper process (a child subreaper), as an init
 system would: when a test SIGKILLs an agent, the sandbox supervisors it leaves
@@ -23,7 +23,7 @@ import yaml
 from conftest import DSEC, ROOT, dsec
 from hosts import leftovers
 
-from agent.client import (AgentError, AsyncClient, Client, InvalidArgument, NotFound, PermissionDenied, TLS,
+from agent.node.client import (AgentError, AsyncClient, Client, InvalidArgument, NotFound, PermissionDenied, TLS,
                           SandboxPreempted)
 
 PY = os.path.join(ROOT, ".venv", "bin", "python")
@@ -120,7 +120,7 @@ class AgentProc:
 
 def _events(clickhouse_url, sid, kinds=None, want=None, timeout=30):
     """The sandbox's events from ClickHouse, once `want(events)` holds (bounded wait)."""
-    from agent.query import AuditStore
+    from replay.store import AuditStore
     deadline = time.monotonic() + timeout
     evs = []
     while time.monotonic() < deadline:
@@ -160,17 +160,17 @@ def agent(tmp_path_factory, clickhouse_url):
 
 @pytest.fixture(scope="module")
 def client(agent):
-    with agent.client() as c:
+    with agent.node.client() as c:
         yield c
 
 
 # ---------------------------------------------------------------- generated code, config
 
 def test_generated_grpc_code_is_current(tmp_path):
-    """setup.sh generates agent/proto/*_pb2*.py; they must match the .proto."""
-    r = subprocess.run([PY, "-m", "agent.proto.generate", "--check"], cwd=ROOT, capture_output=True)
+    """setup.sh generates agent/node/proto/*_pb2*.py; they must match the .proto."""
+    r = subprocess.run([PY, "-m", "agent.node.proto.generate", "--check"], cwd=ROOT, capture_output=True)
     assert r.returncode == 0, r.stderr
-    from agent.proto import generate as gen
+    from agent.node.proto import generate as gen
     gen.generate(str(tmp_path))
     for o in gen.OUTPUTS:
         with open(os.path.join(tmp_path, "agent", "proto", o), "rb") as f, \
@@ -179,7 +179,7 @@ def test_generated_grpc_code_is_current(tmp_path):
 
 
 def test_config_errors_name_file_line_and_field(tmp_path):
-    from agent.config import ConfigError, load_config
+    from agent.node.config import ConfigError, load_config
     p = tmp_path / "a.yaml"
     p.write_text("socket: /run/x.sock\ncapacity:\n  cpus: -2\n")
     with pytest.raises(ConfigError, match=r"a\.yaml:3: capacity\.cpus: must be > 0"):
@@ -335,7 +335,7 @@ def test_stream_events_live_with_filters(client):
 
 
 def test_update_policy(client):
-    from agent.recorder import Recorder
+    from agent.sensors.recorder import Recorder
     with client.create(warm=False, network="none") as sb:
         if hasattr(Recorder, "update_policy"):
             r = sb.update_policy("no-network")
@@ -481,7 +481,7 @@ def test_300_sandboxes_at_concurrency_20(agent, tmp_path):
     ids = [info.sandbox_id for _, _, info in results]
     after = leftovers()
     assert not _mine(after, ids), _mine(after, ids)
-    from agent import netns
+    from agent.sandbox import netns
     mine_links = {n for i in ids for n in netns.ifnames(i)}
     assert not mine_links & set(after["links"])
     assert not [n for n in after["netns"] if any(i in n for i in ids)]
@@ -657,7 +657,7 @@ def test_mtls_allowlist_refusal_is_clear_and_audited(tls_agent, pki, clickhouse_
         assert e.value.status == "UNAVAILABLE"
     with pytest.raises(AgentError, match="only reachable with mutual TLS"):
         Client(target)
-    from agent.query import AuditStore
+    from replay.store import AuditStore
 
     def refused():
         with AuditStore(clickhouse_url) as store:

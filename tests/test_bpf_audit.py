@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from agent.bpf_loader import (_budget, build_cflags, check_features, compile_bpf, require_features,
+from agent.sensors.audit import (_budget, build_cflags, check_features, compile_bpf, require_features,
                                tracepoints_used)
-from agent.decoder import AT_FDCWD, decode_sockaddr, resolve_path, sandbox_view
+from agent.sensors.decoder import AT_FDCWD, decode_sockaddr, resolve_path, sandbox_view
 from agent.errors import DsecError
 from audit_schema.events import FIELD_NAMES, to_bytes
 from fixtures_bpf import PYTHON, run_in_cgroup
 
-ARGV_BYTES = 16384   # the default bound (agent.bpf_loader.DEFAULT_ARGV_BYTES)
+ARGV_BYTES = 16384   # the default bound (agent.sensors.audit.DEFAULT_ARGV_BYTES)
 
 WORKLOAD = r'''
 import ctypes, json, os, socket, subprocess, sys, time
@@ -544,7 +544,7 @@ def test_undecodable_records_are_not_silent(audit_sensor):
     ev = audit_sensor.sensor.bpf[b"exec_scratch"].Leaf()
     ev.h.cgroup_id, ev.h.kind, ev.h.step = 987654321, 99, 3
     raw = bytes(ev)[: d.fixed]
-    from agent.decoder import SandboxInfo
+    from agent.sensors.decoder import SandboxInfo
     d.register(SandboxInfo(987654321, "sbx-decode"))
     try:
         rec = d.decode(raw)

@@ -1,5 +1,5 @@
 """Spool -> ClickHouse -> query layer, against a real clickhouse-server on
-loopback started by dsec's own code (agent/clickhouse_server.py)."""
+loopback started by dsec's own code (exporters/clickhouse_server.py)."""
 from __future__ import annotations
 
 import json
@@ -13,10 +13,10 @@ import uuid
 
 import pytest
 
-from agent.clickhouse_server import PrivateServer, connect, ensure_clickhouse, parse_url
+from exporters.clickhouse_server import PrivateServer, connect, ensure_clickhouse, parse_url
 from agent.errors import DsecError
-from agent.query import AuditStore
-from agent.spool import HEADER_BYTES, Position, Spool, encode_frame
+from replay.store import AuditStore
+from exporters.spool import HEADER_BYTES, Position, Spool, encode_frame
 from audit_schema import migrations
 from audit_schema.events import FIELDS, from_bytes
 from exporters.clickhouse import ClickHouseExporter
@@ -256,7 +256,7 @@ def test_non_utf8_bytes_round_trip_exactly(clickhouse_url, clickhouse_client, sp
     assert os.fsencode(obj["path"]) == path and os.fsencode(obj["argv"][0]) == every_byte
     assert "\\udcff" in line
     # a query by exact non-UTF-8 path, through the literal escaping
-    from agent.query import sql_string
+    from replay.store import sql_string
     n = client.execute(f"SELECT count() FROM {db}.events FINAL WHERE path = {sql_string(from_bytes(path))}")[0][0]
     assert n == 1
 
@@ -348,7 +348,7 @@ def test_clickhouse_stopped_mid_stream_every_event_arrives_once(scratch_clickhou
 _KILLED_EXPORTER = """
 import sys, time
 sys.path.insert(0, {root!r})
-from agent.spool import Spool
+from exporters.spool import Spool
 from exporters.clickhouse import ClickHouseExporter
 exp = ClickHouseExporter(Spool({spool!r}, fsync="never"), {url!r})
 while True:                      # deliver slowly, one small batch at a time
@@ -364,7 +364,7 @@ time.sleep(3600)
 _SPOOLER = """
 import sys, time
 sys.path.insert(0, {root!r})
-from agent.spool import Spool
+from exporters.spool import Spool
 s = Spool({spool!r})
 s.append_many({recs!r})
 print("spooled", flush=True)

@@ -1,4 +1,4 @@
-"""Exec enrichment (agent/elfinfo.py) on real files: system binaries, ELF files
+"""Exec enrichment (agent/sensors/elfinfo.py) on real files: system binaries, ELF files
 built here byte by byte, scripts, and hostile inputs."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from agent.elfinfo import ElfInfoCache, inspect_fd, open_in_root
+from agent.sensors.elfinfo import ElfInfoCache, inspect_fd, open_in_root
 from audit_schema.events import to_bytes
 
 PT_LOAD, PT_INTERP, PT_NOTE = 1, 3, 4

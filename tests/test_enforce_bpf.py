@@ -1,4 +1,4 @@
-"""Policy enforcement on the real kernel (bpf/enforce.c, agent/enforce_loader.py):
+"""Policy enforcement on the real kernel (bpf/enforce.c, agent/sensors/enforce.py):
 egress (cgroup connect/sendmsg hooks), exec allowlist (killed at
 sched_process_exec), syscall violations (raw_syscalls), learn mode, and the
 fail-closed property: the loading process SIGKILLed leaves the denials in force.
@@ -19,11 +19,11 @@ import time
 
 import pytest
 
-from agent import bpfsys
-from agent.enforce_loader import (EGRESS_PROGS, EnforcementSensor, check_features, egress_table, gc_stale_pins,
+from agent.sensors import bpfsys
+from agent.sensors.enforce import (EGRESS_PROGS, EnforcementSensor, check_features, egress_table, gc_stale_pins,
                                   require_features)
 from agent.errors import DsecError
-from agent.resolver import HostResolver, build_query, parse_response
+from agent.sensors.resolver import HostResolver, build_query, parse_response
 from audit_schema.events import FIELD_NAMES, KINDS
 from fixtures_enforce import PYTHON, TEST_PIN_ROOT, DnsServer, run_workload
 from fixtures_enforce import enforce_cgroups, enforce_net, enforce_sensor  # noqa: F401 (fixtures)
@@ -463,7 +463,7 @@ def test_learn_mode_counts_in_the_kernel(enforce_sensor, enforce_cgroups, enforc
 LOADER = r'''
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-from agent.enforce_loader import EnforcementSensor
+from agent.sensors.enforce import EnforcementSensor
 from policies.load import policy_from_data
 cgid, path, pin_root, pol = int(sys.argv[2]), sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
 s = EnforcementSensor(pin_root=pin_root)
@@ -581,7 +581,7 @@ def test_sensor_can_be_closed_and_recreated():
 # ---------------------------------------------------------------- into ClickHouse
 
 def test_schema_migration_2_adds_the_enforcement_columns(clickhouse_url):
-    from agent.clickhouse_server import connect
+    from exporters.clickhouse_server import connect
     from audit_schema import migrations
     from audit_schema.events import BY_NAME
     client, _ = connect(clickhouse_url)
@@ -611,7 +611,7 @@ def test_schema_migration_2_adds_the_enforcement_columns(clickhouse_url):
 
 
 def test_enforcement_records_land_in_clickhouse(enforce_sensor, enforce_cgroups, clickhouse_url, tmp_path):
-    from agent.query import AuditStore
+    from replay.store import AuditStore
     from exporters.clickhouse import ClickHouseExporter
     h = enforce_sensor
     pol = policy(syscalls={"default": "allow", "deny": ["ptrace", "mount"]},

@@ -17,8 +17,8 @@ import grpc
 import pytest
 
 from agent.errors import DsecError
-from agent.metrics import INSTRUMENTS, METRICS
-from agent.spool import Spool
+from exporters.metrics import INSTRUMENTS, METRICS
+from exporters.spool import Spool
 from audit_schema.events import FIELDS, from_bytes
 from exporters.base import RetryPolicy
 from exporters.configure import env_sinks, flush_sinks, sinks_from_config, start_sinks, stop_sinks

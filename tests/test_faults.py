@@ -27,9 +27,9 @@ import threading
 import time
 import uuid
 
-from agent.clickhouse_server import connect
-from agent.metrics import METRICS
-from agent.spool import HEADER_BYTES, Spool, encode_frame
+from exporters.clickhouse_server import connect
+from exporters.metrics import METRICS
+from exporters.spool import HEADER_BYTES, Spool, encode_frame
 from exporters.clickhouse import ClickHouseExporter
 from exporters.configure import start_sinks, stop_sinks
 from exporters.jsonl import JsonlSink
@@ -104,7 +104,7 @@ def wait_until(pred, timeout, step=0.1):
 
 def test_clickhouse_killed_for_60s_under_steady_load_loses_and_doubles_nothing(
         scratch_clickhouse, audit_cgroups, tmp_path):
-    from agent.recorder import Recorder
+    from agent.sensors.recorder import Recorder
     server = scratch_clickhouse
     url = server.url_for("outage60")
     spool = Spool(str(tmp_path / "sp"), fsync="never")
@@ -172,14 +172,14 @@ def test_clickhouse_killed_for_60s_under_steady_load_loses_and_doubles_nothing(
 PRODUCER = r'''
 import sys, threading, time
 sys.path.insert(0, {root!r})
-from agent.spool import Spool
+from exporters.spool import Spool
 from exporters.clickhouse import ClickHouseExporter
 spool_dir, url, sid, cgid = sys.argv[1:5]
 spool = Spool(spool_dir, fsync="never")
 exp = ClickHouseExporter(spool, url, flush_interval=0.05)
 res = exp.flush(timeout=60)                      # a restart first replays what the last one spooled
 print("replayed", res.sent, res.pending, res.error, flush=True)
-from agent.recorder import Recorder
+from agent.sensors.recorder import Recorder
 rec = Recorder(node="faults", spool=spool, enforce=False)
 rec.watch(sid, int(cgid), rate=0)
 threading.Thread(target=exp.run, args=(threading.Event(),), daemon=True).start()

@@ -25,10 +25,10 @@ import pytest
 
 from conftest import DSEC, ROOT
 
-from agent.evidence import (collect_evidence, promotion_record, promotions, promotions_sql, record_promotion,
+from replay.evidence import (collect_evidence, promotion_record, promotions, promotions_sql, record_promotion,
                             runs_sql, violations_sql, violations_total_sql)
-from agent.query import AuditStore, sql_string
-from agent.spool import Spool
+from replay.store import AuditStore, sql_string
+from exporters.spool import Spool
 from audit_schema import migrations
 from audit_schema.events import FIELDS, FIELD_NAMES, KINDS
 from exporters.clickhouse import ClickHouseExporter
@@ -384,7 +384,7 @@ def test_learned_policy_flags_exactly_the_extra_action(traced, learn_env):
 def exec_under(policy, argv, cwd):
     """Fork; no_new_privs; the policy's seccomp filter (if any); exec argv. (exit code, output)"""
     filt = seccomp_filter(policy) if policy is not None else None
-    from agent import sysutil as su
+    from agent.sandbox import sysutil as su
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -973,14 +973,14 @@ def test_cli_learn_live_form_wiring(traced, learn_env, tmp_path):
     marker = tmp_path / "called.json"
     log = os.path.join(learn_env["logs"], "plain.log")
     stub = f'''
-mod = types.ModuleType("agent.learn_run")
+mod = types.ModuleType("agent.sensors.learn_run")
 def learn_runs(argv, runs, base_policy):
     import json
     from policies.strace import parse_strace_file
     json.dump({{"argv": argv, "runs": runs, "base": base_policy.name if base_policy else None}}, open({str(marker)!r}, "w"))
     return [parse_strace_file({log!r}, run_id=f"sb-{{i}}") for i in range(runs)]
 mod.learn_runs = learn_runs
-sys.modules["agent.learn_run"] = mod
+sys.modules["agent.sensors.learn_run"] = mod
 '''
     r = _with_learn_run(stub, "learn", "--runs", "3", "--base", "no-network", "-o", str(out), "--",
                         PYTHON, "tool.py", "--flag")
@@ -991,7 +991,7 @@ sys.modules["agent.learn_run"] = mod
     assert p.spec.exec is None          # the base allows any binary, so the union does
     assert p.spec.egress.allow[0].cidr == "127.0.0.1/32"
     # learn_run missing: one clear line, exit 1
-    r = _with_learn_run('sys.modules["agent.learn_run"] = None', "learn", "-o", str(out), "--", "/bin/true")
+    r = _with_learn_run('sys.modules["agent.sensors.learn_run"] = None', "learn", "-o", str(out), "--", "/bin/true")
     assert b"Traceback" not in r.stderr
     line = one_line_error(r, code=1)
     assert "live learning is not available" in line and "--from-strace" in line

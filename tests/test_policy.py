@@ -486,7 +486,7 @@ def run_probe_once(policy, probe: str, d: str, timeout: float = 30.0):
     import select
     import time
     filt = seccomp_filter(policy) if policy is not None else None
-    from agent import sysutil as su
+    from agent.sandbox import sysutil as su
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -574,7 +574,7 @@ def test_action_kill_kills(probe_dir):
 
 def _exec_under(policy, argv, cwd):
     filt = seccomp_filter(policy)
-    from agent import sysutil as su
+    from agent.sandbox import sysutil as su
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:

@@ -28,7 +28,7 @@ import pytest
 from conftest import DSEC, ROOT, dsec
 from hosts import NetHost
 
-from agent.query import AuditStore, sql_string
+from replay.store import AuditStore, sql_string
 from audit_schema.events import FIELD_NAMES, normalize
 from replay import queries as Q
 from replay.trajectory import reconstruct
@@ -114,9 +114,9 @@ def testhost(tmp_path_factory):
 @pytest.fixture(scope="session")
 def incident(testhost, clickhouse_url, tmp_path_factory):
     """Record the incident for real; returns its facts."""
-    from agent.launcher import Sandbox, SandboxSpec
-    from agent.recorder import Recorder, SandboxWatch
-    from agent.spool import Spool
+    from agent.sandbox.launcher import Sandbox, SandboxSpec
+    from agent.sensors.recorder import Recorder, SandboxWatch
+    from exporters.spool import Spool
     from exporters.clickhouse import flush
     from policies.load import load_policy
     spool_dir = tmp_path_factory.mktemp("incident-spool")
@@ -344,7 +344,7 @@ def test_search_commands_find_the_incident(incident, trajectory):
 # ---------------------------------------------------------------- holes, hostile names (synthetic records)
 
 def _insert(url, recs):
-    from agent.clickhouse_server import connect
+    from exporters.clickhouse_server import connect
     from audit_schema.migrations import migrate
     from exporters.clickhouse import columns_for
     client, db = connect(url)
@@ -630,7 +630,7 @@ def node_agent(tmp_path_factory, clickhouse_url):
     log = open(base / "agent.log", "wb")
     p = subprocess.Popen([DSEC, "agent", "--config", str(cfg)], env=env, stdout=log, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL)
-    from agent.client import agent_available
+    from agent.node.client import agent_available
     deadline = time.monotonic() + 90
     while not (os.path.exists(sock) and agent_available(sock, timeout=2.0)):
         assert p.poll() is None and time.monotonic() < deadline, (base / "agent.log").read_text()[-3000:]

@@ -1,4 +1,4 @@
-"""The node scheduler (agent/scheduler.py): admission, CPU oversubscription,
+"""The node scheduler (agent/node/scheduler.py): admission, CPU oversubscription,
 queue order with aging, head-of-line policy, preemption, warm-pool accounting,
 transitions, bad requests, and a seeded randomized simulation checking the
 invariants. Pure unit tests: the scheduler does no I/O, time is a fake clock.
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from agent.scheduler import (ADMITTED, CANCELLED, PREEMPTED, PREEMPTING, QUEUED, REJECTED,
+from agent.node.scheduler import (ADMITTED, CANCELLED, PREEMPTED, PREEMPTING, QUEUED, REJECTED,
                              RELEASED, TERMINAL, WAIT_CAPACITY, WAIT_HEAD_OF_LINE, WAIT_PENDING,
                              WARM_CLAIMED, WARM_DRAINING, WARM_READY, WARM_RELEASED, Actions,
                              Request, Scheduler, SchedulerError)

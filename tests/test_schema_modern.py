@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from agent.query import count_sql, events_sql, sandbox_sql, sql_string
+from replay.store import count_sql, events_sql, sandbox_sql, sql_string
 from audit_schema import migrations
 from audit_schema.events import FIELD_NAMES, from_bytes
 

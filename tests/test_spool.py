@@ -12,7 +12,7 @@ import time
 import pytest
 
 from agent.errors import DsecError
-from agent.spool import (HEADER_BYTES, MAGIC, MAX_RECORD_BYTES, Position, Spool, encode_frame,
+from exporters.spool import (HEADER_BYTES, MAGIC, MAX_RECORD_BYTES, Position, Spool, encode_frame,
                          validate_record)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,7 +140,7 @@ def test_every_append_is_fsynced_by_default(tmp_path):
 _WRITER = """
 import sys, random
 sys.path.insert(0, {root!r})
-from agent.spool import Spool
+from exporters.spool import Spool
 w, n = int(sys.argv[1]), int(sys.argv[2])
 s = Spool({path!r}, segment_bytes=16384, fsync="never")
 i = 0
@@ -223,7 +223,7 @@ def test_a_reader_in_another_process_waits_for_a_write_in_progress(spool):
     spool.append(rec(0))
     frame = encode_frame(rec(1))
     seg = spool.seg_path(spool.segments()[-1])
-    code = (f"import sys; sys.path.insert(0, {ROOT!r}); from agent.spool import Spool; "
+    code = (f"import sys; sys.path.insert(0, {ROOT!r}); from exporters.spool import Spool; "
             f"r = Spool({spool.path!r}).reader('p'); b = r.read(); "
             "print(len(b.records), len(b.damage), flush=True)")
     with spool.locked():

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from agent.launcher import Sandbox, SandboxSpec
-from agent.recorder import Recorder
-from agent.spool import Spool
+from agent.sandbox.launcher import Sandbox, SandboxSpec
+from agent.sensors.recorder import Recorder
+from exporters.spool import Spool
 from exporters.clickhouse import flush
 
 
@@ -35,7 +35,7 @@ def _audited_sandbox(rec, **spec):
 
 
 def test_five_steps_share_state_and_events_carry_steps(recorder, clickhouse_url, sid):
-    from agent.query import AuditStore
+    from replay.store import AuditStore
     sb = _audited_sandbox(recorder, sandbox_id=sid)
     r, w = os.pipe()
     try:

@@ -67,7 +67,7 @@ def _labels(items):
 def run(args) -> int:
     if args.action == "serve":
         return _serve(args)
-    from agent.client import Client
+    from agent.node.client import Client
     target = args.socket
     with Client(target, connect_timeout=3.0) as c:
         if args.action == "status":
@@ -126,7 +126,7 @@ def run(args) -> int:
 
 
 def _serve(args) -> int:
-    from agent.config import load_config
+    from agent.node.config import load_config
     cfg = load_config(args.config)
     if args.check_config:
         print(f"{args.config or '<defaults>'}: ok (socket {cfg.socket}"
@@ -137,8 +137,8 @@ def _serve(args) -> int:
                         format="dsec agent: %(levelname)s %(name)s: %(message)s")
     if os.geteuid() != 0:
         raise DsecError("must run as root (sandboxes need namespaces, cgroups, mounts; eBPF needs CAP_BPF)")
-    from agent.api import serve
-    from agent.daemon import Agent
+    from agent.node.api import serve
+    from agent.node.daemon import Agent
     stop = threading.Event()
 
     def on_signal(sig, _frame):
@@ -161,7 +161,7 @@ def agent_socket() -> str | None:
     DSEC_AGENT=off makes every command work in-process."""
     if os.environ.get("DSEC_AGENT", "").strip().lower() in _OFF:
         return None
-    from agent.client import DEFAULT_SOCKET, ENV_SOCKET
+    from agent.node.client import DEFAULT_SOCKET, ENV_SOCKET
     path = os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
     try:
         import stat
@@ -173,7 +173,7 @@ def agent_socket() -> str | None:
 
 
 def _connect(path: str, who: str):
-    from agent.client import AgentError, Client
+    from agent.node.client import AgentError, Client
     try:
         c = Client(path, connect_timeout=1.0, timeout=10.0)
         c.capabilities(timeout=5.0)
@@ -190,7 +190,7 @@ def run_via_agent(spec, args):
     path = agent_socket()
     if path is None:
         return None
-    from agent import launcher
+    from agent.sandbox import launcher
     from agent.errors import EXIT_DSEC
     # what the launcher checks on this side, with the same messages as in-process
     if spec.sandbox_id:
@@ -204,9 +204,9 @@ def run_via_agent(spec, args):
     c = _connect(path, "run")
     if c is None:
         return None
-    from agent.client import AgentError, SandboxFailed, SandboxStopped, _exec_start, _Inputs
-    from agent.launcher import Result
-    from agent.proto import pb
+    from agent.node.client import AgentError, SandboxFailed, SandboxStopped, _exec_start, _Inputs
+    from agent.sandbox.launcher import Result
+    from agent.node.proto import pb
     from policies.load import is_builtin_ref
     pol = {"policy": args.policy} if is_builtin_ref(args.policy) else None
     if pol is None:
@@ -308,7 +308,7 @@ def events_via_agent(sandbox: str, kinds: list, limit: int | None):
     c = _connect(path, "events")
     if c is None:
         return None
-    from agent.client import AgentError, NotFound
+    from agent.node.client import AgentError, NotFound
 
     def gen():
         try:

@@ -20,7 +20,7 @@ exit status: 0 ok (status: running); 1 failure (status: not running); 2 bad usag
 """
 from __future__ import annotations
 
-from agent.clickhouse_server import PrivateServer, connect, external_url, parse_url
+from exporters.clickhouse_server import PrivateServer, connect, external_url, parse_url
 from agent.errors import DsecError
 
 HELP = "start, stop or show dsec's private ClickHouse server"

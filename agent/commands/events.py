@@ -122,7 +122,7 @@ def _kinds(args) -> list[str]:
 
 
 def run(args) -> int:
-    from agent.query import AuditStore
+    from replay.store import AuditStore
     kinds = _kinds(args)
     if not args.sandbox.strip():
         raise DsecError("--sandbox: empty sandbox id", EXIT_USAGE)

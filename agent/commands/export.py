@@ -60,7 +60,7 @@ def _specs(args):
 
 
 def run(args) -> int:
-    from agent.spool import Spool
+    from exporters.spool import Spool
     from exporters.configure import flush_sinks, start_sinks, stop_sinks
     if args.timeout < 0:
         raise DsecError(f"--timeout {args.timeout}: must be >= 0", EXIT_USAGE)

@@ -52,7 +52,9 @@ def _is_live(state_dir: str) -> bool:
 
 def collect() -> dict:
     """What exists on this host, split into live and orphaned sandboxes."""
-    from agent import cgroups, launcher, netns
+    from agent.sandbox import cgroups
+    from agent.sandbox import launcher
+    from agent.sandbox import netns
     state = {}
     if os.path.isdir(launcher.SANDBOX_DIR):
         for sid in os.listdir(launcher.SANDBOX_DIR):
@@ -73,7 +75,9 @@ def collect() -> dict:
 
 
 def run(args) -> int:
-    from agent import cgroups, launcher, netns
+    from agent.sandbox import cgroups
+    from agent.sandbox import launcher
+    from agent.sandbox import netns
     found = collect()
     failed = 0
     for sid in found["orphans"]:

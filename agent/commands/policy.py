@@ -258,12 +258,12 @@ def _promote(args) -> int:
         raise DsecError(f"{args.policy!r} is a built-in policy: give -o OUT for the promoted copy", EXIT_USAGE)
     original = decode_utf8(read_bounded(path, source), source)
     p = _load(args.policy, None)
-    from agent.query import AuditStore
+    from replay.store import AuditStore
     store = AuditStore()
     try:
         evidence = None
         if args.target == "enforce":
-            from agent.evidence import collect_evidence
+            from replay.evidence import collect_evidence
             evidence = collect_evidence(store, p.hash, window)
         d = promotion_decision(p, args.target, evidence, min_runs=min_runs, window=window)
         if evidence and evidence.get("violations_total", 0) > sum(v["count"] for v in d.violations):
@@ -275,7 +275,7 @@ def _promote(args) -> int:
         header = [f"Promoted by `dsec policy promote --to {args.target}`", f"sha256:{d.to_hash}"]
         text = promoted_text(None if builtin else original, d.policy, header)
         out = args.output or args.policy
-        from agent.evidence import record_promotion
+        from replay.evidence import record_promotion
         rec = record_promotion(store, d, policy_file=path, output=out)
     finally:
         store.close()

@@ -106,7 +106,7 @@ def _emit(text: str, args):
 
 
 def run(args) -> int:
-    from agent.query import AuditStore
+    from replay.store import AuditStore
     if args.against and args.rerun:
         raise DsecError("--against and --rerun are separate questions: give one", EXIT_USAGE)
     if (args.policy or args.mode or args.env or args.in_process) and not args.rerun:

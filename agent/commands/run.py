@@ -97,7 +97,7 @@ def _env(items):
 
 
 def spec_from_args(args):
-    from agent.launcher import SandboxSpec
+    from agent.sandbox.launcher import SandboxSpec
     if args.cmd and args.cmd[0] == "--":
         args.cmd = args.cmd[1:]
     if not args.cmd:
@@ -125,7 +125,7 @@ def spec_from_args(args):
 
 
 def run(args) -> int:
-    from agent.launcher import launch, new_sandbox_id
+    from agent.sandbox.launcher import launch, new_sandbox_id
     spec = spec_from_args(args)
     if args.summary_json:
         d = os.path.dirname(os.path.abspath(args.summary_json))
@@ -176,8 +176,8 @@ def run(args) -> int:
 
 def _run_audited(spec, args):
     """launch() with the eBPF recorder watching the sandbox, then export the record."""
-    from agent.launcher import launch
-    from agent.recorder import Recorder, SandboxWatch
+    from agent.sandbox.launcher import launch
+    from agent.sensors.recorder import Recorder, SandboxWatch
     from exporters.clickhouse import flush
     from exporters.configure import run_sinks_begin, run_sinks_end
 

@@ -104,7 +104,7 @@ def _ts(ns) -> str:
 
 def run(args) -> int:
     from agent.commands.events import printable, to_json_line
-    from agent.query import AuditStore
+    from replay.store import AuditStore
     from replay.queries import Search
     question, kw = _args_for(args)
     with AuditStore() as store:

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from agent.errors import DsecError, EXIT_USAGE
 
-from agent.client import DEFAULT_SOCKET, ENV_SOCKET  # noqa: E402 - one definition, light module
+from agent.node.client import DEFAULT_SOCKET, ENV_SOCKET  # noqa: E402 - one definition, light module
 ENV_PREFIX = "DSEC_AGENT__"
 MAX_CONFIG_BYTES = 1 << 20
 

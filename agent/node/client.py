@@ -1,6 +1,6 @@
 """The Python SDK of the dsec node agent (what training code calls).
 
-    from agent.client import Client
+    from agent.node.client import Client
 
     with Client() as c:                                   # unix socket (DSEC_AGENT_SOCKET or /run/dsec/agent.sock)
         with c.create(memory="512M", labels={"job": "rl-7", "trajectory": "t-42"}) as sb:
@@ -10,7 +10,7 @@
         # leaving the block closes the sandbox (tear down, change manifest in sb.summary)
 
     import asyncio
-    from agent.client import AsyncClient
+    from agent.node.client import AsyncClient
 
     async def main():
         async with AsyncClient() as c:
@@ -38,7 +38,7 @@ from agent.errors import DsecError
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 MAX_MESSAGE = 256 << 20
-DEFAULT_SOCKET = "/run/dsec/agent.sock"       # also agent/config.py's default
+DEFAULT_SOCKET = "/run/dsec/agent.sock"       # also agent/node/config.py's default
 ENV_SOCKET = "DSEC_AGENT_SOCKET"
 
 
@@ -198,7 +198,7 @@ def _b(v) -> bytes:
 
 
 def _env(env) -> list:
-    from agent.proto import pb
+    from agent.node.proto import pb
     return [pb.EnvVar(name=_b(k), value=_b(v)) for k, v in (env or {}).items()]
 
 
@@ -215,7 +215,7 @@ def _size(v) -> int:
 
 
 def _policy_ref(policy=None, policy_yaml=None, mode=None, source_name=None):
-    from agent.proto import pb
+    from agent.node.proto import pb
     if policy is None and policy_yaml is None and not mode:
         return None
     ref = pb.PolicyRef(mode=mode or "", source_name=source_name or "")
@@ -230,7 +230,7 @@ def _create_request(*, sandbox_id=None, cpus=None, memory=None, pids=None, prior
                     policy_yaml=None, mode=None, policy_source=None, rootfs=None, network=None, labels=None,
                     env=None, workdir=None, user=None, lifetime=None, grace=None, keep=False, over_budget=None,
                     audit=True, warm=True, wait=True):
-    from agent.proto import pb
+    from agent.node.proto import pb
     req = pb.CreateSandboxRequest(
         sandbox_id=sandbox_id or "", resources=pb.Resources(cpus=float(cpus or 0.0), memory_bytes=_size(memory),
                                                             pids=int(pids or 0)),
@@ -246,7 +246,7 @@ def _create_request(*, sandbox_id=None, cpus=None, memory=None, pids=None, prior
 
 def _exec_start(sandbox_id, argv, *, env=None, workdir=None, stdin=None, close_stdin=True, timeout=None,
                 grace=None, close_after=False, wait_export=False):
-    from agent.proto import pb
+    from agent.node.proto import pb
     if isinstance(argv, (str, bytes)):
         raise InvalidArgument("INVALID_ARGUMENT", "argv: a list of arguments, not one string "
                                                   "(use ['sh', '-c', cmd] for a shell command)")
@@ -346,7 +346,7 @@ class Client:
     def __init__(self, target: str | None = None, *, tls: TLS | None = None, timeout: float = 60.0,
                  connect_timeout: float = 5.0):
         import grpc
-        from agent.proto import pb_grpc
+        from agent.node.proto import pb_grpc
         self.target = _normalize_target(target)
         _check_target(self.target, tls)
         self.timeout = timeout
@@ -405,34 +405,34 @@ class Client:
         return Sandbox(self, sandbox_id)
 
     def get(self, sandbox_id: str) -> SandboxInfo:
-        from agent.proto import pb
+        from agent.node.proto import pb
         return _info(self._unary("Get", pb.GetRequest(sandbox_id=sandbox_id)))
 
     def list(self, labels: dict | None = None, states=None, limit: int = 0) -> list[SandboxInfo]:
-        from agent.proto import pb
+        from agent.node.proto import pb
         r = self._unary("List", pb.ListRequest(labels=labels or {}, states=list(states or ()), limit=limit))
         return [_info(m) for m in r.sandboxes]
 
     def wait(self, sandbox_id: str, until: str = "ended", timeout: float | None = None) -> SandboxInfo:
-        from agent.proto import pb
+        from agent.node.proto import pb
         return _info(self._unary("Wait", pb.WaitRequest(sandbox_id=sandbox_id, until=until,
                                                         timeout_seconds=float(timeout or 0)),
                                  timeout=None if timeout is None else timeout + 30))
 
     def kill(self, sandbox_id: str, grace: float | None = None, reason: str = "") -> SandboxInfo:
-        from agent.proto import pb
+        from agent.node.proto import pb
         req = pb.KillRequest(sandbox_id=sandbox_id, reason=reason)
         if grace is not None:
             req.grace_seconds = float(grace)
         return _info(self._unary("Kill", req, timeout=None))
 
     def close_sandbox(self, sandbox_id: str) -> SandboxInfo:
-        from agent.proto import pb
+        from agent.node.proto import pb
         return _info(self._unary("CloseSandbox", pb.CloseRequest(sandbox_id=sandbox_id), timeout=None))
 
     def update_policy(self, sandbox_id: str, policy: str | None = None, policy_yaml: str | None = None,
                       mode: str | None = None) -> dict:
-        from agent.proto import pb
+        from agent.node.proto import pb
         req = pb.UpdatePolicyRequest(sandbox_id=sandbox_id)
         ref = _policy_ref(policy, policy_yaml, mode)
         if ref is not None:
@@ -442,7 +442,7 @@ class Client:
                 "mode": r.mode, "applied": list(r.applied), "syscalls": r.syscalls}
 
     def capabilities(self, timeout: float | None = None) -> dict:
-        from agent.proto import pb
+        from agent.node.proto import pb
         m = self._unary("Capabilities", pb.CapabilitiesRequest(), timeout=timeout)
         return _caps(m)
 
@@ -452,7 +452,7 @@ class Client:
         """Yield ("started", step), ("stdout", bytes), ("stderr", bytes), then ("exit", ExecResult).
         stdin: bytes; stdin_stream: an iterable of byte chunks; inputs: an _Inputs for callers that
         also forward signals (dsec run)."""
-        from agent.proto import pb
+        from agent.node.proto import pb
         self._connect()
         if inputs is None:
             first = _exec_start(sandbox_id, argv, env=env, workdir=workdir, stdin=stdin,
@@ -510,7 +510,7 @@ class Client:
     def events(self, sandbox=None, kinds=None, decisions=None, labels=None):
         """Live audit events (a tail -f): yields dicts with every audit field; a
         {"lost": N, "reason": ...} dict when this stream fell behind. Runs until closed."""
-        from agent.proto import pb
+        from agent.node.proto import pb
         self._connect()
         sandboxes = [sandbox] if isinstance(sandbox, str) else list(sandbox or ())
         call = self.stub.StreamEvents(pb.StreamEventsRequest(sandbox_ids=sandboxes, kinds=list(kinds or ()),
@@ -532,7 +532,7 @@ class Client:
 
     def query_events(self, sandbox_id: str, kinds=None, limit: int = 0, flush_timeout: float = 0.0):
         """Recorded events of one sandbox (from ClickHouse, after the agent delivered its spool)."""
-        from agent.proto import pb
+        from agent.node.proto import pb
         self._connect()
         call = self.stub.QueryEvents(pb.QueryEventsRequest(sandbox_id=sandbox_id, kinds=list(kinds or ()),
                                                            limit=limit, flush_timeout_seconds=flush_timeout))
@@ -615,7 +615,7 @@ class AsyncClient:
 
     def __init__(self, target: str | None = None, *, tls: TLS | None = None, timeout: float = 60.0):
         import grpc
-        from agent.proto import pb_grpc
+        from agent.node.proto import pb_grpc
         self.target = _normalize_target(target)
         _check_target(self.target, tls)
         self.timeout = timeout
@@ -653,33 +653,33 @@ class AsyncClient:
         return AsyncSandbox(self, sandbox_id)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
-        from agent.proto import pb
+        from agent.node.proto import pb
         return _info(await self._unary("Get", pb.GetRequest(sandbox_id=sandbox_id)))
 
     async def list(self, labels: dict | None = None, states=None, limit: int = 0) -> list[SandboxInfo]:
-        from agent.proto import pb
+        from agent.node.proto import pb
         r = await self._unary("List", pb.ListRequest(labels=labels or {}, states=list(states or ()), limit=limit))
         return [_info(m) for m in r.sandboxes]
 
     async def wait(self, sandbox_id: str, until: str = "ended", timeout: float | None = None) -> SandboxInfo:
-        from agent.proto import pb
+        from agent.node.proto import pb
         return _info(await self._unary("Wait", pb.WaitRequest(sandbox_id=sandbox_id, until=until,
                                                               timeout_seconds=float(timeout or 0)),
                                        timeout=None if timeout is None else timeout + 30))
 
     async def kill(self, sandbox_id: str, grace: float | None = None, reason: str = "") -> SandboxInfo:
-        from agent.proto import pb
+        from agent.node.proto import pb
         req = pb.KillRequest(sandbox_id=sandbox_id, reason=reason)
         if grace is not None:
             req.grace_seconds = float(grace)
         return _info(await self._unary("Kill", req, timeout=None))
 
     async def close_sandbox(self, sandbox_id: str) -> SandboxInfo:
-        from agent.proto import pb
+        from agent.node.proto import pb
         return _info(await self._unary("CloseSandbox", pb.CloseRequest(sandbox_id=sandbox_id), timeout=None))
 
     async def update_policy(self, sandbox_id: str, policy=None, policy_yaml=None, mode=None) -> dict:
-        from agent.proto import pb
+        from agent.node.proto import pb
         req = pb.UpdatePolicyRequest(sandbox_id=sandbox_id)
         ref = _policy_ref(policy, policy_yaml, mode)
         if ref is not None:
@@ -689,7 +689,7 @@ class AsyncClient:
                 "mode": r.mode, "applied": list(r.applied), "syscalls": r.syscalls}
 
     async def capabilities(self) -> dict:
-        from agent.proto import pb
+        from agent.node.proto import pb
         return _caps(await self._unary("Capabilities", pb.CapabilitiesRequest()))
 
     async def exec(self, sandbox_id: str, argv, *, stdin=None, env=None, workdir=None, timeout=None, grace=None,
@@ -719,7 +719,7 @@ class AsyncClient:
         return result
 
     async def events(self, sandbox=None, kinds=None, decisions=None, labels=None):
-        from agent.proto import pb
+        from agent.node.proto import pb
         sandboxes = [sandbox] if isinstance(sandbox, str) else list(sandbox or ())
         call = self.stub.StreamEvents(pb.StreamEventsRequest(sandbox_ids=sandboxes, kinds=list(kinds or ()),
                                                              decisions=list(decisions or ()),

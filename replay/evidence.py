@@ -1,6 +1,6 @@
 """Promotion evidence from ClickHouse, and the promotion's own audit record.
 
-    store = AuditStore()                                   # agent.query
+    store = AuditStore()                                   # replay.store
     ev = collect_evidence(store, policy.hash, window_s=7 * 86400)
     # {"runs": [...], "violations": [...], "violations_total": n, "since_ns", "until_ns"}
     rec = record_promotion(store, decision)                # writes a policy_promotion event
@@ -40,7 +40,7 @@ import time
 import uuid
 
 from agent.errors import DsecError
-from agent.query import AuditStore, decode_row, sql_int, sql_string
+from replay.store import AuditStore, decode_row, sql_int, sql_string
 from audit_schema.migrations import EVENTS_TABLE, quote_ident
 
 VIOLATIONS_LIMIT = 1000

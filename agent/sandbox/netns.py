@@ -128,7 +128,7 @@ def _netlink_socket_in(netns_pid: int) -> socket.socket:
 
     setns() in a short-lived thread changes only that thread's namespace; a
     socket keeps the namespace it was created in."""
-    from agent import sysutil as su
+    from agent.sandbox import sysutil as su
     out = {}
 
     def work():

@@ -45,7 +45,7 @@ import struct
 import time
 import traceback
 
-from agent import sysutil as su
+from agent.sandbox import sysutil as su
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
              signal.SIGUSR1, signal.SIGUSR2)

@@ -276,7 +276,7 @@ def _sink_name(sink: str) -> str:
 
 
 def _METRICS():
-    from agent.metrics import METRICS
+    from exporters.metrics import METRICS
     return METRICS
 
 

@@ -1,7 +1,7 @@
 """The agent's own telemetry: counters, gauges and histograms about the audit
 pipeline, kept in-process and exported with opentelemetry-sdk metrics.
 
-    from agent.metrics import METRICS
+    from exporters.metrics import METRICS
     METRICS.add("dsec.events.exported", 500, sink="clickhouse")
     METRICS.record("dsec.export.duration", 0.012, sink="clickhouse")
     METRICS.snapshot()                       # {"dsec.events.exported": {(("sink", "clickhouse"),): 500}, ...}
@@ -16,7 +16,7 @@ nothing leaves the process (an InMemoryMetricReader is attached, so
 `collect()` returns what an exporter would see).
 
 Most figures need no call from the agent: the spool reports records
-received/spooled/lost (agent/spool.py calls observe_records/add), the sinks
+received/spooled/lost (exporters/spool.py calls observe_records/add), the sinks
 report exports (exporters/base.py), and lifecycle records give the
 sandboxes-by-state gauge and the launch latency histogram. A daemon that
 knows its sandboxes better may replace the derived gauge with
@@ -75,7 +75,7 @@ KERNEL_KINDS = frozenset({"exec", "fork", "exit", "connect", "open_write", "unli
                           "egress_denied", "egress_violation", "exec_denied", "exec_violation",
                           "syscall_denied", "syscall_violation"})
 
-# lifecycle states (agent/daemon.py) -> the state a sandbox is in afterwards; None: it is gone
+# lifecycle states (agent/node/daemon.py) -> the state a sandbox is in afterwards; None: it is gone
 _STATE_OF = {
     "requested": "queued", "queued": "queued", "admitted": "starting", "warm_claimed": "starting",
     "started": "running", "step_started": "running", "step_ended": "running", "policy_updated": "running",

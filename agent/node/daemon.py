@@ -3,18 +3,18 @@ audits sandboxes for many clients (docs/agent.md).
 
     agent = Agent(load_config(path))
     agent.start()          # eBPF programs once, exporter thread, cleanup of what a dead agent left
-    ... agent.create(...), agent.exec_step(...), agent.kill(...) ...   (called by agent/api.py)
+    ... agent.create(...), agent.exec_step(...), agent.kill(...) ...   (called by agent/node/api.py)
     agent.shutdown()
 
 Pieces, and who owns what:
-  Recorder (agent/recorder.py)   the eBPF audit: one for the whole agent, watch()/unwatch() per sandbox
+  Recorder (agent/sensors/recorder.py)   the eBPF audit: one for the whole agent, watch()/unwatch() per sandbox
   TapSpool                       the recorder's spool, wrapped: every appended record also goes to
                                  the StreamEvents subscribers (a tail -f of the audit)
   ClickHouseExporter thread      spool -> ClickHouse, continuously
-  Scheduler (agent/scheduler.py) admission, queue order with aging, preemption, warm-pool accounting;
+  Scheduler (agent/node/scheduler.py) admission, queue order with aging, preemption, warm-pool accounting;
                                  every call is made under the agent's lock and its Actions are carried
                                  out by the executor threads (launch, stop victims, drain warm sandboxes)
-  Sandbox (agent/launcher.py)    one per sandbox; steps are Sandbox.exec() calls, one at a time per
+  Sandbox (agent/sandbox/launcher.py)    one per sandbox; steps are Sandbox.exec() calls, one at a time per
                                  sandbox so that every audit event carries the step it belongs to
   tick thread                    scheduler.tick() (aging), warm-pool refill, lifetimes, dead supervisors
 
@@ -364,12 +364,12 @@ class Agent:
     # ================================================================ start / stop
 
     def start(self):
-        from agent import launcher
-        from agent.scheduler import Scheduler
-        from agent.spool import Spool
+        from agent.sandbox import launcher
+        from agent.node.scheduler import Scheduler
+        from exporters.spool import Spool
         cfg = self.cfg
         launcher.preflight()
-        from agent import cgroups
+        from agent.sandbox import cgroups
         self._layout = cgroups.detect()
         self.started_ns = time.time_ns()
         self._take_lock()
@@ -462,10 +462,10 @@ class Agent:
         os.replace(tmp, self._pidfile())
 
     def _load_audit(self):
-        from agent import bpf_loader
+        from agent.sensors import audit as bpf_loader
         missing = bpf_loader.check_features()
         try:
-            from agent import enforce_loader
+            from agent.sensors import enforce as enforce_loader
             emissing = enforce_loader.check_features()
             self.enforce_feature = {"available": not emissing, "missing": emissing,
                                     "detail": "eBPF enforcement: available" if not emissing else
@@ -473,12 +473,12 @@ class Agent:
             if emissing:
                 self.degraded.append("egress/exec enforcement by eBPF unavailable: " + "; ".join(emissing))
         except ImportError:
-            self.enforce_feature = {"available": False, "missing": ["agent/enforce_loader.py not present"],
+            self.enforce_feature = {"available": False, "missing": ["agent/sensors/enforce.py not present"],
                                     "detail": "eBPF enforcement not built"}
             self.degraded.append("egress/exec enforcement by eBPF not built into this dsec")
         err = None
         if not missing:
-            from agent.recorder import Recorder
+            from agent.sensors.recorder import Recorder
             try:
                 self.rec = Recorder(node=self.node, spool=self.spool, over_budget=self.cfg.audit.over_budget)
             except DsecError as e:
@@ -522,7 +522,9 @@ class Agent:
         """What a previous agent (or a killed `dsec run`) left: the same removal
         as `dsec gc`, each audited. Live sandboxes of other processes are never touched."""
         import shutil
-        from agent import cgroups, launcher, netns
+        from agent.sandbox import cgroups
+        from agent.sandbox import launcher
+        from agent.sandbox import netns
         from agent.commands import gc
         found = gc.collect()
         prev_pid = (self.previous_agent or {}).get("pid")
@@ -559,7 +561,7 @@ class Agent:
             except Exception as e:  # noqa: BLE001
                 log.warning("could not remove orphaned link %s: %s", link, e)
         try:
-            from agent import enforce_loader
+            from agent.sensors import enforce as enforce_loader
             for d in enforce_loader.gc_stale_pins():
                 self._lifecycle("", "orphan_cleaned", bpf_pin=d)
         except (ImportError, OSError, AttributeError):
@@ -743,7 +745,7 @@ class Agent:
         def on_cgroup(sid, cg):
             rec.cgroup_id = cg
             if rec.audit and self.rec is not None:
-                from agent import cgroups
+                from agent.sandbox import cgroups
                 labels = {}
                 if rec.over_budget != self.cfg.audit.over_budget:
                     labels["over_budget"] = rec.over_budget
@@ -811,7 +813,7 @@ class Agent:
 
     def _start_sandbox(self, rec: SandboxRecord):
         """Create and start the launcher Sandbox of `rec` (executor thread). Returns it or raises."""
-        from agent.launcher import Sandbox
+        from agent.sandbox.launcher import Sandbox
         sb = Sandbox(rec.spec, **self._hooks(rec))
         with self._starts:
             try:
@@ -1008,7 +1010,7 @@ class Agent:
 
     def _refill_warm(self):
         """Keep each profile at its count (tick thread). Only capacity nobody waits for is used."""
-        from agent.launcher import SandboxSpec, new_sandbox_id
+        from agent.sandbox.launcher import SandboxSpec, new_sandbox_id
         if self._shutting:
             return
         now = time.monotonic()
@@ -1106,7 +1108,7 @@ class Agent:
 
     def _try_warm_locked(self, key, req_fields) -> SandboxRecord | None:
         """Hand a ready warm sandbox of a matching profile to the request, or None."""
-        from agent.scheduler import Request
+        from agent.node.scheduler import Request
         prof = next((p for p in self._profiles.values() if p.key == key), None)
         if prof is None or self._blocker_queued_locked():
             return None
@@ -1232,9 +1234,9 @@ class Agent:
     def create(self, req: dict) -> SandboxRecord:
         """Validate, load the policy, queue (or take a warm sandbox). `req` holds the
         CreateSandboxRequest fields as Python values (see api.py)."""
-        from agent import launcher
-        from agent.launcher import SandboxSpec
-        from agent.scheduler import CLASSES, Request
+        from agent.sandbox import launcher
+        from agent.sandbox.launcher import SandboxSpec
+        from agent.node.scheduler import CLASSES, Request
         d = self.cfg.defaults
         problems = []
         sid = req.get("sandbox_id") or ""
@@ -1808,7 +1810,7 @@ class Agent:
     # ================================================================ export barrier
 
     def _spool_head(self):
-        from agent.spool import Position
+        from exporters.spool import Position
         sp = self.spool._spool
         segs = sp.segments()
         if not segs:
@@ -1906,7 +1908,7 @@ class Agent:
                     self._subs.remove(sub)
 
     def query_events(self, sid: str, kinds, limit: int, flush_timeout: float):
-        from agent.query import AuditStore, check_kinds
+        from replay.store import AuditStore, check_kinds
         if not sid:
             raise _bad("sandbox_id: required")
         try:
@@ -1943,7 +1945,7 @@ class Agent:
     # ================================================================ capabilities
 
     def capabilities(self) -> dict:
-        from agent import cgroups
+        from agent.sandbox import cgroups
         try:
             mode = cgroups.detect().mode
         except DsecError:

@@ -32,12 +32,12 @@ from __future__ import annotations
 import os
 import time
 
-from agent.bpf_common import BPF_DIR, TRACEFS, RINGBUF_MISSING, RingSensor, base_missing, cgroup2_mount
-from agent.bpf_common import StderrCapture as _StderrCapture, first_error as _first_error  # noqa: F401 (API)
-from agent.bpf_common import ringbuf_supported as _ringbuf_supported
-from agent.bpf_common import (check_sandbox_ids, compile_text, describe, loss_totals, map_discard, ring_pages,
+from agent.sensors.common import BPF_DIR, TRACEFS, RINGBUF_MISSING, RingSensor, base_missing, cgroup2_mount
+from agent.sensors.common import StderrCapture as _StderrCapture, first_error as _first_error  # noqa: F401 (API)
+from agent.sensors.common import ringbuf_supported as _ringbuf_supported
+from agent.sensors.common import (check_sandbox_ids, compile_text, describe, loss_totals, map_discard, ring_pages,
                               source_text, token_bucket, tracepoints_in, unavailable)
-from agent.decoder import SandboxInfo, load_constants
+from agent.sensors.decoder import SandboxInfo, load_constants
 from agent.errors import DsecError
 
 SOURCES = ("common.h", "process.c", "net.c", "files.c")   # concatenated in this order
@@ -140,7 +140,7 @@ class AuditSensor(RingSensor):
         self._state_map = self.bpf[b"sbx_state"]
         enricher = None
         if enrich:
-            from agent.elfinfo import ElfInfoCache
+            from agent.sensors.elfinfo import ElfInfoCache
             enricher = ElfInfoCache()
         self._steps: dict[int, int] = {}
         self._modes: dict[int, str] = {}
@@ -154,7 +154,7 @@ class AuditSensor(RingSensor):
         self._close()
 
     def _teardown(self) -> None:
-        from agent.bpfsys import fast_detach
+        from agent.sensors.bpfsys import fast_detach
         fast_detach(self.bpf)
 
     def _sandbox_ids(self) -> list[int]:

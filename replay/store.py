@@ -134,13 +134,13 @@ class AuditStore:
     @property
     def url(self) -> str:
         if self._url is None:
-            from agent.clickhouse_server import ensure_clickhouse
+            from exporters.clickhouse_server import ensure_clickhouse
             self._url = ensure_clickhouse()
         return self._url
 
     def client(self):
         if self._client is None:
-            from agent.clickhouse_server import connect, parse_url
+            from exporters.clickhouse_server import connect, parse_url
             from audit_schema.migrations import check_version
             client, db = connect(self.url, connect_timeout=self.connect_timeout)
             try:

@@ -10,7 +10,7 @@
 start(): state dir (exclusive, locked for our lifetime) -> cgroups with limits
 -> fork an intermediate child that joins the cgroups and unshares pid, mount,
 ipc, uts and net namespaces, then forks the supervisor (PID 1 inside; see
-agent/supervisor.py) and exits; we are the child subreaper, so the supervisor
+agent/sandbox/supervisor.py) and exits; we are the child subreaper, so the supervisor
 becomes our child -> host side of the network -> "go".
 exec(): the step's stdin/stdout/stderr fds go to the supervisor (SCM_RIGHTS),
 which forks and execs; on timeout the step's process group gets SIGTERM, the
@@ -40,11 +40,12 @@ import sys
 import threading
 import time
 
-from agent import cgroups, rootfs
-from agent import sysutil as su
+from agent.sandbox import cgroups
+from agent.sandbox import rootfs
+from agent.sandbox import sysutil as su
 from agent.errors import DsecError, EXIT_DSEC, EXIT_NOEXEC, EXIT_NOTFOUND, EXIT_TIMEOUT
 # imported before any fork: a child must not import (another thread may hold the import lock)
-from agent.supervisor import supervisor_main
+from agent.sandbox.supervisor import supervisor_main
 
 SANDBOX_DIR = os.path.join(rootfs.STATE_ROOT, "sandboxes")
 KEPT_DIR = os.path.join(rootfs.STATE_ROOT, "kept")
@@ -322,7 +323,7 @@ class Sandbox:
         ready = self._wait_for(lambda: self._ready, 30.0, "did not become ready")
         self.created_mountpoints = ready.get("created", [])
         if spec.network == "egress":
-            from agent import netns
+            from agent.sandbox import netns
             self.net = netns.setup_egress(self.sid, self.sup_pid)
         self._send({"cmd": "go"})
 
@@ -611,7 +612,7 @@ class Sandbox:
         if self.cg:
             left = self.cg.remove()
         if self.net or self.spec.network == "egress":
-            from agent import netns
+            from agent.sandbox import netns
             netns.teardown(self.sid)
         if self.dir and not left:
             import shutil

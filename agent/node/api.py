@@ -1,5 +1,5 @@
 """The agent's gRPC servicer and server (transport, access control, message
-conversion). The work is done by agent/daemon.py's Agent; this module only
+conversion). The work is done by agent/node/daemon.py's Agent; this module only
 translates between protobuf messages and the agent's Python values, and maps
 ApiError to gRPC status codes.
 
@@ -18,14 +18,14 @@ import logging
 import os
 import threading
 
-from agent.proto import pb, pb_grpc  # sets GRPC_ENABLE_FORK_SUPPORT=0 before grpc loads
+from agent.node.proto import pb, pb_grpc  # sets GRPC_ENABLE_FORK_SUPPORT=0 before grpc loads
 
 import grpc  # noqa: E402
 
-from agent.daemon import Agent, ApiError, to_json  # noqa: E402
+from agent.node.daemon import Agent, ApiError, to_json  # noqa: E402
 from agent.errors import DsecError  # noqa: E402
 
-log = logging.getLogger("dsec.agent.api")
+log = logging.getLogger("dsec.agent.node.api")
 
 
 def _code(name: str):

@@ -21,7 +21,7 @@ What is enforced where (docs/enforcement.md has the whole story):
             needs it (they run for every syscall on the host); seccomp,
             installed by the launcher, is what refuses the calls.
 
-Records have the audit sensor's format (agent/decoder.py; schema in
+Records have the audit sensor's format (agent/sensors/decoder.py; schema in
 audit_schema/events.py): egress_denied / egress_violation, exec_denied /
 exec_violation, syscall_denied / syscall_violation, events_lost. Every record
 carries the policy's name, hash and mode and the decision (denied |
@@ -29,7 +29,7 @@ would-deny).
 
 One sensor per agent process; its methods are serialised by a lock, and poll()
 holds it while it waits (keep timeouts short when other threads manage
-sandboxes). Hostname rules are resolved with agent.resolver.HostResolver and
+sandboxes). Hostname rules are resolved with agent.sensors.resolver.HostResolver and
 refreshed on their TTL from poll() (see refresh_hosts()).
 """
 from __future__ import annotations
@@ -44,14 +44,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from agent import bpfsys
-from agent.bpf_common import BPF_DIR, TRACEFS, RINGBUF_MISSING, RingSensor, base_missing
-from agent.bpf_common import (bpffs_mounted, cgroup2_mount, check_sandbox_ids, compile_text, describe, find_tracefs,
+from agent.sensors import bpfsys
+from agent.sensors.common import BPF_DIR, TRACEFS, RINGBUF_MISSING, RingSensor, base_missing
+from agent.sensors.common import (bpffs_mounted, cgroup2_mount, check_sandbox_ids, compile_text, describe, find_tracefs,
                               loss_totals, map_discard, ring_pages, ringbuf_supported, source_text, token_bucket,
                               tracepoints_in, unavailable)
-from agent.decoder import PROTOCOLS, SandboxInfo, in_cgroup, load_constants
+from agent.sensors.decoder import PROTOCOLS, SandboxInfo, in_cgroup, load_constants
 from agent.errors import EXIT_DSEC, DsecError
-from agent.resolver import HostResolver, ResolveError
+from agent.sensors.resolver import HostResolver, ResolveError
 
 log = logging.getLogger("dsec.enforce")
 

@@ -9,9 +9,9 @@
     rec.close()
 
 Two sensors, one per concern (Tetragon style): the audit sensor (exec, fork,
-exit, connect, file writes; agent/bpf_loader.py) and the enforcement sensor
+exit, connect, file writes; agent/sensors/audit.py) and the enforcement sensor
 (egress, exec allowlist, syscall violations and learn-mode counts;
-agent/enforce_loader.py). A background thread polls both and appends decoded
+agent/sensors/enforce.py). A background thread polls both and appends decoded
 records to the spool in batches; the spool is the durable hand-off to the
 exporters. The recorder knows no sink. Taps (add_tap) see every record as it
 is spooled (live streams).
@@ -33,8 +33,8 @@ from policies.evaluate import decision      # per record, on the poll thread: im
 
 class Recorder:
     def __init__(self, node: str | None = None, spool=None, *, enforce: bool = True, **sensor_options):
-        from agent.bpf_loader import AuditSensor
-        from agent.spool import Spool
+        from agent.sensors.audit import AuditSensor
+        from exporters.spool import Spool
         self.node = node or os.uname().nodename
         self.spool = spool or Spool()
         self._pending: list[dict] = []
@@ -61,7 +61,7 @@ class Recorder:
 
     def _load_enforcer(self):
         try:
-            from agent.enforce_loader import EnforcementSensor
+            from agent.sensors.enforce import EnforcementSensor
             self.enforcer = EnforcementSensor(on_record=self._on_record, node=self.node)
         except DsecError as e:
             # reported by watch(): enforce-mode sandboxes refuse to start; others run degraded
@@ -296,7 +296,7 @@ class SandboxWatch:
 
     def on_cgroup(self, sandbox_id, cgroup_id):
         import json
-        from agent import cgroups
+        from agent.sandbox import cgroups
         path = cgroups.SandboxCgroup(cgroups.detect(), sandbox_id).v2_path
         self.rec.watch(sandbox_id, cgroup_id, policy=self.spec.policy, cgroup_path=path, step=0)
         self.cgroup_id = cgroup_id

@@ -1,6 +1,6 @@
-"""What the two BCC sensors share: the audit sensor (agent/bpf_loader.py,
+"""What the two BCC sensors share: the audit sensor (agent/sensors/audit.py,
 bpf/process.c net.c files.c) and the enforcement sensor
-(agent/enforce_loader.py, bpf/enforce.c).
+(agent/sensors/enforce.py, bpf/enforce.c).
 
   - the source text: BCC rewrites map calls (.lookup, .ringbuf_output, ...)
     only in its main source text, not in #included files, so a sensor's files
@@ -25,11 +25,11 @@ import time
 import uuid
 from collections import deque
 
-from agent import bpfsys
-from agent.decoder import Decoder
+from agent.sensors import bpfsys
+from agent.sensors.decoder import Decoder
 from agent.errors import DsecError
 
-BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bpf")
+BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf")
 TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 RINGBUF_MISSING = "BPF ring buffers unsupported by this kernel (needs Linux >= 5.8)"
 

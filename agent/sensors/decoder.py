@@ -41,7 +41,7 @@ AT_FDCWD = -100
 AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
 PROTOCOLS = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmpv6", 136: "udplite", 132: "sctp"}
 SOCK_TYPES = {1: "stream", 2: "dgram", 3: "raw", 5: "seqpacket"}
-EVENTS_H = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bpf", "events.h")
+EVENTS_H = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf", "events.h")
 
 
 # ---------------------------------------------------------------- constants
@@ -518,7 +518,7 @@ class Decoder:
         if f.dirfd2 != AT_FDCWD:
             extra["dirfd2"] = f.dirfd2
 
-    # -- enforcement records (bpf/enforce.c; the sensor is agent/enforce_loader.py) ---------
+    # -- enforcement records (bpf/enforce.c; the sensor is agent/sensors/enforce.py) ---------
 
     def _egress(self, rec, extra, h, u, decision):
         g = u.egress

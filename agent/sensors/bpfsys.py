@@ -1,6 +1,6 @@
 """The few bpf(2) and perf_event_open(2) commands BCC's Python API lacks.
 
-Used by the sensors (agent/enforce_loader.py, agent/bpf_common.py):
+Used by the sensors (agent/sensors/enforce.py, agent/sensors/common.py):
   - cgroup attachments with explicit flags (BPF_F_ALLOW_MULTI), their query
     and detach by program fd (re-adopting a sandbox from a dead agent);
   - perf-event BPF links for tracepoints (BPF_LINK_CREATE, Linux >= 5.15),

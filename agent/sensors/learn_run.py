@@ -21,8 +21,8 @@ from agent.errors import DsecError, EXIT_DSEC
 
 def learn_runs(argv, runs: int, base=None, *, network: str = "none", timeout: float | None = None,
                memory: int | None = 1 << 30, pids: int | None = 1024, user: str = "sandbox") -> list[dict]:
-    from agent.launcher import SandboxSpec, launch
-    from agent.recorder import Recorder, SandboxWatch
+    from agent.sandbox.launcher import SandboxSpec, launch
+    from agent.sensors.recorder import Recorder, SandboxWatch
     from exporters.clickhouse import flush
     from policies.load import load_policy
 
