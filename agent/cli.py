@@ -15,7 +15,7 @@ import importlib
 import os
 import sys
 
-from agent.errors import DsecError, EXIT_USAGE
+from agent.errors import EXIT_USAGE, ReportedError, exit_code
 
 COMMANDS = ["run", "events", "replay", "search", "learn", "policy", "export", "agent", "clickhouse", "gc"]
 
@@ -73,9 +73,9 @@ def main(argv=None) -> int:
         return EXIT_USAGE
     try:
         return int(args._mod.run(args) or 0)
-    except DsecError as e:
+    except ReportedError as e:          # every package's errors (audit_schema/errors.py)
         sys.stderr.write(f"dsec {args.command}: error: {e.message}\n")
-        return e.code
+        return exit_code(e, getattr(args._mod, "USAGE_EXIT", EXIT_USAGE))
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

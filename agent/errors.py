@@ -7,6 +7,8 @@ Exit codes (see README "Exit codes"):
   other commands:  0 ok; 1 failure or finding; 2 bad usage or bad input.
 """
 
+from audit_schema.errors import ReportedError
+
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 124
 EXIT_DSEC = 125
@@ -14,18 +16,25 @@ EXIT_NOEXEC = 126
 EXIT_NOTFOUND = 127
 
 
-class DsecError(Exception):
-    """A failure with a one-line message and an exit code; never shown as a traceback."""
-
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.message = message
-        self.code = code
-
-    def __str__(self) -> str:
-        return self.message
+class DsecError(ReportedError):
+    """A failure of the agent (launcher, sensors, node) with a one-line message and
+    an exit code; never shown as a traceback. The other packages raise their own
+    ReportedError subclasses (PoliciesError, SchemaError, ExportError, ReplayError);
+    catch ReportedError where any of them may arrive."""
 
 
 class UsageError(DsecError):
     def __init__(self, message: str, code: int = EXIT_USAGE):
         super().__init__(message, code)
+
+
+def exit_code(e: ReportedError, usage_exit: int = EXIT_USAGE) -> int:
+    """The one place an error becomes an exit code (agent/cli.py).
+
+    A command whose exit statuses are its workload's (`dsec run`: usage_exit
+    125) exits usage_exit for every error of dsec's own, so CMD's 1 and 2 stay
+    unambiguous; the other commands exit the error's code (2 bad input or
+    usage, 1 a failure)."""
+    if usage_exit != EXIT_USAGE and e.code in (1, EXIT_USAGE):
+        return usage_exit
+    return e.code

@@ -35,7 +35,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from agent.errors import DsecError
+from audit_schema.errors import SchemaError
 from audit_schema.events import FIELDS, Field
 
 EVENTS_TABLE = "events"
@@ -82,7 +82,7 @@ def features_for(version: str, settings: dict) -> Features:
     (name -> value, at least the low-cardinality ones)."""
     v = parse_version(version)
     if v and v < (18, 12):
-        raise DsecError(f"ClickHouse {version} is too old for the dsec schema (need 18.16 or newer)")
+        raise SchemaError(f"ClickHouse {version} is too old for the dsec schema (need 18.16 or newer)")
     lc_flag = settings.get("allow_experimental_low_cardinality_type")
     return Features(
         version=version,
@@ -101,7 +101,7 @@ def detect_features(client) -> Features:
 
 def quote_ident(name: str) -> str:
     if not _IDENT.match(name):
-        raise DsecError(f"ClickHouse database name {name!r}: use letters, digits and '_' "
+        raise SchemaError(f"ClickHouse database name {name!r}: use letters, digits and '_' "
                         "(starting with a letter or '_', at most 63 characters)")
     return name
 
@@ -235,7 +235,7 @@ def current_version(client, db: str) -> int:
 def check_version(client, db: str) -> int:
     v = current_version(client, db)
     if v > LATEST:
-        raise DsecError(f"ClickHouse database {db!r} has dsec schema version {v}, newer than this dsec "
+        raise SchemaError(f"ClickHouse database {db!r} has dsec schema version {v}, newer than this dsec "
                         f"knows ({LATEST}): upgrade dsec, or point DSEC_CLICKHOUSE_URL at another database")
     return v
 
@@ -259,10 +259,10 @@ def migrate(client, db: str) -> MigrationResult:
                 sql = sql.sql(feat)
             try:
                 client.execute(sql, settings=feat.ddl_settings)
-            except DsecError:
+            except SchemaError:
                 raise
             except Exception as e:
-                raise DsecError(f"schema migration {version} ({name}) failed on ClickHouse {feat.version}: "
+                raise SchemaError(f"schema migration {version} ({name}) failed on ClickHouse {feat.version}: "
                                 f"{_first_line(e)}")
         client.execute(f"INSERT INTO {db}.{VERSION_TABLE} (version, name, applied_ns, server_version, fields_hash) VALUES",
                        [(version, name, time.time_ns(), feat.version, fields_hash())])
@@ -296,8 +296,8 @@ def sync_columns(client, db: str, feat: Features) -> list[str]:
                 added.append(f.name)
             except Exception as e:  # another agent may have added it a moment ago
                 if f.name not in table_columns(client, db):
-                    raise DsecError(f"cannot add column {db}.{EVENTS_TABLE}.{f.name}: {_first_line(e)}")
+                    raise SchemaError(f"cannot add column {db}.{EVENTS_TABLE}.{f.name}: {_first_line(e)}")
         elif _strip_lc(t) != f.ch_type:
-            raise DsecError(f"column {db}.{EVENTS_TABLE}.{f.name} is {t} in ClickHouse but {f.ch_type} in "
+            raise SchemaError(f"column {db}.{EVENTS_TABLE}.{f.name} is {t} in ClickHouse but {f.ch_type} in "
                             "audit_schema/events.py: a type change needs a numbered migration")
     return added

@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """Audit overhead and kernel-to-ClickHouse throughput, in one run.
 
+Why this file is long: one benchmark run measures overhead, the zero-loss
+event rate and each sink against baselines of the same run; the three parts
+share the pipeline harness.
+
 usage:
   .venv/bin/python bench/audit.py              # full run (about 3.5-4 min on 2 cores)
   .venv/bin/python bench/audit.py --quick      # short run (about 1.5-2 min)
@@ -74,9 +78,8 @@ import threading
 import time
 import uuid
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-DSEC = os.path.join(ROOT, ".venv", "bin", "dsec")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import ROOT, DSEC, drop_database, entry, finish  # noqa: E402
 PYTHON = "/usr/bin/python3"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -883,22 +886,11 @@ def main():
             _, good = part_sinks(url, tmp, a.quick, a.max_lag, client, db, cg_root)
             ok &= good
     finally:
-        try:
-            client.execute(f"DROP DATABASE IF EXISTS {db}")
-            client.disconnect()
-        except Exception as e:
-            print(f"warning: database {db} not dropped: {e}", file=sys.stderr)
+        drop_database(client, db)
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"total bench time {time.monotonic() - t_start:.0f}s, load average now {os.getloadavg()[0]:.2f}" + ("" if ok else "; some checks FAILED (see !!)"))
+    finish(t_start, ok)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as e:   # one line, no traceback (BENCH_DEBUG=1 for one)
-        if os.environ.get("BENCH_DEBUG"):
-            raise
-        sys.exit(f"bench/audit.py: {type(e).__name__}: {e}")
+    entry(main, "bench/audit.py")

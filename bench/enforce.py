@@ -73,9 +73,8 @@ import tempfile
 import time
 import uuid
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-DSEC = os.path.join(ROOT, ".venv", "bin", "dsec")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import ROOT, DSEC, drop_database, entry, finish, med, sensor_costs  # noqa: E402
 HOST_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"    # the sandbox's PATH
 
 # ---------------------------------------------------------------- workloads (from bench/audit.py)
@@ -194,10 +193,6 @@ def learn_tight(ctx, wname, argv):
         yaml.safe_dump(d, f, sort_keys=False)
     pol = load_policy(path)                # validates; a clear error if the edit broke it
     return path, len(pol.spec.syscalls.allow), wall, len(loop)
-
-
-def med(rs, k):
-    return statistics.median(r[k] for r in rs)
 
 
 def part_workloads(ctx, reps, quick):
@@ -513,23 +508,6 @@ def part_syscall(ctx, quick):
     return True
 
 
-def sensor_costs() -> str:
-    """Compile, load and attach of each eBPF sensor (BCC), and its close."""
-    try:
-        from agent.sensors.audit import AuditSensor
-        from agent.sensors.enforce import EnforcementSensor
-        parts = []
-        for name, cls in (("audit", AuditSensor), ("enforcement", EnforcementSensor)):
-            t = time.perf_counter()
-            sensor = cls(on_record=lambda r: None, node="bench")
-            t1 = time.perf_counter()
-            sensor.close()
-            parts.append(f"{name} sensor compile+load+attach {t1 - t:.2f}s, close {time.perf_counter() - t1:.2f}s")
-        return "; ".join(parts)
-    except Exception as e:                       # the sensors' API moved: say so, keep the rest
-        return f"not measured ({type(e).__name__}: {e})"
-
-
 # ---------------------------------------------------------------- main
 
 def main():
@@ -577,23 +555,11 @@ def main():
             except Exception:
                 p.kill()
                 p.wait()
-        try:
-            client.execute(f"DROP DATABASE IF EXISTS {db}")
-            client.disconnect()
-        except Exception as e:
-            print(f"warning: database {db} not dropped: {e}", file=sys.stderr)
+        drop_database(client, db)
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"total bench time {time.monotonic() - t_start:.0f}s, load average now {os.getloadavg()[0]:.2f}"
-          + ("" if ok else "; some checks FAILED (see !!)"))
+    finish(t_start, ok)
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as e:   # one line, no traceback (BENCH_DEBUG=1 for one)
-        if os.environ.get("BENCH_DEBUG"):
-            raise
-        sys.exit(f"bench/enforce.py: {type(e).__name__}: {e}")
+    entry(main, "bench/enforce.py")

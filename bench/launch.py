@@ -37,9 +37,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-DSEC = os.path.join(ROOT, ".venv", "bin", "dsec")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import DSEC, entry, pct, timed  # noqa: E402
 
 
 def bwrap_cmd():
@@ -53,17 +52,6 @@ def bwrap_cmd():
             cmd += ["--ro-bind", p, p]
     cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--", "/bin/true"]
     return cmd
-
-
-def timed(fn):
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1000
-
-
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
 class BenchAgent:
@@ -134,7 +122,7 @@ def sustained(agent, concurrency: int, seconds: float) -> tuple[int, float, int]
     def worker():
         while time.monotonic() < stop_at:
             try:
-                sb = agent.node.client.create(memory="64M", pids=64, warm=False)   # no CPU quota
+                sb = agent.client.create(memory="64M", pids=64, warm=False)   # no CPU quota
                 r = sb.exec(["/bin/true"])
                 sb.close()
                 ok = r.code == 0
@@ -192,12 +180,12 @@ def main():
         agent.wait_warm(4)
 
         def agent_cold():
-            sb = agent.node.client.create(memory="128M", pids=256, warm=False)
+            sb = agent.client.create(memory="128M", pids=256, warm=False)
             assert sb.exec(["/bin/true"]).code == 0
             sb.close()
 
         def agent_warm():
-            sb = agent.node.client.create(memory="128M", pids=256)
+            sb = agent.client.create(memory="128M", pids=256)
             warm_hits[0] += sb.created.warm
             warm_hits[1] += 1
             assert sb.exec(["/bin/true"]).code == 0
@@ -214,7 +202,7 @@ def main():
         res = {k: [] for k in cases}
         for i in range(a.runs):
             for k, fn in cases.items():
-                res[k].append(timed(fn))
+                res[k].append(timed(fn) * 1000)
         print(f"launch latency of /bin/true, {a.runs} runs each (ms)")
         print(f"{'':15} {'min':>8} {'median':>8} {'p90':>8} {'p99':>8}")
         for k, xs in res.items():
@@ -242,4 +230,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    entry(main, "bench/launch.py")

@@ -48,9 +48,8 @@ import tempfile
 import time
 import uuid
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-DSEC = os.path.join(ROOT, ".venv", "bin", "dsec")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import DSEC, drop_database, entry, finish, med, sensor_costs  # noqa: E402
 HOST_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"    # the sandbox's PATH
 ELAPSED = re.compile(rb"BENCH_ELAPSED_NS=(\d+)")
 
@@ -189,28 +188,6 @@ def containers_default() -> tuple[int, int, int]:
     return len(s.allow), len(table), dflt
 
 
-def sensor_costs() -> str:
-    """The fixed cost every audited dsec command pays, measured here once: compile,
-    load and attach of each eBPF sensor (BCC), and its close."""
-    try:
-        from agent.sensors.audit import AuditSensor
-        from agent.sensors.enforce import EnforcementSensor
-        parts = []
-        for name, cls in (("audit", AuditSensor), ("enforcement", EnforcementSensor)):
-            t = time.perf_counter()
-            sensor = cls(on_record=lambda r: None, node="bench")
-            t1 = time.perf_counter()
-            sensor.close()
-            parts.append(f"{name} sensor compile+load+attach {t1 - t:.2f}s, close {time.perf_counter() - t1:.2f}s")
-        return "; ".join(parts)
-    except Exception as e:                       # the sensors' API moved: say so, keep the rest
-        return f"not measured ({type(e).__name__}: {e})"
-
-
-def med(rs, k):
-    return statistics.median(r[k] for r in rs)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller workloads, 1 repetition")
@@ -284,22 +261,11 @@ def main():
             f"{lh:.1f}x host / {lo:.1f}x run-off (+{d:.1f}s), workload {wh:.2f}x host / {wo:.2f}x run-off"
             for w, s, d, lh, lo, wh, wo, _, _ in summary))
     finally:
-        try:
-            client.execute(f"DROP DATABASE IF EXISTS {db}")
-            client.disconnect()
-        except Exception as e:
-            print(f"warning: database {db} not dropped: {e}", file=sys.stderr)
+        drop_database(client, db)
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"total bench time {time.monotonic() - t_start:.0f}s, load average now {os.getloadavg()[0]:.2f}")
+    finish(t_start)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as e:   # one line, no traceback (BENCH_DEBUG=1 for one)
-        if os.environ.get("BENCH_DEBUG"):
-            raise
-        sys.exit(f"bench/learn.py: {type(e).__name__}: {e}")
+    entry(main, "bench/learn.py")

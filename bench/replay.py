@@ -42,8 +42,8 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import entry  # noqa: E402
 
 from exporters.clickhouse_server import PrivateServer, connect  # noqa: E402
 from replay.store import events_sql  # noqa: E402
@@ -308,4 +308,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main, "bench/replay.py")

@@ -2,7 +2,8 @@
  *
  * How the source is built: BCC rewrites map calls (.lookup, .ringbuf_output,
  * ...) only in its main source text, not in #included files. So
- * agent/sensors/audit.py concatenates common.h, process.c, net.c and files.c, in
+ * agent/sensors/audit.py concatenates membership.h (the sandbox lookup and
+ * process tree both sensors share), common.h, process.c, net.c and files.c, in
  * that order and with #line markers (compiler messages name the real file),
  * and compiles that one text. events.h (types) and shared.h (the helpers the
  * enforcement sensor, enforce.c, uses too) hold no map calls and are
@@ -23,13 +24,11 @@
 #include "shared.h"
 
 #define DSEC_AT_FDCWD (-100)
-#define DSEC_CLONE_PARENT 0x00008000ULL
 /* O_WRONLY | O_RDWR | O_CREAT | O_TRUNC | O_APPEND */
 #define DSEC_WRITE_FLAGS (01 | 02 | 0100 | 01000 | 02000)
 
 /* ---- maps ---------------------------------------------------------------- */
 BPF_RINGBUF_OUTPUT(events, DSEC_RING_PAGES);
-BPF_HASH(sandboxes, u64, struct dsec_sandbox, DSEC_MAX_SANDBOXES);
 BPF_HASH(sbx_state, u64, struct dsec_state, DSEC_MAX_SANDBOXES);
 /* scratch space to build records in (too big for the 512-byte stack);
  * programs run with preemption disabled, one slot per CPU */
@@ -38,38 +37,11 @@ BPF_PERCPU_ARRAY(file_scratch, struct dsec_event_small, 1);
 /* syscalls between enter and exit, by thread id; allocated on demand */
 BPF_F_TABLE("hash", u32, struct dsec_event, pending_exec, DSEC_PENDING_EXEC_ENTRIES, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", u32, struct dsec_event_small, pending, DSEC_PENDING_ENTRIES, BPF_F_NO_PREALLOC);
-/* process tree: child tgid -> parent tgid, filled at fork */
-BPF_TABLE("lru_hash", u32, u32, parents, 65536);
 /* how a process is ending: tgid -> exit_group code or fatal signal */
 BPF_TABLE("lru_hash", u32, struct dsec_exit_info, exit_info, 65536);
 /* last fatal-by-default signal generated for a pid (the kernel reports a
  * group-wide fatal signal as SIGKILL at delivery) */
 BPF_TABLE("lru_hash", u32, u32, sig_generated, 16384);
-
-/* ---- sandbox lookup ------------------------------------------------------ */
-
-/* The sandbox of the current task: its cgroup2, or the nearest ancestor that
- * is registered (a sandbox may create sub-cgroups). */
-static __always_inline struct dsec_sandbox *dsec_sandbox(u64 *cgid)
-{
-    u64 id = bpf_get_current_cgroup_id();
-    struct dsec_sandbox *cfg = sandboxes.lookup(&id);
-    if (cfg) {
-        *cgid = id;
-        return cfg;
-    }
-    for (int lvl = 1; lvl < DSEC_MAX_LEVEL; lvl++) {
-        u64 anc = bpf_get_current_ancestor_cgroup_id(lvl);
-        if (anc == 0 || anc == id)
-            break;
-        cfg = sandboxes.lookup(&anc);
-        if (cfg) {
-            *cgid = anc;
-            return cfg;
-        }
-    }
-    return 0;
-}
 
 /* ---- accounting ------------------------------------------------------------ */
 
@@ -149,13 +121,6 @@ static __always_inline void dsec_inflight_put(u64 cgid)
 }
 
 /* ---- record building ------------------------------------------------------- */
-
-static __always_inline void dsec_fill_hdr(struct dsec_hdr *h, u32 kind, u64 cgid, u32 step)
-{
-    u32 tgid = dsec_hdr_fill(h, kind, cgid, step);
-    u32 *pp = parents.lookup(&tgid);
-    h->ppid = pp ? *pp : 0;
-}
 
 /* A fixed-size record (no strings) of an admitted event: reserved in the ring
  * buffer with its header filled, or 0 (no room: counted as lost). */

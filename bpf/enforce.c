@@ -1,8 +1,9 @@
 /* dsec BPF: policy enforcement and violation reporting — the second sensor,
  * next to the audit sensor (process.c, net.c, files.c). Loaded by
  * agent/sensors/enforce.py as its own object (its own maps and ring buffer):
- * this file is the whole main source text; events.h holds the types and
- * shared.h the helpers both sensors use (counters, GCRA, record headers).
+ * membership.h and this file are its main source text; events.h holds the
+ * types and shared.h the helpers both sensors use (counters, GCRA, record
+ * headers).
  *
  * Rules (as for the audit sensor): never dereference a kernel struct (the
  * headers are 6.1, the kernel 6.18): only tracepoint data, helper results and
@@ -10,8 +11,10 @@
  * cannot be emitted is counted in the sandbox's dsec_enf_state.lost.
  *
  * Sandboxes are keyed by cgroup2 id (the task's cgroup or a registered
- * ancestor) in enf_sandboxes, written by userspace; each concern has its own
- * mode there (DSEC_MODE_OFF / LEARN / AUDIT / ENFORCE).
+ * ancestor) in `sandboxes` (membership.h, the lookup both sensors share; the
+ * loader puts it first in this sensor's source text), written by userspace;
+ * each concern has its own mode there (DSEC_MODE_OFF / LEARN / AUDIT /
+ * ENFORCE).
  *
  * egress   cgroup/connect4, connect6, sendmsg4, sendmsg6 (dsec_enf_c4/c6/s4/s6),
  *          attached by userspace to each sandbox's own cgroup2 directory.
@@ -38,8 +41,6 @@
  *          children up to their first exec are not syscall-checked: the
  *          supervisor's own calls are not the workload's.
  */
-#include "shared.h"
-
 #define DSEC_EPERM 1
 #define DSEC_AF_INET 2
 #define DSEC_AF_INET6 10
@@ -50,11 +51,7 @@
 
 /* ---- maps ---------------------------------------------------------------- */
 BPF_RINGBUF_OUTPUT(enf_events, DSEC_ENF_RING_PAGES);
-BPF_HASH(enf_sandboxes, u64, struct dsec_enf_sandbox, DSEC_MAX_SANDBOXES);
 BPF_HASH(enf_state, u64, struct dsec_enf_state, DSEC_MAX_SANDBOXES);
-/* bumped by userspace at every registration: invalidates enf_cgcache */
-BPF_ARRAY(enf_gen, u64, 1);
-BPF_TABLE("lru_hash", u64, struct dsec_cg_cache, enf_cgcache, 16384);
 BPF_F_TABLE("lpm_trie", struct dsec_lpm4_key, struct dsec_egress_rule, egress4, DSEC_EGRESS_ENTRIES,
             BPF_F_NO_PREALLOC);
 BPF_F_TABLE("lpm_trie", struct dsec_lpm6_key, struct dsec_egress_rule, egress6, DSEC_EGRESS_ENTRIES,
@@ -72,53 +69,6 @@ BPF_F_TABLE("hash", struct dsec_dest_key, struct dsec_dest_val, egress_dest, DSE
             BPF_F_NO_PREALLOC);
 /* tgid -> sandbox cgroup id: not syscall-checked (supervisor, its children until they exec) */
 BPF_HASH(enf_exempt, u32, u64, 65536);
-/* child tgid -> parent tgid, for sandbox tasks (record headers) */
-BPF_TABLE("lru_hash", u32, u32, enf_parents, 65536);
-
-/* ---- sandbox lookup -------------------------------------------------------- */
-
-/* The sandbox of the current task: its cgroup2 or the shallowest registered
- * ancestor (as the audit sensor). Processes outside any sandbox pay one
- * helper call and three lookups: the per-cgroup answer is cached, and the
- * cache is invalidated by userspace bumping enf_gen when it registers one. */
-static __always_inline struct dsec_enf_sandbox *enf_sandbox(u64 *cgid)
-{
-    u64 id = bpf_get_current_cgroup_id();
-    struct dsec_enf_sandbox *cfg = enf_sandboxes.lookup(&id);
-    if (cfg) {
-        *cgid = id;
-        return cfg;
-    }
-    u32 zero = 0;
-    u64 *genp = enf_gen.lookup(&zero);
-    u64 gen = genp ? *genp : 0;
-    struct dsec_cg_cache *c = enf_cgcache.lookup(&id);
-    if (c && c->gen == gen) {
-        u64 sb = c->sandbox;
-        if (!sb)
-            return 0;
-        cfg = enf_sandboxes.lookup(&sb);
-        if (cfg)
-            *cgid = sb;
-        return cfg;
-    }
-    struct dsec_cg_cache nc = {};
-    nc.gen = gen;
-    cfg = 0;
-    for (int lvl = 1; lvl < DSEC_MAX_LEVEL; lvl++) {
-        u64 anc = bpf_get_current_ancestor_cgroup_id(lvl);
-        if (anc == 0 || anc == id)
-            break;
-        cfg = enf_sandboxes.lookup(&anc);
-        if (cfg) {
-            nc.sandbox = anc;
-            *cgid = anc;
-            break;
-        }
-    }
-    enf_cgcache.update(&id, &nc);
-    return cfg;
-}
 
 /* ---- accounting and records ------------------------------------------------ */
 
@@ -142,13 +92,6 @@ static __always_inline int enf_admit(struct dsec_enf_sandbox *cfg, struct dsec_e
     return 0;
 }
 
-static __always_inline void enf_fill_hdr(struct dsec_hdr *h, u32 kind, u64 cgid, u32 step)
-{
-    u32 tgid = dsec_hdr_fill(h, kind, cgid, step);
-    u32 *pp = enf_parents.lookup(&tgid);
-    h->ppid = pp ? *pp : 0;
-}
-
 /* a fixed-size record (no strings): reserve, fill the header, return the body
  * (0: no room, counted as lost) */
 static __always_inline struct dsec_event_small *enf_reserve(struct dsec_enf_sandbox *cfg,
@@ -161,7 +104,7 @@ static __always_inline struct dsec_event_small *enf_reserve(struct dsec_enf_sand
         return 0;
     }
     __builtin_memset(&e->u, 0, sizeof(e->u));
-    enf_fill_hdr(&e->h, kind, cgid, cfg->step);
+    dsec_fill_hdr(&e->h, kind, cgid, cfg->step);
     return e;
 }
 
@@ -226,7 +169,7 @@ static __always_inline void enf_learn_dest(struct dsec_enf_state *st, u64 cgid, 
 static __always_inline int enf_egress(struct bpf_sock_addr *ctx, u32 hook, int v6)
 {
     u64 cgid = 0;
-    struct dsec_enf_sandbox *cfg = enf_sandbox(&cgid);
+    struct dsec_enf_sandbox *cfg = dsec_sandbox(&cgid);
     if (!cfg)
         return 0;   /* attached to this cgroup but no rules (being removed): fail closed */
     u32 mode = cfg->egress;
@@ -318,7 +261,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     enf_exempt.delete(&tgid);
 
     u64 cgid = 0;
-    struct dsec_enf_sandbox *cfg = enf_sandbox(&cgid);
+    struct dsec_enf_sandbox *cfg = dsec_sandbox(&cgid);
     if (!cfg)
         return 0;
     u32 mode = cfg->exec;
@@ -366,7 +309,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
         return 0;
     }
     __builtin_memset(&e->u, 0, sizeof(e->u));
-    enf_fill_hdr(&e->h, kind, cgid, cfg->step);
+    dsec_fill_hdr(&e->h, kind, cgid, cfg->step);
     e->u.exec_check.signal_ret = sret;
     e->u.exec_check.old_tid = args->old_pid;
     u32 status = 0;
@@ -406,8 +349,7 @@ TRACEPOINT_PROBE(task, task_newtask)
         enf_exempt.update(&child, &c);
     }
     u64 cgid = 0;
-    if (enf_sandbox(&cgid))
-        enf_parents.update(&child, &tgid);
+    dsec_track_fork(child, args->clone_flags, &cgid);
     return 0;
 }
 
@@ -417,7 +359,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
         return 0;
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     enf_exempt.delete(&tgid);
-    enf_parents.delete(&tgid);
+    dsec_track_exit(tgid);
     return 0;
 }
 
@@ -474,7 +416,7 @@ static __always_inline void enf_sys_violation(struct dsec_enf_sandbox *cfg, u64 
 RAW_TRACEPOINT_PROBE(sys_enter)
 {
     u64 cgid = 0;
-    struct dsec_enf_sandbox *cfg = enf_sandbox(&cgid);
+    struct dsec_enf_sandbox *cfg = dsec_sandbox(&cgid);
     if (!cfg)
         return 0;
     u32 mode = cfg->sys;
@@ -513,7 +455,7 @@ RAW_TRACEPOINT_PROBE(sys_enter)
 static __always_inline void enf_ns_audit(long id, unsigned long flags)
 {
     u64 cgid = 0;
-    struct dsec_enf_sandbox *cfg = enf_sandbox(&cgid);
+    struct dsec_enf_sandbox *cfg = dsec_sandbox(&cgid);
     if (!cfg || cfg->sys != DSEC_MODE_AUDIT || !cfg->ns_deny || !(flags & DSEC_CLONE_NEW_ANY))
         return;
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
@@ -537,7 +479,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_clone)
 TRACEPOINT_PROBE(raw_syscalls, sys_exit)
 {
     u64 cgid = 0;
-    struct dsec_enf_sandbox *cfg = enf_sandbox(&cgid);
+    struct dsec_enf_sandbox *cfg = dsec_sandbox(&cgid);
     if (!cfg || cfg->sys != DSEC_MODE_ENFORCE)
         return 0;
     u32 tgid = bpf_get_current_pid_tgid() >> 32;

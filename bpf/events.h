@@ -359,8 +359,8 @@ struct dsec_enf_state {     /* enf_state: cgroup id -> counters, written by the 
     __u64 sys_out_of_range; /* learn mode: syscall numbers >= DSEC_SYSCALL_NR_MAX seen */
 };
 
-struct dsec_cg_cache {      /* enf_cgcache: task cgroup id -> its sandbox (0: none) */
-    __u64 gen;              /* enf_gen[0] when computed; stale when it differs */
+struct dsec_cg_cache {      /* sbx_cgcache (membership.h): task cgroup id -> its sandbox (0: none) */
+    __u64 gen;              /* sbx_gen[0] when computed; stale when it differs */
     __u64 sandbox;
 };
 

@@ -44,17 +44,10 @@ TRACEPOINT_PROBE(task, task_newtask)
     if (flags & DSEC_CLONE_THREAD)
         return 0;
     u64 cgid = 0;
-    struct dsec_sandbox *cfg = dsec_sandbox(&cgid);
+    u32 child = args->pid;
+    struct dsec_sandbox *cfg = dsec_track_fork(child, flags, &cgid);
     if (!cfg)
         return 0;
-    u32 child = args->pid;
-    u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    u32 parent = tgid;
-    if (flags & DSEC_CLONE_PARENT) {
-        u32 *pp = parents.lookup(&tgid);
-        parent = pp ? *pp : 0;
-    }
-    parents.update(&child, &parent);
     sig_generated.delete(&child);
     exit_info.delete(&child);
 
@@ -421,7 +414,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
         dsec_submit(e, st, DSEC_KIND_EXIT);
     }
     if (cfg) {
-        parents.delete(&tgid);
+        dsec_track_exit(tgid);
         exit_info.delete(&tgid);
         sig_generated.delete(&tgid);
     }

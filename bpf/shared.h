@@ -2,10 +2,11 @@
  * process.c, net.c, files.c) and the enforcement sensor (enforce.c).
  *
  * No maps and no map calls here: BCC rewrites map calls only in the main
- * source text, and this header is #included (see common.h). Each helper works
- * on the counters, token-bucket word or record header it is handed; the
- * sensors wrap them with their own maps (sbx_state / enf_state, parents /
- * enf_parents, events / enf_events).
+ * source text, and this header is #included (see membership.h). Each helper
+ * works on the counters, token-bucket word or record header it is handed; the
+ * sensors wrap them with their own maps (sbx_state / enf_state, events /
+ * enf_events). The sandbox lookup and the process tree both sensors keep are
+ * membership.h's.
  */
 #ifndef DSEC_SHARED_H
 #define DSEC_SHARED_H
@@ -14,6 +15,7 @@
 
 #define DSEC_SIGKILL 9
 #define DSEC_CLONE_THREAD 0x00010000ULL
+#define DSEC_CLONE_PARENT 0x00008000ULL
 
 /* hide a value's range from clang so that the mask that follows is kept for
  * the verifier */

@@ -25,7 +25,7 @@ Delivery contract (for every sink):
     disk budget evicted before this sink read them) is delivered as
     `events_lost` records (damage_event) in the same batch, so the gap shows
     in the destination, and counted in dsec.events.lost.
-  * DsecError from deliver() is fatal for this flush (a configuration
+  * ExportError from deliver() is fatal for this flush (a configuration
     problem: schema too new, bad URL ...): no retry until the next flush.
 
 Batching and flushing: `batch_records` caps a batch; `flush_interval` is the
@@ -42,20 +42,17 @@ import socket
 import time
 from dataclasses import dataclass
 
-from agent.errors import DsecError
+from exporters.errors import ExportError
+from audit_schema.errors import ReportedError
 from exporters.spool import Batch, Damage, Spool
-from audit_schema.events import FIELDS, default
+from audit_schema.events import normalize as _normalize
 
 log = logging.getLogger("dsec.exporter")
 
-_DEFAULTS = tuple((f.name, default(f)) for f in FIELDS)
-
 
 def normalize(rec: dict) -> dict:
-    """Every schema field, defaults filled in, FIELDS order (audit_schema's
-    normalize without the unknown-field check: spool records are validated)."""
-    g = rec.get
-    return {n: (v if (v := g(n)) is not None else d) for n, d in _DEFAULTS}
+    """audit_schema's normalize without the unknown-field check (spool records are validated)."""
+    return _normalize(rec, check=False)
 
 
 @dataclass
@@ -148,7 +145,7 @@ class SpoolSink:
     def __init__(self, spool: Spool | None = None, *, sink: str | None = None, batch_records: int = 10000,
                  flush_interval: float = 0.5, retry: RetryPolicy | None = None, evictable: bool | None = None):
         if batch_records < 1:
-            raise DsecError(f"{self.label}: batch_records must be >= 1, got {batch_records}")
+            raise ExportError(f"{self.label}: batch_records must be >= 1, got {batch_records}")
         self.spool = spool or Spool()
         self.sink = sink or self.kind
         self.name = self.sink
@@ -228,7 +225,7 @@ class SpoolSink:
                     self.total_sent += n
                     self.total_damaged += len(batch.damage)
                     self.attempts = 0
-                except DsecError as e:   # configuration: schema newer, bad URL ...
+                except ReportedError as e:   # configuration: schema newer (SchemaError), bad URL ...
                     self._on_failure(e)
                     res.error, res.fatal = e.message, True
                     break

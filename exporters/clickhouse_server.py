@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from agent.errors import DsecError, EXIT_USAGE
+from exporters.errors import ExportError, USAGE as EXIT_USAGE
 
 DEFAULT_TCP_PORT = 19000
 DEFAULT_HTTP_PORT = 18123
@@ -60,7 +60,7 @@ class Target:
 
 def parse_url(url: str, what: str = "DSEC_CLICKHOUSE_URL") -> Target:
     def bad(why):
-        return DsecError(f"{what}={url!r}: {why} (expected clickhouse://user:pass@host:port/db)", EXIT_USAGE)
+        return ExportError(f"{what}={url!r}: {why} (expected clickhouse://user:pass@host:port/db)", EXIT_USAGE)
     try:
         u = urlsplit(url.strip())
         port = u.port
@@ -104,7 +104,7 @@ def _env_port(name: str, default: int) -> int:
     if not v:
         return default
     if not v.isdigit() or not 0 < int(v) < 65536:
-        raise DsecError(f"{name}={v!r}: not a TCP port (1-65535)", EXIT_USAGE)
+        raise ExportError(f"{name}={v!r}: not a TCP port (1-65535)", EXIT_USAGE)
     return int(v)
 
 
@@ -112,7 +112,7 @@ def find_server_binary() -> list[str]:
     env = os.environ.get("DSEC_CLICKHOUSE_SERVER")
     if env:
         if not (os.path.isfile(env) and os.access(env, os.X_OK)):
-            raise DsecError(f"DSEC_CLICKHOUSE_SERVER={env!r}: not an executable file", EXIT_USAGE)
+            raise ExportError(f"DSEC_CLICKHOUSE_SERVER={env!r}: not an executable file", EXIT_USAGE)
         return [env]
     path = os.environ.get("PATH", "") + ":/usr/sbin:/usr/bin:/usr/local/bin"
     b = shutil.which("clickhouse-server", path=path)
@@ -121,7 +121,7 @@ def find_server_binary() -> list[str]:
     b = shutil.which("clickhouse", path=path)
     if b:
         return [b, "server"]
-    raise DsecError("no clickhouse-server found (Debian: apt-get install clickhouse-server; "
+    raise ExportError("no clickhouse-server found (Debian: apt-get install clickhouse-server; "
                     "or set DSEC_CLICKHOUSE_URL to use an existing ClickHouse)")
 
 
@@ -247,7 +247,7 @@ class PrivateServer:
         self.tcp_port = tcp_port or _env_port("DSEC_CLICKHOUSE_PORT", DEFAULT_TCP_PORT)
         self.http_port = http_port or _env_port("DSEC_CLICKHOUSE_HTTP_PORT", DEFAULT_HTTP_PORT)
         if self.tcp_port == self.http_port:
-            raise DsecError(f"ClickHouse native and HTTP ports are both {self.tcp_port}: set "
+            raise ExportError(f"ClickHouse native and HTTP ports are both {self.tcp_port}: set "
                             "DSEC_CLICKHOUSE_PORT and DSEC_CLICKHOUSE_HTTP_PORT apart", EXIT_USAGE)
         self.data_dir = os.path.join(self.home, "data")
         self.log_dir = os.path.join(self.home, "log")
@@ -305,7 +305,7 @@ class PrivateServer:
         try:
             fd = self._lock()
         except OSError as e:
-            raise DsecError(f"ClickHouse home {self.home}: {e.strerror}")
+            raise ExportError(f"ClickHouse home {self.home}: {e.strerror}")
         try:
             pid = self.pid()
             if pid is None:
@@ -318,7 +318,7 @@ class PrivateServer:
     def _spawn(self) -> int:
         for port in (self.tcp_port, self.http_port):
             if _listening(port):
-                raise DsecError(f"127.0.0.1:{port} is taken by another process (not dsec's ClickHouse in "
+                raise ExportError(f"127.0.0.1:{port} is taken by another process (not dsec's ClickHouse in "
                                 f"{self.home}): set DSEC_CLICKHOUSE_PORT / DSEC_CLICKHOUSE_HTTP_PORT, or "
                                 "DSEC_CLICKHOUSE_URL to use that server")
         binary = find_server_binary()
@@ -329,13 +329,13 @@ class PrivateServer:
             _write_if_changed(os.path.join(self.home, "users.xml"), _USERS_XML)
             out = open(os.path.join(self.log_dir, "stdout.log"), "ab")
         except OSError as e:
-            raise DsecError(f"ClickHouse home {self.home}: {e.strerror} ({e.filename})")
+            raise ExportError(f"ClickHouse home {self.home}: {e.strerror} ({e.filename})")
         try:
             proc = subprocess.Popen([*binary, f"--config-file={self.config}"], cwd=self.home,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True, close_fds=True)
         except OSError as e:
-            raise DsecError(f"cannot run {binary[0]}: {e.strerror}")
+            raise ExportError(f"cannot run {binary[0]}: {e.strerror}")
         finally:
             out.close()
         _CHILDREN[proc.pid] = proc
@@ -348,7 +348,7 @@ class PrivateServer:
             child = _CHILDREN.get(pid)
             if (child.poll() is not None) if child is not None else self.pid() != pid:
                 _CHILDREN.pop(pid, None)
-                raise DsecError(f"clickhouse-server (pid {pid}) exited during start-up: {self._last_error()}")
+                raise ExportError(f"clickhouse-server (pid {pid}) exited during start-up: {self._last_error()}")
             if _listening(self.tcp_port):
                 try:
                     from clickhouse_driver import Client
@@ -357,7 +357,7 @@ class PrivateServer:
                 except Exception:
                     pass
             if time.monotonic() > deadline:
-                raise DsecError(f"clickhouse-server (pid {pid}) did not answer on 127.0.0.1:{self.tcp_port} "
+                raise ExportError(f"clickhouse-server (pid {pid}) did not answer on 127.0.0.1:{self.tcp_port} "
                                 f"within {timeout:.0f}s; see {self.log_dir}")
             time.sleep(0.05)
 
@@ -415,7 +415,7 @@ def external_url() -> str | None:
 
 def ensure_clickhouse() -> str:
     """The ClickHouse URL to use: DSEC_CLICKHOUSE_URL, else the private server's
-    (started when it is not running). Raises DsecError with one clear line."""
+    (started when it is not running). Raises ExportError with one clear line."""
     url = external_url()
     if url:
         return url

@@ -4,7 +4,7 @@ file and the environment; and running them.
 For the node agent (agent/node/daemon.py):
 
     from exporters.configure import sinks_from_config, start_sinks, stop_sinks
-    specs = sinks_from_config(raw_sinks_section)        # validated; DsecError (exit 2) names the key
+    specs = sinks_from_config(raw_sinks_section)        # validated; ExportError (exit 2) names the key
     threads = start_sinks(spool, specs, stop_event)     # one thread per sink; t.sink is the SpoolSink
     ...
     stop_sinks(threads)                                 # after stop_event.set(): join, final flush, close
@@ -59,7 +59,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from agent.errors import DsecError, EXIT_DSEC, EXIT_USAGE
+from exporters.errors import ExportError, USAGE as EXIT_USAGE
 from exporters.base import FlushResult, RetryPolicy, SpoolSink
 
 log = logging.getLogger("dsec.exporter")
@@ -145,7 +145,7 @@ class SinkSpec:
         if c.type == "clickhouse":
             from exporters.clickhouse import ClickHouseExporter
             if c.required is False:
-                raise DsecError(f"sinks.{self.name}.required: the ClickHouse sink is always required "
+                raise ExportError(f"sinks.{self.name}.required: the ClickHouse sink is always required "
                                 f"(it is the audit store of record)", EXIT_USAGE)
             return ClickHouseExporter(spool, c.url, connect_timeout=c.connect_timeout, **kw)
         if c.required is not None:
@@ -164,14 +164,14 @@ def _validate(name: str, settings, where: str = "sinks") -> SinkSpec:
     if settings is None:
         settings = {}
     if not isinstance(settings, dict):
-        raise DsecError(f"{where}{name}: expected a mapping of settings, got {type(settings).__name__}", EXIT_USAGE)
+        raise ExportError(f"{where}{name}: expected a mapping of settings, got {type(settings).__name__}", EXIT_USAGE)
     try:
         _sink_name(str(name))
-    except DsecError as e:
-        raise DsecError(f"{where}{name}: {e.message}", EXIT_USAGE) from None
+    except ExportError as e:
+        raise ExportError(f"{where}{name}: {e.message}", EXIT_USAGE) from None
     typ = settings.get("type") or (name if name in TYPES else None)
     if typ not in TYPES:
-        raise DsecError(f"{where}{name}.type: {typ!r} is not one of {', '.join(TYPES)}"
+        raise ExportError(f"{where}{name}.type: {typ!r} is not one of {', '.join(TYPES)}"
                         if typ else f"{where}{name}: say which type (clickhouse, otlp, jsonl)", EXIT_USAGE)
     try:
         cfg = _MODELS[typ].model_validate({**settings, "type": typ})
@@ -181,13 +181,13 @@ def _validate(name: str, settings, where: str = "sinks") -> SinkSpec:
         msg = err.get("msg", "invalid").removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
             msg = f"unknown setting (settings of a {typ} sink: {', '.join(_MODELS[typ].model_fields)})"
-        raise DsecError(f"{where}{name}.{loc}: {msg}", EXIT_USAGE) from None
+        raise ExportError(f"{where}{name}.{loc}: {msg}", EXIT_USAGE) from None
     if typ == "otlp":
         from exporters.otel import _check_protocol
         try:
             _check_protocol(cfg.protocol)
-        except DsecError as e:
-            raise DsecError(f"{where}{name}: {e.message}", EXIT_USAGE) from None
+        except ExportError as e:
+            raise ExportError(f"{where}{name}: {e.message}", EXIT_USAGE) from None
     return SinkSpec(str(name), cfg)
 
 
@@ -195,13 +195,13 @@ def sinks_from_config(section: dict | None, environ=None, *, include_clickhouse:
     """The agent's sinks. `section` is the config file's `sinks:` mapping (or a
     dict holding one under "sinks"); None or {} means: from the environment
     (env_sinks). include_clickhouse=False leaves ClickHouse out (for an agent
-    that runs its ClickHouse exporter itself). Raises DsecError (exit 2)
+    that runs its ClickHouse exporter itself). Raises ExportError (exit 2)
     naming sinks.NAME.SETTING."""
     environ = os.environ if environ is None else environ
     if isinstance(section, dict) and set(section) == {"sinks"}:
         section = section["sinks"]
     if section is not None and not isinstance(section, dict):
-        raise DsecError(f"sinks: expected a mapping of sink name -> settings, got {type(section).__name__}",
+        raise ExportError(f"sinks: expected a mapping of sink name -> settings, got {type(section).__name__}",
                         EXIT_USAGE)
     if not section:
         specs = env_sinks(environ)
@@ -232,14 +232,14 @@ def env_sinks(environ=None) -> list[SinkSpec]:
         names = [n.strip() for n in want.split(",") if n.strip()]
         bad = [n for n in names if n not in TYPES]
         if bad or not names:
-            raise DsecError(f"DSEC_SINKS={want!r}: use auto or a comma-separated list of {', '.join(TYPES)}",
+            raise ExportError(f"DSEC_SINKS={want!r}: use auto or a comma-separated list of {', '.join(TYPES)}",
                             EXIT_USAGE)
     specs = []
     for n in dict.fromkeys(names):
         settings = {}
         if n == "jsonl":
             if not jsonl_path:
-                raise DsecError("DSEC_SINKS names jsonl but DSEC_JSONL_PATH (the file, or - for stdout) is not set",
+                raise ExportError("DSEC_SINKS names jsonl but DSEC_JSONL_PATH (the file, or - for stdout) is not set",
                                 EXIT_USAGE)
             settings["path"] = jsonl_path
         if n == "otlp":
@@ -328,7 +328,7 @@ def flush_sinks(spool, sinks: list, timeout: float) -> dict[str, FlushResult]:
     for s in sinks:
         try:
             built.append(s.build(spool) if isinstance(s, SinkSpec) else s)
-        except DsecError as e:
+        except ExportError as e:
             results[s.name] = FlushResult(error=e.message, fatal=True, label=s.name)
 
     def one(sink):
@@ -350,16 +350,13 @@ def flush_sinks(spool, sinks: list, timeout: float) -> dict[str, FlushResult]:
 
 def run_sinks_begin(environ=None) -> list[SinkSpec]:
     """Before a `dsec run` sandbox: validate the environment's sinks (a bad
-    setting is one clear line, exit 125, before anything runs) and start the
+    setting is one clear line before anything runs; `dsec run` exits 125) and start the
     OTel metrics pipeline when OTEL_* asks for it."""
-    try:
-        specs = [s for s in env_sinks(environ) if s.type != "clickhouse"]
-    except DsecError as e:
-        raise DsecError(e.message, EXIT_DSEC) from None
+    specs = [s for s in env_sinks(environ) if s.type != "clickhouse"]
     for s in specs:
         if s.type == "jsonl" and s.cfg.path == "-":
-            raise DsecError("DSEC_JSONL_PATH=-: in `dsec run` stdout belongs to the command; give a file "
-                            "(or use `dsec export --sink jsonl` for stdout)", EXIT_DSEC)
+            raise ExportError("DSEC_JSONL_PATH=-: in `dsec run` stdout belongs to the command; give a file "
+                            "(or use `dsec export --sink jsonl` for stdout)")
     if specs:
         configure_metrics(specs)
     return specs
@@ -373,7 +370,7 @@ def run_sinks_end(spool, timeout: float | None = None, environ=None) -> dict:
     env = os.environ if environ is None else environ
     try:
         specs = [s for s in env_sinks(env) if s.type != "clickhouse"]
-    except DsecError as e:
+    except ExportError as e:
         sys.stderr.write(f"dsec run: export: {e.message}\n")
         return {}
     if not specs:

@@ -32,7 +32,7 @@ import os
 import stat
 import sys
 
-from agent.errors import DsecError, EXIT_USAGE
+from exporters.errors import ExportError, USAGE as EXIT_USAGE
 from exporters.spool import Spool
 from exporters.base import RetryPolicy, SpoolSink, normalize
 
@@ -43,7 +43,7 @@ SINK = "jsonl"
 
 def json_line(rec: dict) -> str:
     """The `dsec events --format json` line of a record (no newline)."""
-    from agent.commands.events import to_json_line
+    from audit_schema.describe import to_json_line
     return to_json_line(normalize(rec))
 
 
@@ -56,12 +56,12 @@ class JsonlSink(SpoolSink):
                  batch_records: int = 5000, flush_interval: float = 0.5, retry: RetryPolicy | None = None,
                  evictable: bool | None = None):
         if not path:
-            raise DsecError("JSON lines sink: no path (a file, or - for stdout)", EXIT_USAGE)
+            raise ExportError("JSON lines sink: no path (a file, or - for stdout)", EXIT_USAGE)
         self.path = path if path == "-" else os.path.abspath(path)
         if self.path != "-":
             d = os.path.dirname(self.path)
             if not os.path.isdir(d):
-                raise DsecError(f"JSON lines sink: directory {d} does not exist (path {path})", EXIT_USAGE)
+                raise ExportError(f"JSON lines sink: directory {d} does not exist (path {path})", EXIT_USAGE)
         super().__init__(spool, sink=sink, batch_records=batch_records, flush_interval=flush_interval,
                          retry=retry or RetryPolicy(initial=0.1, maximum=5.0), evictable=evictable)
         self.fsync = fsync
@@ -97,7 +97,7 @@ class JsonlSink(SpoolSink):
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
             except OSError as e:
-                raise DsecError(f"JSON lines sink: cannot open {self.path}: {e.strerror}")
+                raise ExportError(f"JSON lines sink: cannot open {self.path}: {e.strerror}")
             st = os.fstat(fd)
             self._regular = stat.S_ISREG(st.st_mode)
             self._fd = fd

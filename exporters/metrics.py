@@ -340,11 +340,11 @@ class AgentMetrics:
             exporter = OTLPMetricExporter(**kw)
             ms = interval_s * 1000 if interval_s else float(os.environ.get("OTEL_METRIC_EXPORT_INTERVAL") or 60000)
             rs.append(PeriodicExportingMetricReader(exporter, export_interval_millis=ms))
+        from exporters.resource import agent_resource, dsec_version
         if resource is None:
-            from exporters.otel import agent_resource
             resource = agent_resource()
         provider = MeterProvider(metric_readers=rs, resource=resource)
-        meter = provider.get_meter("dsec.agent", version=_version())
+        meter = provider.get_meter("dsec.agent", version=dsec_version())
         hists = {}
         for name, (typ, unit, desc) in INSTRUMENTS.items():
             if typ == HISTOGRAM:
@@ -399,14 +399,6 @@ class AgentMetrics:
                 p.shutdown(timeout_millis=5000)
             except Exception:  # noqa: BLE001
                 pass
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("dsec")
-    except Exception:  # noqa: BLE001
-        return "0"
 
 
 METRICS = AgentMetrics()

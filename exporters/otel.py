@@ -74,10 +74,11 @@ import logging
 import os
 import time
 
-from agent.errors import DsecError, EXIT_USAGE
+from exporters.errors import ExportError, USAGE as EXIT_USAGE
 from exporters.spool import Spool
 from audit_schema.events import BY_NAME
 from exporters.base import RetryPolicy, SpoolSink
+from exporters.resource import agent_resource, base_resource, dsec_version as _version
 
 log = logging.getLogger("dsec.exporter.otlp")
 
@@ -210,42 +211,6 @@ def _severity(rec):
     if (d and d != "allowed") or kind in _SEV_WARN_KINDS or (kind or "").endswith(("_denied", "_violation")):
         return SeverityNumber.WARN, "WARN"
     return SeverityNumber.INFO, "INFO"
-
-
-# --- resources ---------------------------------------------------------------------
-
-_BASE_RESOURCE: dict = {}
-
-
-def base_resource():
-    """Resource.create() (OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME) with
-    service.name defaulting to "dsec" and service.version = dsec's."""
-    key = (os.environ.get("OTEL_SERVICE_NAME"), os.environ.get("OTEL_RESOURCE_ATTRIBUTES"))
-    r = _BASE_RESOURCE.get(key)
-    if r is None:
-        from opentelemetry.sdk.resources import Resource
-        r = Resource.create()
-        named = os.environ.get("OTEL_SERVICE_NAME") or any(
-            p.strip().startswith("service.name=") for p in (os.environ.get("OTEL_RESOURCE_ATTRIBUTES") or "").split(","))
-        extra = {"service.version": _version()}
-        if not named:
-            extra["service.name"] = "dsec"
-        r = _BASE_RESOURCE[key] = r.merge(Resource(extra))
-    return r
-
-
-def agent_resource(node: str | None = None):
-    """The resource of the agent's own telemetry (metrics)."""
-    from opentelemetry.sdk.resources import Resource
-    return base_resource().merge(Resource({"host.name": node or os.uname().nodename}))
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("dsec")
-    except Exception:  # noqa: BLE001
-        return "0"
 
 
 # --- ids ---------------------------------------------------------------------------
@@ -396,7 +361,7 @@ def _check_protocol(protocol: str | None):
     p = protocol or os.environ.get("OTEL_EXPORTER_OTLP_LOGS_PROTOCOL") or \
         os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
     if p != "grpc":
-        raise DsecError(f"OTLP protocol {p!r} (OTEL_EXPORTER_OTLP_PROTOCOL): dsec exports OTLP over gRPC only; "
+        raise ExportError(f"OTLP protocol {p!r} (OTEL_EXPORTER_OTLP_PROTOCOL): dsec exports OTLP over gRPC only; "
                         f"set it to grpc (a collector's gRPC receiver, usually port 4317)", EXIT_USAGE)
     return p
 
@@ -444,7 +409,7 @@ class OtlpSink(SpoolSink):
             kw["compression"] = {"gzip": Compression.Gzip, "none": Compression.NoCompression,
                                  "deflate": Compression.Deflate}.get(c)
             if kw["compression"] is None:
-                raise DsecError(f"OTLP compression {c!r}: use gzip, deflate or none", EXIT_USAGE)
+                raise ExportError(f"OTLP compression {c!r}: use gzip, deflate or none", EXIT_USAGE)
         kw["channel_options"] = _CHANNEL_OPTIONS
         return kw
 
@@ -500,7 +465,7 @@ class OtlpSink(SpoolSink):
             name = code.name if code is not None else "ERROR"
             msg = f"OTLP {what} export to {self.endpoint}: {name}: {(e.details() or '').strip()[:200]}"
             if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                raise DsecError(msg + " (check OTEL_EXPORTER_OTLP_HEADERS)")
+                raise ExportError(msg + " (check OTEL_EXPORTER_OTLP_HEADERS)")
             raise OtlpError(msg) from None
         return resp
 
@@ -526,7 +491,7 @@ class OtlpSink(SpoolSink):
         from opentelemetry.sdk._logs import ReadableLogRecord
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
         from opentelemetry.trace import TraceFlags
-        from agent.commands.events import detail
+        from audit_schema.describe import detail
         scope = self._scope or InstrumentationScope("dsec.audit", _version())
         self._scope = scope
         now = time.time_ns()

@@ -1,5 +1,9 @@
 """The durable local spool between the event decoder and the exporters.
 
+Why this file is long: the on-disk format, the writer and the reader live
+together because they must agree byte for byte (frames, cursors, damage
+recovery); every change to one is a change to the others.
+
 Layout of a spool directory (default /var/lib/dsec/spool, env DSEC_SPOOL_DIR):
 
   0000000000000001.seg   append-only segment files, consecutive numbers
@@ -93,7 +97,7 @@ import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from agent.errors import DsecError, EXIT_USAGE
+from exporters.errors import ExportError, USAGE as EXIT_USAGE
 from audit_schema.events import BY_NAME, FIELDS, KINDS
 
 log = logging.getLogger("dsec.spool")
@@ -141,46 +145,46 @@ _CHECKS = {f.name: _INT_RANGES.get(f.ch_type, f.ch_type) for f in FIELDS}
 
 
 def validate_record(rec) -> dict:
-    """Check a record against FIELDS; return it (unchanged) or raise DsecError
+    """Check a record against FIELDS; return it (unchanged) or raise ExportError
     naming the event and the field. Only non-default fields need be present."""
     if not isinstance(rec, dict):
-        raise DsecError(f"audit record: expected a dict, got {type(rec).__name__}", EXIT_USAGE)
+        raise ExportError(f"audit record: expected a dict, got {type(rec).__name__}", EXIT_USAGE)
     eid = rec.get("event_id")
     where = f"audit record {eid!r}" if isinstance(eid, str) and eid else "audit record"
     if not isinstance(eid, str) or not eid or len(eid) > 128 or not eid.isprintable():
-        raise DsecError(f"{where}: event_id must be a non-empty printable string of at most 128 chars", EXIT_USAGE)
+        raise ExportError(f"{where}: event_id must be a non-empty printable string of at most 128 chars", EXIT_USAGE)
     for name, v in rec.items():
         check = _CHECKS.get(name)
         if check is None:
-            raise DsecError(f"{where}: unknown field {name!r}", EXIT_USAGE)
+            raise ExportError(f"{where}: unknown field {name!r}", EXIT_USAGE)
         if v is None:
             continue
         if check.__class__ is tuple:
             if v.__class__ is not int and (not isinstance(v, int) or isinstance(v, bool)):
-                raise DsecError(f"{where}: field {name!r} must be an integer "
+                raise ExportError(f"{where}: field {name!r} must be an integer "
                                 f"({BY_NAME[name].ch_type}), got {type(v).__name__}", EXIT_USAGE)
             if not check[0] <= v <= check[1]:
-                raise DsecError(f"{where}: field {name!r} = {v} is out of range for {BY_NAME[name].ch_type}",
+                raise ExportError(f"{where}: field {name!r} = {v} is out of range for {BY_NAME[name].ch_type}",
                                 EXIT_USAGE)
         elif check == "String":
             if v.__class__ is not str or not _encodable(v):
-                raise DsecError(f"{where}: field {name!r} must be a str (surrogateescape for raw bytes)", EXIT_USAGE)
+                raise ExportError(f"{where}: field {name!r} must be a str (surrogateescape for raw bytes)", EXIT_USAGE)
         elif check == "Array(String)":
             if not isinstance(v, (list, tuple)) or not all(x.__class__ is str and _encodable(x) for x in v):
-                raise DsecError(f"{where}: field {name!r} must be a list of str (surrogateescape for raw bytes)",
+                raise ExportError(f"{where}: field {name!r} must be a list of str (surrogateescape for raw bytes)",
                                 EXIT_USAGE)
         else:  # a type the schema added without teaching the spool
-            raise DsecError(f"{where}: field {name!r} has type {check} the spool cannot check", EXIT_USAGE)
+            raise ExportError(f"{where}: field {name!r} has type {check} the spool cannot check", EXIT_USAGE)
     kind = rec.get("kind")
     if kind not in KINDS:
-        raise DsecError(f"{where}: kind {kind!r} is not one of {', '.join(KINDS)}", EXIT_USAGE)
+        raise ExportError(f"{where}: kind {kind!r} is not one of {', '.join(KINDS)}", EXIT_USAGE)
     return rec
 
 
 def encode_frame(rec: dict) -> bytes:
     payload = json.dumps(rec, ensure_ascii=True, separators=(",", ":")).encode("ascii")
     if len(payload) > MAX_RECORD_BYTES:
-        raise DsecError(f"audit record {rec.get('event_id')!r}: {len(payload)} bytes encoded, "
+        raise ExportError(f"audit record {rec.get('event_id')!r}: {len(payload)} bytes encoded, "
                         f"more than the spool's limit of {MAX_RECORD_BYTES} (bound the field upstream)", EXIT_USAGE)
     n = struct.pack("<I", len(payload))
     return MAGIC + n + struct.pack("<I", zlib.crc32(payload, zlib.crc32(n))) + payload
@@ -270,7 +274,7 @@ def _write_atomic(path: str, data: bytes):
 def _sink_name(sink: str) -> str:
     if not sink or not all(c.isalnum() or c in "-_." for c in sink) or sink.startswith(".") \
             or sink.endswith(".evicted") or len(sink) > 100:
-        raise DsecError(f"spool sink name {sink!r}: use 1-100 letters, digits, '-', '_', '.' "
+        raise ExportError(f"spool sink name {sink!r}: use 1-100 letters, digits, '-', '_', '.' "
                         f"(not ending in .evicted)", EXIT_USAGE)
     return sink
 
@@ -328,14 +332,14 @@ class Spool:
         self.path = os.path.abspath(path or default_dir())
         self.fsync = fsync or os.environ.get("DSEC_SPOOL_FSYNC") or "always"
         if self.fsync not in FSYNC_POLICIES:
-            raise DsecError(f"spool fsync policy {self.fsync!r} (DSEC_SPOOL_FSYNC): use one of "
+            raise ExportError(f"spool fsync policy {self.fsync!r} (DSEC_SPOOL_FSYNC): use one of "
                             f"{', '.join(FSYNC_POLICIES)}", EXIT_USAGE)
         self.fsync_interval = fsync_interval if fsync_interval is not None else \
             _env_float("DSEC_SPOOL_FSYNC_INTERVAL", 1.0)
         self.max_bytes = max_bytes if max_bytes is not None else \
             int(_env_float("DSEC_SPOOL_MAX_BYTES", DEFAULT_MAX_BYTES))
         if self.max_bytes < 4096:
-            raise DsecError(f"spool disk budget {self.max_bytes} bytes (DSEC_SPOOL_MAX_BYTES): at least 4096",
+            raise ExportError(f"spool disk budget {self.max_bytes} bytes (DSEC_SPOOL_MAX_BYTES): at least 4096",
                             EXIT_USAGE)
         # segments small enough that eviction and deletion can act within the budget
         self.segment_bytes = segment_bytes or min(DEFAULT_SEGMENT_BYTES, max(4096, self.max_bytes // 8))
@@ -343,7 +347,7 @@ class Spool:
         self.reserve_bytes = reserve_bytes if reserve_bytes is not None else \
             max(4096, min(self.max_bytes // 16, 16 << 20))
         if on_full not in ON_FULL:
-            raise DsecError(f"spool on_full={on_full!r}: use one of {', '.join(ON_FULL)}", EXIT_USAGE)
+            raise ExportError(f"spool on_full={on_full!r}: use one of {', '.join(ON_FULL)}", EXIT_USAGE)
         self.on_full = on_full
         self.dropped_total = 0           # records this object dropped (disk budget / ENOSPC)
         self._lost: dict = {}            # (sandbox_id, node) -> pending spool_full loss accounting
@@ -357,7 +361,7 @@ class Spool:
             os.makedirs(self.cursor_dir, mode=0o700, exist_ok=True)
             self._lock_fd = os.open(os.path.join(self.path, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
-            raise DsecError(f"spool {self.path}: {e.strerror}")
+            raise ExportError(f"spool {self.path}: {e.strerror}")
         self.id = self._spool_id()
         self._fd = None           # head segment fd (O_APPEND)
         self._seq = 0
@@ -457,7 +461,7 @@ class Spool:
         """Validate, frame and append records (all or none); returns how many were
         written: len(records), or 0 when the disk budget made the spool drop them
         (the drop policy, module doc; the loss is recorded, never silent).
-        Raises DsecError naming the bad record, or an I/O failure."""
+        Raises ExportError naming the bad record, or an I/O failure."""
         records = records if isinstance(records, list) else list(records)
         data = b"".join(encode_frame(validate_record(r)) for r in records)
         if not data:
@@ -467,7 +471,7 @@ class Spool:
             if not self._room(len(data)):
                 if self.on_full == "error":
                     used = self._used_bytes(exact=True)
-                    raise DsecError(f"spool {self.path} is full ({used} bytes, limit {self.max_bytes}, "
+                    raise ExportError(f"spool {self.path} is full ({used} bytes, limit {self.max_bytes}, "
                                     f"DSEC_SPOOL_MAX_BYTES): a sink is not draining it; records refused")
                 dropped = "disk budget exhausted"
             else:
@@ -477,7 +481,7 @@ class Spool:
                     if e.errno in (errno.ENOSPC, errno.EDQUOT) and self.on_full == "drop":
                         dropped = f"file system full ({e.strerror})"
                     else:
-                        raise DsecError(f"spool {self.path}: append failed: {e.strerror}; "
+                        raise ExportError(f"spool {self.path}: append failed: {e.strerror}; "
                                         f"{len(records)} record(s) not spooled")
             if dropped:
                 self._drop(records, dropped)
@@ -493,7 +497,7 @@ class Spool:
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            raise DsecError(f"spool {self.path}: cannot open a segment: {e.strerror}")
+            raise ExportError(f"spool {self.path}: cannot open a segment: {e.strerror}")
         start = os.fstat(fd).st_size
         try:
             view = memoryview(data)
@@ -715,7 +719,7 @@ class Spool:
         except FileNotFoundError:
             return None
         except (ValueError, KeyError, TypeError) as e:
-            raise DsecError(f"spool cursor {p} is unreadable ({e}); delete it to re-deliver everything "
+            raise ExportError(f"spool cursor {p} is unreadable ({e}); delete it to re-deliver everything "
                             f"still in the spool to sink {sink!r}")
 
     _KEEP = object()
@@ -725,7 +729,7 @@ class Spool:
         if state is Spool._KEEP or evictable is Spool._KEEP:
             try:
                 old = self.load_cursor_doc(sink) or {}
-            except DsecError:
+            except ExportError:
                 old = {}
             if state is Spool._KEEP:
                 state = old.get("state")
@@ -795,7 +799,7 @@ def _env_float(name, default):
     try:
         return float(v)
     except ValueError:
-        raise DsecError(f"{name}={v!r}: not a number", EXIT_USAGE)
+        raise ExportError(f"{name}={v!r}: not a number", EXIT_USAGE)
 
 
 class SpoolReader:
@@ -965,8 +969,8 @@ class SpoolReader:
                     validate_record(rec)
                     batch.records.append(rec)
                     batch.positions.append((pos.segment, base + p))
-                except (ValueError, RecursionError, DsecError) as e:
-                    msg = e.message if isinstance(e, DsecError) else f"invalid JSON ({e})"
+                except (ValueError, RecursionError, ExportError) as e:
+                    msg = e.message if isinstance(e, ExportError) else f"invalid JSON ({e})"
                     batch.damage.append(self._damage(pos.segment, base + p, val - p, f"invalid record: {msg}",
                                                      payload=payload.decode("ascii", "backslashreplace")))
                 p = val

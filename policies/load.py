@@ -9,7 +9,7 @@ else is a file path. Errors look like
 
     p.yaml:7: spec.syscalls.allow[3]: unknown syscall 'opne' (did you mean 'open'?)
 
-load_policy raises PolicyError (a DsecError, exit code 2) whose message is the
+load_policy raises PolicyError (a PoliciesError, exit code 2) whose message is the
 first error by line; `check` returns all errors and warnings. Input is bounded
 (MAX_BYTES), must be UTF-8, a single YAML document, a mapping at the top; YAML
 anchors/aliases, merge keys, duplicate keys and non-string keys are rejected.

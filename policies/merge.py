@@ -33,7 +33,7 @@ from __future__ import annotations
 import ipaddress
 import json
 
-from policies import learn as L
+from policies import provenance as P
 from policies import model as m
 from policies import syscalls as sc
 from policies.model import Policy, PolicyError, port_range
@@ -162,16 +162,16 @@ def _merge_egress(eds: list[dict | None], labels: list[str], notes: list[str]) -
             for r in e.get("deny", []):
                 k = json.dumps(r, sort_keys=True)
                 if k not in common:
-                    notes.append(f"merge: egress deny rule {L.egress_key(r)} is not in every default-allow input: "
+                    notes.append(f"merge: egress deny rule {P.egress_key(r)} is not in every default-allow input: "
                                  "dropped (another input allows it)")
                     continue
                 ov = [_overlap(r, o) for o in others]
                 if any(ov):
-                    notes.append(f"merge: egress deny rule {L.egress_key(r)} overlaps what a default-deny input "
+                    notes.append(f"merge: egress deny rule {P.egress_key(r)} overlaps what a default-deny input "
                                  "allows: dropped")
                     continue
                 if None in ov:
-                    notes.append(f"merge: egress deny rule {L.egress_key(r)} may overlap a host rule of a "
+                    notes.append(f"merge: egress deny rule {P.egress_key(r)} may overlap a host rule of a "
                                  "default-deny input: dropped")
                     continue
                 if r not in rules:
@@ -199,7 +199,7 @@ def _merge_exec(xs: list[dict | None], labels, notes) -> dict | None:
 
 def covering_path(p: str, paths: list[str]) -> str:
     for q in sorted(paths, key=len):
-        if q != p and L.under(p, q):
+        if q != p and P.under(p, q):
             return q
     return p
 
@@ -214,11 +214,11 @@ def _merge_files(fs: list[dict | None], labels, notes) -> dict | None:
 # ---------------------------------------------------------------- provenance
 
 def _merged_provenance(policies: list[Policy], cds: list[dict], labels: list[str], spec: dict) -> dict:
-    prov = L.new_provenance()
+    prov = P.new_provenance()
     run_ids = set()
     parts: list[tuple[str, dict]] = []            # (section, {key: entry}) per input, before re-keying
     for p, cd, lb in zip(policies, cds, labels):
-        pv = L.provenance(p) or L.new_provenance()
+        pv = P.provenance(p) or P.new_provenance()
         for r in pv["runs"]:
             if r["id"] not in run_ids:
                 run_ids.add(r["id"])
@@ -229,12 +229,12 @@ def _merged_provenance(policies: list[Policy], cds: list[dict], labels: list[str
         s = cd["spec"]
         own = {
             "syscalls": s["syscalls"].get("allow", []) if s["syscalls"]["default"] == "deny" else [],
-            "egress": [L.egress_key(r) for r in (s.get("egress") or {}).get("allow", [])],
+            "egress": [P.egress_key(r) for r in (s.get("egress") or {}).get("allow", [])],
             "dns": list((s.get("egress") or {}).get("dns", [])),
             "exec": list((s.get("exec") or {}).get("allow", [])),
             "files": list((s.get("files") or {}).get("writable", [])),
         }
-        for sec in L.SECTIONS:
+        for sec in P.SECTIONS:
             entries = dict(pv[sec])
             for k in own[sec]:
                 if k not in entries:
@@ -247,7 +247,7 @@ def _merged_provenance(policies: list[Policy], cds: list[dict], labels: list[str
         sys_ok = set(final_sys.get("allow", []))
     else:
         sys_ok = set(sc.names()) - set(final_sys.get("deny", []))
-    egress_keys = {L.egress_key(r) for r in (spec.get("egress") or {}).get("allow", [])}
+    egress_keys = {P.egress_key(r) for r in (spec.get("egress") or {}).get("allow", [])}
     dns = set((spec.get("egress") or {}).get("dns", []))
     pats = (spec.get("exec") or {}).get("allow", [])
     paths = (spec.get("files") or {}).get("writable", [])
@@ -275,7 +275,7 @@ def _merged_provenance(policies: list[Policy], cds: list[dict], labels: list[str
                     continue
                 if tgt != k and not e.get("seen"):
                     e = {**e, "seen": {k: dict(e.get("runs") or {})}}
-            L.merge_entry(prov[sec].setdefault(tgt, {"runs": {}}), e)
+            P.merge_entry(prov[sec].setdefault(tgt, {"runs": {}}), e)
     return prov
 
 
@@ -291,7 +291,7 @@ def merge_with_notes(policies, *, name: str | None = None, mode: str | None = No
             raise PolicyError(f"merge: expected policies, got {type(p).__name__}")
     if mode is not None and mode not in m.MODES:
         raise PolicyError(f"unknown mode {mode!r}: use one of {', '.join(m.MODES)}")
-    if name is not None and L._valid(m._check_name, name) is None:
+    if name is not None and P._valid(m._check_name, name) is None:
         raise PolicyError(f"invalid policy name {name!r}: use 1-63 of [a-z0-9._-], starting and ending alphanumeric")
     cds = [m.canonical(p) for p in policies]
     labels = [_label(p) for p in policies]
@@ -311,21 +311,21 @@ def merge_with_notes(policies, *, name: str | None = None, mode: str | None = No
     prov["notes"] += [n for n in notes if n not in prov["notes"]]
     ann: dict = {}
     for p in policies:
-        for k, v in L.strip_provenance(p.metadata.annotations).items():
+        for k, v in P.strip_provenance(p.metadata.annotations).items():
             if k in (MERGED_KEY,):
                 continue
             ann.setdefault(k, v)
     if len(policies) > 1:
         merged_from = ", ".join(f"{lb} sha256:{p.hash[:16]}" for lb, p in zip(labels, policies))
         ann[MERGED_KEY] = merged_from[:m.ANNOTATION_VALUE_MAX]
-    has_prov = len(policies) > 1 or any(L.provenance(p) for p in policies)
+    has_prov = len(policies) > 1 or any(P.provenance(p) for p in policies)
     if has_prov:
-        ann[L.SUMMARY_KEY] = L._summary(prov) if prov["runs"] else ann.get(L.SUMMARY_KEY, "merged")
+        ann[P.SUMMARY_KEY] = P._summary(prov) if prov["runs"] else ann.get(P.SUMMARY_KEY, "merged")
         room = m.ANNOTATIONS_MAX - len(ann)
         if room < 1:
             raise PolicyError(f"merge: the inputs carry {len(ann)} annotations, no room left for the provenance "
                               f"(at most {m.ANNOTATIONS_MAX})")
-        ann.update(L.provenance_annotations(prov, room=min(room, L.MAX_CHUNKS)))
+        ann.update(P.provenance_annotations(prov, room=min(room, P.MAX_CHUNKS)))
     if len(ann) > m.ANNOTATIONS_MAX:
         raise PolicyError(f"merge: the inputs carry {len(ann)} annotations together (at most {m.ANNOTATIONS_MAX})")
     data = {"apiVersion": m.API_VERSION, "kind": m.KIND,

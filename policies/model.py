@@ -14,8 +14,8 @@ Three layers:
   * `normalize(policy)` sorts, de-duplicates and fills defaults, so two files
     that mean the same thing have the same `content_hash`.
 
-Everything here is pure: no kernel access, no agent imports (only the error
-base class from agent.errors).
+Everything here is pure: no kernel access, no agent imports (errors are
+policies.errors types).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       ValidationInfo, model_validator)
 from pydantic_core import PydanticCustomError
 
-from agent.errors import DsecError, EXIT_USAGE
+from policies.errors import PoliciesError, USAGE as EXIT_USAGE
 from policies import syscalls as sc
 
 API_VERSION = "dsec/v1"
@@ -79,7 +79,7 @@ ANNOTATIONS_MAX = 64
 ANNOTATION_VALUE_MAX = 4096
 
 
-class PolicyError(DsecError):
+class PolicyError(PoliciesError):
     """A policy that cannot be used. `message` is the first error (file:line: path: what);
     `errors` and `warnings` hold all of them."""
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from agent.errors import DsecError, EXIT_USAGE
+from policies.errors import PoliciesError, USAGE as EXIT_USAGE
 from policies.model import Policy, PolicyError
 
 DEFAULT_WINDOW_S = 7 * 86400
@@ -43,7 +43,7 @@ _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DUR = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.I)
 
 
-class PromoteError(DsecError):
+class PromoteError(PoliciesError):
     def __init__(self, message: str):
         super().__init__(message, EXIT_USAGE)
 
@@ -267,7 +267,7 @@ def promoted_text(original: str | None, promoted: Policy, header: list[str] | No
                 again = load_policy_text(edited, "<promoted>")
                 if canonical(again) == canonical(promoted):
                     return edited
-            except DsecError:
+            except PoliciesError:
                 pass
     from policies.learn import render
     return render(promoted, header)

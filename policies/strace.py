@@ -1,5 +1,8 @@
 """`strace -f` output -> a learning run (the structure policies.learn derives from).
 
+Why this file is long: one parser for every strace output variant (see below),
+with the argument decoding of each syscall family it learns from.
+
     run = parse_strace_file("trace.log")          # {run_id, records, syscall_counts, source, stats}
     runs = parse_strace_files(["a.log", "b.log"]) # one run per file; `-ff` outputs (LOG.PID) grouped
     run = parse_strace(lines, source="<text>")    # any iterable of lines (str or bytes)
@@ -44,7 +47,7 @@ extra.path_unresolved (policies.learn reports them, never guesses).
 
 Never raises on content: a line that cannot be parsed is counted (with a
 sample) and skipped. Reading a file that does not exist or is not regular
-raises StraceError (a DsecError, exit 2).
+raises StraceError (a PoliciesError, exit 2).
 """
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ import re
 import stat
 from collections import Counter
 
-from agent.errors import DsecError, EXIT_USAGE
+from policies.errors import PoliciesError, USAGE as EXIT_USAGE
 from audit_schema.events import from_bytes
 from policies import syscalls as sc
 
@@ -77,7 +80,7 @@ MKDIR_CALLS = {"mkdir": (None, 0), "mkdirat": (0, 1)}
 FORK_CALLS = ("clone", "clone3", "fork", "vfork")
 
 
-class StraceError(DsecError):
+class StraceError(PoliciesError):
     def __init__(self, message: str):
         super().__init__(message, EXIT_USAGE)
 

@@ -39,7 +39,8 @@ import sys
 import time
 import uuid
 
-from agent.errors import DsecError
+from replay.errors import ReplayError
+from audit_schema.errors import ReportedError
 from replay.store import AuditStore, decode_row, sql_int, sql_string
 from audit_schema.migrations import EVENTS_TABLE, quote_ident
 
@@ -58,7 +59,7 @@ WHAT_SQL = ("multiIf("
 def _hash_literal(policy_hash: str) -> str:
     if not isinstance(policy_hash, str) or len(policy_hash) != 64 or any(c not in "0123456789abcdef"
                                                                           for c in policy_hash):
-        raise DsecError(f"invalid policy hash {policy_hash!r}: expected 64 lowercase hex digits", 2)
+        raise ReplayError(f"invalid policy hash {policy_hash!r}: expected 64 lowercase hex digits", 2)
     return sql_string(policy_hash)
 
 
@@ -124,7 +125,7 @@ def _query(store: AuditStore, sql: str, names) -> list[dict]:
     try:
         rows = client.execute(sql, settings={"strings_as_bytes": True})
     except Exception as e:
-        raise DsecError(f"ClickHouse query failed: {_first_line(e)}") from None
+        raise ReplayError(f"ClickHouse query failed: {_first_line(e)}") from None
     return [decode_row(names, r) for r in rows]
 
 
@@ -195,7 +196,7 @@ def promotion_record(decision, *, policy_file: str = "", output: str = "", argv=
 
 def record_promotion(store: AuditStore, decision, **kw) -> dict:
     """Write the promotion as an event row (creating/migrating the schema if needed).
-    Raises DsecError when it cannot be written: a promotion is never left unrecorded."""
+    Raises ReplayError when it cannot be written: a promotion is never left unrecorded."""
     from audit_schema.events import normalize
     from audit_schema.migrations import migrate
     from audit_schema.events import FIELD_NAMES
@@ -207,10 +208,10 @@ def record_promotion(store: AuditStore, decision, **kw) -> dict:
         store.version = store.version or 1
         client.execute(f"INSERT INTO {quote_ident(store.db)}.{EVENTS_TABLE} ({', '.join(FIELD_NAMES)}) VALUES",
                        columns_for([rec]), columnar=True, types_check=False, settings={"strings_as_bytes": True})
-    except DsecError:
+    except ReportedError:
         raise
     except Exception as e:
-        raise DsecError(f"cannot record the promotion in ClickHouse: {_first_line(e)}") from None
+        raise ReplayError(f"cannot record the promotion in ClickHouse: {_first_line(e)}") from None
     return rec
 
 

@@ -30,7 +30,7 @@ import re
 import time
 from datetime import datetime, timezone
 
-from agent.errors import DsecError, EXIT_USAGE
+from replay.errors import ReplayError, USAGE as EXIT_USAGE
 from replay.store import sql_int, sql_string
 from audit_schema.migrations import EVENTS_TABLE, parse_version, quote_ident
 
@@ -82,7 +82,7 @@ def glob_to_like(pattern: str) -> str:
 def path_condition(col: str, pattern: str) -> str:
     """exact absolute path | basename (no '/') | glob (* ?)."""
     if not pattern:
-        raise DsecError("empty path pattern", EXIT_USAGE)
+        raise ReplayError("empty path pattern", EXIT_USAGE)
     if any(c in pattern for c in "*?"):
         return f"{col} LIKE {sql_string(glob_to_like(pattern))}"
     if "/" not in pattern:
@@ -93,7 +93,7 @@ def path_condition(col: str, pattern: str) -> str:
 def under_condition(col: str, root: str) -> str:
     """col is root or below it ('/etc' matches /etc and /etc/x, not /etcetera)."""
     if not root.startswith("/"):
-        raise DsecError(f"--under {root!r}: not an absolute path", EXIT_USAGE)
+        raise ReplayError(f"--under {root!r}: not an absolute path", EXIT_USAGE)
     root = root.rstrip("/") or "/"
     if root == "/":
         return f"startsWith({col}, '/')"
@@ -104,7 +104,7 @@ def parse_cidr(text: str):
     try:
         return ipaddress.ip_network(text.strip(), strict=False)
     except ValueError as e:
-        raise DsecError(f"--cidr {text!r}: {e}", EXIT_USAGE)
+        raise ReplayError(f"--cidr {text!r}: {e}", EXIT_USAGE)
 
 
 def cidr_condition(net, modern: bool) -> str:
@@ -127,12 +127,12 @@ def execs_sql(db: str, *, sha256: str | None = None, path: str | None = None, si
     if sha256:
         s = sha256.strip().lower()
         if not SHA256_RE.match(s):
-            raise DsecError(f"--sha256 {sha256!r}: expected 64 hex digits", EXIT_USAGE)
+            raise ReplayError(f"--sha256 {sha256!r}: expected 64 hex digits", EXIT_USAGE)
         pre, where = f"sha256 = {sql_string(s)}", ["kind = 'exec'"]
     elif path:
         pre, where = path_condition("path", path), [_kinds(EXEC_KINDS)]
     else:
-        raise DsecError("give --sha256 or --path", EXIT_USAGE)
+        raise ReplayError("give --sha256 or --path", EXIT_USAGE)
     where += _window(since_ns, until_ns)
     return (f"SELECT sandbox_id, any(node) AS node, min(ts_ns) AS first_ns, max(ts_ns) AS last_ns,\n"
             f"  uniqExact(event_id) AS events, arraySort(groupUniqArray(step)) AS steps,\n"
@@ -152,7 +152,7 @@ def connects_sql(db: str, cidr: str, *, port: int | None = None, since_ns=None, 
     where = [_kinds(CONNECT_KINDS)]
     if port is not None:
         if not 0 < int(port) < 65536:
-            raise DsecError(f"--port {port}: not a port (1-65535)", EXIT_USAGE)
+            raise ReplayError(f"--port {port}: not a port (1-65535)", EXIT_USAGE)
         where.append(f"port = {sql_int(int(port))}")
     where += _window(since_ns, until_ns)
     return (f"SELECT sandbox_id, any(node) AS node, min(ts_ns) AS first_ns, max(ts_ns) AS last_ns,\n"
@@ -190,7 +190,7 @@ def denials_sql(db: str, policy_hash: str, since_ns=None, until_ns=None, *, limi
     db = quote_ident(db)
     h = (policy_hash or "").strip().lower()
     if not HASH_PREFIX_RE.match(h):
-        raise DsecError(f"--policy-hash {policy_hash!r}: expected 8 to 64 hex digits", EXIT_USAGE)
+        raise ReplayError(f"--policy-hash {policy_hash!r}: expected 8 to 64 hex digits", EXIT_USAGE)
     cond = f"policy_hash = {sql_string(h)}" if len(h) == 64 else f"startsWith(policy_hash, {sql_string(h)})"
     # both filters in PREWHERE: the other 19 columns are read only for the denials themselves
     pre = f"{cond} AND decision IN ('denied', 'would-deny')"
@@ -264,7 +264,7 @@ class Search:
             h = kw.pop("policy_hash")
             kw.pop("limit", None)
             return denial_totals_sql(db, h, **kw), ("kind", "decision", "events", "sandboxes")
-        raise DsecError(f"unknown question {question!r}", EXIT_USAGE)
+        raise ReplayError(f"unknown question {question!r}", EXIT_USAGE)
 
     def _db(self) -> str:
         self.store.client()
@@ -304,7 +304,7 @@ def parse_time(text: str, what: str = "--since", now: float | None = None) -> in
     is given) | 2026-11-29 | 2h / 30m / 7d (ago) | epoch seconds | epoch ns."""
     s = (text or "").strip()
     if not s:
-        raise DsecError(f"{what}: empty time", EXIT_USAGE)
+        raise ReplayError(f"{what}: empty time", EXIT_USAGE)
     now = time.time() if now is None else now
     m = _REL.match(s)
     if m:
@@ -316,7 +316,7 @@ def parse_time(text: str, what: str = "--since", now: float | None = None) -> in
     try:
         dt = datetime.fromisoformat(iso)
     except ValueError:
-        raise DsecError(f"{what} {text!r}: not a time (examples: 2026-11-29T22:00:00Z, '2026-11-29 22:00', "
+        raise ReplayError(f"{what} {text!r}: not a time (examples: 2026-11-29T22:00:00Z, '2026-11-29 22:00', "
                         "2h, 7d, epoch seconds)", EXIT_USAGE) from None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)

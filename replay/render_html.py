@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import html
 import json
-import shlex
-
-from replay.render_text import _show, describe
+from audit_schema.describe import argv_text, line as describe, printable
 from replay.report import to_dict
 from replay.trajectory import Proc, Trajectory
 
@@ -43,11 +41,11 @@ def mark_count(t: Trajectory) -> int:
 
 
 def _e(s) -> str:
-    return html.escape(_show(str(s), 400), quote=True)
+    return html.escape(printable(s, 400), quote=True)
 
 
 def _argv(argv, limit=160) -> str:
-    return _e(_show(" ".join(shlex.quote(str(a)) for a in argv), limit))
+    return _e(argv_text(argv, limit))
 
 
 def _ts(t: Trajectory, ns) -> str:
@@ -119,14 +117,14 @@ def render(t: Trajectory, unattributed_lost: list | None = None, title: str | No
         m = {k: r.get(k) for k in keep if r.get(k) not in (None, "", [], 0)}
         m["ts_ns"] = r["ts_ns"] - t0
         m["step"] = r.get("step", 0)
-        m["label"] = _show(describe(r), 200)
+        m["label"] = printable(describe(r), 200)
         if m.get("argv"):
             m["argv"] = m["argv"][:8]
         marks.append(m)
     chart = {"t0": 0, "t_end": max([r["ts_ns"] for r in t.records] or [t0]) - t0,
              "steps": [{"n": s.n, "start": s.start_ns - t0 if s.start_ns else 0,
                         "end": (s.end_ns or s.start_ns) - t0 if (s.end_ns or s.start_ns) else 0, "status": s.status(),
-                        "argv": _show(" ".join(shlex.quote(str(a)) for a in s.argv), 120)} for s in t.steps],
+                        "argv": argv_text(s.argv, 120)} for s in t.steps],
              "marks": marks, "expected_marks": len(marks),
              "lost": [{"ts_ns": r["ts_ns"] - t0, "count": r.get("count"), "step": r.get("step", 0)}
                       for r in t.lost_markers],

@@ -1,94 +1,24 @@
 """Render a Trajectory for a terminal: header, steps, denials, then per step its
 process tree and timeline, then the file-change manifest.
 
-Everything that comes from the sandbox (paths, argv, comm) goes through _show:
-undecodable bytes and control characters are printed as escapes, so a hostile
-file name cannot drive the terminal."""
+Everything that comes from the sandbox (paths, argv, comm) goes through the
+one describer (audit_schema/describe.py): undecodable bytes and control
+characters are printed as escapes, so a hostile file name cannot drive the
+terminal."""
 from __future__ import annotations
 
-import errno
-import shlex
-
+from audit_schema.describe import argv_text, line, printable
 from replay.trajectory import Proc, Trajectory
 
-O_FLAGS = ((0o1, "O_WRONLY"), (0o2, "O_RDWR"), (0o100, "O_CREAT"), (0o1000, "O_TRUNC"),
-           (0o2000, "O_APPEND"), (0o200, "O_EXCL"))
-
-
-def _show(s: str, limit: int = 120) -> str:
-    """Printable form of a surrogateescape string: bad bytes as \\xHH, control chars escaped."""
-    b = str(s).encode("utf-8", "surrogateescape")
-    text = b.decode("utf-8", "backslashreplace")
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+def _show(s, limit: int = 120) -> str:
+    return printable(s, limit)
 
 
 def _argv(argv, limit=100) -> str:
-    return _show(" ".join(shlex.quote(str(a)) for a in argv), limit)
+    return argv_text(argv, limit)
 
 
-def _flags(f: int) -> str:
-    names = [n for bit, n in O_FLAGS if f & bit]
-    return "|".join(names) or "O_RDONLY"
-
-
-def _ret(r: dict) -> str:
-    v = int(r.get("ret") or 0)
-    if v >= 0:
-        return "ok"
-    return errno.errorcode.get(-v, str(v))
-
-
-def _dest(r: dict) -> str:
-    addr = r.get("addr", "")
-    if r.get("family") == "ipv6":
-        return f"[{addr}]:{r.get('port')}"
-    if r.get("family") == "unix":
-        return _show(addr)
-    return f"{addr}:{r.get('port')}"
-
-
-def describe(r: dict) -> str:
-    k = r["kind"]
-    if k == "exec":
-        s = f"exec     {_show(r.get('path', ''))}  {_argv(r.get('argv') or [])}"
-        if r.get("argv_truncated"):
-            s += " [argv truncated]"
-        if int(r.get("ret") or 0) < 0:
-            s += f" -> {_ret(r)}"
-        return s
-    if k == "fork":
-        return f"fork     child {r.get('child_pid')}"
-    if k == "exit":
-        return "exit     " + (f"signal {r['signal']}" if r.get("signal") else f"code {r.get('exit_code')}")
-    if k == "connect":
-        return f"connect  {r.get('family')} {_dest(r)} -> {_ret(r)}"
-    if k == "open_write":
-        return f"write    {_show(r.get('path', ''))} ({_flags(int(r.get('flags') or 0))}) -> {_ret(r)}"
-    if k == "unlink":
-        return f"unlink   {_show(r.get('path', ''))} -> {_ret(r)}"
-    if k == "rename":
-        return f"rename   {_show(r.get('path', ''))} -> {_show(r.get('path2', ''))} : {_ret(r)}"
-    if k in ("syscall_denied", "syscall_violation"):
-        n = r.get("count") or 1
-        return f"{k:17} {r.get('syscall') or '?'}" + (f" x{n}" if n > 1 else "")
-    if k in ("exec_denied", "exec_violation"):
-        return f"{k:17} {_show(r.get('path', ''))}"
-    if k in ("egress_denied", "egress_violation"):
-        return f"{k:17} {r.get('protocol') or r.get('family') or ''} {_dest(r)}"
-    if k == "events_lost":
-        return f"!! LOST  {r.get('count')} events not recorded ({_show(r.get('extra', ''), 80)})"
-    if k == "sandbox_start":
-        return f"start    {_argv(r.get('argv') or [])}" if r.get("argv") else "start    sandbox created"
-    if k == "sandbox_exit":
-        return "end      " + (f"signal {r['signal']}" if r.get("signal") else f"exit {r.get('exit_code')}")
-    if k == "step_start":
-        return f"step     start: {_argv(r.get('argv') or [])}"
-    if k == "step_end":
-        return "step     end: " + (f"signal {r['signal']}" if r.get("signal") else f"exit {r.get('exit_code')}")
-    if k == "lifecycle":
-        return f"agent    {_show(r.get('extra', ''), 100)}"
-    return f"{k:8} {_show(r.get('path', ''))}"
+describe = line      # one timeline row per event: audit_schema/describe.py
 
 
 def _tree_lines(p: Proc, prefix: str, last: bool, root: bool, out: list[str], step=None):

@@ -1,7 +1,8 @@
 """Re-run a recorded sandbox's steps in a fresh sandbox and compare.
 
     plan = plan_rerun(trajectory, policy=None)      # recorded rootfs, resources, policy, steps
-    new_id, results = execute(plan)                 # through the node agent if one runs, else in-process
+    new_id, results, summary = run_via_agent(plan, client)   # through the node agent's SDK
+    # (or agent/sensors/inprocess.py rerun(plan): the same in this process, when no agent runs)
     new = reconstruct(new_id, store.events(new_id))
     diff = compare(trajectory, new, plan)           # per step: exit status, execs, connects, writes, denials
     print(render_diff(diff))
@@ -31,7 +32,8 @@ import os
 import shlex
 from dataclasses import dataclass, field
 
-from agent.errors import DsecError, EXIT_USAGE
+from replay.errors import ReplayError, USAGE as EXIT_USAGE
+from audit_schema.errors import ReportedError
 from replay.trajectory import REDACTED, Trajectory, dest
 
 DEFAULT_STEP_TIMEOUT = 600.0
@@ -60,7 +62,7 @@ class Plan:
 
 def recorded_policy(t: Trajectory):
     """The policy the sandbox ran under, rebuilt from the record, or None when it ran
-    without one. Raises DsecError when the record names a policy this dsec cannot rebuild."""
+    without one. Raises ReplayError when the record names a policy this dsec cannot rebuild."""
     ident = t.policy
     if not ident:
         return None, "none recorded"
@@ -71,16 +73,16 @@ def recorded_policy(t: Trajectory):
     elif is_builtin_ref(ident["name"]):
         try:
             p = load_policy(ident["name"])
-        except DsecError:
+        except ReportedError:
             p = None
         if p is not None and p.hash != ident["hash"]:
-            raise DsecError(f"sandbox {t.sandbox_id} ran policy {ident['name']} with hash {ident['hash'][:16]}, "
+            raise ReplayError(f"sandbox {t.sandbox_id} ran policy {ident['name']} with hash {ident['hash'][:16]}, "
                             f"but the built-in {ident['name']} now hashes to {p.hash[:16]}: pass --policy FILE "
                             f"(the record keeps the policy's hash, not its text)", EXIT_USAGE)
     else:
         p = None
     if p is None:
-        raise DsecError(f"sandbox {t.sandbox_id} ran policy {ident['name']} (hash {ident['hash'][:16]}), which is "
+        raise ReplayError(f"sandbox {t.sandbox_id} ran policy {ident['name']} (hash {ident['hash'][:16]}), which is "
                         f"not a built-in: pass --policy FILE to re-run it (the record keeps the policy's name "
                         f"and hash, not its text)", EXIT_USAGE)
     if ident.get("mode") and ident["mode"] != p.mode:
@@ -99,7 +101,7 @@ def plan_rerun(t: Trajectory, policy=None, *, mode: str | None = None, env: dict
         source += f", mode {mode}"
     i = t.info or {}
     if not t.start:
-        raise DsecError(f"sandbox {t.sandbox_id}: no sandbox_start record, so its rootfs and resources are "
+        raise ReplayError(f"sandbox {t.sandbox_id}: no sandbox_start record, so its rootfs and resources are "
                         "unknown: cannot re-run it", 1)
     rootfs = i.get("rootfs")
     sb = {"network": i.get("network") or "none", "memory": i.get("memory"), "cpus": i.get("cpus"),
@@ -107,13 +109,13 @@ def plan_rerun(t: Trajectory, policy=None, *, mode: str | None = None, env: dict
           "rootfs": None if rootfs in (None, "", "default") else rootfs}
     plan = Plan(t.sandbox_id, sb, policy, source, sandbox_id=sandbox_id)
     if sb["rootfs"] and not os.path.isdir(sb["rootfs"]):
-        raise DsecError(f"the recorded rootfs {sb['rootfs']} does not exist on this node", 1)
+        raise ReplayError(f"the recorded rootfs {sb['rootfs']} does not exist on this node", 1)
     given = dict(env or {})
     if not t.steps:
-        raise DsecError(f"sandbox {t.sandbox_id}: no steps recorded, nothing to re-run", 1)
+        raise ReplayError(f"sandbox {t.sandbox_id}: no steps recorded, nothing to re-run", 1)
     for s in t.steps:
         if not s.argv:
-            raise DsecError(f"sandbox {t.sandbox_id} step {s.n}: its command is not in the record "
+            raise ReplayError(f"sandbox {t.sandbox_id} step {s.n}: its command is not in the record "
                             f"({'; '.join(s.missing) or 'no argv'})", 1)
         step_env = None
         if s.env is not None:
@@ -152,66 +154,9 @@ class StepRun:
     wall_ms: int
 
 
-def _memfd(data: bytes) -> int:
-    fd = os.memfd_create("dsec-replay-stdin", os.MFD_CLOEXEC)
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
 def new_replay_id() -> str:
     """Re-run sandboxes are named replay-<hex> (and labelled replay_of=<original id>)."""
     return "replay-" + os.urandom(6).hex()
-
-
-def spec_for(plan: Plan, sandbox_id: str):
-    from agent.sandbox.launcher import SandboxSpec
-    sb = plan.sandbox
-    kw = {k: sb[k] for k in ("network", "user", "workdir", "rootfs") if sb.get(k) is not None}
-    for k in ("memory", "cpus", "pids"):
-        if sb.get(k) is not None:
-            kw[k] = sb[k]
-    return SandboxSpec(argv=[], sandbox_id=sandbox_id, policy=plan.policy, **kw)
-
-
-def run_in_process(plan: Plan, *, spool=None, url: str | None = None, flush_timeout: float = 30.0,
-                   recorder=None) -> tuple[str, list[StepRun], dict]:
-    """The fresh sandbox in this process (Sandbox + Recorder, like `dsec run`), then the
-    record is flushed to ClickHouse. Returns (sandbox id, step results, summary)."""
-    from agent.sandbox.launcher import Sandbox
-    from agent.sensors.recorder import Recorder, SandboxWatch
-    from exporters.clickhouse import flush
-    sid = plan.sandbox_id or new_replay_id()
-    own = recorder is None
-    rec = recorder or Recorder(spool=spool)
-    results: list[StepRun] = []
-    try:
-        spec = spec_for(plan, sid)
-        watch = SandboxWatch(rec, spec, labels={"replay_of": plan.original})
-        sb = Sandbox(spec, **watch.hooks()).start()
-        try:
-            for st in plan.steps:
-                fd = _memfd(st.stdin) if st.stdin is not None else None
-                try:
-                    r = sb.exec(st.argv, env=st.env, workdir=st.workdir, stdin=fd, timeout=st.timeout,
-                                stdin_bytes=st.stdin)
-                finally:
-                    if fd is not None:
-                        os.close(fd)
-                results.append(StepRun(st.n, r.code, r.exit_code, r.signal, r.timed_out, r.error, r.wall_ms))
-        finally:
-            summary = sb.close()
-    finally:
-        if own:
-            rec.close()
-    res = flush(rec.spool, url=url, timeout=flush_timeout)
-    if not res.ok:
-        raise DsecError(f"re-run {sid}: its record did not reach ClickHouse ({res.summary()}); "
-                        "`dsec export` delivers it later", 1)
-    return sid, results, summary
 
 
 def run_via_agent(plan: Plan, client) -> tuple[str, list[StepRun], dict]:
@@ -237,29 +182,12 @@ def run_via_agent(plan: Plan, client) -> tuple[str, list[StepRun], dict]:
             except SandboxStopped as e:
                 r = e.result
                 if r is None:
-                    raise DsecError(f"re-run {sb.id}: {e.message}", 1)
+                    raise ReplayError(f"re-run {sb.id}: {e.message}", 1)
             results.append(StepRun(st.n, r.code, r.exit_code, r.signal or None, r.timed_out, r.error or None,
                                    r.wall_ms))
     finally:
         info = sb.close()
     return sb.id, results, info.summary or {}
-
-
-def execute(plan: Plan, *, url: str | None = None, spool=None, use_agent: bool = True):
-    """Through the node agent when one answers (DSEC_AGENT_SOCKET), else in-process.
-    Returns (sandbox id, step results, summary, how) with how = "agent" | "in-process"."""
-    if use_agent:
-        from agent.commands.agent import _connect, agent_socket
-        path = agent_socket()
-        client = _connect(path, "replay") if path else None
-        if client is not None:
-            try:
-                sid, results, summary = run_via_agent(plan, client)
-            finally:
-                client.close()
-            return sid, results, summary, "agent"
-    sid, results, summary = run_in_process(plan, spool=spool, url=url)
-    return sid, results, summary, "in-process"
 
 
 # ---------------------------------------------------------------- comparing
@@ -344,5 +272,5 @@ def render_diff(d: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-__all__ = ["plan_rerun", "execute", "run_in_process", "run_via_agent", "compare", "render_diff", "recorded_policy",
+__all__ = ["plan_rerun", "run_via_agent", "compare", "render_diff", "recorded_policy", "new_replay_id",
            "Plan", "PlannedStep", "StepRun"]

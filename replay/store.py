@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from agent.errors import DsecError, EXIT_USAGE
+from replay.errors import ReplayError, USAGE as EXIT_USAGE
+from audit_schema.errors import ReportedError
 from audit_schema.events import FIELD_NAMES, KINDS, from_bytes, to_bytes
 from audit_schema.migrations import EVENTS_TABLE, SANDBOXES_VIEW, quote_ident
 
@@ -48,7 +49,7 @@ def sql_string(value: str | bytes) -> str:
 
 def sql_int(value) -> str:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise DsecError(f"expected an integer, got {value!r}", EXIT_USAGE)
+        raise ReplayError(f"expected an integer, got {value!r}", EXIT_USAGE)
     return str(value)
 
 
@@ -56,7 +57,7 @@ def check_kinds(kinds: Iterable[str] | None) -> list[str]:
     out = []
     for k in kinds or ():
         if k not in KINDS:
-            raise DsecError(f"unknown event kind {k!r} (kinds: {', '.join(KINDS)})", EXIT_USAGE)
+            raise ReplayError(f"unknown event kind {k!r} (kinds: {', '.join(KINDS)})", EXIT_USAGE)
         if k not in out:
             out.append(k)
     return out
@@ -70,7 +71,7 @@ def events_sql(db: str, sandbox_id: str, kinds: Iterable[str] | None = None, *,
     cols = list(columns)
     for c in cols:
         if c not in FIELD_NAMES:
-            raise DsecError(f"unknown audit field {c!r}", EXIT_USAGE)
+            raise ReplayError(f"unknown audit field {c!r}", EXIT_USAGE)
     where = [f"sandbox_id = {sql_string(sandbox_id)}"]
     kinds = check_kinds(kinds)
     if kinds:
@@ -145,10 +146,10 @@ class AuditStore:
             client, db = connect(self.url, connect_timeout=self.connect_timeout)
             try:
                 self.version = check_version(client, db)
-            except DsecError:
+            except ReportedError:
                 raise
             except Exception as e:
-                raise DsecError(f"cannot query ClickHouse at {parse_url(self.url).url}: {_first_line(e)}")
+                raise ReplayError(f"cannot query ClickHouse at {parse_url(self.url).url}: {_first_line(e)}")
             self._client, self.db = client, db
         return self._client
 
@@ -170,10 +171,10 @@ class AuditStore:
         try:
             for row in client.execute_iter(sql, settings={"strings_as_bytes": True, "max_block_size": 8192}):
                 yield decode_row(names, row)
-        except DsecError:
+        except ReplayError:
             raise
         except Exception as e:
-            raise DsecError(f"ClickHouse query failed: {_first_line(e)}")
+            raise ReplayError(f"ClickHouse query failed: {_first_line(e)}")
 
     def events(self, sandbox_id: str, kinds: Iterable[str] | None = None, *, since_ns: int | None = None,
                until_ns: int | None = None, limit: int | None = None,

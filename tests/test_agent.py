@@ -160,7 +160,7 @@ def agent(tmp_path_factory, clickhouse_url):
 
 @pytest.fixture(scope="module")
 def client(agent):
-    with agent.node.client() as c:
+    with agent.client() as c:
         yield c
 
 
@@ -173,7 +173,7 @@ def test_generated_grpc_code_is_current(tmp_path):
     from agent.node.proto import generate as gen
     gen.generate(str(tmp_path))
     for o in gen.OUTPUTS:
-        with open(os.path.join(tmp_path, "agent", "proto", o), "rb") as f, \
+        with open(os.path.join(tmp_path, "agent", "node", "proto", o), "rb") as f, \
                 open(os.path.join(gen.HERE, o), "rb") as g:
             assert f.read() == g.read(), f"{o} differs from what the .proto generates: run scripts/setup.sh"
 
@@ -304,6 +304,48 @@ def test_warm_pool_claim_and_refill(client, agent):
     assert ready() == 2                                    # refilled in the background
     cap = client.capabilities()["capacity"]
     assert cap["warm"]["ready"] == 2 and cap["memory"]["warm"] == 2 * (256 << 20)   # counted against capacity
+
+
+def test_agent_sandbox_is_recorded_like_dsec_run_and_reruns_from_clickhouse_alone(client, clickhouse_url):
+    """The agent records through the same SandboxWatch as `dsec run`: step_start /
+    step_end records and the policy YAML in sandbox_start, so replay --rerun can
+    rebuild the sandbox from its ClickHouse record without the agent."""
+    with client.create(warm=False, labels={"job": "rerun-me"}) as sb:
+        r1 = sb.exec(["sh", "-c", "echo hello > /workspace/note; exit 3"])
+        r2 = sb.exec(["sh", "-c", "test \"$(cat /workspace/note)\" = hello && exit 5"])
+    assert (r1.code, r2.code) == (3, 5)
+    evs = _events(clickhouse_url, sb.id, want=lambda e: any(x["kind"] == "sandbox_exit" for x in e)
+                  and sum(1 for x in e if x["kind"] == "step_end") == 2)
+    assert [e["step"] for e in evs if e["kind"] == "step_start"] == [1, 2]
+    assert [(e["step"], e["exit_code"]) for e in evs if e["kind"] == "step_end"] == [(1, 3), (2, 5)]
+    (start,) = [e for e in evs if e["kind"] == "sandbox_start"]
+    extra = json.loads(start["extra"])
+    assert extra["labels"] == {"job": "rerun-me"} and "kind: SandboxPolicy" in (extra["policy_yaml"] or "")
+    r = dsec("replay", sb.id, "--rerun", "--format", "json",
+             env={"DSEC_CLICKHOUSE_URL": clickhouse_url, "DSEC_AGENT": "off"}, timeout=240)
+    assert b"Traceback" not in r.stderr and r.returncode in (0, 1), r.stderr
+    d = json.loads(r.stdout)
+    assert d["how"] == "in-process"
+    assert [(s["original"]["code"], s["rerun"]["code"]) for s in d["steps"]] == [(3, 3), (5, 5)]
+    assert not any(s["exit_changed"] for s in d["steps"])
+
+
+def test_warm_claim_records_the_requesters_labels(client, clickhouse_url):
+    deadline = time.monotonic() + 30
+    while client.capabilities()["warm_profiles"][0]["ready"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    sb = client.create(memory="256M", pids=256, labels={"job": "warm-labels", "trajectory": "w-1"})
+    assert sb.created.warm
+    sb.exec(["true"])
+    sb.close()
+    evs = _events(clickhouse_url, sb.id, want=lambda e: any(x["kind"] == "sandbox_exit" for x in e))
+    starts = [e for e in evs if e["kind"] == "sandbox_start"]
+    assert len(starts) == 1, starts
+    extra = json.loads(starts[0]["extra"])
+    assert extra["labels"] == {"job": "warm-labels", "trajectory": "w-1"} and extra["warm_profile"] == "small"
+    assert starts[0]["ts_ns"] <= min(e["ts_ns"] for e in evs if e["kind"] != "lifecycle")
+    (end,) = [e for e in evs if e["kind"] == "sandbox_exit"]
+    assert json.loads(end["extra"])["labels"] == {"job": "warm-labels", "trajectory": "w-1"}
 
 
 def test_stream_events_live_with_filters(client):

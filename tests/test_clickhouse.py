@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from exporters.clickhouse_server import PrivateServer, connect, ensure_clickhouse, parse_url
-from agent.errors import DsecError
+from audit_schema.errors import ReportedError
 from replay.store import AuditStore
 from exporters.spool import HEADER_BYTES, Position, Spool, encode_frame
 from audit_schema import migrations
@@ -85,10 +85,10 @@ def test_ensure_clickhouse_prefers_the_url_from_the_environment(monkeypatch, cli
     t = parse_url(ensure_clickhouse())
     assert (t.host, t.port, t.user, t.password, t.database, t.secure) == ("db.example", 9440, "u", "p", "audit", True)
     monkeypatch.setenv("DSEC_CLICKHOUSE_URL", "postgres://x/y")
-    with pytest.raises(DsecError, match="DSEC_CLICKHOUSE_URL"):
+    with pytest.raises(ReportedError, match="DSEC_CLICKHOUSE_URL"):
         ensure_clickhouse()
     monkeypatch.setenv("DSEC_CLICKHOUSE_URL", "clickhouse://h/bad-name")
-    with pytest.raises(DsecError, match="database name"):
+    with pytest.raises(ReportedError, match="database name"):
         connect(os.environ["DSEC_CLICKHOUSE_URL"])
     monkeypatch.delenv("DSEC_CLICKHOUSE_URL")
     assert ensure_clickhouse() == clickhouse_server.url
@@ -129,7 +129,7 @@ def test_port_taken_by_someone_else_is_a_clear_error(tmp_path):
     s.listen()
     try:
         srv = PrivateServer(str(tmp_path / "ch"), s.getsockname()[1], free_ports(1)[0])
-        with pytest.raises(DsecError, match="taken by another process"):
+        with pytest.raises(ReportedError, match="taken by another process"):
             srv.start()
     finally:
         s.close()
@@ -175,7 +175,7 @@ def test_missing_column_is_added_and_a_type_change_is_refused(scratch_db):
     assert migrations.migrate(client, db).added_columns == ["shebang"]
     client.execute(f"ALTER TABLE {db}.events DROP COLUMN shebang")
     client.execute(f"ALTER TABLE {db}.events ADD COLUMN shebang UInt8")
-    with pytest.raises(DsecError, match=r"shebang is UInt8 .* String"):
+    with pytest.raises(ReportedError, match=r"shebang is UInt8 .* String"):
         migrations.migrate(client, db)
 
 
@@ -193,10 +193,10 @@ def test_a_newer_schema_is_refused_and_nothing_is_lost(scratch_db, clickhouse_se
     client, db = scratch_db
     migrations.migrate(client, db)
     client.execute(f"INSERT INTO {db}.schema_migrations (version, name) VALUES", [(migrations.LATEST + 1, "future")])
-    with pytest.raises(DsecError, match=f"schema version {migrations.LATEST + 1}, newer"):
+    with pytest.raises(ReportedError, match=f"schema version {migrations.LATEST + 1}, newer"):
         migrations.migrate(client, db)
     url = clickhouse_server.url_for(db)
-    with pytest.raises(DsecError, match="newer"):
+    with pytest.raises(ReportedError, match="newer"):
         list(AuditStore(url).events("x"))
     spool.append_many(events("sb-future", 5))
     exp = ClickHouseExporter(spool, url)

@@ -16,7 +16,7 @@ import uuid
 import grpc
 import pytest
 
-from agent.errors import DsecError
+from exporters.errors import ExportError
 from exporters.metrics import INSTRUMENTS, METRICS
 from exporters.spool import Spool
 from audit_schema.events import FIELDS, from_bytes
@@ -226,7 +226,7 @@ def test_otlp_standard_env_vars_are_honoured(receiver, spool, monkeypatch):
     monkeypatch.setenv("OTEL_LOGS_EXPORTER", "none")
     assert not logs_enabled_by_env() and [s.type for s in env_sinks()] == ["clickhouse"]
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
-    with pytest.raises(DsecError, match="gRPC only"):
+    with pytest.raises(ExportError, match="gRPC only"):
         OtlpSink(spool)
 
 
@@ -284,7 +284,7 @@ def test_agent_metrics_over_otlp(receiver, spool):
 # --- JSON lines -----------------------------------------------------------------------
 
 def test_jsonl_lines_are_the_dsec_events_json_form(tmp_path, spool):
-    from agent.commands.events import to_json_line
+    from audit_schema.describe import to_json_line
     from audit_schema.events import normalize
     path = str(tmp_path / "audit.jsonl")
     recs = evs("sb-j", 5) + [{"event_id": "nb", "kind": "exec", "path": from_bytes(b"/\xff\xfe"),
@@ -420,7 +420,7 @@ def test_sink_configuration_is_validated_with_clear_errors(tmp_path, monkeypatch
                        ({"otlp": {"protocol": "http/protobuf"}}, ["sinks.otlp.protocol"]),
                        ({"bad/name": {"type": "jsonl", "path": "-"}}, ["sinks.bad/name"]),
                        ([1, 2], ["sinks: expected a mapping"])]:
-        with pytest.raises(DsecError) as e:
+        with pytest.raises(ExportError) as e:
             sinks_from_config(bad)
         assert e.value.code == 2 and all(w in e.value.message for w in words), e.value.message
     monkeypatch.setenv("DSEC_JSONL_PATH", str(tmp_path / "e.jsonl"))
@@ -428,7 +428,7 @@ def test_sink_configuration_is_validated_with_clear_errors(tmp_path, monkeypatch
     monkeypatch.setenv("DSEC_SINKS", "jsonl")
     assert [s.type for s in env_sinks()] == ["jsonl"]
     monkeypatch.setenv("DSEC_SINKS", "kafka")
-    with pytest.raises(DsecError, match="DSEC_SINKS"):
+    with pytest.raises(ExportError, match="DSEC_SINKS"):
         env_sinks()
     built = specs[2].build(Spool(str(tmp_path / "sp2"), fsync="never"))
     assert built.reader.evictable is False             # required: true

@@ -6,7 +6,10 @@ ClickHouse 18.16 server and on a current ClickHouse (chdb), and the CLI.
 The fidelity checks run on the real kernel: a policy learned from a real trace
 is enforced (seccomp filter loaded in a forked child) on the same workload, which
 passes; a variant with one extra syscall gets EPERM; a variant with one extra
-connect / exec / write outside the learned directories is flagged would-deny."""
+connect / exec / write outside the learned directories is flagged would-deny.
+
+Why this file is long: the learning pipeline end to end (parse, derive, merge,
+diff, promote, CLI) shares one set of real traces and ClickHouse fixtures."""
 from __future__ import annotations
 
 import csv
@@ -30,6 +33,7 @@ from replay.evidence import (collect_evidence, promotion_record, promotions, pro
 from replay.store import AuditStore, sql_string
 from exporters.spool import Spool
 from audit_schema import migrations
+from audit_schema.errors import ReportedError
 from audit_schema.events import FIELDS, FIELD_NAMES, KINDS
 from exporters.clickhouse import ClickHouseExporter
 from policies import learn as L
@@ -709,12 +713,12 @@ def test_promotion_rules():
     d = promotion_decision(empty, "enforce", evidence_for(empty), min_runs=1, now_ns=NOW)
     assert not d.allowed and "not valid in enforce mode" in d.reasons[-1]
     for bad in ("x", "0h", "-1d", "5y", ""):
-        with pytest.raises(L.DsecError, match="invalid duration"):
+        with pytest.raises(ReportedError, match="invalid duration"):
             parse_duration(bad)
     assert parse_duration("90m") == 5400 and parse_duration("2w") == 14 * 86400
-    with pytest.raises(L.DsecError, match="min-runs"):
+    with pytest.raises(ReportedError, match="min-runs"):
         promotion_decision(p, "enforce", {}, min_runs=0)
-    with pytest.raises(L.DsecError, match="cannot promote to 'learn'"):
+    with pytest.raises(ReportedError, match="cannot promote to 'learn'"):
         promotion_decision(p, "learn", {})
 
 
@@ -838,7 +842,7 @@ def test_evidence_on_the_real_server(clickhouse_url, clickhouse_client, tmp_path
         # nothing for an unknown hash
         none = collect_evidence(store, "e" * 64, 3600)
         assert (none["runs"], none["violations"], none["violations_total"]) == ([], [], 0)
-        with pytest.raises(L.DsecError, match="invalid policy hash"):
+        with pytest.raises(ReportedError, match="invalid policy hash"):
             collect_evidence(store, "nothex", 3600)
     finally:
         store.close()
@@ -973,14 +977,14 @@ def test_cli_learn_live_form_wiring(traced, learn_env, tmp_path):
     marker = tmp_path / "called.json"
     log = os.path.join(learn_env["logs"], "plain.log")
     stub = f'''
-mod = types.ModuleType("agent.sensors.learn_run")
+mod = types.ModuleType("agent.sensors.inprocess")
 def learn_runs(argv, runs, base_policy):
     import json
     from policies.strace import parse_strace_file
     json.dump({{"argv": argv, "runs": runs, "base": base_policy.name if base_policy else None}}, open({str(marker)!r}, "w"))
     return [parse_strace_file({log!r}, run_id=f"sb-{{i}}") for i in range(runs)]
 mod.learn_runs = learn_runs
-sys.modules["agent.sensors.learn_run"] = mod
+sys.modules["agent.sensors.inprocess"] = mod
 '''
     r = _with_learn_run(stub, "learn", "--runs", "3", "--base", "no-network", "-o", str(out), "--",
                         PYTHON, "tool.py", "--flag")
@@ -991,7 +995,7 @@ sys.modules["agent.sensors.learn_run"] = mod
     assert p.spec.exec is None          # the base allows any binary, so the union does
     assert p.spec.egress.allow[0].cidr == "127.0.0.1/32"
     # learn_run missing: one clear line, exit 1
-    r = _with_learn_run('sys.modules["agent.sensors.learn_run"] = None', "learn", "-o", str(out), "--", "/bin/true")
+    r = _with_learn_run('sys.modules["agent.sensors.inprocess"] = None', "learn", "-o", str(out), "--", "/bin/true")
     assert b"Traceback" not in r.stderr
     line = one_line_error(r, code=1)
     assert "live learning is not available" in line and "--from-strace" in line

@@ -77,7 +77,7 @@ def _learn_cli(out, argv, env):
 def _learn_egress(out, argv, env):
     """`dsec learn` has no --network: learn with egress through the same library call."""
     script = ("import sys\n"
-              "from agent.sensors.learn_run import learn_runs\n"
+              "from agent.sensors.inprocess import learn_runs\n"
               "from policies.learn import derive_policy, render\n"
               "runs = learn_runs(sys.argv[2:], 2, None, network='egress')\n"
               "p = derive_policy(runs, name='fetch')\n"

@@ -3,17 +3,18 @@ interoperability, and the compiled seccomp filters on the real kernel (loaded in
 forked children: nothing outside them is ever filtered)."""
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 import yaml
 
 from conftest import DSEC, ROOT
+from seccomp_probes import DANGEROUS_PROBES
 
 from policies import model, oci, syscalls
 from policies.compile import (egress_rules, exec_allowed, exec_rules, namespace_rules, seccomp_filter,
@@ -421,106 +422,26 @@ def test_cli_export_import(tmp_path):
 
 # ---------------------------------------------------------------- the real kernel
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-SYS = {n: syscalls.number(n) for n in ("ptrace", "bpf", "keyctl", "io_uring_setup", "clone", "clone3", "getpid")}
-CLONE_NEWUSER, SIGCHLD = 0x10000000, 17
-
-
-def _call(fn):
-    ctypes.set_errno(0)
-    r = fn()
-    return (0, 0) if r >= 0 else (-1, errno.errorcode.get(ctypes.get_errno(), ctypes.get_errno()))
-
-
-def _clone_newuser():
-    r = _libc.syscall(SYS["clone"], ctypes.c_ulong(CLONE_NEWUSER | SIGCHLD), 0, 0, 0, 0)
-    if r == 0:
-        os._exit(0)                                  # the new child: nothing else
-    if r > 0:
-        os.waitpid(r, 0)
-        return (0, 0)
-    return (-1, errno.errorcode.get(ctypes.get_errno()))
-
-
-def _thread():
-    import threading
-    box = []
-    t = threading.Thread(target=lambda: box.append(os.getpid()))
-    t.start()
-    t.join()
-    return (0, 0) if box else (-1, "no thread")
-
-
-PROBES = {
-    "mount": lambda d: _call(lambda: _libc.mount(b"dsec-test", d.encode(), b"tmpfs", 0, None)),
-    "unshare_user": lambda d: _call(lambda: _libc.unshare(CLONE_NEWUSER)),
-    "clone_newuser": lambda d: _clone_newuser(),
-    "ptrace": lambda d: _call(lambda: _libc.syscall(SYS["ptrace"], 0, 0, 0, 0)),          # PTRACE_TRACEME
-    "bpf": lambda d: _call(lambda: _libc.syscall(SYS["bpf"], 0, None, 0)),
-    "keyctl": lambda d: _call(lambda: _libc.syscall(SYS["keyctl"], 0, ctypes.c_long(-3), 0)),
-    "io_uring_setup": lambda d: _call(lambda: _libc.syscall(SYS["io_uring_setup"], 1, None)),
-    "setns": lambda d: _call(lambda: _libc.setns(0, CLONE_NEWUSER)),
-    "clone3": lambda d: _call(lambda: _libc.syscall(SYS["clone3"], None, 0)),
-    # ordinary work
-    "getpid": lambda d: _call(lambda: _libc.syscall(SYS["getpid"])),
-    "files": lambda d: (0, 0) if open("/proc/self/status").read(5) == "Name:" and os.listdir(d) == [] else (-1, "?"),
-    "thread": lambda d: _thread(),
-    "x32": lambda d: _call(lambda: _libc.syscall(0x40000000 | SYS["getpid"])),
-}
-DANGEROUS_PROBES = ["mount", "unshare_user", "clone_newuser", "ptrace", "bpf", "keyctl", "io_uring_setup", "setns"]
-
-
-def run_probe(policy, probe: str, d: str):
-    """run_probe_once, retried once if the forked child hangs: a fork of the (threaded)
-    pytest process can deadlock on a lock another thread held at fork time."""
+def run_probe(policy, probe: str, d: str, timeout: float = 60.0):
+    """Run one probe (tests/seccomp_probes.py) in a fresh interpreter: private mount
+    namespace, no_new_privs, the policy's seccomp filter (if any), then the probe.
+    Returns ("exit", result) or ("signal", signum). A fresh process, not a fork of
+    the threaded pytest process (whose forks can deadlock on a lock another thread
+    held), in its own process group, killed whole on a hang."""
+    from policies.load import dump_yaml
+    text = dump_yaml(policy) if policy is not None else ""
+    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "seccomp_probes.py"), probe, d],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, start_new_session=True)
     try:
-        return run_probe_once(policy, probe, d)
-    except TimeoutError:
-        return run_probe_once(policy, probe, d)
-
-
-def run_probe_once(policy, probe: str, d: str, timeout: float = 30.0):
-    """Fork; in the child: private mount namespace, no_new_privs, the policy's filter
-    (if any), then the probe. Returns ("exit", result) or ("signal", signum)."""
-    import select
-    import time
-    filt = seccomp_filter(policy) if policy is not None else None
-    from agent.sandbox import sysutil as su
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            su.unshare(su.CLONE_NEWNS)
-            su.mount(None, "/", None, su.MS_REC | su.MS_PRIVATE)
-            su.prctl(su.PR_SET_NO_NEW_PRIVS, 1)
-            if filt is not None:
-                filt.load()
-            res = PROBES[probe](d)
-            os.write(w, json.dumps(list(res)).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    deadline = time.monotonic() + timeout
-    try:
-        data = b""
-        while True:
-            ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                raise TimeoutError(f"probe {probe} hung")
-            chunk = os.read(r, 4096)
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(r)
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        return ("signal", os.WTERMSIG(status))
-    return ("exit", tuple(json.loads(data)) if data else None)
+        out, _ = proc.communicate(text.encode("utf-8", "surrogateescape"), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    if proc.returncode < 0:
+        return ("signal", -proc.returncode)
+    line = out.decode().strip().splitlines()[-1] if out.strip() else ""
+    return ("exit", tuple(json.loads(line)) if line else None)
 
 
 @pytest.fixture

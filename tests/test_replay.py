@@ -19,13 +19,12 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 
-from conftest import DSEC, ROOT, dsec
+from conftest import DSEC, dsec
 from hosts import NetHost
 
 from replay.store import AuditStore, sql_string
@@ -76,13 +75,7 @@ EXPECTED_WOULD_DENY = {("exec", "/workspace/x.sh"), ("connect", f"{HOST}:9"), ("
 
 
 def search(*args, env):
-    """`dsec search` (python -m while the command is not listed in agent/cli.py)."""
-    from agent.cli import COMMANDS
-    if "search" in COMMANDS:
-        return dsec("search", *args, env=env)
-    e = dict(os.environ, **env)
-    return subprocess.run([sys.executable, "-m", "agent.commands.search", *args], capture_output=True, env=e,
-                          cwd=ROOT, timeout=60)
+    return dsec("search", *args, env=env)
 
 
 def _memfd(data: bytes) -> int:
@@ -115,7 +108,8 @@ def testhost(tmp_path_factory):
 def incident(testhost, clickhouse_url, tmp_path_factory):
     """Record the incident for real; returns its facts."""
     from agent.sandbox.launcher import Sandbox, SandboxSpec
-    from agent.sensors.recorder import Recorder, SandboxWatch
+    from agent.sensors.recorder import Recorder
+    from agent.sensors.watch import SandboxWatch
     from exporters.spool import Spool
     from exporters.clickhouse import flush
     from policies.load import load_policy
@@ -605,13 +599,13 @@ def test_parse_time_and_patterns():
     assert Q.parse_time("2027-01-15T09:00:00+01:00") == iso
     assert Q.parse_time("1800000000") == 1_800_000_000 * 10**9
     assert Q.parse_time("1800000000000000000") == 1_800_000_000 * 10**9
-    from agent.errors import DsecError
-    with pytest.raises(DsecError, match="not a time"):
+    from replay.errors import ReplayError
+    with pytest.raises(ReplayError, match="not a time"):
         Q.parse_time("yesterday-ish")
     assert Q.glob_to_like("/tmp/*_%?") == "/tmp/%\\_\\%_"
-    with pytest.raises(DsecError, match="not an absolute path"):
+    with pytest.raises(ReplayError, match="not an absolute path"):
         Q.writes_sql("db", "etc")
-    with pytest.raises(DsecError, match="8 to 64 hex"):
+    with pytest.raises(ReplayError, match="8 to 64 hex"):
         Q.denials_sql("db", "abc")
 
 

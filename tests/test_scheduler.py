@@ -2,7 +2,10 @@
 queue order with aging, head-of-line policy, preemption, warm-pool accounting,
 transitions, bad requests, and a seeded randomized simulation checking the
 invariants. Pure unit tests: the scheduler does no I/O, time is a fake clock.
-The rules under test are documented in docs/scheduler.md."""
+The rules under test are documented in docs/scheduler.md.
+
+Why this file is long: one module per component under test; the randomized
+simulation and the worked example share its helpers."""
 from __future__ import annotations
 
 import heapq

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from agent.errors import DsecError
+from exporters.errors import ExportError
 from exporters.spool import (HEADER_BYTES, MAGIC, MAX_RECORD_BYTES, Position, Spool, encode_frame,
                          validate_record)
 
@@ -78,7 +78,7 @@ def test_frames_are_ascii_json_with_crc(spool):
     ({"event_id": "", "kind": "exec"}, ["event_id"]),
 ])
 def test_bad_records_are_refused_with_a_clear_line(spool, bad, words):
-    with pytest.raises(DsecError) as e:
+    with pytest.raises(ExportError) as e:
         spool.append_many([rec(1), bad])          # all or nothing
     msg = e.value.message
     assert "\n" not in msg
@@ -88,7 +88,7 @@ def test_bad_records_are_refused_with_a_clear_line(spool, bad, words):
 
 
 def test_oversized_record_is_refused(spool):
-    with pytest.raises(DsecError, match="limit"):
+    with pytest.raises(ExportError, match="limit"):
         spool.append(rec(0, argv=["x" * (MAX_RECORD_BYTES + 1)]))
     assert spool.size_bytes() == 0
 
@@ -133,7 +133,7 @@ def test_every_append_is_fsynced_by_default(tmp_path):
     assert s.fsync == "always"
     s.append(rec(0))
     s.close()
-    with pytest.raises(DsecError, match="DSEC_SPOOL_FSYNC"):
+    with pytest.raises(ExportError, match="DSEC_SPOOL_FSYNC"):
         Spool(str(tmp_path / "sp"), fsync="sometimes")
 
 
@@ -288,7 +288,7 @@ def test_full_spool_refuses_appends_loudly(tmp_path):
     # is tested in tests/test_faults.py.
     s = Spool(str(tmp_path / "sp"), segment_bytes=1024, max_bytes=4096, fsync="never", on_full="error")
     s.reader("slow")
-    with pytest.raises(DsecError, match="full"):
+    with pytest.raises(ExportError, match="full"):
         for i in range(1000):
             s.append(rec(i))
     assert 0 < i < 1000
@@ -306,7 +306,7 @@ def test_backlog_counts_records(spool):
 def test_unreadable_cursor_is_a_clear_error(spool):
     spool.reader("t")
     open(os.path.join(spool.path, "cursors", "t.json"), "w").write("{oops")
-    with pytest.raises(DsecError, match="cursor"):
+    with pytest.raises(ExportError, match="cursor"):
         spool.reader("t").read()
 
 

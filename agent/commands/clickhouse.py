@@ -21,7 +21,7 @@ exit status: 0 ok (status: running); 1 failure (status: not running); 2 bad usag
 from __future__ import annotations
 
 from exporters.clickhouse_server import PrivateServer, connect, external_url, parse_url
-from agent.errors import DsecError
+from agent.errors import ReportedError
 
 HELP = "start, stop or show dsec's private ClickHouse server"
 
@@ -39,7 +39,7 @@ def _schema_line(url: str) -> str:
             v = current_version(client, db)
         finally:
             client.disconnect()
-    except DsecError as e:
+    except ReportedError as e:
         return f"not answering queries: {e.message}"
     except Exception as e:
         lines = str(e).strip().splitlines()

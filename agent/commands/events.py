@@ -22,18 +22,13 @@ failed; 2 bad usage (unknown kind ...).
 """
 from __future__ import annotations
 
-import json
-import re
 import sys
-import time
 
 from agent.errors import DsecError, EXIT_USAGE
+from audit_schema.describe import detail, fmt_ts, printable, to_json_line
 from audit_schema.events import KINDS
 
 HELP = "print a sandbox's audit events (JSON lines or a table)"
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
 
 def register(p):
     p.add_argument("--sandbox", required=True, metavar="ID", help="sandbox id")
@@ -41,71 +36,6 @@ def register(p):
                    help=f"only these kinds (repeat or comma-separate): {', '.join(KINDS)}")
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format (default: table)")
     p.add_argument("--limit", type=int, metavar="N", help="at most N events")
-
-
-def to_json_line(ev: dict) -> str:
-    """JSON with non-UTF-8 bytes (lone surrogates) as \\udcXX escapes; other text as is."""
-    text = json.dumps(ev, ensure_ascii=False, separators=(",", ":"))
-    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
-
-
-def printable(s: str) -> str:
-    """Terminal-safe rendering: undecodable bytes and control characters as \\xHH."""
-    out = []
-    for ch in s:
-        o = ord(ch)
-        if 0xDC80 <= o <= 0xDCFF:
-            out.append(f"\\x{o - 0xDC00:02x}")
-        elif o < 0x20 or o == 0x7F or 0x80 <= o < 0xA0 or 0xD800 <= o <= 0xDFFF:
-            out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}")
-        elif ch == "\\":
-            out.append("\\\\")
-        else:
-            out.append(ch)
-    return "".join(out)
-
-
-def _argv(ev) -> str:
-    return " ".join(printable(a) if a and not any(c.isspace() for c in a) else repr(printable(a))
-                    for a in ev.get("argv") or [])
-
-
-def detail(ev: dict) -> str:
-    k = ev.get("kind")
-    p = printable(ev.get("path") or "")
-    if k == "exec":
-        s = f"{p}  {_argv(ev)}"
-        if ev.get("argv_truncated"):
-            s += " …(argv truncated)"
-        if ev.get("sha256"):
-            s += f"  sha256={ev['sha256'][:16]}…"
-        return s
-    if k == "fork":
-        return f"child {ev.get('child_pid')}"
-    if k == "exit":
-        return f"signal {ev.get('signal')}" if ev.get("signal") else f"exit {ev.get('exit_code')}"
-    if k == "connect":
-        addr = printable(ev.get("addr") or "")
-        fam = ev.get("family") or ""
-        where = f"[{addr}]:{ev.get('port')}" if fam == "ipv6" else (addr if fam == "unix" else f"{addr}:{ev.get('port')}")
-        return f"{fam} {where} -> {ev.get('ret')}"
-    if k == "open_write":
-        return f"{p} flags={ev.get('flags', 0):#o} -> {ev.get('ret')}"
-    if k == "unlink":
-        return f"{p} -> {ev.get('ret')}"
-    if k == "rename":
-        return f"{p} => {printable(ev.get('path2') or '')} -> {ev.get('ret')}"
-    if k == "events_lost":
-        return f"{ev.get('count')} event(s) lost {printable(ev.get('extra') or '')}"
-    if k in ("sandbox_start", "sandbox_exit"):
-        s = _argv(ev) if k == "sandbox_start" else (
-            f"signal {ev.get('signal')}" if ev.get("signal") else f"exit {ev.get('exit_code')}")
-        return s + (f"  {printable(ev['extra'])}" if ev.get("extra") else "")
-    return printable(ev.get("extra") or "")
-
-
-def fmt_ts(ts_ns: int) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts_ns // 10**9)) + f".{ts_ns % 10**9 // 1000:06d}"
 
 
 def _kinds(args) -> list[str]:
@@ -129,8 +59,8 @@ def run(args) -> int:
     if args.limit is not None and args.limit < 1:
         raise DsecError(f"--limit {args.limit}: must be at least 1", EXIT_USAGE)
     # the node agent answers when one is running (it delivers its spool first); else in-process
-    from agent.commands.agent import events_via_agent
-    via = events_via_agent(args.sandbox, kinds, args.limit)
+    from agent.node import via_agent
+    via = via_agent.events(args.sandbox, kinds, args.limit)
     if via is not None:
         n = 0
         if args.format == "json":
@@ -170,7 +100,7 @@ def _table(sandbox: str, events) -> int:
         table.add_column(col, **kw)
     n = 0
     for ev in events:
-        d = detail(ev)
+        d = detail(ev, full=True)
         if ev.get("decision") and ev["decision"] != "allowed":
             d = f"[{printable(ev['decision'])}] {d}"
         table.add_row(Text(fmt_ts(ev["ts_ns"])), Text(str(ev["step"])), Text(ev["kind"]), Text(str(ev["pid"])),

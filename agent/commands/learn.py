@@ -71,9 +71,9 @@ def default_name(hint: str) -> str:
 
 def _learn_runs():
     try:
-        from agent.sensors.learn_run import learn_runs
+        from agent.sensors.inprocess import learn_runs
     except ImportError as e:
-        raise DsecError("live learning is not available in this dsec (agent.sensors.learn_run.learn_runs is missing: "
+        raise DsecError("live learning is not available in this dsec (agent.sensors.inprocess.learn_runs is missing: "
                         f"{e}); learn from a trace instead: dsec learn --from-strace LOG -o OUT.yaml", 1) from None
     return learn_runs
 

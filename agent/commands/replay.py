@@ -42,7 +42,7 @@ import os
 import sys
 import time
 
-from agent.errors import DsecError, EXIT_USAGE
+from agent.errors import DsecError, EXIT_USAGE, ReportedError
 
 HELP = "replay a sandbox: steps, process tree, timeline; what-if a policy; re-run it"
 
@@ -68,7 +68,7 @@ def _policy(ref: str, what: str):
     from policies.load import load_policy
     try:
         return load_policy(ref)
-    except DsecError as e:
+    except ReportedError as e:
         raise DsecError(f"{what} {ref}: {e.message}" if ref not in e.message else e.message, EXIT_USAGE)
 
 
@@ -137,7 +137,7 @@ def run(args) -> int:
             return _rerun(args, store, t, override, env)
 
     if args.format == "json":
-        from agent.commands.events import to_json_line
+        from audit_schema.describe import to_json_line
         from replay.report import to_dict
         _emit(to_json_line(to_dict(t, step=args.step, unattributed_lost=unattributed)) + "\n", args)
     elif args.format == "html":
@@ -152,12 +152,27 @@ def run(args) -> int:
 
 
 def _rerun(args, store, t, override, env) -> int:
-    from replay.rerun import compare, execute, plan_rerun, render_diff
+    from replay.rerun import compare, plan_rerun, render_diff, run_via_agent
     from replay.trajectory import reconstruct
     plan = plan_rerun(t, override, mode=args.mode, env=env, step_timeout=args.step_timeout)
     try:
-        sid, results, summary, how = execute(plan, url=store.url, use_agent=not args.in_process)
-    except DsecError as e:
+        # through the node agent when one answers, else in this process
+        client = None
+        if not args.in_process:
+            from agent.node import via_agent
+            path = via_agent.agent_socket()
+            client = via_agent.connect(path, "replay") if path else None
+        if client is not None:
+            try:
+                sid, results, summary = run_via_agent(plan, client)
+            finally:
+                client.close()
+            how = "agent"
+        else:
+            from agent.sensors.inprocess import rerun
+            sid, results, summary = rerun(plan, url=store.url)
+            how = "in-process"
+    except ReportedError as e:
         raise DsecError(f"re-run of {t.sandbox_id}: {e.message}", 125 if e.code != 1 else 1)
     from replay.queries import Search
     records = Search(store).sandbox_events(sid)
@@ -168,7 +183,7 @@ def _rerun(args, store, t, override, env) -> int:
     new = reconstruct(sid, records)
     diff = compare(t, new, plan, results, how)
     if args.format == "json":
-        from agent.commands.events import to_json_line
+        from audit_schema.describe import to_json_line
         _emit(to_json_line(diff) + "\n", args)
     else:
         _emit(render_diff(diff), args)
@@ -176,7 +191,7 @@ def _rerun(args, store, t, override, env) -> int:
 
 
 def _whatif_json(res) -> str:
-    from agent.commands.events import to_json_line
+    from audit_schema.describe import to_json_line
     return to_json_line(res.to_dict()) + "\n"
 
 

@@ -26,7 +26,7 @@ import os
 import re
 import sys
 
-from agent.errors import DsecError, EXIT_DSEC
+from agent.errors import DsecError, EXIT_DSEC, ReportedError
 
 HELP = "run a command in a new sandbox"
 USAGE_EXIT = EXIT_DSEC
@@ -111,7 +111,7 @@ def spec_from_args(args):
         policy = load_policy(args.policy)
         if args.mode:
             policy = policy.with_mode(args.mode)
-    except DsecError as e:
+    except ReportedError as e:
         raise DsecError(e.message, EXIT_DSEC)
     return SandboxSpec(
         policy=policy,
@@ -138,15 +138,16 @@ def run(args) -> int:
             raise DsecError(f"policy {spec.policy.name} has egress/exec rules, enforced by eBPF: "
                             f"--audit off would leave them unenforced (use --audit on)", EXIT_DSEC)
     # the node agent does the work when one is running (docs/agent.md); else in-process
-    from agent.commands.agent import run_via_agent
-    result = run_via_agent(spec, args)
+    from agent.node import via_agent
+    result = via_agent.run(spec, args)
     if result is None:
         if not spec.sandbox_id:
             spec.sandbox_id = new_sandbox_id()
             sys.stderr.write(f"dsec: sandbox {spec.sandbox_id}\n")
             sys.stderr.flush()
         if args.audit == "on":
-            result = _run_audited(spec, args)
+            from agent.sensors.inprocess import run_audited
+            result = run_audited(spec, over_budget=args.over_budget)
         else:
             result = launch(spec)
     s = result.summary
@@ -172,26 +173,3 @@ def run(args) -> int:
             json.dump(s, f, indent=2)
             f.write("\n")
     return result.exit_code
-
-
-def _run_audited(spec, args):
-    """launch() with the eBPF recorder watching the sandbox, then export the record."""
-    from agent.sandbox.launcher import launch
-    from agent.sensors.recorder import Recorder, SandboxWatch
-    from exporters.clickhouse import flush
-    from exporters.configure import run_sinks_begin, run_sinks_end
-
-    run_sinks_begin()          # OTLP / JSON-lines sinks from the environment: validated now, metrics started
-    rec = Recorder(over_budget=args.over_budget)
-    try:
-        result = launch(spec, **SandboxWatch(rec, spec).launch_hooks())
-    finally:
-        rec.close()
-    res = flush(rec.spool, timeout=10)
-    result.summary["audit"]["exported"] = res.sent
-    result.summary["audit"]["pending"] = res.pending
-    result.summary["audit"]["export_error"] = res.error
-    sinks = run_sinks_end(rec.spool)      # docs/exporters.md; never raises, says what is pending
-    if sinks:
-        result.summary["audit"]["sinks"] = sinks
-    return result

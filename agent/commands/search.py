@@ -103,7 +103,7 @@ def _ts(ns) -> str:
 
 
 def run(args) -> int:
-    from agent.commands.events import printable, to_json_line
+    from audit_schema.describe import printable, to_json_line
     from replay.store import AuditStore
     from replay.queries import Search
     question, kw = _args_for(args)
@@ -147,22 +147,3 @@ def run(args) -> int:
     sys.stderr.write(f"dsec search: {len(rows)} row(s) in {took * 1000:.0f} ms"
                      + (f" (limit {args.limit} reached)" if len(rows) >= args.limit else "") + "\n")
     return 0 if rows else 1
-
-
-def main(argv=None) -> int:
-    """`python -m agent.commands.search ...` (until `search` is listed in agent/cli.py)."""
-    import argparse
-    from agent.cli import _Parser
-    p = _Parser(prog="dsec search", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    register(p)
-    args = p.parse_args(argv)
-    args.command = "search"
-    try:
-        return int(run(args) or 0)
-    except DsecError as e:
-        sys.stderr.write(f"dsec search: error: {e.message}\n")
-        return e.code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,7 +23,7 @@ from agent.node.proto import pb, pb_grpc  # sets GRPC_ENABLE_FORK_SUPPORT=0 befo
 import grpc  # noqa: E402
 
 from agent.node.daemon import Agent, ApiError, to_json  # noqa: E402
-from agent.errors import DsecError  # noqa: E402
+from agent.errors import DsecError, ReportedError  # noqa: E402
 
 log = logging.getLogger("dsec.agent.node.api")
 
@@ -87,7 +87,7 @@ class AgentServicer(pb_grpc.AgentServicer):
             return fn(*args)
         except ApiError as e:
             _abort(context, e)
-        except DsecError as e:
+        except ReportedError as e:
             _abort(context, ApiError("FAILED_PRECONDITION", e.message))
         except Exception as e:  # noqa: BLE001
             log.exception("internal error")
@@ -165,7 +165,7 @@ class AgentServicer(pb_grpc.AgentServicer):
                     yield pb.ExecOutput(exit=st)
         except ApiError as e:
             _abort(context, e)
-        except DsecError as e:
+        except ReportedError as e:
             _abort(context, ApiError("FAILED_PRECONDITION", e.message))
 
     def Wait(self, request, context):

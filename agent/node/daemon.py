@@ -6,8 +6,22 @@ audits sandboxes for many clients (docs/agent.md).
     ... agent.create(...), agent.exec_step(...), agent.kill(...) ...   (called by agent/node/api.py)
     agent.shutdown()
 
+The agent in parts, each a file of agent/node/:
+  daemon.py    this file: the Agent (state, lock, lifecycle records, scheduler glue,
+               create/kill/close/wait/list, policy updates, capabilities, the tick)
+  records.py   SandboxRecord, StepRun, states, request limits, ApiError
+  requests.py  request checks (CreateSandbox, Exec) and the policy cache
+  warm.py      the warm pool
+  steps.py     one Exec: streaming, timeouts, cancellation
+  streams.py   live event streams (StreamEvents) and the spool tap
+  export.py    the continuous ClickHouse export and its barrier
+  host.py      the run directory (lock, pid file), the eBPF sensors, clean-up after a dead agent
+  api.py       gRPC <-> these Python values; client.py the SDK
+
 Pieces, and who owns what:
-  Recorder (agent/sensors/recorder.py)   the eBPF audit: one for the whole agent, watch()/unwatch() per sandbox
+  Recorder (agent/sensors/recorder.py)   the eBPF audit: one for the whole agent; each sandbox is
+                                 recorded through its SandboxWatch (agent/sensors/watch.py), the
+                                 same path `dsec run` takes
   TapSpool                       the recorder's spool, wrapped: every appended record also goes to
                                  the StreamEvents subscribers (a tail -f of the audit)
   ClickHouseExporter thread      spool -> ClickHouse, continuously
@@ -32,296 +46,28 @@ agent_started, agent_stopped, orphan_cleaned).
 """
 from __future__ import annotations
 
-import errno
-import fcntl
-import json
 import logging
 import math
 import os
-import select
-import signal
 import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
-from agent.errors import DsecError
+from agent.errors import DsecError, ReportedError
+from agent.node import steps
+from agent.node.export import ClickHouseExport
+from agent.node.host import RunDir, clean_up_after, load_audit
+from agent.node.records import (CANCELLED, ENDED, EXITED, FAILED, KILLED, MAX_ARG_BYTES, MAX_ARGV_ITEMS,
+                                MAX_EXEC_BYTES, MAX_GRACE, MAX_LABELS, PREEMPTED, QUEUED, RUNNING, STARTING, STATES,
+                                STOPPING, STREAM_POLL, VERSION, WARM, ApiError, SandboxRecord, _bad, _compact, _fs,
+                                to_json)
+from agent.node.requests import PolicyCache, check_create
+from agent.node.streams import EventStreams, TapSpool
+from agent.node.warm import WarmPool, profile_key
+from agent.sensors.watch import SandboxWatch
 
 log = logging.getLogger("dsec.agent")
-
-VERSION = "0.1.0"
-
-# sandbox states
-QUEUED, STARTING, RUNNING, STOPPING = "queued", "starting", "running", "stopping"
-EXITED, KILLED, PREEMPTED, FAILED, CANCELLED = "exited", "killed", "preempted", "failed", "cancelled"
-WARM = "warm"                      # in the warm pool (internal; never listed)
-ENDED = frozenset({EXITED, KILLED, PREEMPTED, FAILED, CANCELLED})
-STATES = (QUEUED, STARTING, RUNNING, STOPPING, EXITED, KILLED, PREEMPTED, FAILED, CANCELLED)
-
-# request limits (docs/agent.md "Limits")
-MAX_ARG_BYTES = 128 << 10          # one argument (Linux MAX_ARG_STRLEN)
-MAX_ARGV_ITEMS = 4096
-MAX_EXEC_BYTES = 160 << 10         # argv + env of one step, encoded for the supervisor's channel
-MAX_ENV_ITEMS = 1024
-MAX_LABELS = 64
-MAX_LABEL_KEY = 128
-MAX_LABEL_VALUE = 1024
-MAX_GRACE = 600.0
-READ_CHUNK = 64 << 10
-STDIN_BUFFER = 8 << 20              # stdin bytes buffered per step before the caller is slowed down
-STREAM_POLL = 0.25
-
-
-class ApiError(Exception):
-    """A refusal for the caller: a gRPC status code name and one clear line."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def _bad(msg: str) -> ApiError:
-    return ApiError("INVALID_ARGUMENT", msg)
-
-
-def _printable(s: str) -> bool:
-    return all(c.isprintable() for c in s)
-
-
-def _fs(b) -> str:
-    """bytes (or str) -> str with surrogateescape: exact bytes survive the launcher's JSON."""
-    if isinstance(b, bytes):
-        return os.fsdecode(b)
-    return b
-
-
-def _compact(obj) -> str:
-    """The `extra` JSON of the agent's events: compact (ClickHouse's visitParam* functions
-    expect "key":value without spaces), ASCII, anything unknown as a string."""
-    return json.dumps(obj, ensure_ascii=True, separators=(",", ":"), default=str)
-
-
-def to_json(rec: dict) -> str:
-    """A record as JSON; non-UTF-8 bytes (lone surrogates) as \\udcXX escapes."""
-    return json.dumps(rec, ensure_ascii=True, separators=(",", ":"), default=str)
-
-
-# ---------------------------------------------------------------- the spool tap
-
-class TapSpool:
-    """The recorder's spool with a tap: records appended are also handed to
-    `on_records` (the StreamEvents fan-out). Everything else is the Spool's."""
-
-    def __init__(self, spool, on_records):
-        self._spool = spool
-        self._on_records = on_records
-
-    def append_many(self, records) -> int:
-        records = list(records)
-        n = self._spool.append_many(records)
-        try:
-            self._on_records(records)
-        except Exception:  # noqa: BLE001 - a subscriber must never break the audit
-            log.exception("event stream tap failed")
-        return n
-
-    def append(self, record: dict) -> None:
-        self.append_many([record])
-
-    def __getattr__(self, name):
-        return getattr(self._spool, name)
-
-
-class Subscriber:
-    """One StreamEvents caller: filters and a bounded buffer. Overflow is
-    counted and reported to the subscriber (a `lost` message), never silent."""
-
-    def __init__(self, sandboxes, kinds, decisions, labels, maxlen, labels_of):
-        self.sandboxes = set(sandboxes)
-        self.kinds = set(kinds)
-        self.decisions = set(decisions)
-        self.labels = dict(labels)
-        self.maxlen = maxlen
-        self.labels_of = labels_of
-        self.q: deque = deque()
-        self.dropped = 0
-        self.cond = threading.Condition()
-        self.closed = False
-
-    def matches(self, r: dict) -> bool:
-        if self.sandboxes and r.get("sandbox_id") not in self.sandboxes:
-            return False
-        if self.kinds and r.get("kind") not in self.kinds:
-            return False
-        if self.decisions and (r.get("decision") or "") not in self.decisions:
-            return False
-        if self.labels:
-            have = self.labels_of(r.get("sandbox_id") or "")
-            if any(have.get(k) != v for k, v in self.labels.items()):
-                return False
-        return True
-
-    def offer(self, records):
-        with self.cond:
-            n = 0
-            for r in records:
-                if self.matches(r):
-                    if len(self.q) >= self.maxlen:
-                        self.dropped += 1
-                    else:
-                        self.q.append(r)
-                        n += 1
-            if n or self.dropped:
-                self.cond.notify_all()
-
-    def take(self, timeout: float):
-        with self.cond:
-            if not self.q and not self.dropped and not self.closed:
-                self.cond.wait(timeout)
-            items, self.q = list(self.q), deque()
-            dropped, self.dropped = self.dropped, 0
-            return items, dropped
-
-    def close(self):
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
-
-
-class _Pokeable:
-    """The exporter loop's stop event (is_set/wait/set), whose wait() also returns
-    early when poked: a caller waiting for its records to reach ClickHouse
-    (`dsec run`, QueryEvents) has them delivered now, not at the next interval."""
-
-    def __init__(self):
-        self._stop = False
-        self._poked = False
-        self._cond = threading.Condition()
-
-    def is_set(self) -> bool:
-        return self._stop
-
-    def set(self):
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-
-    def poke(self):
-        with self._cond:
-            self._poked = True
-            self._cond.notify_all()
-
-    def wait(self, timeout=None) -> bool:
-        with self._cond:
-            if not self._stop and not self._poked:
-                self._cond.wait(timeout)
-            self._poked = False
-            return self._stop
-
-
-# ---------------------------------------------------------------- records
-
-class StepRun:
-    """One Exec call in flight."""
-
-    def __init__(self, argv):
-        self.argv = argv
-        self.step = 0
-        self.started_ns = 0
-        self.result = None
-        self.error: str | None = None
-        self.done = False
-        self.cancelled = False
-        self.lock = threading.Lock()
-        self.wake_w = -1
-        self.stdin_buf: deque = deque()
-        self.stdin_eof = False
-        self.stdin_bytes = 0
-        self.oom = False
-        self.rpc_done = False
-        self.pending_signals: list[int] = []
-
-    def wake(self):
-        with self.lock:
-            if self.wake_w >= 0:
-                try:
-                    os.write(self.wake_w, b"x")
-                except OSError:
-                    pass
-
-
-class SandboxRecord:
-    """What the agent knows about one sandbox, from request to teardown."""
-
-    def __init__(self, sid, spec, *, labels, priority, cpus, memory, pids, audit, over_budget,
-                 lifetime, grace, warm_profile=None):
-        self.id = sid
-        self.spec = spec                       # launcher.SandboxSpec (policy inside)
-        self.labels = dict(labels)
-        self.priority = priority
-        self.cpus = cpus                       # accounted CPUs (the quota is spec.cpus, maybe None)
-        self.memory = memory
-        self.pids = pids
-        self.audit = audit
-        self.over_budget = over_budget
-        self.lifetime = lifetime
-        self.grace = grace
-        self.warm_profile = warm_profile
-        self.state = QUEUED
-        self.reason: str | None = None
-        self.created_ns = time.time_ns()
-        self.admitted_ns = 0
-        self.started_ns = 0
-        self.ended_ns = 0
-        self.queued_s = 0.0
-        self.deadline: float | None = None     # monotonic end of lifetime
-        self.sandbox = None                    # launcher.Sandbox once started
-        self.cgroup_id = 0
-        self.watched = False
-        self.steps = 0
-        self.step_lock = threading.Lock()
-        self.run: StepRun | None = None
-        self.stop_kind: str | None = None      # killed | preempted | closed | failed: why it is ending
-        self.stop_reason: str | None = None
-        self.preempted_for: str | None = None
-        self.warm = False
-        self.warm_slot: str | None = None
-        self.summary: dict | None = None
-        self.start_done = threading.Event()
-        self.stop_started = False
-        self.oom_seen = 0
-
-    @property
-    def policy(self):
-        return self.spec.policy
-
-    def policy_identity(self) -> dict:
-        p = self.spec.policy
-        return p.identity() if p is not None else {}
-
-
-class _Profile:
-    """A warm-pool profile resolved against the agent's defaults."""
-
-    def __init__(self, cfg_profile, policy, key, cpus_acc):
-        self.cfg = cfg_profile
-        self.name = cfg_profile.name
-        self.count = cfg_profile.count
-        self.policy = policy
-        self.key = key
-        self.cpus = cpus_acc
-        self.backoff_until = 0.0
-        self.failures = 0
-
-
-class _WarmEntry:
-    def __init__(self, slot, profile: _Profile, rec: SandboxRecord):
-        self.slot = slot
-        self.profile = profile
-        self.rec = rec
-        self.ready = False
-        self.failed = False
 
 
 # ---------------------------------------------------------------- the agent
@@ -336,11 +82,9 @@ class Agent:
         self._cond = threading.Condition(self._lock)
         self._records: dict[str, SandboxRecord] = {}
         self._ended: OrderedDict[str, SandboxRecord] = OrderedDict()
-        self._warm: dict[str, _WarmEntry] = {}
-        self._slot_sid: OrderedDict[str, str] = OrderedDict()   # warm slot -> sandbox id (for audit)
-        self._profiles: dict[str, _Profile] = {}
-        self._subs: list[Subscriber] = []
-        self._subs_lock = threading.Lock()
+        self.warm = WarmPool(self)
+        self.streams = EventStreams(cfg.limits.max_stream_subscribers, cfg.limits.stream_buffer, self.labels_of)
+        self.policies = PolicyCache(cfg)
         self._emitq: deque = deque()
         self._emit_lock = threading.Lock()
         self._emit_failures = 0
@@ -349,13 +93,13 @@ class Agent:
         self._threads: list[threading.Thread] = []
         self.rec = None
         self.spool = None
-        self.exporter = None
+        self.export: ClickHouseExport | None = None
         self.sched = None
         self.degraded: list[str] = []
         self.audit_feature = {"available": False, "detail": "", "missing": []}
         self.enforce_feature = {"available": False, "detail": "", "missing": []}
         self.started_ns = 0
-        self._lock_fd = -1
+        self.run_dir = RunDir(cfg, VERSION)
         self.executor: ThreadPoolExecutor | None = None
         self.previous_agent: dict | None = None
         self.cleaned: list[dict] = []
@@ -372,11 +116,13 @@ class Agent:
         from agent.sandbox import cgroups
         self._layout = cgroups.detect()
         self.started_ns = time.time_ns()
-        self._take_lock()
-        self.spool = TapSpool(Spool(), self._on_records)
-        self._load_audit()
+        self.previous_agent = self.run_dir.take()
+        self.spool = TapSpool(Spool(), self.streams.offer)
+        setup = load_audit(cfg, self.node, self.spool)
+        self.rec, self.audit_feature, self.enforce_feature = setup.rec, setup.audit, setup.enforcement
+        self.degraded += setup.degraded
         if cfg.exporter.clickhouse:
-            self._start_exporter()
+            self.export = ClickHouseExport(self.spool._spool, cfg.exporter.interval_seconds).start()
         # the other sinks (OTLP, JSON lines), each with its own spool cursor
         from exporters.configure import sinks_from_config, start_sinks
         specs = sinks_from_config(cfg.sinks, include_clickhouse=False)
@@ -389,9 +135,9 @@ class Agent:
                                    cpu_oversubscription=cfg.capacity.cpu_oversubscription,
                                    max_pids=cfg.capacity.max_pids,
                                    aging_seconds=cfg.scheduling.aging_seconds, history=cfg.limits.history)
-        except DsecError as e:
+        except ReportedError as e:
             raise DsecError(f"capacity: {e.message}", 2)
-        self._resolve_profiles()
+        self.warm.resolve()
         self._lifecycle("", "agent_started", pid=os.getpid(), version=VERSION, config={
             "socket": cfg.socket, "tcp": cfg.tcp.listen if cfg.tcp else None,
             "capacity": {"cpus": total_cpus, "memory": total_mem, "reserve_cpus": cfg.capacity.reserve_cpus,
@@ -399,8 +145,8 @@ class Agent:
                          "cpu_oversubscription": cfg.capacity.cpu_oversubscription},
             "warm_pool": {p.name: p.count for p in cfg.warm_pool}},
             degraded=self.degraded, previous_agent=self.previous_agent)
-        self._cleanup_orphans()
-        self._write_pidfile()
+        self.cleaned = clean_up_after(self.previous_agent, self._lifecycle)
+        self.run_dir.write_pidfile(self.instance, self.started_ns)
         self.executor = ThreadPoolExecutor(max_workers=max(32, cfg.scheduling.max_parallel_starts * 4),
                                            thread_name_prefix="dsec-agent-work")
         self._starts = threading.BoundedSemaphore(cfg.scheduling.max_parallel_starts)
@@ -409,163 +155,6 @@ class Agent:
         self._threads.append(t)
         self._flush_emits()
         return self
-
-    def _take_lock(self):
-        d = self.cfg.run_dir
-        try:
-            os.makedirs(d, mode=0o700, exist_ok=True)
-            st = os.stat(d)
-        except OSError as e:
-            raise DsecError(f"agent directory {d}: {e.strerror}")
-        if st.st_uid != 0:
-            raise DsecError(f"agent directory {d} is owned by uid {st.st_uid}, not root: refusing to put "
-                            f"the agent's socket there")
-        os.chmod(d, 0o700)
-        sock_dir = os.path.dirname(self.cfg.socket)
-        if sock_dir != d:
-            os.makedirs(sock_dir, mode=0o700, exist_ok=True)
-            if os.stat(sock_dir).st_uid != 0:
-                raise DsecError(f"socket directory {sock_dir} is not owned by root")
-            os.chmod(sock_dir, 0o700)
-        path = os.path.join(d, "agent.lock")
-        self._lock_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                other = self._read_pidfile() or {}
-                raise DsecError(f"another dsec agent is running (pid {other.get('pid', '?')}, "
-                                f"socket {other.get('socket', self.cfg.socket)})")
-            raise
-        prev = self._read_pidfile()
-        if prev and prev.get("pid") != os.getpid():
-            self.previous_agent = prev
-            log.warning("previous agent (pid %s, started %s) did not shut down cleanly: cleaning up after it",
-                        prev.get("pid"), prev.get("started"))
-
-    def _pidfile(self) -> str:
-        return os.path.join(self.cfg.run_dir, "agent.json")
-
-    def _read_pidfile(self) -> dict | None:
-        try:
-            with open(self._pidfile()) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
-
-    def _write_pidfile(self):
-        data = {"pid": os.getpid(), "started": self.started_ns / 1e9, "socket": self.cfg.socket,
-                "instance": self.instance, "version": VERSION}
-        tmp = self._pidfile() + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, self._pidfile())
-
-    def _load_audit(self):
-        from agent.sensors import audit as bpf_loader
-        missing = bpf_loader.check_features()
-        try:
-            from agent.sensors import enforce as enforce_loader
-            emissing = enforce_loader.check_features()
-            self.enforce_feature = {"available": not emissing, "missing": emissing,
-                                    "detail": "eBPF enforcement: available" if not emissing else
-                                    "eBPF enforcement unavailable: " + "; ".join(emissing)}
-            if emissing:
-                self.degraded.append("egress/exec enforcement by eBPF unavailable: " + "; ".join(emissing))
-        except ImportError:
-            self.enforce_feature = {"available": False, "missing": ["agent/sensors/enforce.py not present"],
-                                    "detail": "eBPF enforcement not built"}
-            self.degraded.append("egress/exec enforcement by eBPF not built into this dsec")
-        err = None
-        if not missing:
-            from agent.sensors.recorder import Recorder
-            try:
-                self.rec = Recorder(node=self.node, spool=self.spool, over_budget=self.cfg.audit.over_budget)
-            except DsecError as e:
-                err = e.message
-        else:
-            err = "; ".join(missing)
-        if err:
-            if self.cfg.audit.required:
-                raise DsecError(f"eBPF audit unavailable: {err} (set audit.required: false to run the agent "
-                                f"without it, degraded)")
-            self.degraded.append(f"eBPF audit unavailable: {err}: sandboxes run unaudited "
-                                 f"(lifecycle events are still recorded)")
-            log.error("eBPF audit unavailable: %s; running DEGRADED (audit.required is false)", err)
-        if self.rec is not None and getattr(self.rec, "enforcer", True) is None:
-            why = getattr(self.rec, "enforce_error", None) or "disabled"
-            self.enforce_feature = {"available": False, "missing": self.enforce_feature.get("missing") or [why],
-                                    "detail": f"eBPF enforcement unavailable: {why}"}
-            msg = (f"eBPF egress/exec enforcement unavailable ({why}): enforce-mode sandboxes are refused, "
-                   f"audit/learn-mode ones run without it")
-            if msg not in self.degraded:
-                self.degraded.append(msg)
-        self.audit_feature = {"available": self.rec is not None, "missing": missing if err else [],
-                              "detail": "eBPF audit: available" if self.rec is not None
-                              else f"eBPF audit unavailable: {err}"}
-
-    def _start_exporter(self):
-        from exporters.clickhouse import ClickHouseExporter
-        self.exporter = ClickHouseExporter(self.spool._spool)
-        self._export_stop = _Pokeable()
-
-        def run():
-            try:
-                self.exporter.run(self._export_stop, interval=self.cfg.exporter.interval_seconds)
-            except Exception:  # noqa: BLE001
-                log.exception("ClickHouse exporter thread died; events stay in the spool")
-        t = threading.Thread(target=run, name="dsec-agent-export", daemon=True)
-        t.start()
-        self._export_thread = t
-
-    def _cleanup_orphans(self):
-        """What a previous agent (or a killed `dsec run`) left: the same removal
-        as `dsec gc`, each audited. Live sandboxes of other processes are never touched."""
-        import shutil
-        from agent.sandbox import cgroups
-        from agent.sandbox import launcher
-        from agent.sandbox import netns
-        from agent.commands import gc
-        found = gc.collect()
-        prev_pid = (self.previous_agent or {}).get("pid")
-        for sid in found["orphans"]:
-            sd = os.path.join(launcher.SANDBOX_DIR, sid)
-            owner = sup = None
-            try:
-                with open(os.path.join(sd, "state.json")) as f:
-                    st = json.load(f)
-                owner, sup = st.get("owner_pid"), st.get("supervisor_pid")
-            except (OSError, ValueError):
-                pass
-            cg = cgroups.SandboxCgroup(found["layout"], sid)
-            left = cg.remove()
-            netns.teardown(sid)
-            if os.path.isdir(sd) and not left:
-                shutil.rmtree(sd, ignore_errors=True)
-            why = ("left by the previous agent (pid %s), which died: its supervisor stopped the sandbox when "
-                   "the agent's control socket closed" % prev_pid) if prev_pid and owner == prev_pid else \
-                "orphan of a dsec process that is gone"
-            item = {"sandbox_id": sid, "owner_pid": owner, "supervisor_pid": sup, "reason": why,
-                    "cgroups_left": left}
-            self.cleaned.append(item)
-            self._lifecycle(sid, "orphan_cleaned", **{k: v for k, v in item.items() if k != "sandbox_id"})
-            log.warning("cleaned up sandbox %s (%s)%s", sid, why, f"; could not remove {left}" if left else "")
-        from pyroute2 import IPRoute
-        for link in found["links"]:
-            try:
-                with IPRoute() as ipr:
-                    idx = ipr.link_lookup(ifname=link)
-                    if idx:
-                        ipr.link("del", index=idx[0])
-                self._lifecycle("", "orphan_cleaned", link=link)
-            except Exception as e:  # noqa: BLE001
-                log.warning("could not remove orphaned link %s: %s", link, e)
-        try:
-            from agent.sensors import enforce as enforce_loader
-            for d in enforce_loader.gc_stale_pins():
-                self._lifecycle("", "orphan_cleaned", bpf_pin=d)
-        except (ImportError, OSError, AttributeError):
-            pass
 
     def shutdown(self, reason: str = "agent shutting down", timeout: float = 30.0):
         """Stop everything this agent runs (SIGTERM, grace, SIGKILL), then the audit."""
@@ -579,10 +168,10 @@ class Agent:
                     self._cancel_locked(rec, reason)
                 elif rec.state in (STARTING, RUNNING):
                     self._begin_stop_locked(rec, KILLED, reason, self.cfg.defaults.grace_seconds)
-            warm = list(self._warm.values())
-            self._warm.clear()
+            warm = list(self.warm.entries.values())
+            self.warm.entries.clear()
         for w in warm:
-            self._submit_work(self._destroy_warm, w, "agent shutting down")
+            self._submit_work(self.warm.destroy, w, "agent shutting down")
         self._flush_emits()
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -591,9 +180,7 @@ class Agent:
         self._stop.set()
         if self.executor:
             self.executor.shutdown(wait=True, cancel_futures=False)
-        with self._subs_lock:
-            for s in self._subs:
-                s.close()
+        self.streams.close_all()
         self._lifecycle("", "agent_stopped", reason=reason)
         self._flush_emits()
         if self.rec is not None:
@@ -601,10 +188,8 @@ class Agent:
                 self.rec.close()
             except Exception as e:  # noqa: BLE001
                 log.error("closing the audit recorder: %s", e)
-        if self.exporter is not None:
-            self._export_stop.set()
-            self._export_thread.join(timeout=15)
-            self.exporter.close()
+        if self.export is not None:
+            self.export.close()
         if getattr(self, "_sink_threads", None):
             from exporters.configure import stop_sinks
             self._sink_stop.set()
@@ -613,13 +198,7 @@ class Agent:
     def release(self):
         """The last step of a shutdown (after the API server stopped and its socket is gone):
         remove the pid file and let another agent start."""
-        try:
-            os.unlink(self._pidfile())
-        except OSError:
-            pass
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        self.run_dir.release()
 
     # ================================================================ audit records
 
@@ -659,15 +238,9 @@ class Agent:
                 return
             try:
                 self.spool.append_many(batch)
-            except DsecError as e:
+            except ReportedError as e:
                 self._emit_failures += len(batch)
                 log.error("%d lifecycle audit record(s) could not be spooled: %s", len(batch), e.message)
-
-    def _on_records(self, records):
-        with self._subs_lock:
-            subs = list(self._subs)
-        for s in subs:
-            s.offer(records)
 
     def labels_of(self, sid: str) -> dict:
         rec = self._records.get(sid) or self._ended.get(sid)
@@ -679,7 +252,7 @@ class Agent:
         """Turn transitions into audit events and carry out Actions (under the lock)."""
         for t in self.sched.drain_transitions():
             if t.kind == "warm":
-                sid = self._slot_sid.get(t.id, "")
+                sid = self.warm.slot_sid.get(t.id, "")
                 self._lifecycle(sid, t.state, ts_ns=int(t.at * 1e9), slot=t.id, profile=t.profile,
                                 previous=t.previous, reason=t.reason, cause=t.cause, source="scheduler")
             elif t.kind == "request":
@@ -709,9 +282,9 @@ class Agent:
             self._begin_stop_locked(rec, PREEMPTED, f"preempted for request {rec.preempted_for!r}",
                                     self.cfg.scheduling.preemption_grace)
         for slot in actions.drain_warm:
-            w = self._warm.pop(slot, None)
+            w = self.warm.entries.pop(slot, None)
             if w is not None:
-                self._submit_work(self._destroy_warm, w, "drained for a queued request")
+                self._submit_work(self.warm.destroy, w, "drained for a queued request")
         self._cond.notify_all()
 
     def _submit_work(self, fn, *args):
@@ -734,44 +307,29 @@ class Agent:
         with self._lock:
             try:
                 acts = self.sched.release(rec.id, reason)
-            except DsecError as e:
+            except ReportedError as e:
                 log.error("scheduler release(%s): %s", rec.id, e)
                 acts = None
             self._after_sched_locked(acts)
 
     # ================================================================ sandboxes: start
 
-    def _hooks(self, rec: SandboxRecord) -> dict:
+    def _hooks(self, rec: SandboxRecord, defer_start: bool = False) -> dict:
+        """The launcher hooks of `rec`: its record through the one SandboxWatch
+        (sensors/watch.py), plus the agent's own bookkeeping."""
+        sensor_labels = {}
+        if rec.over_budget != self.cfg.audit.over_budget:
+            sensor_labels["over_budget"] = rec.over_budget
+        rec.watch = SandboxWatch(self.rec if rec.audit else None, rec.spec, rec.labels, emit=self._emit_record,
+                                 start_extra={"agent": self.instance, "warm_profile": rec.warm_profile,
+                                              "priority": rec.priority},
+                                 sensor_labels=sensor_labels, defer_start=defer_start, raise_errors=False,
+                                 created_ns=rec.created_ns)
+
         def on_cgroup(sid, cg):
             rec.cgroup_id = cg
-            if rec.audit and self.rec is not None:
-                from agent.sandbox import cgroups
-                labels = {}
-                if rec.over_budget != self.cfg.audit.over_budget:
-                    labels["over_budget"] = rec.over_budget
-                path = cgroups.SandboxCgroup(self._layout, sid).v2_path
-                self.rec.watch(sid, cg, policy=rec.spec.policy, cgroup_path=path, step=0, **labels)
-                rec.watched = True
-            spec = rec.spec
-            r = {"kind": "sandbox_start", "sandbox_id": sid, "step": 0, "ts_ns": rec.created_ns,
-                 "pid": os.getpid(), "argv": [],
-                 "extra": _compact({"network": spec.network, "memory": spec.memory, "cpus": spec.cpus,
-                                    "pids": spec.pids, "user": spec.user, "workdir": spec.workdir,
-                                    "rootfs": spec.rootfs or "default", "agent": self.instance,
-                                    "warm_profile": rec.warm_profile, "labels": rec.labels,
-                                    "priority": rec.priority})}
-            r.update(rec.policy_identity())
-            if r.get("policy_name"):
-                r["decision"] = "allowed"
-            self._emit_record(r)
-
-        def on_started(sid, pid):
-            if rec.watched:
-                self.rec.started(rec.cgroup_id, pid)
 
         def on_step(sid, step):
-            if rec.watched:
-                self.rec.set_step(rec.cgroup_id, step)
             run = rec.run
             rec.steps = step
             argv = run.argv if run is not None else []
@@ -781,51 +339,17 @@ class Agent:
                 run.started_ns = time.time_ns()
                 run.wake()
 
-        def on_workload_exit(sid):
-            if rec.watched:
-                self.rec.catch_up()
+        return rec.watch.hooks(on_cgroup=on_cgroup, on_step=on_step)
 
-        def on_exit(summary):
-            stats = {}
-            if rec.watched:
-                try:
-                    stats = self.rec.unwatch(rec.cgroup_id)
-                except DsecError as e:
-                    log.error("sandbox %s: %s", rec.id, e.message)
-                    stats = {"error": e.message}
-                rec.watched = False
-                # the recorder keeps policies for decision stamping; a long-lived agent must forget them
-                getattr(self.rec, "policies", {}).pop(rec.id, None)
-            summary["audit"] = {"events": stats.get("emitted", 0), "lost": stats.get("lost_total", 0),
-                                "stopped_over_budget": bool(stats.get("stopped")), "enabled": rec.audit}
-            r = {"kind": "sandbox_exit", "sandbox_id": summary["sandbox_id"], "step": rec.steps,
-                 "exit_code": summary["exit_code"] if summary["exit_code"] is not None else -1,
-                 "signal": summary["signal"] or 0,
-                 "extra": _compact({k: v for k, v in summary.items() if k != "changes"}
-                                   | {"changes": summary.get("changes", [])[:1000], "labels": rec.labels})}
-            r.update(rec.policy_identity())
-            if r.get("policy_name"):
-                r["decision"] = "allowed"
-            self._emit_record(r)
-
-        return {"on_cgroup": on_cgroup, "on_started": on_started, "on_step": on_step,
-                "on_workload_exit": on_workload_exit, "on_exit": on_exit}
-
-    def _start_sandbox(self, rec: SandboxRecord):
+    def _start_sandbox(self, rec: SandboxRecord, defer_start: bool = False):
         """Create and start the launcher Sandbox of `rec` (executor thread). Returns it or raises."""
         from agent.sandbox.launcher import Sandbox
-        sb = Sandbox(rec.spec, **self._hooks(rec))
+        sb = Sandbox(rec.spec, **self._hooks(rec, defer_start))
         with self._starts:
             try:
                 sb.start()
             except BaseException:
-                if rec.watched:          # start() tore the sandbox down without on_exit
-                    try:
-                        self.rec.unwatch(rec.cgroup_id)
-                    except DsecError:
-                        pass
-                    rec.watched = False
-                    getattr(self.rec, "policies", {}).pop(rec.id, None)
+                rec.watch.unwatch()      # start() tore the sandbox down without on_exit
                 raise
         return sb
 
@@ -834,7 +358,7 @@ class Agent:
         if rec.sandbox is None:
             try:
                 sb = self._start_sandbox(rec)
-            except DsecError as e:
+            except ReportedError as e:
                 self._fail(rec, f"sandbox start failed: {e.message}")
                 return
             except Exception as e:  # noqa: BLE001
@@ -976,7 +500,7 @@ class Agent:
     def _cancel_locked(self, rec: SandboxRecord, reason: str):
         try:
             acts = self.sched.cancel(rec.id, reason)
-        except DsecError as e:
+        except ReportedError as e:
             log.error("cancel %s: %s", rec.id, e)
             acts = None
         rec.state = CANCELLED
@@ -986,323 +510,22 @@ class Agent:
         self._after_sched_locked(acts)
         self._retire(rec)
 
-    # ================================================================ warm pool
-
-    def _profile_key(self, *, cpus_quota, memory, pids, policy, network, rootfs, user, workdir, env) -> tuple:
-        return (cpus_quota, memory, pids, policy.identity()["policy_hash"] if policy else None,
-                policy.mode if policy else None, network, rootfs or None, user, workdir,
-                tuple(sorted(env.items())))
-
-    def _resolve_profiles(self):
-        from policies.model import PolicyError
-        for p in self.cfg.warm_pool:
-            try:
-                policy = self._load_policy(p.policy, None, p.mode)
-            except (ApiError, PolicyError) as e:
-                raise DsecError(f"warm_pool profile {p.name!r}: policy {p.policy!r}: "
-                                f"{getattr(e, 'message', e)}", 2)
-            if p.rootfs and not os.path.isdir(p.rootfs):
-                raise DsecError(f"warm_pool profile {p.name!r}: rootfs {p.rootfs}: no such directory", 2)
-            key = self._profile_key(cpus_quota=p.cpus, memory=p.memory, pids=p.pids, policy=policy,
-                                    network=p.network, rootfs=p.rootfs, user=p.user, workdir=p.workdir,
-                                    env=dict(p.env))
-            self._profiles[p.name] = _Profile(p, policy, key, p.cpus or self.cfg.defaults.cpus)
-
-    def _refill_warm(self):
-        """Keep each profile at its count (tick thread). Only capacity nobody waits for is used."""
-        from agent.sandbox.launcher import SandboxSpec, new_sandbox_id
-        if self._shutting:
-            return
-        now = time.monotonic()
-        for prof in self._profiles.values():
-            if prof.count == 0 or now < prof.backoff_until:
-                continue
-            while True:
-                with self._lock:
-                    have = sum(1 for w in self._warm.values() if w.profile is prof)
-                    if have >= prof.count or self._shutting:
-                        break
-                    c = prof.cfg
-                    slot = self.sched.reserve_warm(prof.name, prof.cpus, c.memory, c.pids)
-                    if slot is None:
-                        self._after_sched_locked(None)
-                        break
-                    sid = new_sandbox_id()
-                    spec = SandboxSpec(argv=[], sandbox_id=sid, cpus=c.cpus, memory=c.memory, pids=c.pids,
-                                       grace=self.cfg.defaults.grace_seconds, rootfs=c.rootfs, network=c.network,
-                                       env=dict(c.env), workdir=c.workdir, user=c.user, policy=prof.policy)
-                    rec = SandboxRecord(sid, spec, labels={}, priority=self.cfg.defaults.priority, cpus=prof.cpus,
-                                        memory=c.memory, pids=c.pids, audit=True,
-                                        over_budget=self.cfg.audit.over_budget,
-                                        lifetime=self.cfg.defaults.lifetime_seconds,
-                                        grace=self.cfg.defaults.grace_seconds, warm_profile=prof.name)
-                    rec.state = WARM
-                    rec.warm_slot = slot
-                    w = _WarmEntry(slot, prof, rec)
-                    self._warm[slot] = w
-                    self._slot_sid[slot] = sid
-                    while len(self._slot_sid) > 10000:
-                        self._slot_sid.popitem(last=False)
-                    self._after_sched_locked(None)
-                self._submit_work(self._start_warm, w)
-
-    def _start_warm(self, w: _WarmEntry):
-        try:
-            sb = self._start_sandbox(w.rec)
-        except Exception as e:  # noqa: BLE001
-            msg = e.message if isinstance(e, DsecError) else repr(e)
-            prof = w.profile
-            prof.failures += 1
-            prof.backoff_until = time.monotonic() + min(60.0, 2.0 ** min(prof.failures, 6))
-            log.error("warm pool %s: sandbox start failed: %s (retry in %.0fs)", prof.name, msg,
-                      prof.backoff_until - time.monotonic())
-            with self._lock:
-                w.failed = True
-                w.rec.start_done.set()
-                current = self._warm.get(w.slot) is w
-                if current:
-                    del self._warm[w.slot]
-                self._lifecycle(w.rec.id, "failed", reason=f"warm sandbox start failed: {msg}",
-                                profile=prof.name)
-                self._cond.notify_all()
-            self._release_slot(w.slot, f"warm sandbox start failed: {msg}")
-            return
-        w.profile.failures = 0
-        with self._lock:
-            w.rec.sandbox = sb
-            w.rec.start_done.set()
-            w.ready = True
-            self._cond.notify_all()
-
-    def _release_slot(self, slot: str, reason: str):
-        with self._lock:
-            try:
-                acts = self.sched.release_warm(slot, reason)
-            except DsecError as e:
-                log.error("release_warm(%s): %s", slot, e)
-                acts = None
-            self._after_sched_locked(acts)
-
-    def _destroy_warm(self, w: _WarmEntry, reason: str):
-        w.rec.start_done.wait(120)
-        sb = w.rec.sandbox
-        if sb is not None:
-            try:
-                sb.close()
-            except Exception:  # noqa: BLE001
-                log.exception("warm sandbox %s: close failed", w.rec.id)
-        with self._lock:
-            w.rec.state = EXITED
-            w.rec.reason = reason
-            w.rec.ended_ns = time.time_ns()
-            self._lifecycle(w.rec.id, "cleaned", reason=reason, profile=w.profile.name)
-        if not w.failed:
-            self._release_slot(w.slot, reason)
-
-    def _blocker_queued_locked(self) -> bool:
-        for rid in self.sched.queue():
-            info = self.sched.info(rid) or {}
-            if info.get("waiting") == "capacity":
-                return True
-        return False
-
-    def _try_warm_locked(self, key, req_fields) -> SandboxRecord | None:
-        """Hand a ready warm sandbox of a matching profile to the request, or None."""
-        from agent.node.scheduler import Request
-        prof = next((p for p in self._profiles.values() if p.key == key), None)
-        if prof is None or self._blocker_queued_locked():
-            return None
-        ready = [w for w in self._warm.values() if w.profile is prof and w.ready and not w.failed]
-        if not ready:
-            return None
-        w = min(ready, key=lambda w: w.rec.created_ns)
-        rec = w.rec
-        req = Request(id=rec.id, cpus=prof.cpus, memory=prof.cfg.memory, pids=prof.cfg.pids,
-                      priority=req_fields["priority"], labels=req_fields["labels"])
-        d = self.sched.claim_warm(prof.name, req)
-        if d.rejected:
-            self._after_sched_locked(d.actions)
-            raise _bad(d.reason or "rejected")
-        # the claimed record takes the caller's fields
-        rec.labels = dict(req_fields["labels"])
-        rec.priority = req_fields["priority"]
-        rec.lifetime = req_fields["lifetime"]
-        rec.grace = req_fields["grace"]
-        rec.spec.grace = req_fields["grace"]
-        rec.warm = True
-        rec.created_ns = time.time_ns()
-        self._records[rec.id] = rec
-        self._lifecycle(rec.id, "requested", **self._request_extra(rec), warm_profile=prof.name)
-        if d.warm_slot is not None:
-            del self._warm[w.slot]
-            if d.warm_slot != w.slot:
-                # the scheduler took another slot of the same profile (equal resources): the
-                # sandbox that slot stood for now stands for ours
-                other = self._warm.pop(d.warm_slot, None)
-                if other is not None:
-                    other.slot = w.slot
-                    other.rec.warm_slot = w.slot
-                    self._warm[w.slot] = other
-                    self._slot_sid[w.slot] = other.rec.id
-                self._slot_sid[d.warm_slot] = rec.id
-            rec.warm_slot = d.warm_slot
-            rec.state = RUNNING
-            rec.admitted_ns = rec.started_ns = time.time_ns()
-            rec.deadline = time.monotonic() + rec.lifetime
-            sb = rec.sandbox
-            rec.oom_seen = sb.cg.oom_kills() if sb is not None and sb.cg else 0
-            self._lifecycle(rec.id, "started", launch_ms=0.0, warm=True, profile=prof.name,
-                            cgroup_id=rec.cgroup_id, queued_s=0.0)
-            self._after_sched_locked(d.actions)
-            return rec
-        # not expected (checked above): the request went through submit() under the warm
-        # sandbox's id; the sandbox now belongs to that request, its slot is given back
-        log.warning("warm claim for %s fell back to %s; handing the warm sandbox over", rec.id, d.outcome)
-        del self._warm[w.slot]
-        try:
-            self.sched.release_warm(w.slot, f"handed over to request {rec.id!r}")
-        except DsecError:
-            pass
-        rec.state = QUEUED
-        if d.admitted:
-            rec.state = QUEUED       # _after_sched_locked launches it (the sandbox exists: marked running)
-        self._after_sched_locked(d.actions)
-        return rec
-
     # ================================================================ requests: create
-
-    def _load_policy(self, name: str | None, yaml_text: str | None, mode: str | None, source: str = ""):
-        """A Policy from a name (built-in / policy_dirs) or YAML text, with an optional mode
-        override. Loaded policies are cached (by file and mtime, or by text): thousands of
-        sandboxes of one policy share one object."""
-        import hashlib
-        from policies.load import builtin_path
-        if yaml_text is not None:
-            key = ("yaml", hashlib.sha256(yaml_text.encode("utf-8", "surrogateescape")).hexdigest(), source, mode)
-        else:
-            n = name or self.cfg.defaults.policy
-            path = next((os.path.join(d, n + sfx) for d in self.cfg.policy_dirs for sfx in (".yaml", ".yml")
-                         if os.path.isfile(os.path.join(d, n + sfx))), None) if "/" not in n else None
-            path = path or (builtin_path(n) if "/" not in n else None)
-            try:
-                mtime = os.stat(path).st_mtime_ns if path else None
-            except OSError:
-                mtime = None
-            key = ("name", n, path, mtime, mode)
-        cache = self.__dict__.setdefault("_policy_cache", OrderedDict())
-        hit = cache.get(key)
-        if hit is not None:
-            cache.move_to_end(key)
-            return hit
-        policy = self._load_policy_uncached(name, yaml_text, mode, source)
-        cache[key] = policy
-        while len(cache) > 256:
-            cache.popitem(last=False)
-        return policy
-
-    def _load_policy_uncached(self, name, yaml_text, mode, source):
-        from policies.load import load_policy, load_policy_text
-        from policies.model import PolicyError
-        try:
-            if yaml_text is not None:
-                if len(yaml_text.encode("utf-8", "surrogateescape")) > (1 << 20):
-                    raise _bad("policy.yaml: larger than 1 MiB")
-                policy = load_policy_text(yaml_text, source or "<request policy>")
-            else:
-                name = name or self.cfg.defaults.policy
-                if "/" in name or name.startswith(".") or not _printable(name) or len(name) > 128:
-                    raise _bad(f"policy.name {name!r}: a built-in name or a NAME.yaml of the agent's policy_dirs "
-                               f"(send a file's contents as policy.yaml)")
-                path = None
-                for d in self.cfg.policy_dirs:
-                    for suffix in (".yaml", ".yml"):
-                        cand = os.path.join(d, name + suffix)
-                        if os.path.isfile(cand):
-                            path = cand
-                            break
-                    if path:
-                        break
-                policy = load_policy(path or name)
-            if mode:
-                if mode not in ("learn", "audit", "enforce"):
-                    raise _bad(f"policy.mode {mode!r}: expected learn, audit or enforce")
-                policy = policy.with_mode(mode)
-        except PolicyError as e:
-            raise _bad(f"policy: {e.message}") from None
-        return policy
 
     def create(self, req: dict) -> SandboxRecord:
         """Validate, load the policy, queue (or take a warm sandbox). `req` holds the
         CreateSandboxRequest fields as Python values (see api.py)."""
         from agent.sandbox import launcher
         from agent.sandbox.launcher import SandboxSpec
-        from agent.node.scheduler import CLASSES, Request
+        from agent.node.scheduler import Request
         d = self.cfg.defaults
-        problems = []
-        sid = req.get("sandbox_id") or ""
-        if sid:
-            try:
-                launcher.validate_id(sid)
-            except DsecError:
-                problems.append(f"sandbox_id {sid[:80]!r}: use 1-63 of [A-Za-z0-9_.-], starting alphanumeric")
-        res = req.get("resources") or {}
-        cpus, memory, pids = res.get("cpus", 0.0), res.get("memory_bytes", 0), res.get("pids", 0)
-        if not isinstance(cpus, (int, float)) or math.isnan(cpus) or math.isinf(cpus) or cpus < 0:
-            problems.append(f"resources.cpus: must be a number >= 0 (0 = the agent's default), got {cpus!r}")
-        if memory < 0:
-            problems.append(f"resources.memory_bytes: must be >= 0 (0 = the default), got {memory}")
-        elif 0 < memory < (4 << 20):
-            problems.append(f"resources.memory_bytes: at least 4 MiB (4194304), got {memory}")
-        if pids < 0:
-            problems.append(f"resources.pids: must be >= 0 (0 = the default), got {pids}")
-        elif pids > (1 << 22):
-            problems.append(f"resources.pids: at most {1 << 22}, got {pids}")
-        priority = req.get("priority") or d.priority
-        if priority not in CLASSES:
-            problems.append(f"priority {priority[:40]!r}: expected one of {', '.join(CLASSES)}")
-        network = req.get("network") or "none"
-        if network not in ("none", "egress"):
-            problems.append(f"network {network[:40]!r}: expected none or egress")
-        rootfs = req.get("rootfs") or None
-        if rootfs is not None:
-            if not rootfs.startswith("/") or not os.path.isdir(rootfs):
-                problems.append(f"rootfs {rootfs[:200]!r}: not an absolute path of a directory on the agent's host")
-            elif any(c in rootfs for c in ",:\\"):
-                problems.append(f"rootfs {rootfs[:200]!r}: must not contain ',', ':' or '\\'")
-        workdir = req.get("workdir") or "/workspace"
-        if not workdir.startswith("/") or "\0" in workdir or len(workdir) > 4096:
-            problems.append(f"workdir {workdir[:200]!r}: must be an absolute path")
-        user = req.get("user") or "sandbox"
-        if len(user) > 64 or not _printable(user) or any(c.isspace() for c in user):
-            problems.append(f"user {user[:80]!r}: expected NAME, UID or UID:GID")
-        labels = req.get("labels") or {}
-        if len(labels) > MAX_LABELS:
-            problems.append(f"labels: at most {MAX_LABELS}, got {len(labels)}")
-        for k, v in list(labels.items())[:MAX_LABELS + 1]:
-            if not k or len(k) > MAX_LABEL_KEY or not _printable(k):
-                problems.append(f"labels: key {k[:80]!r}: 1-{MAX_LABEL_KEY} printable characters")
-            if len(v) > MAX_LABEL_VALUE or not _printable(v):
-                problems.append(f"labels[{k[:40]!r}]: value of at most {MAX_LABEL_VALUE} printable characters")
-        env = {}
-        try:
-            env = self._env(req.get("env") or [], "env")
-        except ApiError as e:
-            problems.append(e.message)
-        lifetime = req.get("lifetime_seconds") or 0.0
-        if math.isnan(lifetime) or lifetime < 0 or lifetime > self.cfg.limits.max_lifetime_seconds:
-            problems.append(f"lifetime_seconds: between 0 (default) and {self.cfg.limits.max_lifetime_seconds:g}, "
-                            f"got {lifetime}")
-        grace = req.get("grace_seconds") or 0.0
-        if math.isnan(grace) or grace < 0 or grace > MAX_GRACE:
-            problems.append(f"grace_seconds: between 0 (default) and {MAX_GRACE:g}, got {grace}")
-        over_budget = req.get("over_budget") or self.cfg.audit.over_budget
-        if over_budget not in ("summarise", "stop"):
-            problems.append(f"over_budget {over_budget[:40]!r}: expected summarise or stop")
-        if problems:
-            raise _bad("; ".join(problems))
+        f = check_create(req, self.cfg)
+        sid, cpus, memory, pids = f["sandbox_id"], f["cpus"], f["memory"], f["pids"]
+        priority, network, rootfs, workdir, user = f["priority"], f["network"], f["rootfs"], f["workdir"], f["user"]
+        labels, env, lifetime, grace, over_budget = f["labels"], f["env"], f["lifetime"], f["grace"], f["over_budget"]
         pol = req.get("policy") or {}
-        policy = self._load_policy(pol.get("name"), pol.get("yaml"), pol.get("mode") or None,
-                                   pol.get("source_name") or "")
+        policy = self.policies.load(pol.get("name"), pol.get("yaml"), pol.get("mode") or None,
+                                    pol.get("source_name") or "")
         quota = float(cpus) if cpus else None
         acc_cpus = quota or d.cpus
         memory = memory or d.memory
@@ -1319,15 +542,15 @@ class Agent:
                 raise ApiError("RESOURCE_EXHAUSTED", f"the agent already holds {live} sandboxes "
                                                      f"(limits.max_sandboxes)")
             if not sid and not req.get("no_warm") and not req.get("keep") and audit \
-                    and over_budget == self.cfg.audit.over_budget and self._profiles:
-                key = self._profile_key(cpus_quota=quota, memory=memory, pids=pids, policy=policy, network=network,
+                    and over_budget == self.cfg.audit.over_budget and self.warm.profiles:
+                key = profile_key(cpus_quota=quota, memory=memory, pids=pids, policy=policy, network=network,
                                         rootfs=rootfs, user=user, workdir=workdir, env=env)
-                rec = self._try_warm_locked(key, fields)
+                rec = self.warm.try_claim_locked(key, fields)
                 if rec is not None:
                     self._cond.notify_all()
                     return self._created(rec)
             if sid:
-                if sid in self._records or any(w.rec.id == sid for w in self._warm.values()):
+                if sid in self._records or any(w.rec.id == sid for w in self.warm.entries.values()):
                     raise ApiError("ALREADY_EXISTS", f"sandbox id {sid} is in use")
                 if os.path.exists(os.path.join(launcher.SANDBOX_DIR, sid)):
                     raise ApiError("ALREADY_EXISTS", f"sandbox id {sid} is in use on this node "
@@ -1364,20 +587,6 @@ class Agent:
     def _created(self, rec):
         self._flush_emits()
         return rec
-
-    def _env(self, items, what: str) -> dict:
-        env = {}
-        if len(items) > MAX_ENV_ITEMS:
-            raise _bad(f"{what}: at most {MAX_ENV_ITEMS} variables, got {len(items)}")
-        for i, (k, v) in enumerate(items):
-            if not k or b"=" in k or b"\0" in k:
-                raise _bad(f"{what}[{i}]: name {k[:60]!r}: must be non-empty without '=' or NUL")
-            if b"\0" in v:
-                raise _bad(f"{what}[{i}] ({k[:60]!r}): value contains a NUL byte")
-            if len(k) + len(v) > MAX_ARG_BYTES:
-                raise _bad(f"{what}[{i}] ({k[:60]!r}): longer than {MAX_ARG_BYTES} bytes")
-            env[_fs(k)] = _fs(v)
-        return env
 
     # ================================================================ lookups
 
@@ -1492,364 +701,21 @@ class Agent:
 
     def exec_step(self, start: dict, inputs, register_cancel, time_remaining):
         """One step; a generator of ("started", step, ts_ns) | ("stdout", bytes) |
-        ("stderr", bytes) | ("exit", dict). Raises ApiError (also after "exit",
-        when the sandbox was stopped under the step)."""
-        argv = start.get("argv") or []
-        problems = []
-        if not start.get("sandbox_id"):
-            problems.append("sandbox_id: required")
-        if not argv:
-            problems.append("argv: at least the command is required")
-        if len(argv) > MAX_ARGV_ITEMS:
-            problems.append(f"argv: at most {MAX_ARGV_ITEMS} arguments, got {len(argv)}")
-        for i, a in enumerate(argv[:MAX_ARGV_ITEMS + 1]):
-            if b"\0" in a:
-                problems.append(f"argv[{i}]: contains a NUL byte")
-                break
-            if len(a) >= MAX_ARG_BYTES:
-                problems.append(f"argv[{i}]: {len(a)} bytes; one argument may have at most {MAX_ARG_BYTES - 1} "
-                                f"(Linux MAX_ARG_STRLEN)")
-                break
-        timeout = start.get("timeout_seconds") or 0.0
-        grace = start.get("grace_seconds") or 0.0
-        if math.isnan(timeout) or timeout < 0:
-            problems.append(f"timeout_seconds: must be >= 0 (0 = none), got {timeout}")
-        if math.isnan(grace) or grace < 0 or grace > MAX_GRACE:
-            problems.append(f"grace_seconds: between 0 (default) and {MAX_GRACE:g}, got {grace}")
-        workdir = start.get("workdir") or None
-        if workdir is not None and (not workdir.startswith("/") or "\0" in workdir):
-            problems.append(f"workdir {workdir[:200]!r}: must be an absolute path")
-        env = {}
-        try:
-            env = self._env(start.get("env") or [], "env")
-        except ApiError as e:
-            problems.append(e.message)
-        if not problems:
-            enc = len(json.dumps({"argv": [_fs(a) for a in argv], "env": env}))
-            if enc > MAX_EXEC_BYTES:
-                problems.append(f"argv and env: {enc} bytes once encoded; a step may carry at most "
-                                f"{MAX_EXEC_BYTES} (put large inputs in stdin or files)")
-        if problems:
-            raise _bad("; ".join(problems))
-        rec = self.lookup(start["sandbox_id"])
-        run = StepRun(argv)
-        close_after = bool(start.get("close_after"))
-
-        def cancel():
-            # called when the RPC terminates: only a call that ends while this
-            # generator is still running was cancelled (client gone, deadline)
-            if run.rpc_done or run.done:
-                return
-            run.cancelled = True
-            run.wake()
-            self._submit_work(self._cancelled_step, rec, run, close_after)
-        register_cancel(cancel)
-        try:
-            yield from self._exec_step(rec, run, start, env, workdir, timeout, grace, close_after, inputs,
-                                       time_remaining)
-        finally:
-            run.rpc_done = True
-
-    def _exec_step(self, rec, run, start, env, workdir, timeout, grace, close_after, inputs, time_remaining):
-        deadline = None
-        rem = time_remaining()
-        if rem is not None:
-            deadline = time.monotonic() + rem
-        # wait until it runs
-        with self._cond:
-            while rec.state in (QUEUED, STARTING):
-                if run.cancelled:
-                    return
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise ApiError("DEADLINE_EXCEEDED", f"sandbox {rec.id} is still {rec.state}")
-                self._cond.wait(STREAM_POLL if left is None else min(left, STREAM_POLL))
-            if rec.state != RUNNING or rec.stop_kind is not None:
-                raise self._gone(rec)
-        while not rec.step_lock.acquire(timeout=STREAM_POLL):
-            if run.cancelled:
-                return
-            if deadline is not None and time.monotonic() > deadline:
-                raise ApiError("DEADLINE_EXCEEDED", f"sandbox {rec.id}: the previous step is still running")
-            if rec.state != RUNNING:
-                raise self._gone(rec)
-        try:
-            if rec.state != RUNNING or rec.stop_kind is not None:
-                raise self._gone(rec)
-            yield from self._run_step(rec, run, start, env, workdir, timeout, grace or None, inputs)
-        finally:
-            rec.step_lock.release()
-        if run.cancelled:
-            return
-        if close_after:
-            with self._lock:
-                gone = rec.stop_kind is not None and rec.stop_kind != "closed"
-            closed = self.close(rec.id) if not gone else self.info(rec)
-        ex = self._exit_status(rec, run)
-        if close_after and closed.get("summary") is not None:
-            summary = dict(closed["summary"])
-            if run.result is not None:
-                summary["wall_ms"] = run.result.wall_ms
-                summary["timed_out"] = run.result.timed_out
-            if start.get("wait_export") and self.exporter is not None:
-                pos = self._spool_head()
-                ok = self._wait_exported(pos, 10.0)
-                summary.setdefault("audit", {})
-                summary["audit"]["exported"] = ok
-                summary["audit"]["pending"] = 0 if ok else self.exporter.reader.backlog()[0]
-                if not ok:
-                    summary["audit"]["export_error"] = "not delivered to ClickHouse within 10s (the agent " \
-                                                       "keeps delivering)"
-            ex["summary"] = summary
-        yield ("exit", ex)
-        with self._lock:
-            stopped = rec.stop_kind not in (None, "closed") or (rec.stop_kind == "closed" and not close_after)
-        if stopped:
-            raise self._gone(rec, during_step=True)
-
-    def _gone(self, rec: SandboxRecord, during_step: bool = False) -> ApiError:
-        kind = rec.stop_kind or rec.state
-        what = {PREEMPTED: "was preempted", KILLED: "was killed", "closed": "was closed",
-                FAILED: "failed", CANCELLED: "was cancelled", EXITED: "has exited"}.get(kind, f"is {rec.state}")
-        why = rec.stop_reason or rec.reason
-        msg = f"sandbox {rec.id} {what}" + (f" ({why})" if why else "")
-        if during_step:
-            msg += "; the step was stopped"
-        code = "ABORTED" if during_step or kind == PREEMPTED else "FAILED_PRECONDITION"
-        return ApiError(code, msg)
-
-    def _cancelled_step(self, rec: SandboxRecord, run: StepRun, close_after: bool):
-        """The caller went away during a step: stop the step (SIGTERM, grace, SIGKILL);
-        one-shot runs (close_after) also end their sandbox."""
-        sb = rec.sandbox
-        if sb is None:
-            return
-        t_end = time.monotonic() + 30
-        while not run.step and not run.done and not run.rpc_done and time.monotonic() < t_end:
-            time.sleep(0.02)
-        if not run.done and run.step:
-            sb.signal(signal.SIGTERM, run.step)
-            end = time.monotonic() + rec.grace
-            while not run.done and time.monotonic() < end:
-                time.sleep(0.05)
-            if not run.done:
-                sb.signal(signal.SIGKILL, run.step)
-        if close_after:
-            with self._lock:
-                if rec.state == RUNNING and rec.stop_kind is None:
-                    self._begin_stop_locked(rec, KILLED, "the client of a one-shot run went away", 0.0)
-
-    def _run_step(self, rec, run: StepRun, start, env, workdir, timeout, grace, inputs):
-        sb = rec.sandbox
-        in_r, in_w = os.pipe2(os.O_CLOEXEC)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        wake_r, wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        for fd in (in_w, out_r, err_r):
-            os.set_blocking(fd, False)
-        run.wake_w = wake_w
-        if start.get("stdin"):
-            run.stdin_buf.append(start["stdin"])
-            run.stdin_bytes = len(start["stdin"])
-        if start.get("close_stdin"):
-            run.stdin_eof = True
-        rec.run = run
-        argv = [_fs(a) for a in run.argv]
-        oom_before = sb.cg.oom_kills() if sb.cg else 0
-
-        def runner():
-            try:
-                run.result = sb.exec(argv, env=env or None, workdir=workdir, stdin=in_r, stdout=out_w, stderr=err_w,
-                                     timeout=timeout or None, grace=grace)
-            except DsecError as e:
-                run.error = e.message
-            except Exception as e:  # noqa: BLE001
-                log.exception("sandbox %s: exec failed", rec.id)
-                run.error = f"internal error: {e!r}"
-            finally:
-                for fd in (in_r, out_w, err_w):
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-                run.done = True
-                run.wake()
-
-        def reader():
-            try:
-                for kind, value in inputs:
-                    if kind == "stdin":
-                        while run.stdin_bytes > STDIN_BUFFER and not run.done and not run.cancelled:
-                            time.sleep(0.01)         # backpressure: the step is not reading
-                        with run.lock:
-                            if not run.stdin_eof and not run.done:
-                                run.stdin_buf.append(value)
-                                run.stdin_bytes += len(value)
-                    elif kind == "close_stdin":
-                        run.stdin_eof = True
-                    elif kind == "signal":
-                        if run.step and not run.done:
-                            sb.signal(value, run.step)
-                        else:
-                            run.pending_signals.append(value)
-                    run.wake()
-            except Exception:  # noqa: BLE001 - the call ended (cancelled or completed)
-                pass
-            finally:
-                run.stdin_eof = True
-                run.wake()
-
-        t = threading.Thread(target=runner, name=f"dsec-step-{rec.id}", daemon=True)
-        t.start()
-        if inputs is not None:
-            threading.Thread(target=reader, name=f"dsec-stdin-{rec.id}", daemon=True).start()
-        readers = {out_r: "stdout", err_r: "stderr"}
-        started_sent = False
-        done_at = None
-        try:
-            while True:
-                if run.step and not started_sent:
-                    started_sent = True
-                    for s in run.pending_signals:
-                        sb.signal(s, run.step)
-                    run.pending_signals.clear()
-                    yield ("started", run.step, run.started_ns)
-                if in_w >= 0 and (run.done or run.cancelled or (run.stdin_eof and not run.stdin_buf)):
-                    os.close(in_w)
-                    in_w = -1
-                wfds = [in_w] if in_w >= 0 and run.stdin_buf else []
-                tmo = STREAM_POLL if done_at is None else 0.05
-                try:
-                    r, w, _ = select.select(list(readers) + [wake_r], wfds, [], tmo)
-                except InterruptedError:
-                    continue
-                got = False
-                if wake_r in r:
-                    try:
-                        while os.read(wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                for fd in r:
-                    if fd == wake_r:
-                        continue
-                    try:
-                        data = os.read(fd, READ_CHUNK)
-                    except BlockingIOError:
-                        continue
-                    if data:
-                        got = True
-                        if not run.cancelled:
-                            yield (readers[fd], data)
-                    else:
-                        os.close(fd)
-                        del readers[fd]
-                if w and in_w >= 0:
-                    with run.lock:
-                        while run.stdin_buf:
-                            chunk = run.stdin_buf[0]
-                            try:
-                                n = os.write(in_w, chunk)
-                            except BlockingIOError:
-                                break
-                            except BrokenPipeError:
-                                run.stdin_buf.clear()
-                                run.stdin_bytes = 0
-                                break
-                            run.stdin_bytes -= n
-                            if n < len(chunk):
-                                run.stdin_buf[0] = chunk[n:]
-                                break
-                            run.stdin_buf.popleft()
-                if run.done:
-                    # after the step: read what is left; background processes that keep
-                    # the pipes open do not hold the reply (their later output is dropped)
-                    if done_at is None:
-                        done_at = time.monotonic()
-                        if readers:
-                            continue
-                    if not readers or not got or time.monotonic() - done_at > 2.0:
-                        break
-            t.join()
-        finally:
-            if not run.done:
-                # the call went away mid-step (generator closed): keep the step lock until the
-                # step is over (the cancellation stops it), so steps never overlap
-                t.join(timeout=rec.grace + 10)
-            with run.lock:
-                run.wake_w = -1
-            for fd in list(readers) + [wake_r, wake_w] + ([in_w] if in_w >= 0 else []):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        st = run.result
-        oom = bool(sb.cg and sb.cg.oom_kills() > oom_before)
-        run.oom = oom
-        if st is not None:
-            self._lifecycle(rec.id, "step_ended", step=st.step, code=st.code, exit_code=st.exit_code,
-                            signal=st.signal, timed_out=st.timed_out, wall_ms=st.wall_ms, cpu_ms=st.cpu_ms,
-                            oom_killed=oom or None, error=st.error)
-        elif run.error:
-            self._lifecycle(rec.id, "step_ended", step=run.step, error=run.error)
-        self._flush_emits()
-
-    def _exit_status(self, rec: SandboxRecord, run: StepRun) -> dict:
-        from agent.errors import EXIT_DSEC
-        st = run.result
-        ex = {"step": run.step, "sandbox_state": rec.state, "sandbox_reason": rec.stop_reason or rec.reason or "",
-              "preempted": rec.stop_kind == PREEMPTED, "oom_killed": getattr(run, "oom", False)}
-        if st is None:
-            ex.update(code=EXIT_DSEC, exit_code=None, signal=0, timed_out=False, error=run.error or "step failed",
-                      wall_ms=0, cpu_ms=0, max_rss_bytes=0)
-        else:
-            ex.update(code=st.code, exit_code=st.exit_code, signal=st.signal or 0, timed_out=st.timed_out,
-                      error=st.error or "", wall_ms=st.wall_ms, cpu_ms=st.cpu_ms, max_rss_bytes=st.max_rss_bytes)
-        return ex
-
-    # ================================================================ export barrier
-
-    def _spool_head(self):
-        from exporters.spool import Position
-        sp = self.spool._spool
-        segs = sp.segments()
-        if not segs:
-            return Position(1, 0)
-        try:
-            size = os.path.getsize(sp.seg_path(segs[-1]))
-        except OSError:
-            size = 0
-        return Position(segs[-1], size)
-
-    def _wait_exported(self, pos, timeout: float) -> bool:
-        """True once the ClickHouse sink's cursor is at or past `pos`."""
-        from exporters.clickhouse import SINK
-        sp = self.spool._spool
-        deadline = time.monotonic() + timeout
-        if self.exporter is not None:
-            self._export_stop.poke()           # deliver now rather than at the next interval
-        while True:
-            cur = sp.load_cursor(SINK)
-            if cur is not None and (cur.segment, cur.offset) >= (pos.segment, pos.offset):
-                return True
-            if cur is not None and cur.segment > pos.segment:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
+        ("stderr", bytes) | ("exit", dict) (agent/node/steps.py)."""
+        return steps.exec_step(self, start, inputs, register_cancel, time_remaining)
 
     # ================================================================ policy update
 
     def update_policy(self, sid: str, pol: dict) -> dict:
         rec = self.lookup(sid)
-        policy = self._load_policy(pol.get("name"), pol.get("yaml"), pol.get("mode") or None,
-                                   pol.get("source_name") or "")
+        policy = self.policies.load(pol.get("name"), pol.get("yaml"), pol.get("mode") or None,
+                                    pol.get("source_name") or "")
         with self._lock:
             if rec.state != RUNNING:
                 raise ApiError("FAILED_PRECONDITION", f"sandbox {rec.id} is {rec.state}: only a running sandbox's "
                                                       f"policy can be updated")
             cg = rec.cgroup_id
-        if self.rec is None or not rec.watched:
+        if self.rec is None or rec.watch is None or not rec.watch.watched:
             raise ApiError("FAILED_PRECONDITION", f"sandbox {rec.id} is not audited (eBPF unavailable or no_audit): "
                                                   f"no eBPF enforcement to update")
         fn = getattr(self.rec, "update_policy", None)
@@ -1859,7 +725,7 @@ class Agent:
         old = rec.policy_identity()
         try:
             result = fn(cg, policy)
-        except DsecError as e:
+        except ReportedError as e:
             raise ApiError("FAILED_PRECONDITION", f"policy update failed: {e.message}") from None
         with self._lock:
             rec.spec.policy = policy
@@ -1879,33 +745,7 @@ class Agent:
     # ================================================================ events
 
     def stream_events(self, sandboxes, kinds, decisions, labels, is_active):
-        from audit_schema.events import KINDS
-        for k in kinds:
-            if k not in KINDS:
-                raise _bad(f"kinds: {k[:40]!r} is not an event kind ({', '.join(KINDS)})")
-        for d in decisions:
-            if d not in ("allowed", "denied", "would-deny"):
-                raise _bad(f"decisions: {d[:40]!r}: expected allowed, denied or would-deny")
-        sub = Subscriber(sandboxes, kinds, decisions, labels, self.cfg.limits.stream_buffer, self.labels_of)
-        with self._subs_lock:
-            if len(self._subs) >= self.cfg.limits.max_stream_subscribers:
-                raise ApiError("RESOURCE_EXHAUSTED", f"{len(self._subs)} event streams are open "
-                                                     f"(limits.max_stream_subscribers)")
-            self._subs.append(sub)
-        try:
-            while is_active() and not self._stop.is_set():
-                items, dropped = sub.take(STREAM_POLL)
-                if dropped:
-                    yield ("lost", dropped, f"this stream fell behind: {dropped} event(s) were not delivered to it "
-                                            f"(they are in the spool and ClickHouse)")
-                for r in items:
-                    yield ("event", r)
-                if sub.closed:
-                    return
-        finally:
-            with self._subs_lock:
-                if sub in self._subs:
-                    self._subs.remove(sub)
+        return self.streams.subscribe(sandboxes, kinds, decisions, labels, is_active, self._stop.is_set)
 
     def query_events(self, sid: str, kinds, limit: int, flush_timeout: float):
         from replay.store import AuditStore, check_kinds
@@ -1913,15 +753,15 @@ class Agent:
             raise _bad("sandbox_id: required")
         try:
             kinds = check_kinds(kinds)
-        except DsecError as e:
+        except ReportedError as e:
             raise _bad(f"kinds: {e.message}") from None
         if math.isnan(flush_timeout) or flush_timeout < 0 or flush_timeout > 600:
             raise _bad(f"flush_timeout_seconds: between 0 and 600, got {flush_timeout}")
-        if self.exporter is None:
+        if self.export is None:
             raise ApiError("UNIMPLEMENTED", "this agent runs without its ClickHouse exporter (exporter.clickhouse)")
-        self._wait_exported(self._spool_head(), flush_timeout or 10.0)
+        self.export.wait_exported(self.export.head(), flush_timeout or 10.0)
         try:
-            store = AuditStore(self.exporter._url)
+            store = AuditStore(self.export.url)
             with store:
                 n = 0
                 for ev in store.events(sid, kinds, limit=limit or None):
@@ -1929,7 +769,7 @@ class Agent:
                     yield ev
                 if n == 0 and store.count(sid) == 0:
                     raise ApiError("NOT_FOUND", f"no events recorded for sandbox {sid[:80]!r}")
-        except DsecError as e:
+        except ReportedError as e:
             raise ApiError("UNAVAILABLE", f"audit store: {e.message}") from None
 
     # ================================================================ access audit
@@ -1948,13 +788,13 @@ class Agent:
         from agent.sandbox import cgroups
         try:
             mode = cgroups.detect().mode
-        except DsecError:
+        except ReportedError:
             mode = "none"
         with self._lock:
             snap = self.sched.snapshot()
             warm = []
-            for p in self._profiles.values():
-                ready = sum(1 for w in self._warm.values() if w.profile is p and w.ready)
+            for p in self.warm.profiles.values():
+                ready = sum(1 for w in self.warm.entries.values() if w.profile is p and w.ready)
                 c = p.cfg
                 warm.append({"name": p.name, "count": p.count, "ready": ready,
                              "spec": {"cpus": c.cpus, "memory": c.memory, "pids": c.pids, "policy": c.policy,
@@ -2000,7 +840,7 @@ class Agent:
                 elif rec.sandbox is not None and rec.sandbox.supervisor_dead:
                     self._begin_stop_locked(rec, FAILED, "the sandbox's supervisor died (out of memory?)", 0.0)
         if not self._shutting:
-            self._refill_warm()
+            self.warm.refill()
 
 
 __all__ = ["Agent", "ApiError", "SandboxRecord", "STATES", "ENDED", "VERSION", "to_json"]

@@ -1,6 +1,10 @@
 """The node scheduler: admission against node capacity, a priority queue with
 aging, preemption of preemptible sandboxes and warm-pool accounting.
 
+Why this file is long: the scheduling rules are one pure state machine under
+one lock (docs/scheduler.md); the admission, queue, preemption and warm-slot
+rules read each other's state at every decision.
+
 A pure, deterministic, thread-safe component with explicit state: no I/O, no
 threads, no sleeping, no knowledge of how a sandbox is launched. The agent
 calls it and carries out what it returns (launch the admitted requests,

@@ -43,7 +43,7 @@ import time
 from agent.sandbox import cgroups
 from agent.sandbox import rootfs
 from agent.sandbox import sysutil as su
-from agent.errors import DsecError, EXIT_DSEC, EXIT_NOEXEC, EXIT_NOTFOUND, EXIT_TIMEOUT
+from agent.errors import DsecError, EXIT_DSEC, EXIT_NOEXEC, EXIT_NOTFOUND, EXIT_TIMEOUT, ReportedError
 # imported before any fork: a child must not import (another thread may hold the import lock)
 from agent.sandbox.supervisor import supervisor_main
 
@@ -268,7 +268,7 @@ class Sandbox:
             from policies.compile import seccomp_filter, writable_paths
             try:
                 cfg["seccomp"] = seccomp_filter(spec.policy)   # built here, loaded by each step right before execve
-            except DsecError as e:
+            except ReportedError as e:
                 raise DsecError(f"policy {spec.policy.name}: {e.message}", EXIT_DSEC)
             if spec.policy.mode == "enforce":
                 cfg["writable"] = writable_paths(spec.policy)
@@ -494,21 +494,21 @@ class Sandbox:
     def _signal_step(self, step, sig):
         try:
             self._send({"cmd": "signal", "sig": int(sig), "step": step, "group": True})
-        except DsecError:
+        except ReportedError:
             pass
 
     def signal(self, sig: int, step: int | None = None):
         """Forward a signal to the main process of a step (or of every running step)."""
         try:
             self._send({"cmd": "signal", "sig": int(sig), "step": step, "group": False})
-        except DsecError:
+        except ReportedError:
             pass
 
     def terminate(self):
         """SIGTERM to every process of the sandbox (preemption, shutdown)."""
         try:
             self._send({"cmd": "terminate"})
-        except DsecError:
+        except ReportedError:
             pass
 
     def kill(self):
@@ -528,7 +528,7 @@ class Sandbox:
                 try:
                     self._send({"cmd": "close"})
                     self._wait_for(lambda: self.closed_msg, timeout, "did not close")
-                except DsecError:
+                except ReportedError:
                     self.kill()
                 if self.closed_msg and not self.supervisor_dead:
                     try:
@@ -536,7 +536,7 @@ class Sandbox:
                     finally:
                         try:
                             self._send({"cmd": "release"})
-                        except DsecError:
+                        except ReportedError:
                             pass
             with self._cond:
                 end = time.monotonic() + timeout

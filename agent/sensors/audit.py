@@ -40,7 +40,7 @@ from agent.sensors.common import (check_sandbox_ids, compile_text, describe, los
 from agent.sensors.decoder import SandboxInfo, load_constants
 from agent.errors import DsecError
 
-SOURCES = ("common.h", "process.c", "net.c", "files.c")   # concatenated in this order
+SOURCES = ("membership.h", "common.h", "process.c", "net.c", "files.c")   # concatenated in this order
 
 DEFAULT_RING_BYTES = 32 << 20
 DEFAULT_ARGV_BYTES = 16384
@@ -105,6 +105,7 @@ def build_cflags(*, ring_bytes: int, argv_bytes: int, max_args: int, max_infligh
         f"-DDSEC_MAX_ARGS={max_args}",
         f"-DDSEC_NCPU={ncpu}",
         f"-DDSEC_MAX_INFLIGHT={max_inflight}",
+        "-DDSEC_SBX_T=struct dsec_sandbox",          # the configuration type of membership.h's sandboxes
     ]
 
 
@@ -137,6 +138,7 @@ class AuditSensor(RingSensor):
         self.bpf = compile_bpf(build_cflags(ring_bytes=ring_bytes, argv_bytes=argv_bytes,
                                             max_args=max_args, max_inflight=max_inflight))
         self._sandboxes_map = self.bpf[b"sandboxes"]
+        self._gen = self.bpf[b"sbx_gen"]
         self._state_map = self.bpf[b"sbx_state"]
         enricher = None
         if enrich:
@@ -197,6 +199,8 @@ class AuditSensor(RingSensor):
             try:
                 self._state_map[self._state_map.Key(cgroup_id)] = self._state_map.Leaf()  # zeroed first
                 self._sandboxes_map[self._sandboxes_map.Key(cgroup_id)] = cfg
+                k = self._gen.Key(0)          # membership.h: the per-cgroup lookup cache is stale now
+                self._gen[k] = self._gen.Leaf(self._gen[k].value + 1)
             except Exception as e:   # BCC raises bare Exception when a map update fails
                 for m in (self._sandboxes_map, self._state_map):
                     map_discard(m, m.Key(cgroup_id))

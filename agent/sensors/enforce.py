@@ -1,6 +1,11 @@
 """EnforcementSensor: policy enforcement and violation reporting in the kernel
 (bpf/enforce.c), the second sensor next to the audit sensor (one per concern).
 
+Why this file is long: one sensor is one class (Tetragon style, a userspace
+sensor per concern); its per-sandbox registration, egress/exec tables, learn
+counters and violation reporting share the kernel maps and one lock, and
+splitting them would spread one state machine over files.
+
     sensor = EnforcementSensor(on_record=spool.put)       # compiles, loads, attaches
     sensor.add_sandbox(cgroup_id, cgroup_path, "sbx-1", policy, exempt_pids=[supervisor_pid])
     ... sensor.poll(100) in the agent's loop ...
@@ -50,7 +55,7 @@ from agent.sensors.common import (bpffs_mounted, cgroup2_mount, check_sandbox_id
                               loss_totals, map_discard, ring_pages, ringbuf_supported, source_text, token_bucket,
                               tracepoints_in, unavailable)
 from agent.sensors.decoder import PROTOCOLS, SandboxInfo, in_cgroup, load_constants
-from agent.errors import EXIT_DSEC, DsecError
+from agent.errors import EXIT_DSEC, DsecError, ReportedError
 from agent.sensors.resolver import HostResolver, ResolveError
 
 log = logging.getLogger("dsec.enforce")
@@ -85,7 +90,7 @@ MAPPED_V4 = ipaddress.ip_network("::ffff:0:0/96")
 # ---------------------------------------------------------------- features
 
 def _source_text() -> str:
-    return source_text((SOURCE,))
+    return source_text(("membership.h", SOURCE))     # membership.h: the lookup both sensors share
 
 
 def tracepoints_used(text: str | None = None) -> list[str]:
@@ -127,7 +132,8 @@ def describe_features() -> str:
 # ---------------------------------------------------------------- compile
 
 def build_cflags(*, ring_bytes: int) -> list[str]:
-    return [f"-I{BPF_DIR}", f"-DDSEC_ENF_RING_PAGES={ring_pages(ring_bytes, 'enforcement')}"]
+    return [f"-I{BPF_DIR}", f"-DDSEC_ENF_RING_PAGES={ring_pages(ring_bytes, 'enforcement')}",
+            "-DDSEC_SBX_T=struct dsec_enf_sandbox"]
 
 
 def compile_bpf(cflags: list[str]):
@@ -292,9 +298,9 @@ class EnforcementSensor(RingSensor):
             self._teardown()
             raise
         b = self.bpf
-        self._cfg = b[b"enf_sandboxes"]
+        self._cfg = b[b"sandboxes"]
         self._state_map = b[b"enf_state"]
-        self._gen = b[b"enf_gen"]
+        self._gen = b[b"sbx_gen"]
         self._e4 = b[b"egress4"]
         self._e6 = b[b"egress6"]
         self._exec = b[b"exec_allow"]
@@ -439,7 +445,7 @@ class EnforcementSensor(RingSensor):
                     self._attach(sb, adopt)
             except BaseException as e:
                 self._forget(sb)
-                if isinstance(e, DsecError):
+                if isinstance(e, ReportedError):
                     raise
                 if isinstance(e, Exception):
                     raise DsecError(f"add_sandbox: cannot register cgroup {cgroup_id} in the kernel: {e}") from None

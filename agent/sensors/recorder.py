@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from agent.errors import DsecError, EXIT_DSEC
+from agent.errors import DsecError, EXIT_DSEC, ReportedError
 from audit_schema.events import normalize
 from policies.evaluate import decision      # per record, on the poll thread: imported once here
 
@@ -63,7 +63,7 @@ class Recorder:
         try:
             from agent.sensors.enforce import EnforcementSensor
             self.enforcer = EnforcementSensor(on_record=self._on_record, node=self.node)
-        except DsecError as e:
+        except ReportedError as e:
             # reported by watch(): enforce-mode sandboxes refuse to start; others run degraded
             self.enforce_error = e.message
         except BaseException as e:  # noqa: BLE001 - re-raised in the constructor's thread
@@ -229,132 +229,3 @@ class Recorder:
                 self.enforcer.close()
         finally:
             self._flush_pending()
-
-
-STDIN_RECORD_MAX = 64 << 10
-POLICY_RECORD_MAX = 256 << 10
-
-
-def _policy_text(policy) -> str | None:
-    if policy is None:
-        return None
-    try:
-        from policies.load import dump_yaml
-        text = dump_yaml(policy)
-    except Exception:  # noqa: BLE001 - the record goes on without it
-        return None
-    return text if len(text) <= POLICY_RECORD_MAX else None
-SECRET_ENV_PATTERNS = tuple(p for p in os.environ.get(
-    "DSEC_SECRET_ENV", "*TOKEN*,*SECRET*,*PASSWORD*,*PASSWD*,*KEY*,*CREDENTIAL*,AWS_*,*AUTH*").split(",") if p)
-
-
-def redact_env(env: dict, patterns=SECRET_ENV_PATTERNS) -> dict:
-    """Environment for the record: values of variables whose name matches a
-    secret pattern (fnmatch, case-insensitive; DSEC_SECRET_ENV) are replaced."""
-    import fnmatch
-    out = {}
-    for k, v in env.items():
-        if any(fnmatch.fnmatch(k.upper(), p.upper()) for p in patterns):
-            out[k] = "<redacted>"
-        else:
-            out[k] = v
-    return out
-
-
-class SandboxWatch:
-    """Wires one sandbox's launcher hooks to a Recorder.
-
-        w = SandboxWatch(rec, spec)
-        sb = Sandbox(spec, **w.hooks())        # or launch(spec, **w.launch_hooks())
-
-    Records sandbox_start (with the resources asked for) before any process
-    exists, starts enforcement once the supervisor exists, moves the step
-    counter with each step, catches up on the record before the sandbox's
-    namespaces go, and records sandbox_exit with the summary. After close,
-    `stats` holds the sensors' totals (emitted, lost, syscalls in learn mode)
-    and summary["audit"] says the same."""
-
-    def __init__(self, rec: Recorder, spec, labels: dict | None = None):
-        self.rec = rec
-        self.spec = spec
-        self.labels = labels or {}
-        self.cgroup_id = 0
-        self.stats: dict = {}
-        self.step = 0
-        self.t_start = time.time_ns()
-
-    def hooks(self) -> dict:
-        return {"on_cgroup": self.on_cgroup, "on_started": self.on_started, "on_step": self.on_step,
-                "on_workload_exit": self.on_workload_exit, "on_exit": self.on_exit,
-                "on_step_info": self.on_step_info, "on_step_end": self.on_step_end}
-
-    def launch_hooks(self) -> dict:
-        h = self.hooks()
-        step = h.pop("on_step")
-        h["on_go"] = lambda sid: step(sid, 1)
-        return h
-
-    def on_cgroup(self, sandbox_id, cgroup_id):
-        import json
-        from agent.sandbox import cgroups
-        path = cgroups.SandboxCgroup(cgroups.detect(), sandbox_id).v2_path
-        self.rec.watch(sandbox_id, cgroup_id, policy=self.spec.policy, cgroup_path=path, step=0)
-        self.cgroup_id = cgroup_id
-        s = self.spec
-        self.rec.record({"kind": "sandbox_start", "sandbox_id": sandbox_id, "step": 0, "ts_ns": self.t_start,
-                         "pid": os.getpid(), "argv": list(s.argv),
-                         "extra": json.dumps({"network": s.network, "memory": s.memory, "cpus": s.cpus,
-                                              "pids": s.pids, "user": s.user, "workdir": s.workdir,
-                                              "rootfs": s.rootfs or "default", "labels": self.labels,
-                                              "timeout": s.timeout,
-                                              # the policy itself, so replay can re-run under it
-                                              "policy_yaml": _policy_text(s.policy)},
-                                             separators=(",", ":"))})
-
-    def on_started(self, sandbox_id, pid):
-        self.rec.started(self.cgroup_id, pid)
-
-    def on_step(self, sandbox_id, step):
-        self.step = step
-        self.rec.set_step(self.cgroup_id, step)
-
-    def on_step_info(self, sandbox_id, step, info):
-        """Record what the step runs, so replay can re-run it (env secrets redacted,
-        stdin bounded)."""
-        import base64
-        import json
-        env = redact_env(info.get("env") or {})
-        extra = {"env": env, "workdir": info.get("workdir"), "timeout": info.get("timeout")}
-        stdin = info.get("stdin")
-        if stdin is not None:
-            extra["stdin_b64"] = base64.b64encode(stdin[:STDIN_RECORD_MAX]).decode()
-            extra["stdin_bytes"] = len(stdin)
-            extra["stdin_truncated"] = len(stdin) > STDIN_RECORD_MAX
-        self.rec.record({"kind": "step_start", "sandbox_id": sandbox_id, "step": step, "argv": list(info["argv"]),
-                         "argv_truncated": 0, "extra": json.dumps(extra, separators=(",", ":"))})
-
-    def on_step_end(self, sandbox_id, st):
-        import json
-        self.rec.record({"kind": "step_end", "sandbox_id": sandbox_id, "step": st.step,
-                         "exit_code": st.exit_code if st.exit_code is not None else -1, "signal": st.signal or 0,
-                         "extra": json.dumps({"timed_out": st.timed_out, "wall_ms": st.wall_ms, "cpu_ms": st.cpu_ms,
-                                              "error": st.error, "code": st.code}, separators=(",", ":"))})
-
-    def on_workload_exit(self, sandbox_id):
-        self.rec.catch_up()
-
-    def on_exit(self, summary):
-        import json
-        self.stats = self.rec.unwatch(self.cgroup_id) if self.cgroup_id else {}
-        summary["audit"] = {"events": self.stats.get("emitted", 0), "lost": self.stats.get("lost_total", 0),
-                            "stopped_over_budget": bool(self.stats.get("stopped"))}
-        if self.syscall_counts():
-            summary["audit"]["syscalls"] = self.syscall_counts()     # learn mode: in-kernel counts
-        self.rec.record({"kind": "sandbox_exit", "sandbox_id": summary["sandbox_id"], "step": self.step,
-                         "exit_code": summary["exit_code"] if summary["exit_code"] is not None else -1,
-                         "signal": summary["signal"] or 0,
-                         "extra": json.dumps({k: v for k, v in summary.items() if k != "changes"}
-                                             | {"changes": summary["changes"][:1000]}, separators=(",", ":"))})
-
-    def syscall_counts(self) -> dict:
-        return dict((self.stats.get("enforcement") or {}).get("syscalls") or {})

@@ -1,0 +1,313 @@
+"""One step (Exec) of a sandbox the node agent runs: wait until the sandbox runs,
+take its step lock (steps never overlap, so every audit event carries the
+step it belongs to), stream stdin in and stdout/stderr out, and report the
+exit; a caller that goes away mid-step has the step stopped (SIGTERM, grace,
+SIGKILL), and a one-shot run (close_after) its sandbox too.
+
+    for item in exec_step(agent, start, inputs, register_cancel, time_remaining):
+        ...   # ("started", step, ts_ns) | ("stdout", bytes) | ("stderr", bytes) | ("exit", dict)
+
+Functions of the agent (agent/node/daemon.py), which owns the state and the lock.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import threading
+import time
+
+from agent.errors import ReportedError
+from agent.node.records import (CANCELLED, EXITED, FAILED, KILLED, PREEMPTED, QUEUED, READ_CHUNK, RUNNING,
+                                STARTING, STDIN_BUFFER, STREAM_POLL, ApiError, SandboxRecord, StepRun, _fs)
+from agent.node.requests import check_exec
+
+log = logging.getLogger("dsec.agent")
+
+
+def exec_step(agent, start: dict, inputs, register_cancel, time_remaining):
+    """One step; a generator of ("started", step, ts_ns) | ("stdout", bytes) |
+    ("stderr", bytes) | ("exit", dict). Raises ApiError (also after "exit",
+    when the sandbox was stopped under the step)."""
+    argv = start.get("argv") or []
+    env, workdir, timeout, grace = check_exec(start)
+    rec = agent.lookup(start["sandbox_id"])
+    run = StepRun(argv)
+    close_after = bool(start.get("close_after"))
+
+    def cancel():
+        # called when the RPC terminates: only a call that ends while this
+        # generator is still running was cancelled (client gone, deadline)
+        if run.rpc_done or run.done:
+            return
+        run.cancelled = True
+        run.wake()
+        agent._submit_work(_cancelled_step, agent, rec, run, close_after)
+    register_cancel(cancel)
+    try:
+        yield from _exec_step(agent, rec, run, start, env, workdir, timeout, grace, close_after, inputs,
+                              time_remaining)
+    finally:
+        run.rpc_done = True
+
+
+def _exec_step(agent, rec, run, start, env, workdir, timeout, grace, close_after, inputs, time_remaining):
+    deadline = None
+    rem = time_remaining()
+    if rem is not None:
+        deadline = time.monotonic() + rem
+    # wait until it runs
+    with agent._cond:
+        while rec.state in (QUEUED, STARTING):
+            if run.cancelled:
+                return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ApiError("DEADLINE_EXCEEDED", f"sandbox {rec.id} is still {rec.state}")
+            agent._cond.wait(STREAM_POLL if left is None else min(left, STREAM_POLL))
+        if rec.state != RUNNING or rec.stop_kind is not None:
+            raise _gone(agent, rec)
+    while not rec.step_lock.acquire(timeout=STREAM_POLL):
+        if run.cancelled:
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            raise ApiError("DEADLINE_EXCEEDED", f"sandbox {rec.id}: the previous step is still running")
+        if rec.state != RUNNING:
+            raise _gone(agent, rec)
+    try:
+        if rec.state != RUNNING or rec.stop_kind is not None:
+            raise _gone(agent, rec)
+        yield from _run_step(agent, rec, run, start, env, workdir, timeout, grace or None, inputs)
+    finally:
+        rec.step_lock.release()
+    if run.cancelled:
+        return
+    if close_after:
+        with agent._lock:
+            gone = rec.stop_kind is not None and rec.stop_kind != "closed"
+        closed = agent.close(rec.id) if not gone else agent.info(rec)
+    ex = _exit_status(agent, rec, run)
+    if close_after and closed.get("summary") is not None:
+        summary = dict(closed["summary"])
+        if run.result is not None:
+            summary["wall_ms"] = run.result.wall_ms
+            summary["timed_out"] = run.result.timed_out
+        if start.get("wait_export") and agent.export is not None:
+            ok = agent.export.wait_exported(agent.export.head(), 10.0)
+            summary.setdefault("audit", {})
+            summary["audit"]["exported"] = ok
+            summary["audit"]["pending"] = 0 if ok else agent.export.backlog()
+            if not ok:
+                summary["audit"]["export_error"] = "not delivered to ClickHouse within 10s (the agent " \
+                                                   "keeps delivering)"
+        ex["summary"] = summary
+    yield ("exit", ex)
+    with agent._lock:
+        stopped = rec.stop_kind not in (None, "closed") or (rec.stop_kind == "closed" and not close_after)
+    if stopped:
+        raise _gone(agent, rec, during_step=True)
+
+
+def _gone(agent, rec: SandboxRecord, during_step: bool = False) -> ApiError:
+    kind = rec.stop_kind or rec.state
+    what = {PREEMPTED: "was preempted", KILLED: "was killed", "closed": "was closed",
+            FAILED: "failed", CANCELLED: "was cancelled", EXITED: "has exited"}.get(kind, f"is {rec.state}")
+    why = rec.stop_reason or rec.reason
+    msg = f"sandbox {rec.id} {what}" + (f" ({why})" if why else "")
+    if during_step:
+        msg += "; the step was stopped"
+    code = "ABORTED" if during_step or kind == PREEMPTED else "FAILED_PRECONDITION"
+    return ApiError(code, msg)
+
+
+def _cancelled_step(agent, rec: SandboxRecord, run: StepRun, close_after: bool):
+    """The caller went away during a step: stop the step (SIGTERM, grace, SIGKILL);
+    one-shot runs (close_after) also end their sandbox."""
+    sb = rec.sandbox
+    if sb is None:
+        return
+    t_end = time.monotonic() + 30
+    while not run.step and not run.done and not run.rpc_done and time.monotonic() < t_end:
+        time.sleep(0.02)
+    if not run.done and run.step:
+        sb.signal(signal.SIGTERM, run.step)
+        end = time.monotonic() + rec.grace
+        while not run.done and time.monotonic() < end:
+            time.sleep(0.05)
+        if not run.done:
+            sb.signal(signal.SIGKILL, run.step)
+    if close_after:
+        with agent._lock:
+            if rec.state == RUNNING and rec.stop_kind is None:
+                agent._begin_stop_locked(rec, KILLED, "the client of a one-shot run went away", 0.0)
+
+
+def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inputs):
+    sb = rec.sandbox
+    in_r, in_w = os.pipe2(os.O_CLOEXEC)
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    wake_r, wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    for fd in (in_w, out_r, err_r):
+        os.set_blocking(fd, False)
+    run.wake_w = wake_w
+    if start.get("stdin"):
+        run.stdin_buf.append(start["stdin"])
+        run.stdin_bytes = len(start["stdin"])
+    if start.get("close_stdin"):
+        run.stdin_eof = True
+    rec.run = run
+    argv = [_fs(a) for a in run.argv]
+    oom_before = sb.cg.oom_kills() if sb.cg else 0
+
+    def runner():
+        try:
+            run.result = sb.exec(argv, env=env or None, workdir=workdir, stdin=in_r, stdout=out_w, stderr=err_w,
+                                 timeout=timeout or None, grace=grace)
+        except ReportedError as e:
+            run.error = e.message
+        except Exception as e:  # noqa: BLE001
+            log.exception("sandbox %s: exec failed", rec.id)
+            run.error = f"internal error: {e!r}"
+        finally:
+            for fd in (in_r, out_w, err_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            run.done = True
+            run.wake()
+
+    def reader():
+        try:
+            for kind, value in inputs:
+                if kind == "stdin":
+                    while run.stdin_bytes > STDIN_BUFFER and not run.done and not run.cancelled:
+                        time.sleep(0.01)         # backpressure: the step is not reading
+                    with run.lock:
+                        if not run.stdin_eof and not run.done:
+                            run.stdin_buf.append(value)
+                            run.stdin_bytes += len(value)
+                elif kind == "close_stdin":
+                    run.stdin_eof = True
+                elif kind == "signal":
+                    if run.step and not run.done:
+                        sb.signal(value, run.step)
+                    else:
+                        run.pending_signals.append(value)
+                run.wake()
+        except Exception:  # noqa: BLE001 - the call ended (cancelled or completed)
+            pass
+        finally:
+            run.stdin_eof = True
+            run.wake()
+
+    t = threading.Thread(target=runner, name=f"dsec-step-{rec.id}", daemon=True)
+    t.start()
+    if inputs is not None:
+        threading.Thread(target=reader, name=f"dsec-stdin-{rec.id}", daemon=True).start()
+    readers = {out_r: "stdout", err_r: "stderr"}
+    started_sent = False
+    done_at = None
+    try:
+        while True:
+            if run.step and not started_sent:
+                started_sent = True
+                for s in run.pending_signals:
+                    sb.signal(s, run.step)
+                run.pending_signals.clear()
+                yield ("started", run.step, run.started_ns)
+            if in_w >= 0 and (run.done or run.cancelled or (run.stdin_eof and not run.stdin_buf)):
+                os.close(in_w)
+                in_w = -1
+            wfds = [in_w] if in_w >= 0 and run.stdin_buf else []
+            tmo = STREAM_POLL if done_at is None else 0.05
+            try:
+                r, w, _ = select.select(list(readers) + [wake_r], wfds, [], tmo)
+            except InterruptedError:
+                continue
+            got = False
+            if wake_r in r:
+                try:
+                    while os.read(wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            for fd in r:
+                if fd == wake_r:
+                    continue
+                try:
+                    data = os.read(fd, READ_CHUNK)
+                except BlockingIOError:
+                    continue
+                if data:
+                    got = True
+                    if not run.cancelled:
+                        yield (readers[fd], data)
+                else:
+                    os.close(fd)
+                    del readers[fd]
+            if w and in_w >= 0:
+                with run.lock:
+                    while run.stdin_buf:
+                        chunk = run.stdin_buf[0]
+                        try:
+                            n = os.write(in_w, chunk)
+                        except BlockingIOError:
+                            break
+                        except BrokenPipeError:
+                            run.stdin_buf.clear()
+                            run.stdin_bytes = 0
+                            break
+                        run.stdin_bytes -= n
+                        if n < len(chunk):
+                            run.stdin_buf[0] = chunk[n:]
+                            break
+                        run.stdin_buf.popleft()
+            if run.done:
+                # after the step: read what is left; background processes that keep
+                # the pipes open do not hold the reply (their later output is dropped)
+                if done_at is None:
+                    done_at = time.monotonic()
+                    if readers:
+                        continue
+                if not readers or not got or time.monotonic() - done_at > 2.0:
+                    break
+        t.join()
+    finally:
+        if not run.done:
+            # the call went away mid-step (generator closed): keep the step lock until the
+            # step is over (the cancellation stops it), so steps never overlap
+            t.join(timeout=rec.grace + 10)
+        with run.lock:
+            run.wake_w = -1
+        for fd in list(readers) + [wake_r, wake_w] + ([in_w] if in_w >= 0 else []):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    st = run.result
+    oom = bool(sb.cg and sb.cg.oom_kills() > oom_before)
+    run.oom = oom
+    if st is not None:
+        agent._lifecycle(rec.id, "step_ended", step=st.step, code=st.code, exit_code=st.exit_code,
+                        signal=st.signal, timed_out=st.timed_out, wall_ms=st.wall_ms, cpu_ms=st.cpu_ms,
+                        oom_killed=oom or None, error=st.error)
+    elif run.error:
+        agent._lifecycle(rec.id, "step_ended", step=run.step, error=run.error)
+    agent._flush_emits()
+
+
+def _exit_status(agent, rec: SandboxRecord, run: StepRun) -> dict:
+    from agent.errors import EXIT_DSEC
+    st = run.result
+    ex = {"step": run.step, "sandbox_state": rec.state, "sandbox_reason": rec.stop_reason or rec.reason or "",
+          "preempted": rec.stop_kind == PREEMPTED, "oom_killed": getattr(run, "oom", False)}
+    if st is None:
+        ex.update(code=EXIT_DSEC, exit_code=None, signal=0, timed_out=False, error=run.error or "step failed",
+                  wall_ms=0, cpu_ms=0, max_rss_bytes=0)
+    else:
+        ex.update(code=st.code, exit_code=st.exit_code, signal=st.signal or 0, timed_out=st.timed_out,
+                  error=st.error or "", wall_ms=st.wall_ms, cpu_ms=st.cpu_ms, max_rss_bytes=st.max_rss_bytes)
+    return ex

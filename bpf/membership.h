@@ -1,0 +1,103 @@
+/* dsec BPF: which sandbox the current task is in, and its parent -- the one
+ * membership lookup both sensors use: the audit sensor (common.h, process.c,
+ * net.c, files.c) and the enforcement sensor (enforce.c).
+ *
+ * Not #included: BCC rewrites map calls (.lookup, .update ...) only in its
+ * main source text, so each loader puts this file first in the one text it
+ * compiles (agent/sensors/common.py source_text). Each sensor therefore has
+ * its own instance of these maps, filled by its own userspace. The sensor's
+ * per-sandbox configuration type comes from the loader as DSEC_SBX_T:
+ * struct dsec_sandbox (audit) or struct dsec_enf_sandbox (enforcement).
+ *
+ * Rules: no kernel struct is dereferenced (only helpers); every loop bounded.
+ */
+#include "shared.h"
+
+#ifndef DSEC_SBX_T
+#error "DSEC_SBX_T (the sensor's per-sandbox configuration type) must be defined by the loader"
+#endif
+
+/* cgroup id -> configuration, written by userspace */
+BPF_HASH(sandboxes, u64, DSEC_SBX_T, DSEC_MAX_SANDBOXES);
+/* bumped by userspace at every registration: invalidates sbx_cgcache */
+BPF_ARRAY(sbx_gen, u64, 1);
+/* task cgroup id -> its sandbox (0: none), as of sbx_gen[0] */
+BPF_TABLE("lru_hash", u64, struct dsec_cg_cache, sbx_cgcache, 16384);
+/* process tree of sandbox tasks: child tgid -> parent tgid, filled at fork */
+BPF_TABLE("lru_hash", u32, u32, parents, 65536);
+
+/* The sandbox of the current task: its cgroup2 or the nearest registered
+ * ancestor (a sandbox may create sub-cgroups). Processes outside any sandbox
+ * pay one helper call and three lookups: the per-cgroup answer is cached, and
+ * the cache is invalidated by userspace bumping sbx_gen when it registers a
+ * sandbox. */
+static __always_inline DSEC_SBX_T *dsec_sandbox(u64 *cgid)
+{
+    u64 id = bpf_get_current_cgroup_id();
+    DSEC_SBX_T *cfg = sandboxes.lookup(&id);
+    if (cfg) {
+        *cgid = id;
+        return cfg;
+    }
+    u32 zero = 0;
+    u64 *genp = sbx_gen.lookup(&zero);
+    u64 gen = genp ? *genp : 0;
+    struct dsec_cg_cache *c = sbx_cgcache.lookup(&id);
+    if (c && c->gen == gen) {
+        u64 sb = c->sandbox;
+        if (!sb)
+            return 0;
+        cfg = sandboxes.lookup(&sb);
+        if (cfg)
+            *cgid = sb;
+        return cfg;
+    }
+    struct dsec_cg_cache nc = {};
+    nc.gen = gen;
+    cfg = 0;
+    for (int lvl = 1; lvl < DSEC_MAX_LEVEL; lvl++) {
+        u64 anc = bpf_get_current_ancestor_cgroup_id(lvl);
+        if (anc == 0 || anc == id)
+            break;
+        cfg = sandboxes.lookup(&anc);
+        if (cfg) {
+            nc.sandbox = anc;
+            *cgid = anc;
+            break;
+        }
+    }
+    sbx_cgcache.update(&id, &nc);
+    return cfg;
+}
+
+/* A fork of the current task (task/task_newtask, not a thread): remember the
+ * child's parent when the task is in a sandbox (CLONE_PARENT: the parent's
+ * parent). Returns the sandbox's configuration (and *cgid), or 0. */
+static __always_inline DSEC_SBX_T *dsec_track_fork(u32 child, u64 flags, u64 *cgid)
+{
+    DSEC_SBX_T *cfg = dsec_sandbox(cgid);
+    if (!cfg)
+        return 0;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    u32 parent = tgid;
+    if (flags & DSEC_CLONE_PARENT) {
+        u32 *pp = parents.lookup(&tgid);
+        parent = pp ? *pp : 0;
+    }
+    parents.update(&child, &parent);
+    return cfg;
+}
+
+/* the last thread of tgid is gone (sched_process_exit, group_dead) */
+static __always_inline void dsec_track_exit(u32 tgid)
+{
+    parents.delete(&tgid);
+}
+
+/* The header of a record of the current task, its parent included. */
+static __always_inline void dsec_fill_hdr(struct dsec_hdr *h, u32 kind, u64 cgid, u32 step)
+{
+    u32 tgid = dsec_hdr_fill(h, kind, cgid, step);
+    u32 *pp = parents.lookup(&tgid);
+    h->ppid = pp ? *pp : 0;
+}
