@@ -20,6 +20,14 @@ spool reader found (corrupt or invalid frames) is inserted as `events_lost`
 events (sandbox_id "", extra.reason "spool_damage", event_id derived from
 the spool id, segment and offset, so it too is inserted once) and logged.
 
+Cluster mode (`cluster=`, the agent's clickhouse.cluster; or found in the
+database, see audit_schema/migrations.py): `insert="local"` (default) inserts
+into the connected server's own shard (events_local: no second hop, and one
+sandbox's record is on its node's shard); `insert="distributed"` inserts
+through the Distributed table, sharded by sandbox id, synchronously
+(insert_distributed_sync=1: the batch is acknowledged, and the cursor moves,
+only once every shard it touched has it). Readers read the Distributed table.
+
 The cursor, batching, retry and run loop are exporters/base.py's (shared by
 every sink); this module is the ClickHouse part: connection, migrations at
 first connection, columnar insert. ClickHouse is a required sink: the disk
@@ -38,7 +46,7 @@ log = logging.getLogger("dsec.exporter.clickhouse")
 
 SINK = "clickhouse"
 _COLUMNS = ", ".join(f.name for f in FIELDS)
-_MIGRATED: set = set()       # (url, db) migrated by this process
+_MIGRATED: dict = {}         # (url, db, cluster, ddl) -> MigrationResult, migrated by this process
 
 
 def columns_for(records: list[dict]) -> list[list]:
@@ -65,14 +73,24 @@ class ClickHouseExporter(SpoolSink):
 
     def __init__(self, spool: Spool | None = None, url: str | None = None, *, sink: str = SINK,
                  batch_records: int = 10000, connect_timeout: float = 3.0, flush_interval: float = 0.5,
-                 retry: RetryPolicy | None = None):
+                 retry: RetryPolicy | None = None, cluster: str | None = None, insert: str = "local",
+                 ddl: str = "auto"):
         super().__init__(spool, sink=sink, batch_records=batch_records, flush_interval=flush_interval,
                          retry=retry or RetryPolicy(initial=0.1, maximum=2.0))
+        if insert not in ("local", "distributed"):
+            from exporters.errors import ExportError, USAGE
+            raise ExportError(f"clickhouse insert {insert!r}: expected local or distributed", USAGE)
         self._url = url
         self.connect_timeout = connect_timeout
+        self.cluster = cluster
+        self.insert_mode = insert
+        self.ddl = ddl
         self._client = None
         self._db = None
         self._key = None
+        self._table = "events"
+        self._settings: dict = {"strings_as_bytes": True}
+        self.migration = None
 
     @property
     def url(self) -> str:
@@ -90,10 +108,12 @@ class ClickHouseExporter(SpoolSink):
             from audit_schema.migrations import migrate
             url = self.url
             client, db = connect(url, connect_timeout=self.connect_timeout)
-            key = (url, db)
-            if key not in _MIGRATED:
-                migrate(client, db)
-                _MIGRATED.add(key)
+            key = (url, db, self.cluster, self.ddl)
+            res = _MIGRATED.get(key)
+            if res is None:
+                res = _MIGRATED[key] = migrate(client, db, self.cluster, ddl=self.ddl)
+            self._table, self._settings = insert_target(res, self.insert_mode)
+            self.migration = res
             self._client, self._db, self._key = client, db, key
         return self._client
 
@@ -115,15 +135,29 @@ class ClickHouseExporter(SpoolSink):
         """One batched native INSERT (raises on failure)."""
         client = self._connected()
         try:
-            client.execute(f"INSERT INTO {self._db}.events ({_COLUMNS}) VALUES", columns_for(records),
-                           columnar=True, types_check=False, settings={"strings_as_bytes": True})
+            client.execute(f"INSERT INTO {self._db}.{self._table} ({_COLUMNS}) VALUES", columns_for(records),
+                           columnar=True, types_check=False, settings=self._settings)
         except Exception as e:
             if getattr(e, "code", None) in (60, 81):  # table / database gone: migrate on the next try
-                _MIGRATED.discard(self._key)
+                _MIGRATED.pop(self._key, None)
             raise
 
     def deliver(self, records: list[dict]) -> None:
         self.insert(records)
+
+
+def insert_target(res, insert: str = "local") -> tuple[str, dict]:
+    """(table, insert settings) for a migrated database (a MigrationResult)."""
+    from audit_schema.errors import SchemaError
+    settings = {"strings_as_bytes": True}
+    if not res.cluster:
+        return "events", settings
+    if insert == "local" and not any(loc for _, _, _, loc in res.hosts):
+        raise SchemaError(f"clickhouse insert local: the server is not a host of cluster {res.cluster} (its "
+                          f"system.clusters has no local host): point the URL at a shard, or use insert: distributed")
+    if insert == "distributed":
+        settings["insert_distributed_sync"] = 1
+    return res.insert_table(insert), settings
 
 
 def flush(spool: Spool | None = None, url: str | None = None, timeout: float = 10.0) -> FlushResult:
@@ -145,4 +179,5 @@ def export_forever(spool_dir: str | None = None, url: str | None = None, stop: t
         exp.close()
 
 
-__all__ = ["ClickHouseExporter", "FlushResult", "SINK", "columns_for", "damage_event", "export_forever", "flush"]
+__all__ = ["ClickHouseExporter", "FlushResult", "SINK", "columns_for", "damage_event", "export_forever", "flush",
+           "insert_target"]

@@ -206,8 +206,10 @@ def record_promotion(store: AuditStore, decision, **kw) -> dict:
     try:
         migrate(client, store.db)
         store.version = store.version or 1
+        # in cluster mode `events` is the Distributed table: the insert returns once the shard has the row
         client.execute(f"INSERT INTO {quote_ident(store.db)}.{EVENTS_TABLE} ({', '.join(FIELD_NAMES)}) VALUES",
-                       columns_for([rec]), columnar=True, types_check=False, settings={"strings_as_bytes": True})
+                       columns_for([rec]), columnar=True, types_check=False,
+                       settings={"strings_as_bytes": True, "insert_distributed_sync": 1})
     except ReportedError:
         raise
     except Exception as e:

@@ -251,6 +251,86 @@ class ExporterConfig(_Base):
     interval_seconds: float = Field(0.5, gt=0, le=60)
 
 
+class HostConfig(_Base):
+    """What two agents on one host must not share (docs/cluster.md). Unset fields
+    keep the environment's value (DSEC_STATE_DIR, DSEC_SPOOL_DIR,
+    DSEC_CGROUP_PARENT, DSEC_EGRESS_POOL) or the default."""
+    node_name: Optional[str] = Field(None, description="this node's name in the audit record and Capabilities "
+                                                       "(default: the hostname)")
+    state_dir: Optional[str] = Field(None, description="sandbox state, base rootfs, kept upper layers "
+                                                       "(DSEC_STATE_DIR, default /var/lib/dsec)")
+    spool_dir: Optional[str] = Field(None, description="the durable spool (DSEC_SPOOL_DIR, default STATE_DIR/spool)")
+    cgroup_parent: Optional[str] = Field(None, description="parent cgroup of this agent's sandboxes in every "
+                                                           "hierarchy (DSEC_CGROUP_PARENT, default dsec)")
+    egress_pool: Optional[str] = Field(None, description="IPv4 network the egress veths' /30s come from "
+                                                         "(DSEC_EGRESS_POOL, default 10.213.0.0/16)")
+
+    @field_validator("node_name")
+    @classmethod
+    def _node(cls, v):
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}", v):
+            raise ValueError(f"{v!r}: 1-128 of [A-Za-z0-9_.:-], starting alphanumeric")
+        return v
+
+    @field_validator("state_dir", "spool_dir")
+    @classmethod
+    def _abs(cls, v):
+        if v is not None and not v.startswith("/"):
+            raise ValueError("must be an absolute path")
+        return v
+
+    @field_validator("cgroup_parent")
+    @classmethod
+    def _parent(cls, v):
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", v):
+            raise ValueError(f"{v!r}: a cgroup name of 1-63 [A-Za-z0-9_.-], starting alphanumeric")
+        return v
+
+    @field_validator("egress_pool")
+    @classmethod
+    def _pool(cls, v):
+        if v is None:
+            return v
+        try:
+            net = ipaddress.ip_network(v)
+        except ValueError as e:
+            raise ValueError(f"{v!r}: not an IPv4 network ({e})") from None
+        if net.version != 4 or net.prefixlen > 30:
+            raise ValueError(f"{v!r}: an IPv4 network of at least a /30 is needed")
+        return str(net)
+
+
+class ClickHouseSection(_Base):
+    """Where the agent's audit trail goes, and how (docs/cluster.md for cluster mode)."""
+    url: Optional[str] = Field(None, description="clickhouse://user:pass@host:port/db (default: sinks.clickhouse.url, "
+                                                 "DSEC_CLICKHOUSE_URL, or the private server)")
+    cluster: Optional[str] = Field(None, description="a ClickHouse cluster (<remote_servers>): the events table local "
+                                                     "on every shard plus a Distributed table over them")
+    insert: Literal["local", "distributed"] = Field("local", description="cluster mode: insert into this server's "
+                                                                         "shard, or through the Distributed table")
+    ddl: Literal["auto", "on_cluster", "each_host"] = Field("auto", description="cluster mode: ON CLUSTER "
+                                                            "(distributed DDL), each host directly, or find out")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v):
+        if v is not None:
+            from exporters.clickhouse_server import parse_url
+            from exporters.errors import ExportError
+            try:
+                parse_url(v, "url")
+            except ExportError as e:
+                raise ValueError(e.message.removeprefix("url=")) from None
+        return v
+
+    @field_validator("cluster")
+    @classmethod
+    def _cluster(cls, v):
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", v):
+            raise ValueError(f"{v!r}: a cluster name of letters, digits and '_' (as in <remote_servers>)")
+        return v
+
+
 class AgentConfig(_Base):
     socket: str = Field(DEFAULT_SOCKET, description="unix socket; its directory is made 0700, the socket 0600")
     state_dir: Optional[str] = Field(None, description="agent lock and pid file (default: the socket's directory)")
@@ -263,6 +343,8 @@ class AgentConfig(_Base):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     exporter: ExporterConfig = Field(default_factory=ExporterConfig)
+    clickhouse: ClickHouseSection = Field(default_factory=ClickHouseSection)
+    host: HostConfig = Field(default_factory=HostConfig)
     policy_dirs: list[str] = Field(default_factory=list,
                                    description="directories searched for policy NAME.yaml before the built-ins")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -288,6 +370,16 @@ class AgentConfig(_Base):
     @property
     def run_dir(self) -> str:
         return self.state_dir or os.path.dirname(self.socket)
+
+    @property
+    def clickhouse_url(self) -> str | None:
+        """clickhouse.url, else the sinks section's clickhouse url (None: the environment's)."""
+        if self.clickhouse.url:
+            return self.clickhouse.url
+        for name, settings in (self.sinks or {}).items():
+            if isinstance(settings, dict) and (settings.get("type") or name) == "clickhouse" and settings.get("url"):
+                return settings["url"]
+        return None
 
 
 # ---------------------------------------------------------------- loading
@@ -393,4 +485,5 @@ def load_config(path: str | None = None, environ=None) -> AgentConfig:
     return cfg
 
 
-__all__ = ["AgentConfig", "ConfigError", "DEFAULT_SOCKET", "ENV_SOCKET", "WarmProfile", "load_config", "parse_size"]
+__all__ = ["AgentConfig", "ClickHouseSection", "ConfigError", "DEFAULT_SOCKET", "ENV_SOCKET", "HostConfig", "WarmProfile",
+           "load_config", "parse_size"]

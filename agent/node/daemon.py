@@ -57,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from agent.errors import DsecError, ReportedError
 from agent.node import steps
 from agent.node.export import ClickHouseExport
-from agent.node.host import RunDir, clean_up_after, load_audit
+from agent.node.host import RunDir, apply_host, clean_up_after, load_audit
 from agent.node.records import (CANCELLED, ENDED, EXITED, FAILED, KILLED, MAX_ARG_BYTES, MAX_ARGV_ITEMS,
                                 MAX_EXEC_BYTES, MAX_GRACE, MAX_LABELS, PREEMPTED, QUEUED, RUNNING, STARTING, STATES,
                                 STOPPING, STREAM_POLL, VERSION, WARM, ApiError, SandboxRecord, _bad, _compact, _fs,
@@ -75,7 +75,7 @@ log = logging.getLogger("dsec.agent")
 class Agent:
     def __init__(self, cfg):
         self.cfg = cfg
-        self.node = os.uname().nodename
+        self.node = cfg.host.node_name or os.uname().nodename
         self.instance = os.urandom(6).hex()
         self._eid = 0
         self._lock = threading.RLock()
@@ -112,6 +112,7 @@ class Agent:
         from agent.node.scheduler import Scheduler
         from exporters.spool import Spool
         cfg = self.cfg
+        self.host = apply_host(cfg)
         launcher.preflight()
         from agent.sandbox import cgroups
         self._layout = cgroups.detect()
@@ -122,7 +123,9 @@ class Agent:
         self.rec, self.audit_feature, self.enforce_feature = setup.rec, setup.audit, setup.enforcement
         self.degraded += setup.degraded
         if cfg.exporter.clickhouse:
-            self.export = ClickHouseExport(self.spool._spool, cfg.exporter.interval_seconds).start()
+            ch = cfg.clickhouse
+            self.export = ClickHouseExport(self.spool._spool, cfg.exporter.interval_seconds, url=cfg.clickhouse_url,
+                                           cluster=ch.cluster, insert=ch.insert, ddl=ch.ddl).start()
         # the other sinks (OTLP, JSON lines), each with its own spool cursor
         from exporters.configure import sinks_from_config, start_sinks
         specs = sinks_from_config(cfg.sinks, include_clickhouse=False)
@@ -143,7 +146,8 @@ class Agent:
             "capacity": {"cpus": total_cpus, "memory": total_mem, "reserve_cpus": cfg.capacity.reserve_cpus,
                          "reserve_memory": cfg.capacity.reserve_memory,
                          "cpu_oversubscription": cfg.capacity.cpu_oversubscription},
-            "warm_pool": {p.name: p.count for p in cfg.warm_pool}},
+            "warm_pool": {p.name: p.count for p in cfg.warm_pool}, "host": self.host,
+            "clickhouse": {"cluster": cfg.clickhouse.cluster, "insert": cfg.clickhouse.insert}},
             degraded=self.degraded, previous_agent=self.previous_agent)
         self.cleaned = clean_up_after(self.previous_agent, self._lifecycle)
         self.run_dir.write_pidfile(self.instance, self.started_ns)

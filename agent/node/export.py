@@ -52,11 +52,12 @@ class _Pokeable:
 
 
 class ClickHouseExport:
-    def __init__(self, spool, interval: float):
+    def __init__(self, spool, interval: float, *, url: str | None = None, cluster: str | None = None,
+                 insert: str = "local", ddl: str = "auto"):
         from exporters.clickhouse import ClickHouseExporter
         self.spool = spool                      # exporters.spool.Spool
         self.interval = interval
-        self.exporter = ClickHouseExporter(spool)
+        self.exporter = ClickHouseExporter(spool, url, cluster=cluster, insert=insert, ddl=ddl)
         self._stop = _Pokeable()
         self._thread: threading.Thread | None = None
 

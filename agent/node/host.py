@@ -6,6 +6,7 @@ leaves for the next), and the eBPF sensors, with the features it has and lacks.
     run.write_pidfile(instance, started_ns); ... run.release()
     audit = load_audit(cfg, node, spool)         # .rec (Recorder or None), .audit, .enforcement, .degraded
     clean_up_after(previous, lifecycle)          # what a dead agent left, each removal audited
+    apply_host(cfg)                              # the host section: state dir, spool, cgroup parent, pool
 """
 from __future__ import annotations
 
@@ -18,6 +19,36 @@ import os
 from agent.errors import DsecError, ReportedError
 
 log = logging.getLogger("dsec.agent")
+
+
+def apply_host(cfg) -> dict:
+    """Make this process use the config's `host` section (what two agents on one
+    host must not share): the sandbox state directory, the spool, the cgroup
+    parent, the egress pool. Sets the environment too (the variables these
+    settings override, for child processes and modules that read them late).
+    Call before anything is launched. Returns what is in force."""
+    from agent.sandbox import cgroups, launcher, netns, rootfs
+    h = cfg.host
+    if h.node_name:
+        launcher.NODE_NAME = h.node_name
+    if h.state_dir:
+        os.environ["DSEC_STATE_DIR"] = h.state_dir
+        rootfs.STATE_ROOT = h.state_dir
+        rootfs.BASE_ROOT = os.path.join(h.state_dir, "base")
+        launcher.SANDBOX_DIR = os.path.join(h.state_dir, "sandboxes")
+        launcher.KEPT_DIR = os.path.join(h.state_dir, "kept")
+    if h.spool_dir:
+        os.environ["DSEC_SPOOL_DIR"] = h.spool_dir
+    if h.cgroup_parent:
+        os.environ["DSEC_CGROUP_PARENT"] = h.cgroup_parent
+        cgroups.PARENT = h.cgroup_parent
+    if h.egress_pool:
+        os.environ["DSEC_EGRESS_POOL"] = h.egress_pool
+        netns.POOL = netns.parse_pool(h.egress_pool, "host.egress_pool")
+    from exporters.spool import default_dir
+    return {"node_name": h.node_name or os.uname().nodename, "state_dir": rootfs.STATE_ROOT,
+            "spool_dir": default_dir(), "cgroup_parent": cgroups.PARENT, "egress_pool": str(netns.POOL),
+            "nat_table": netns.nat_table()}
 
 
 class RunDir:

@@ -7,7 +7,10 @@ where the controllers are: the v1 memory/cpu/pids hierarchies on hybrid hosts,
 the same cgroup2 directory on pure v2 hosts. /sys/fs/cgroup is never remounted.
 
 Every cgroup dsec creates lives under a parent named "dsec" in each hierarchy,
-so `dsec gc` can find what a crashed run left behind.
+so `dsec gc` can find what a crashed run left behind. Several agents on one
+host each have a parent of their own (DSEC_CGROUP_PARENT, or the agent
+config's host.cgroup_parent), so one never takes another's sandboxes for
+orphans.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ import time
 from agent.errors import DsecError, EXIT_DSEC
 
 CGROUP_ROOT = "/sys/fs/cgroup"
-PARENT = "dsec"
+PARENT_RE = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}"
+PARENT = os.environ.get("DSEC_CGROUP_PARENT") or "dsec"
 V1_CONTROLLERS = ("memory", "cpu", "pids")
 CFS_PERIOD_US = 100_000
 
@@ -29,7 +33,15 @@ class Layout:
         self.v1_roots = v1_roots or {}    # controller -> mount
 
 
+def check_parent(name: str, what: str = "DSEC_CGROUP_PARENT") -> str:
+    import re
+    if not re.fullmatch(PARENT_RE, name):
+        raise DsecError(f"{what}={name!r}: a cgroup name of 1-63 [A-Za-z0-9_.-], starting alphanumeric", 2)
+    return name
+
+
 def detect(root: str = CGROUP_ROOT) -> Layout:
+    check_parent(PARENT)
     if os.path.exists(os.path.join(root, "cgroup.controllers")):
         return Layout("v2", root)
     unified = os.path.join(root, "unified")

@@ -10,7 +10,9 @@ A sandbox is orphaned when no dsec process holds its state directory's lock
 touched. Everything dsec creates is recognisable: cgroups under "dsec/" in
 each hierarchy, host links named dsv*/dsp*, state under the state directory,
 the nftables table "ip dsec" and the empty "dsec" parent cgroups (removed when
-no sandbox is left, with final=True).
+no sandbox is left, with final=True). With several agents on one host each
+gc sees its own: its state directory (DSEC_STATE_DIR), cgroup parent
+(DSEC_CGROUP_PARENT), links of its egress pool and NAT table (DSEC_EGRESS_POOL).
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def collect() -> dict:
         "live": sorted(live),
         "orphans": sorted(set(state) - live | (set(cgs) - live)),
         "cgroups": cgs,
-        "links": [n for n in netns.list_host_links() if n not in live_links],
+        "links": [n for n in netns.list_host_links(own_pool_only=True) if n not in live_links],
     }
 
 

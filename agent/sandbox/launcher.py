@@ -49,6 +49,7 @@ from agent.sandbox.supervisor import supervisor_main
 
 SANDBOX_DIR = os.path.join(rootfs.STATE_ROOT, "sandboxes")
 KEPT_DIR = os.path.join(rootfs.STATE_ROOT, "kept")
+NODE_NAME: str | None = None     # the node agent's host.node_name (default: the hostname)
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 
@@ -569,7 +570,7 @@ class Sandbox:
     def _summary(self) -> dict:
         last = self.steps[max(self.steps)] if self.steps else None
         cm = self.closed_msg or {}
-        return {"sandbox_id": self.sid, "node": os.uname().nodename,
+        return {"sandbox_id": self.sid, "node": NODE_NAME or os.uname().nodename,
                 "argv": self.spec.argv, "exit_code": last.exit_code if last else None,
                 "signal": last.signal if last else None,
                 "timed_out": bool(last and last.timed_out),

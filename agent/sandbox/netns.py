@@ -11,6 +11,12 @@ The nftables table `ip dsec` (created once, kept; `dsec gc` removes it when
 no sandbox is left) masquerades sandbox traffic leaving through any other
 interface, drops traffic between sandboxes, and drops new connections from a
 sandbox to the host itself (the agent's sockets, host services).
+
+Several agents on one host (docs/cluster.md) each have their own pool
+(DSEC_EGRESS_POOL, or the agent config's host.egress_pool): a pool other than
+the default gets its own table, `ip dsec_<hash of the pool>`, so one agent
+never rewrites or removes another's NAT, and gc removes only the host links
+whose address is in its own pool (or that have none yet).
 """
 from __future__ import annotations
 
@@ -25,11 +31,31 @@ import threading
 from agent.errors import DsecError, EXIT_DSEC
 
 RUN_DIR = "/run/dsec"
-POOL = ipaddress.ip_network(os.environ.get("DSEC_EGRESS_POOL", "10.213.0.0/16"))
+DEFAULT_POOL = "10.213.0.0/16"
+
+
+def parse_pool(text: str, what: str = "DSEC_EGRESS_POOL") -> ipaddress.IPv4Network:
+    try:
+        pool = ipaddress.ip_network(text.strip())
+    except ValueError as e:
+        raise DsecError(f"{what}={text!r}: not an IPv4 network ({e})", 2) from None
+    if pool.version != 4 or pool.prefixlen > 30:
+        raise DsecError(f"{what}={text!r}: an IPv4 network of at least a /30 is needed", 2)
+    return pool
+
+
+POOL = ipaddress.ip_network(os.environ.get("DSEC_EGRESS_POOL", DEFAULT_POOL))
+
+
+def nat_table() -> str:
+    """The nftables table of this pool: `dsec` for the default pool."""
+    if POOL == ipaddress.ip_network(DEFAULT_POOL):
+        return "dsec"
+    return "dsec_" + hashlib.sha1(str(POOL).encode()).hexdigest()[:8]
 HOST_PREFIX = "dsv"
 PEER_PREFIX = "dsp"
 
-NFT_RULES = """table ip dsec {{
+NFT_RULES = """table ip {table} {{
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
     ip saddr {pool} oifname != "{pfx}*" masquerade
@@ -69,13 +95,14 @@ def _ensure_nat():
         if f.read().strip() != "1":
             with open("/proc/sys/net/ipv4/ip_forward", "w") as w:
                 w.write("1")
-    rules = NFT_RULES.format(pool=POOL, pfx=HOST_PREFIX)
+    table = nat_table()
+    rules = NFT_RULES.format(pool=POOL, pfx=HOST_PREFIX, table=table)
     marker = os.path.join(RUN_DIR, "nft-" + hashlib.sha1(rules.encode()).hexdigest()[:12])
     if os.path.exists(marker) and \
-            subprocess.run(["nft", "list", "table", "ip", "dsec"], capture_output=True).returncode == 0:
+            subprocess.run(["nft", "list", "table", "ip", table], capture_output=True).returncode == 0:
         return
     # replace the table atomically (one nft transaction)
-    r = subprocess.run(["nft", "-f", "-"], input="table ip dsec {}\ndelete table ip dsec\n" + rules,
+    r = subprocess.run(["nft", "-f", "-"], input=f"table ip {table} {{}}\ndelete table ip {table}\n" + rules,
                        capture_output=True, text=True)
     if r.returncode == 0:
         open(marker, "w").close()
@@ -176,12 +203,28 @@ def teardown(sandbox_id: str):
                 pass
 
 
-def list_host_links() -> list[str]:
+def list_host_links(own_pool_only: bool = False) -> list[str]:
+    """dsec's host links; own_pool_only: leave out those whose address is in another
+    pool (another agent's on this host)."""
     try:
-        return [n for n in os.listdir("/sys/class/net") if n.startswith((HOST_PREFIX, PEER_PREFIX))]
+        names = [n for n in os.listdir("/sys/class/net") if n.startswith((HOST_PREFIX, PEER_PREFIX))]
     except OSError:
         return []
+    if not own_pool_only or not names:
+        return names
+    from pyroute2 import IPRoute
+    addrs: dict[int, list] = {}
+    with IPRoute() as ipr:
+        for a in ipr.get_addr(family=2):
+            addrs.setdefault(a["index"], []).append(ipaddress.ip_address(a.get_attr("IFA_ADDRESS")))
+        out = []
+        for n in names:
+            idx = ipr.link_lookup(ifname=n)
+            mine = [a for i in idx for a in addrs.get(i, [])]
+            if not mine or any(a in POOL for a in mine):
+                out.append(n)
+    return out
 
 
 def remove_nat():
-    subprocess.run(["nft", "delete", "table", "ip", "dsec"], capture_output=True)
+    subprocess.run(["nft", "delete", "table", "ip", nat_table()], capture_output=True)
