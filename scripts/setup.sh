@@ -26,6 +26,7 @@ PKGS=(
   golang-github-containers-common          # containers-common default seccomp profile (policy import tests)
   procps psmisc curl ca-certificates
   chromium fonts-dejavu-core               # headless browser for tests/test_replay_browser.py (HTML incident report)
+  zookeeper                                # distributed DDL (ON CLUSTER) of the two-shard ClickHouse in tests/test_cluster.py
 )
 missing=()
 for p in "${PKGS[@]}"; do
