@@ -31,17 +31,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 from _common import ROOT, entry, ratio, table
 
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))     # the cluster fixtures
+sys.path.insert(0, ROOT)         # before bench/ itself: bench/replay.py is not the replay package
 
 
-def _build(base: str):
+def _build(base: str, st: dict):
+    """Start everything, recording each part in `st` as it starts (teardown stops what exists)."""
+    from fixtures_cluster import TwoShards, ZooKeeper, add_ray_node, agent_config, ray_cluster  # before ray
     import ray
-    from fixtures_cluster import TwoShards, ZooKeeper, add_ray_node, agent_config, ray_cluster
     from test_agent import AgentProc
     from agent.node.cluster import register_node
     from agent.node.cluster.node import node_resources
     from agent.node.config import load_config
-    st = {"zk": ZooKeeper(os.path.join(base, "zk"))}
+    st["zk"] = ZooKeeper(os.path.join(base, "zk"))
     st["shards"] = TwoShards(base, st["zk"])
     st["zk"].start()
     st["shards"].start()
@@ -54,7 +56,14 @@ def _build(base: str):
     st["agents"] = {n: AgentProc(os.path.join(base, n[-1]), st["shards"].url(i), cfg[n], name="agent")
                     for i, n in enumerate(cfg)}
     err = {}
-    t = threading.Thread(target=lambda: [a.start() for a in st["agents"].values()] or None)
+
+    def agents():
+        try:
+            for a in st["agents"].values():
+                a.start()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            err["e"] = e
+    t = threading.Thread(target=agents)
     t.start()
     try:
         st["ray"] = ray_cluster()
@@ -67,12 +76,11 @@ def _build(base: str):
     ray.init(address=st["ray"].address, namespace="dsec", log_to_driver=False, _node_ip_address="127.0.0.1")
     for n, a in st["agents"].items():
         register_node(acfg[n], config_path=a.config, address=None, ray_node_id=nodes[n].node_id)
-    return st
 
 
 def _teardown(st):
-    import ray
     from fixtures_cluster import host_gc
+    import ray
     if ray.is_initialized():
         ray.shutdown()
     if st.get("ray"):
@@ -196,7 +204,7 @@ def main():
     t0 = time.perf_counter()
     st = {}
     try:
-        st = _build(base)
+        _build(base, st)
         print(f"cluster up in {time.perf_counter() - t0:.1f}s (ZooKeeper, 2 ClickHouse shards, 2 agents, Ray 2 nodes)")
         print(f"\n1. placements: {args.sandboxes} sandboxes (create + exec /bin/true + close), "
               f"concurrency {args.concurrency}")

@@ -282,22 +282,24 @@ class HostConfig(_Base):
     @field_validator("cgroup_parent")
     @classmethod
     def _parent(cls, v):
-        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", v):
-            raise ValueError(f"{v!r}: a cgroup name of 1-63 [A-Za-z0-9_.-], starting alphanumeric")
+        from agent.sandbox.cgroups import check_parent
+        if v is not None:
+            try:
+                check_parent(v, "value")
+            except DsecError as e:
+                raise ValueError(e.message.removeprefix("value=")) from None
         return v
 
     @field_validator("egress_pool")
     @classmethod
     def _pool(cls, v):
+        from agent.sandbox.netns import parse_pool
         if v is None:
             return v
         try:
-            net = ipaddress.ip_network(v)
-        except ValueError as e:
-            raise ValueError(f"{v!r}: not an IPv4 network ({e})") from None
-        if net.version != 4 or net.prefixlen > 30:
-            raise ValueError(f"{v!r}: an IPv4 network of at least a /30 is needed")
-        return str(net)
+            return str(parse_pool(v, "value"))
+        except DsecError as e:
+            raise ValueError(e.message.removeprefix("value=")) from None
 
 
 class ClickHouseSection(_Base):
