@@ -66,7 +66,7 @@ def _build(base: str, st: dict):
     t = threading.Thread(target=agents)
     t.start()
     try:
-        st["ray"] = ray_cluster()
+        st["ray"] = ray_cluster(os.path.join(base, "ray"))
     finally:
         t.join()
     if err:

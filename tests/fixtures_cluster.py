@@ -155,17 +155,20 @@ def cgroups_under(parent: str) -> list[str]:
     return out
 
 
-def ray_cluster():
-    """A local Ray cluster (head only, no dsec resources), nodes fail fast."""
+def ray_cluster(temp_dir: str | None = None):
+    """A local Ray cluster (head only, no dsec resources), nodes fail fast; its
+    session files under `temp_dir` (short: Ray's unix sockets live there)."""
     from ray.cluster_utils import Cluster
     return Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False,
+        "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False, "temp_dir": temp_dir,
         "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                            "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}})
 
 
 def add_ray_node(cluster, resources: dict):
-    return cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", resources=resources)
+    """One more Ray node (a raylet of its own) with these custom resources, in the head's temp dir."""
+    return cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", resources=resources,
+                            temp_dir=cluster.head_node._ray_params.temp_dir)
 
 
 __all__ = ["CLUSTER", "TwoShards", "ZooKeeper", "add_ray_node", "agent_config", "cgroups_under", "host_gc",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -54,6 +56,7 @@ def cl(tmp_path_factory):
     c.agents = {n: AgentProc(os.path.join(base, n[-1]), c.shards.url(i), c.cfg[n], name="agent")
                 for i, n in enumerate(c.cfg)}
     box = {}
+    ray_tmp = tempfile.mkdtemp(prefix="dsec-ray-")     # Ray's session dir, removed at the end
 
     def start_agents():         # in parallel with Ray's start (which must run in the main thread)
         try:
@@ -65,7 +68,7 @@ def cl(tmp_path_factory):
     t.start()
     try:
         try:
-            c.ray = box["cluster"] = ray_cluster()
+            c.ray = box["cluster"] = ray_cluster(ray_tmp)
         finally:
             t.join()
         if "error" in box:
@@ -99,6 +102,7 @@ def cl(tmp_path_factory):
                 host_gc(cfg)
             c.shards.stop()
             c.zk.stop()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
     left = {n: cgroups_under(cfg["host"]["cgroup_parent"]) for n, cfg in c.cfg.items()}
     assert not any(left.values()), f"the cluster's agents left cgroups behind: {left}"
 
