@@ -232,6 +232,20 @@ def test_a_warm_sandbox_of_the_profile_is_preferred(cl):
             sb.close()
 
 
+def test_dsec_cluster_status_and_resources(cl):
+    r = dsec("cluster", "status", "--address", cl.ray.address, "--format", "json", timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    nodes = {n["node"]: n for n in json.loads(r.stdout)}
+    assert set(nodes) == {"node-a", "node-b"} and all(n["alive"] for n in nodes.values())
+    assert nodes["node-b"]["state"]["warm_specs"]["py"]["memory"] == 64 << 20
+    r = dsec("cluster", "resources", "--config", cl.agents["node-a"].config)
+    assert json.loads(r.stdout) == node_resources(cl.acfg["node-a"])
+    assert json.loads(r.stdout)["dsec_cpu"] == 32.0          # 8 CPUs x oversubscription 4
+    r = dsec("cluster", "resources", "--config", "/nonexistent/agent.yaml")
+    assert r.returncode == 2 and r.stderr.decode().strip().splitlines() == [
+        "dsec cluster: error: /nonexistent/agent.yaml: cannot read: No such file or directory"], r.stderr
+
+
 def test_a_ray_task_uses_the_handle(cl):
     import ray
 

@@ -101,7 +101,7 @@ class NodeActor:
         self._sandboxes: dict[str, dict] = {}          # placed here: sid -> {"agent": agent pid, "holder": ...}
         self._lost: OrderedDict[str, str] = OrderedDict()
         self._seq = 0                                    # bumps on every loss (status() polling)
-        self._agent = {"alive": False, "pid": 0, "started_ns": 0, "reason": "not checked yet", "since_ns": 0}
+        self._agent = {"alive": False, "pid": 0, "started_ns": 0, "reason": "", "since_ns": 0}
         self._caps: dict = {}
         self._caps_at = 0.0
         self._stop = threading.Event()
@@ -121,7 +121,11 @@ class NodeActor:
 
     def _check_agent(self) -> bool:
         """Ask the agent (Capabilities); update the health record. True when it answers."""
-        from agent.node.client import AgentError
+        from agent.node.client import AgentError, Client
+        if not self._agent["alive"] and self._agent["reason"]:
+            # a fresh channel: gRPC's reconnect backoff on the old one grows to minutes
+            old, self.client = self.client, Client(self.reg["socket"], timeout=60.0, connect_timeout=2.0)
+            old.close()
         try:
             caps = self.client.capabilities(timeout=HEALTH_TIMEOUT)
         except AgentError as e:
