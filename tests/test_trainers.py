@@ -24,7 +24,7 @@ import requests
 
 from conftest import dsec
 from fixtures_clickhouse import free_ports
-from test_agent import AgentProc, _events, _states
+from test_agent import AgentProc, _events, _states, pki  # noqa: F401 - pki: the module's PKI fixture
 
 from agent.node.client import (AgentUnavailable, AsyncClient, InvalidArgument, NotFound, SandboxStopped)
 
@@ -338,6 +338,37 @@ def test_access_control_like_the_tcp_listener_and_audited(http_agent, clickhouse
     assert sum("invalid credentials" in x["reason"] for x in recs) >= 2, recs
 
 
+def test_https_with_client_certificates(tmp_path, clickhouse_url, pki):     # noqa: F811
+    port = free_ports(1)[0]
+    cfg = _agent_config(port, None, tls={"cert": f"{pki}/server.pem", "key": f"{pki}/server.key",
+                                         "client_ca": f"{pki}/ca.pem"})
+    del cfg["http"]["tokens_file"]
+    cfg["warm_pool"][0]["count"] = 1
+    a = AgentProc(str(tmp_path), clickhouse_url, cfg).start()
+    try:
+        url = f"https://127.0.0.1:{port}/run_code"
+        body = json.dumps({"code": "print('over tls')", "language": "python"})
+        r = requests.post(url, data=body, verify=f"{pki}/ca.pem", timeout=60,
+                          cert=(f"{pki}/trainer-1.pem", f"{pki}/trainer-1.key"))
+        assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "over tls\n", r.text
+        with a.client() as c:
+            assert f"https+mtls:127.0.0.1:{port}" in c.capabilities()["transports"]
+        r = requests.post(url, data=body, verify=f"{pki}/ca.pem", timeout=30,
+                          cert=(f"{pki}/intruder.pem", f"{pki}/intruder.key"))
+        assert r.status_code == 403 and "'intruder' is not in the agent's allowlist" in r.json()["detail"]
+        for cert in (None, (f"{pki}/rogue.pem", f"{pki}/rogue.key")):     # no certificate / another CA's
+            with pytest.raises(requests.exceptions.RequestException):
+                requests.post(url, data=body, verify=f"{pki}/ca.pem", timeout=30, cert=cert)
+        with pytest.raises(requests.exceptions.RequestException):         # plain HTTP on the TLS port
+            requests.post(f"http://127.0.0.1:{port}/run_code", data=body, timeout=30)
+        # the listener survived all of that
+        r = requests.post(url, data=body, verify=f"{pki}/ca.pem", timeout=60,
+                          cert=(f"{pki}/trainer-1.pem", f"{pki}/trainer-1.key"))
+        assert r.status_code == 200
+    finally:
+        assert a.stop() == 0, a.read_log()[-3000:]
+
+
 def test_sandboxed_code_cannot_reach_the_http_listener(http_agent):
     probe = ("import socket\nres = {}\n"
              "addrs = %r\nfor a in addrs:\n    try:\n        socket.create_connection((a, %d), timeout=1.5).close()"
@@ -414,7 +445,35 @@ def test_request_record_names_request_caller_policy_and_replays(http_agent, clic
     t = json.loads(r.stdout)
     assert [s["step"] for s in t["steps"]][:2] == [1, 2]        # run (writer + python), fetch
     r = dsec("replay", sid, "--rerun", env=env, timeout=180)
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert r.returncode == 0, r.stdout.decode(errors="replace")[:8000] + r.stderr.decode(errors="replace")[-2000:]
+
+
+# ---------------------------------------------------------------- the examples
+
+def test_rollout_examples_run(http_agent):
+    import subprocess
+    import sys
+    from conftest import ROOT
+    ex = os.path.join(ROOT, "docs", "examples")
+    r = subprocess.run([sys.executable, os.path.join(ex, "rollout_async.py"), "-n", "4", "-m", "3",
+                        "--socket", http_agent.socket], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    lines = r.stdout.splitlines()
+    assert "4 trajectories x 3 steps" in lines[0] and "steps/s" in lines[0], r.stdout
+    # trajectory t-2 adds 2, 4, 6 in one sandbox whose state persists: 2, 6, 12
+    assert any(line.split()[0] == "t-2" and "[2.0, 6.0, 12.0]" in line and "dsec replay sbx-" in line
+               for line in lines), r.stdout
+    r = subprocess.run([sys.executable, os.path.join(ex, "rollout_http.py"), "--url", http_agent.url,
+                        "-n", "4", "-m", "3"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    lines = r.stdout.splitlines()
+    assert "requests/s" in lines[0], r.stdout
+    t2 = next(line for line in lines if line.split()[0] == "t-2")
+    assert "[2.0, 6.0, 12.0]" in t2 and "--label trajectory=t-2" in t2, r.stdout      # state through files
+    run_id = lines[0].split()[1].rstrip(":")
+    with http_agent.client() as c:
+        mine = c.list(labels={"run": run_id, "trajectory": "t-2"})
+    assert len(mine) == 3 and {s.labels["step"] for s in mine} == {"0", "1", "2"}
 
 
 # ---------------------------------------------------------------- over capacity
