@@ -57,7 +57,7 @@ def bwrap_cmd():
 class BenchAgent:
     """A `dsec agent` of this benchmark's own: socket, run dir and spool in a temp dir."""
 
-    def __init__(self, warm_count: int):
+    def __init__(self, warm_count: int, extra: dict | None = None):
         import tempfile
         import yaml
         self.dir = tempfile.mkdtemp(prefix="dsec-bench-agent-")
@@ -66,6 +66,7 @@ class BenchAgent:
                "capacity": {"cpu_oversubscription": 64, "reserve_memory": "1G"},
                "scheduling": {"tick_seconds": 0.1, "max_parallel_starts": 16},
                "warm_pool": [{"name": "bench", "count": warm_count, "memory": "128M", "pids": 256}]}
+        cfg.update(extra or {})         # other benches' additions (bench/trainer.py: the http listener)
         with open(os.path.join(self.dir, "agent.yaml"), "w") as f:
             yaml.safe_dump(cfg, f)
         env = dict(os.environ, DSEC_SPOOL_DIR=os.path.join(self.dir, "spool"))

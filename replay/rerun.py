@@ -29,6 +29,7 @@ Compared per step, as sets (pids, timestamps and order differ between runs):
 from __future__ import annotations
 
 import os
+import posixpath
 import shlex
 from dataclasses import dataclass, field
 
@@ -192,8 +193,19 @@ def run_via_agent(plan: Plan, client) -> tuple[str, list[StepRun], dict]:
 
 # ---------------------------------------------------------------- comparing
 
+def _abs(path: str, workdir: str | None) -> str:
+    """A path the recorder could not resolve (relative, the process gone by decode time),
+    taken relative to the step's workdir, so that two runs compare alike whichever of them
+    the recorder resolved."""
+    if path and not path.startswith("/") and workdir:
+        return posixpath.normpath(posixpath.join(workdir, path))
+    return path
+
+
 def step_sets(t: Trajectory, n: int) -> dict[str, set]:
     execs, connects, writes, denials = set(), set(), set(), set()
+    st = t.step(n)
+    wd = getattr(st, "workdir", None) if st is not None else None
     for r in t.timeline(step=n):
         k = r["kind"]
         if k == "exec" and int(r.get("ret") or 0) == 0:
@@ -201,9 +213,9 @@ def step_sets(t: Trajectory, n: int) -> dict[str, set]:
         elif k == "connect":
             connects.add(f"{r.get('family')} {dest(r)}")
         elif k in ("open_write", "unlink"):
-            writes.add(f"{k} {r.get('path') or ''}")
+            writes.add(f"{k} {_abs(r.get('path') or '', wd)}")
         elif k == "rename":
-            writes.add(f"rename {r.get('path') or ''} -> {r.get('path2') or ''}")
+            writes.add(f"rename {_abs(r.get('path') or '', wd)} -> {_abs(r.get('path2') or '', wd)}")
     for d in t.denial_rows(step=n):
         denials.add(f"{d['decision']} {d['action']} {d['subject']}")
     return {"execs": execs, "connects": connects, "writes": writes, "denials": denials}

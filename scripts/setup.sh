@@ -25,6 +25,7 @@ PKGS=(
   strace                                   # strace-style learning input
   golang-github-containers-common          # containers-common default seccomp profile (policy import tests)
   procps psmisc curl ca-certificates
+  g++ nodejs                               # toolchains of /run_code's cpp and nodejs (docs/trainers.md)
   chromium fonts-dejavu-core               # headless browser for tests/test_replay_browser.py (HTML incident report)
   zookeeper                                # distributed DDL (ON CLUSTER) of the two-shard ClickHouse in tests/test_cluster.py
 )

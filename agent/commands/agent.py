@@ -131,6 +131,7 @@ def _serve(args) -> int:
     if args.check_config:
         print(f"{args.config or '<defaults>'}: ok (socket {cfg.socket}"
               + (f", tcp {cfg.tcp.listen}" if cfg.tcp else "")
+              + (f", http {cfg.http.listen}" if cfg.http else "")
               + f", {len(cfg.warm_pool)} warm profile(s))")
         return 0
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper()), stream=sys.stderr,

@@ -365,6 +365,20 @@ def serve(agent: Agent, stop: threading.Event):
         agent.shutdown("could not start the API server")
         agent.release()
         raise
+    http = None
+    if agent.cfg.http is not None:                 # SandboxFusion-compatible /run_code (agent/node/httpapi.py)
+        from agent.node.httpapi import HTTPService
+        try:
+            http = HTTPService(agent, agent.cfg.http).start()
+        except BaseException:
+            server.stop(0)
+            agent.shutdown("could not start the HTTP listener")
+            try:
+                os.unlink(agent.cfg.socket)
+            except OSError:
+                pass
+            agent.release()
+            raise
     log.info("dsec agent (pid %d) serving on %s", os.getpid(), ", ".join(agent.transports))
     try:
         while not stop.wait(0.5):
@@ -372,8 +386,12 @@ def serve(agent: Agent, stop: threading.Event):
     finally:
         log.info("shutting down: stopping sandboxes")
         try:
+            if http is not None:
+                http.stop_accepting()
             agent.shutdown()
         finally:
+            if http is not None:
+                http.close()
             server.stop(grace=2).wait(5)
             try:
                 os.unlink(agent.cfg.socket)

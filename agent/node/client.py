@@ -1,5 +1,9 @@
 """The Python SDK of the dsec node agent (what training code calls).
 
+Why this file is long: it is the one module users import (and the only door
+replay/ may use into agent/): the blocking Client and the asyncio AsyncClient
+share its values, errors and request builders, so they live side by side.
+
     from agent.node.client import Client
 
     with Client() as c:                                   # unix socket (DSEC_AGENT_SOCKET or /run/dsec/agent.sock)
@@ -13,10 +17,11 @@
     from agent.node.client import AsyncClient
 
     async def main():
-        async with AsyncClient() as c:
-            sb = await c.create(cpus=0.5)
-            r = await sb.exec(["true"])
-            await sb.close()
+        async with AsyncClient() as c:                    # the same calls and errors, awaited
+            async with await c.create(cpus=0.5) as sb:
+                r = await sb.exec(["true"])
+                async for kind, value in sb.exec_stream(["sh", "-c", "echo a; echo b"]):
+                    ...                                  # ("started", 1), ("stdout", b"a\n") ... ("exit", r)
 
 Remote agents: Client("node7:7443", tls=TLS(ca="ca.pem", cert="me.pem", key="me.key")).
 
@@ -264,6 +269,23 @@ def _exit(m, out: bytearray, err: bytearray) -> ExecResult:
                       preempted=m.preempted, summary=json.loads(m.summary_json) if m.summary_json else None)
 
 
+def _exec_item(m, out: bytearray, err: bytearray):
+    """One ExecOutput message -> ("started", step) | ("stdout"|"stderr", bytes) | ("exit", ExecResult);
+    output is also appended to out/err."""
+    kind = m.WhichOneof("msg")
+    if kind == "stdout":
+        out += m.stdout
+        return ("stdout", m.stdout)
+    if kind == "stderr":
+        err += m.stderr
+        return ("stderr", m.stderr)
+    if kind == "started":
+        return ("started", m.started.step)
+    if kind == "exit":
+        return ("exit", _exit(m.exit, out, err))
+    return None
+
+
 def default_target() -> str:
     return "unix:" + (os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET)
 
@@ -473,17 +495,13 @@ class Client:
         result = None
         try:
             for m in call:
-                kind = m.WhichOneof("msg")
-                if kind == "stdout":
-                    out += m.stdout
-                    yield ("stdout", m.stdout)
-                elif kind == "stderr":
-                    err += m.stderr
-                    yield ("stderr", m.stderr)
-                elif kind == "started":
-                    yield ("started", m.started.step)
-                elif kind == "exit":
-                    result = _exit(m.exit, out, err)
+                item = _exec_item(m, out, err)
+                if item is None:
+                    continue
+                if item[0] == "exit":
+                    result = item[1]
+                else:
+                    yield item
         except Exception as e:  # noqa: BLE001
             if result is None and (out or err):
                 result = ExecResult(stdout=bytes(out), stderr=bytes(err))
@@ -611,21 +629,46 @@ class Sandbox:
 # ================================================================= asyncio client
 
 class AsyncClient:
-    """The same API for asyncio code (grpc.aio). Create it inside the event loop."""
+    """The same API for asyncio code (grpc.aio), with the same errors. Create it inside
+    the event loop:
 
-    def __init__(self, target: str | None = None, *, tls: TLS | None = None, timeout: float = 60.0):
+        async with AsyncClient() as c:
+            async with await c.create(labels={"trajectory": "t-1"}) as sb:
+                r = await sb.exec(["python3", "-c", "print(1)"], timeout=30)
+                async for kind, value in sb.exec_stream(["sh", "-c", "echo a; sleep 1; echo b"]):
+                    ...   # ("started", step), ("stdout", b"a\n"), ..., ("exit", ExecResult)
+
+    Cancelling the task that awaits a step cancels the call: the agent stops the
+    step (SIGTERM, grace, SIGKILL), as when a blocking client goes away."""
+
+    def __init__(self, target: str | None = None, *, tls: TLS | None = None, timeout: float = 60.0,
+                 connect_timeout: float = 5.0):
         import grpc
         from agent.node.proto import pb_grpc
         self.target = _normalize_target(target)
         _check_target(self.target, tls)
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         if tls is None:
             self._channel = grpc.aio.insecure_channel(self.target, options=_options(None))
         else:
             self._channel = grpc.aio.secure_channel(self.target, _credentials(tls), options=_options(tls))
         self.stub = pb_grpc.AgentStub(self._channel)
+        self._ready = False
+
+    async def _connect(self):
+        if self._ready:
+            return
+        import asyncio
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), self.connect_timeout)
+        except asyncio.TimeoutError:
+            raise AgentUnavailable("UNAVAILABLE", f"no dsec agent answers at {self.target} "
+                                                  f"(is `dsec agent` running?)") from None
+        self._ready = True
 
     async def _unary(self, method, req, timeout=None):
+        await self._connect()
         try:
             return await getattr(self.stub, method)(req, timeout=timeout if timeout is not None else self.timeout)
         except Exception as e:  # noqa: BLE001
@@ -641,7 +684,9 @@ class AsyncClient:
         await self.close()
         return False
 
+    # -- sandboxes
     async def create(self, *, wait: bool = True, timeout: float | None = None, **spec) -> "AsyncSandbox":
+        """As Client.create (same spec keywords, same errors)."""
         req = _create_request(wait=wait, **spec)
         info = _info(await self._unary("CreateSandbox", req, timeout=timeout if wait else None))
         if info.state == "failed":
@@ -688,38 +733,76 @@ class AsyncClient:
         return {"sandbox_id": r.sandbox_id, "policy_name": r.policy_name, "policy_hash": r.policy_hash,
                 "mode": r.mode, "applied": list(r.applied), "syscalls": r.syscalls}
 
-    async def capabilities(self) -> dict:
+    async def capabilities(self, timeout: float | None = None) -> dict:
         from agent.node.proto import pb
-        return _caps(await self._unary("Capabilities", pb.CapabilitiesRequest()))
+        return _caps(await self._unary("Capabilities", pb.CapabilitiesRequest(), timeout=timeout))
 
-    async def exec(self, sandbox_id: str, argv, *, stdin=None, env=None, workdir=None, timeout=None, grace=None,
-                   on_stdout=None, on_stderr=None) -> ExecResult:
-        first = _exec_start(sandbox_id, argv, env=env, workdir=workdir, stdin=stdin, close_stdin=True,
-                            timeout=timeout, grace=grace)
-        call = self.stub.Exec(iter([first]))
+    # -- steps
+    async def exec_stream(self, sandbox_id: str, argv, *, stdin=None, stdin_stream=None, env=None, workdir=None,
+                          timeout=None, grace=None, close_after=False, wait_export=False):
+        """An async generator of ("started", step), ("stdout", bytes), ("stderr", bytes), then
+        ("exit", ExecResult). stdin: bytes; stdin_stream: an async (or plain) iterable of byte
+        chunks. Leaving the loop early (or cancelling the task) cancels the call."""
+        from agent.node.proto import pb
+        first = _exec_start(sandbox_id, argv, env=env, workdir=workdir, stdin=stdin,
+                            close_stdin=stdin_stream is None, timeout=timeout, grace=grace,
+                            close_after=close_after, wait_export=wait_export)
+        await self._connect()
+
+        async def requests():
+            yield first
+            if stdin_stream is not None:
+                if hasattr(stdin_stream, "__aiter__"):
+                    async for chunk in stdin_stream:
+                        yield pb.ExecInput(stdin=_b(chunk))
+                else:
+                    for chunk in stdin_stream:
+                        yield pb.ExecInput(stdin=_b(chunk))
+                yield pb.ExecInput(close_stdin=True)
+        call = self.stub.Exec(requests())
         out, err = bytearray(), bytearray()
         result = None
         try:
             async for m in call:
-                kind = m.WhichOneof("msg")
-                if kind == "stdout":
-                    out += m.stdout
-                    if on_stdout:
-                        on_stdout(m.stdout)
-                elif kind == "stderr":
-                    err += m.stderr
-                    if on_stderr:
-                        on_stderr(m.stderr)
-                elif kind == "exit":
-                    result = _exit(m.exit, out, err)
+                item = _exec_item(m, out, err)
+                if item is None:
+                    continue
+                if item[0] == "exit":
+                    result = item[1]
+                else:
+                    yield item
         except Exception as e:  # noqa: BLE001
-            raise _convert(e, result or ExecResult(stdout=bytes(out), stderr=bytes(err))) from None
+            if result is None and (out or err):
+                result = ExecResult(stdout=bytes(out), stderr=bytes(err))
+            raise _convert(e, result) from None
+        finally:
+            if result is None:          # left early, cancelled, or an error: end the call
+                call.cancel()
         if result is None:
             raise AgentError("UNKNOWN", "the agent ended the step without an exit status")
+        yield ("exit", result)
+
+    async def exec(self, sandbox_id: str, argv, *, on_stdout=None, on_stderr=None, **kw) -> ExecResult:
+        """One step; as Client.exec (on_stdout / on_stderr are called per chunk)."""
+        result = None
+        gen = self.exec_stream(sandbox_id, argv, **kw)
+        try:
+            async for kind, value in gen:
+                if kind == "stdout" and on_stdout:
+                    on_stdout(value)
+                elif kind == "stderr" and on_stderr:
+                    on_stderr(value)
+                elif kind == "exit":
+                    result = value
+        finally:
+            await gen.aclose()
         return result
 
+    # -- events
     async def events(self, sandbox=None, kinds=None, decisions=None, labels=None):
+        """Live audit events, as Client.events (an async generator)."""
         from agent.node.proto import pb
+        await self._connect()
         sandboxes = [sandbox] if isinstance(sandbox, str) else list(sandbox or ())
         call = self.stub.StreamEvents(pb.StreamEventsRequest(sandbox_ids=sandboxes, kinds=list(kinds or ()),
                                                              decisions=list(decisions or ()),
@@ -730,11 +813,30 @@ class AsyncClient:
                     yield {"lost": m.lost.count, "reason": m.lost.reason}
                 else:
                     yield json.loads(m.event.json)
+        except Exception as e:  # noqa: BLE001
+            import grpc
+            if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise _convert(e) from None
         finally:
             call.cancel()
 
+    async def query_events(self, sandbox_id: str, kinds=None, limit: int = 0, flush_timeout: float = 0.0):
+        """Recorded events of one sandbox from ClickHouse, as Client.query_events."""
+        from agent.node.proto import pb
+        await self._connect()
+        call = self.stub.QueryEvents(pb.QueryEventsRequest(sandbox_id=sandbox_id, kinds=list(kinds or ()),
+                                                           limit=limit, flush_timeout_seconds=flush_timeout))
+        try:
+            async for m in call:
+                yield json.loads(m.event.json)
+        except Exception as e:  # noqa: BLE001
+            raise _convert(e) from None
+
 
 class AsyncSandbox:
+    """A handle on one sandbox, for asyncio code (AsyncClient)."""
+
     def __init__(self, client: AsyncClient, sandbox_id: str, info: SandboxInfo | None = None):
         self.client = client
         self.id = sandbox_id
@@ -751,7 +853,12 @@ class AsyncSandbox:
         return await self.client.wait(self.id, until, timeout)
 
     async def exec(self, argv, **kw) -> ExecResult:
+        """One step (as Sandbox.exec): stdin, stdin_stream, env, workdir, timeout, grace,
+        on_stdout / on_stderr."""
         return await self.client.exec(self.id, argv, **kw)
+
+    def exec_stream(self, argv, **kw):
+        return self.client.exec_stream(self.id, argv, **kw)
 
     async def kill(self, grace: float | None = None, reason: str = "") -> SandboxInfo:
         return await self.client.kill(self.id, grace, reason)
@@ -763,6 +870,12 @@ class AsyncSandbox:
 
     async def update_policy(self, policy=None, policy_yaml=None, mode=None):
         return await self.client.update_policy(self.id, policy, policy_yaml, mode)
+
+    def events(self, kinds=None, decisions=None):
+        return self.client.events(self.id, kinds, decisions)
+
+    def query_events(self, kinds=None, limit: int = 0, flush_timeout: float = 0.0):
+        return self.client.query_events(self.id, kinds, limit, flush_timeout)
 
     async def __aenter__(self):
         return self

@@ -331,6 +331,94 @@ class ClickHouseSection(_Base):
         if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", v):
             raise ValueError(f"{v!r}: a cluster name of letters, digits and '_' (as in <remote_servers>)")
         return v
+# ---------------------------------------------------------------- http (issue 19: trainers)
+# The SandboxFusion-compatible HTTP API (agent/node/httpapi.py, docs/trainers.md).
+
+def _check_listen(v: str) -> str:
+    host, sep, port = v.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:8080), got {v!r}")
+    h = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if h not in ("localhost", "0.0.0.0", "::"):
+        try:
+            ipaddress.ip_address(h)
+        except ValueError:
+            raise ValueError(f"host {host!r} must be an IP address, [IPv6] or localhost") from None
+    return v
+
+
+def listen_is_loopback(listen: str) -> bool:
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class HTTPTLSConfig(_Base):
+    cert: str = Field(description="server certificate chain (PEM)")
+    key: str = Field(description="server private key (PEM)")
+    client_ca: Optional[str] = Field(None, description="require client certificates signed by this CA "
+                                                        "(mutual TLS, as the tcp listener)")
+
+
+class HTTPConfig(_Base):
+    """The SandboxFusion-compatible /run_code listener (off unless configured)."""
+    listen: str = Field(description="HOST:PORT, e.g. 127.0.0.1:8080")
+    tls: Optional[HTTPTLSConfig] = None
+    tokens_file: Optional[str] = Field(None, description="'NAME TOKEN' lines: callers authenticate with "
+                                                          "Authorization: Bearer TOKEN or Basic NAME:TOKEN "
+                                                          "(http://NAME:TOKEN@host/run_code)")
+    allowed_clients: list[str] = Field(default_factory=lambda: ["*"],
+                                       description="identities allowed (certificate CN/SAN, token NAME); "
+                                                   "'*' = any authenticated caller")
+    unauthenticated: bool = Field(False, description="no authentication at all (loopback listen only)")
+    profile: Optional[str] = Field(None, description="warm_pool profile every language runs on (default: a "
+                                                     "profile 'http' is added: 2 x 1G)")
+    languages: dict[str, str] = Field(default_factory=dict, description="language -> warm_pool profile")
+    labels: dict[str, str] = Field(default_factory=dict, description="labels added to every request's sandbox")
+    max_inflight: int = Field(64, ge=1, le=4096, description="requests served at once; more get 429 at once")
+    queue_timeout_seconds: float = Field(5.0, ge=0, le=600, description="how long a request waits for node "
+                                                                        "capacity before 429")
+    max_body_bytes: Union[int, str] = Field("64M", description="largest request body (413 above)")
+    max_code_bytes: Union[int, str] = Field("1M", description="largest `code` (400 above)")
+    max_files_bytes: Union[int, str] = Field("32M", description="sum of the decoded `files` and `stdin` (400 above)")
+    max_files: int = Field(256, ge=0, le=65536, description="entries in `files` / `fetch_files`")
+    max_output_bytes: Union[int, str] = Field("8M", description="stdout/stderr kept per stream (truncated above)")
+    max_fetch_bytes: Union[int, str] = Field("32M", description="sum of the files returned by `fetch_files`")
+    max_timeout_seconds: float = Field(600.0, gt=0, le=86400, description="largest compile/run timeout")
+    max_memory_mb: int = Field(16384, ge=4, description="largest memory_limit_MB a request may ask for")
+    client_timeout_seconds: float = Field(30.0, gt=0, le=3600, description="idle/slow client connections "
+                                                                           "are closed after this")
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        return _check_listen(v)
+
+    @field_validator("max_body_bytes", "max_code_bytes", "max_files_bytes", "max_output_bytes", "max_fetch_bytes")
+    @classmethod
+    def _sizes(cls, v):
+        n = parse_size(v)
+        if n < 1024:
+            raise ValueError(f"{v!r} is less than 1K")
+        return n
+
+    @model_validator(mode="after")
+    def _access(self):
+        mtls = self.tls is not None and self.tls.client_ca
+        if self.unauthenticated:
+            if not listen_is_loopback(self.listen):
+                raise ValueError(f"unauthenticated: only with a loopback listen address (127.0.0.1, ::1), "
+                                 f"not {self.listen}")
+        elif not mtls and not self.tokens_file:
+            raise ValueError("an HTTP listener needs access control: tls.client_ca (mutual TLS, as tcp), "
+                             "tokens_file, or (loopback only) unauthenticated: true")
+        if not self.allowed_clients:
+            raise ValueError("allowed_clients: list at least one identity (or '*')")
+        return self
 
 
 class AgentConfig(_Base):
@@ -347,6 +435,8 @@ class AgentConfig(_Base):
     exporter: ExporterConfig = Field(default_factory=ExporterConfig)
     clickhouse: ClickHouseSection = Field(default_factory=ClickHouseSection)
     host: HostConfig = Field(default_factory=HostConfig)
+    http: Optional[HTTPConfig] = Field(None, description="SandboxFusion-compatible /run_code API "
+                                                         "(docs/trainers.md); off unless set")
     policy_dirs: list[str] = Field(default_factory=list,
                                    description="directories searched for policy NAME.yaml before the built-ins")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -367,6 +457,26 @@ class AgentConfig(_Base):
             if p.name in seen:
                 raise ValueError(f"warm_pool: profile name {p.name!r} is used twice")
             seen.add(p.name)
+        return self
+
+    @model_validator(mode="after")
+    def _http_profiles(self):
+        """http: the profile every language runs on must be a warm_pool profile; without
+        one named, a profile 'http' (2 sandboxes of 1G) is added."""
+        h = self.http
+        if h is None:
+            return self
+        names = {p.name for p in self.warm_pool}
+        if h.profile is None:
+            if "http" not in names:
+                self.warm_pool.append(WarmProfile(name="http", count=2, memory="1G", pids=512))
+            h.profile = "http"
+        elif h.profile not in names:
+            raise ValueError(f"http.profile: {h.profile!r} is not a warm_pool profile "
+                             f"({', '.join(sorted(names)) or 'none defined'})")
+        for lang, prof in h.languages.items():
+            if prof not in names | {h.profile}:
+                raise ValueError(f"http.languages.{lang}: {prof!r} is not a warm_pool profile")
         return self
 
     @property
@@ -481,10 +591,58 @@ def load_config(path: str | None = None, environ=None) -> AgentConfig:
             p = getattr(cfg.tcp, what)
             if not os.path.isfile(p):
                 raise ConfigError(f"{source}: tcp.{what}: {p}: no such file")
+    if cfg.http is not None:
+        _check_http_files(cfg.http, source)
     for d in cfg.policy_dirs:
         if not os.path.isdir(d):
             raise ConfigError(f"{source}: policy_dirs: {d}: no such directory")
     return cfg
+
+
+def _check_http_files(h: HTTPConfig, source: str):
+    if h.tls is not None:
+        for what in ("cert", "key", "client_ca"):
+            p = getattr(h.tls, what)
+            if p and not os.path.isfile(p):
+                raise ConfigError(f"{source}: http.tls.{what}: {p}: no such file")
+    if h.tokens_file:
+        try:
+            st = os.stat(h.tokens_file)
+        except OSError as e:
+            raise ConfigError(f"{source}: http.tokens_file: {h.tokens_file}: {e.strerror}") from None
+        if st.st_mode & 0o077:
+            raise ConfigError(f"{source}: http.tokens_file: {h.tokens_file}: readable by group or others "
+                              f"(mode {oct(st.st_mode & 0o777)}); chmod 600 it")
+        load_tokens(h.tokens_file)
+
+
+def load_tokens(path: str) -> dict[str, str]:
+    """'NAME TOKEN' per line (# comments) -> {token: name}. Raises ConfigError naming the line."""
+    out: dict[str, str] = {}
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"http.tokens_file: {path}: {e.strerror}") from None
+    for n, line in enumerate(raw.decode("utf-8", "replace").splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise ConfigError(f"{path}:{n}: expected NAME TOKEN")
+        name, token = parts
+        if not _PROFILE_RE.match(name):
+            raise ConfigError(f"{path}:{n}: name {name[:40]!r}: use 1-63 of [A-Za-z0-9_.-]")
+        if len(token) < 16 or not token.isprintable() or ":" in token:
+            raise ConfigError(f"{path}:{n}: the token of {name!r} must be at least 16 printable characters "
+                              f"without ':'")
+        if token in out:
+            raise ConfigError(f"{path}:{n}: the token of {name!r} is also {out[token]!r}'s")
+        out[token] = name
+    if not out:
+        raise ConfigError(f"http.tokens_file: {path}: no NAME TOKEN line")
+    return out
 
 
 __all__ = ["AgentConfig", "ClickHouseSection", "ConfigError", "DEFAULT_SOCKET", "ENV_SOCKET", "HostConfig", "WarmProfile",

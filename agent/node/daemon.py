@@ -42,7 +42,9 @@ JSON holds {"state": ..., ...}: the scheduler's (queued, admitted, preempting,
 preempted, released, rejected, cancelled, warm_ready, warm_claimed,
 warm_draining, warm_released) and the agent's (started, step_started,
 step_ended, stopping, exited, killed, failed, cleaned, policy_updated,
-agent_started, agent_stopped, orphan_cleaned).
+agent_started, agent_stopped, orphan_cleaned), resources_updated
+(agent/node/resources.py) and run_code (one /run_code request's outcome,
+agent/node/runcode.py).
 """
 from __future__ import annotations
 

@@ -160,11 +160,13 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
     rec.run = run
     argv = [_fs(a) for a in run.argv]
     oom_before = sb.cg.oom_kills() if sb.cg else 0
+    # the whole stdin is known up front: the step_start record carries it (bounded), so replay re-sends it
+    known_stdin = bytes(start.get("stdin") or b"") if start.get("close_stdin") else None
 
     def runner():
         try:
             run.result = sb.exec(argv, env=env or None, workdir=workdir, stdin=in_r, stdout=out_w, stderr=err_w,
-                                 timeout=timeout or None, grace=grace)
+                                 timeout=timeout or None, grace=grace, stdin_bytes=known_stdin)
         except ReportedError as e:
             run.error = e.message
         except Exception as e:  # noqa: BLE001

@@ -175,6 +175,58 @@ class SandboxCgroup:
         if pids and "pids" in self.v1_paths:
             _write(f"{self.v1_paths['pids']}/pids.max", str(pids))
 
+    def update_limits(self, cpus: float | None = None, memory: int | None = None, pids: int | None = None):
+        """Change the limits of a live cgroup (None: unchanged; cpus 0: no CPU quota).
+        v1's memsw limit must stay >= the memory limit, so the order depends on the direction.
+        Raises OSError (e.g. EBUSY: v1 memory below current usage)."""
+        if self.layout.mode == "v2":
+            d = self.v2_path
+            if memory is not None:
+                _write(f"{d}/memory.max", str(memory))
+            if cpus is not None:
+                _write(f"{d}/cpu.max", f"{int(cpus * CFS_PERIOD_US)} {CFS_PERIOD_US}" if cpus else
+                       f"max {CFS_PERIOD_US}")
+            if pids is not None:
+                _write(f"{d}/pids.max", str(pids))
+            return
+        if memory is not None and "memory" in self.v1_paths:
+            d = self.v1_paths["memory"]
+            memsw = f"{d}/memory.memsw.limit_in_bytes"
+            has_sw = os.path.exists(memsw)
+            cur = int(_read(f"{d}/memory.limit_in_bytes", "0").strip() or 0)
+            if has_sw and memory > cur:
+                _write(memsw, str(memory))
+            _write(f"{d}/memory.limit_in_bytes", str(memory))
+            if has_sw and memory <= cur:
+                _write(memsw, str(memory))
+        if cpus is not None and "cpu" in self.v1_paths:
+            d = self.v1_paths["cpu"]
+            _write(f"{d}/cpu.cfs_period_us", str(CFS_PERIOD_US))
+            _write(f"{d}/cpu.cfs_quota_us", str(int(cpus * CFS_PERIOD_US)) if cpus else "-1")
+        if pids is not None and "pids" in self.v1_paths:
+            _write(f"{self.v1_paths['pids']}/pids.max", str(pids))
+
+    def limits(self) -> dict:
+        """The limits in force: {"cpus": float|None, "memory": int|None, "pids": int|None}."""
+        out = {"cpus": None, "memory": None, "pids": None}
+        if self.layout.mode == "v2":
+            d = self.v2_path
+            q, _, per = _read(f"{d}/cpu.max").strip().partition(" ")
+            mem = _read(f"{d}/memory.max").strip()
+            pids = _read(f"{d}/pids.max").strip()
+        else:
+            c = self.v1_paths.get("cpu", "/nonexistent")
+            q, per = _read(f"{c}/cpu.cfs_quota_us").strip(), _read(f"{c}/cpu.cfs_period_us").strip()
+            mem = _read(f"{self.v1_paths.get('memory', '/nonexistent')}/memory.limit_in_bytes").strip()
+            pids = _read(f"{self.v1_paths.get('pids', '/nonexistent')}/pids.max").strip()
+        if q.lstrip("-").isdigit() and int(q) > 0 and per.isdigit() and int(per) > 0:
+            out["cpus"] = int(q) / int(per)
+        if mem.isdigit() and int(mem) < (1 << 62):
+            out["memory"] = int(mem)
+        if pids.isdigit():
+            out["pids"] = int(pids)
+        return out
+
     def join(self, pid: int = 0):
         """Move `pid` (0 = the calling process) into every cgroup of the sandbox.
 

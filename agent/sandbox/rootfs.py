@@ -29,6 +29,9 @@ HOST_ETC_COPY = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "l
                  "debian_version", "shells", "mime.types", "protocols", "services",
                  "ethertypes", "inputrc", "bash.bashrc", "profile", "environment",
                  "python3", "python3.11")
+# ... and the configuration toolchains under /usr read from /etc (not secrets either): the
+# JDK's java.security, jvm.cfg ... (/usr/lib/jvm/*/conf links there on Debian)
+HOST_ETC_TOOLCHAINS = ("java-",)
 
 PASSWD = """root:x:0:0:root:/root:/bin/sh
 sandbox:x:1000:1000:sandbox:/workspace:/bin/sh
@@ -73,7 +76,12 @@ def _base_spec() -> dict:
         elif os.path.isdir(p):
             host[d] = ["dir"]
     etc = {}
-    for e in HOST_ETC_COPY:
+    try:
+        toolchains = sorted(n for n in os.listdir("/etc") if n.startswith(HOST_ETC_TOOLCHAINS)
+                            and os.path.isdir(os.path.join("/etc", n)))
+    except OSError:
+        toolchains = []
+    for e in HOST_ETC_COPY + tuple(toolchains):
         p = os.path.join("/etc", e)
         try:
             st = os.lstat(p)
