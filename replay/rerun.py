@@ -106,7 +106,8 @@ def plan_rerun(t: Trajectory, policy=None, *, mode: str | None = None, env: dict
     rootfs = i.get("rootfs")
     sb = {"network": i.get("network") or "none", "memory": i.get("memory"), "cpus": i.get("cpus"),
           "pids": i.get("pids"), "user": i.get("user") or "sandbox", "workdir": i.get("workdir") or "/workspace",
-          "rootfs": None if rootfs in (None, "", "default") else rootfs}
+          "rootfs": None if rootfs in (None, "", "default") else rootfs,
+          "image": (i.get("image") or {}).get("digest"), "volumes": i.get("volumes") or []}
     plan = Plan(t.sandbox_id, sb, policy, source, sandbox_id=sandbox_id)
     if sb["rootfs"] and not os.path.isdir(sb["rootfs"]):
         raise ReplayError(f"the recorded rootfs {sb['rootfs']} does not exist on this node", 1)
@@ -167,7 +168,8 @@ def run_via_agent(plan: Plan, client) -> tuple[str, list[StepRun], dict]:
     sb_spec = plan.sandbox
     kw = {"sandbox_id": plan.sandbox_id or new_replay_id(), "network": sb_spec.get("network"), "memory": sb_spec.get("memory"),
           "cpus": sb_spec.get("cpus"), "pids": sb_spec.get("pids"), "user": sb_spec.get("user"),
-          "workdir": sb_spec.get("workdir"), "rootfs": sb_spec.get("rootfs"),
+          "workdir": sb_spec.get("workdir"), "rootfs": sb_spec.get("rootfs"), "image": sb_spec.get("image"),
+          "volumes": [f"{v['host']}:{v['sandbox']}:{v['mode']}" for v in sb_spec.get("volumes") or []],
           "labels": {"replay_of": plan.original}, "warm": False}
     if plan.policy is not None:
         kw["policy_yaml"] = dump_yaml(plan.policy)

@@ -58,7 +58,8 @@ def info_message(info: dict) -> "pb.SandboxInfo":
         queued_seconds=info.get("queued_seconds") or 0.0, steps=info.get("steps", 0), warm=info.get("warm", False),
         waiting=info.get("waiting") or "", queue_position=info.get("queue_position", -1),
         preempted_for=info.get("preempted_for") or "", node=info.get("node", ""),
-        cgroup_id=info.get("cgroup_id", 0), warm_profile=info.get("warm_profile") or "")
+        cgroup_id=info.get("cgroup_id", 0), warm_profile=info.get("warm_profile") or "",
+        image=info.get("image") or "", image_digest=info.get("image_digest") or "")
     if info.get("summary") is not None:
         m.summary_json = json.dumps(info["summary"], ensure_ascii=True, default=str)
     return m
@@ -103,7 +104,9 @@ class AgentServicer(pb_grpc.AgentServicer):
                    "env": [(e.name, e.value) for e in request.env], "workdir": request.workdir,
                    "user": request.user, "lifetime_seconds": request.lifetime_seconds,
                    "grace_seconds": request.grace_seconds, "keep": request.keep,
-                   "over_budget": request.over_budget, "no_audit": request.no_audit, "no_warm": request.no_warm}
+                   "over_budget": request.over_budget, "no_audit": request.no_audit, "no_warm": request.no_warm,
+                   "image": request.image, "volumes": [(v.host_path, v.sandbox_path, v.read_write)
+                                                       for v in request.volumes]}
             rec = self.agent.create(req)
             if request.wait_running:
                 rem = context.time_remaining()
@@ -230,7 +233,7 @@ class AgentServicer(pb_grpc.AgentServicer):
                 warm_profiles=[pb.WarmProfileInfo(name=w["name"], count=w["count"], ready=w["ready"],
                                                   spec_json=json.dumps(w["spec"])) for w in c["warm_profiles"]],
                 limits_json=json.dumps(c["limits"]), transports=c["transports"], pid=c["pid"],
-                started_ns=c["started_ns"])
+                started_ns=c["started_ns"], images_json=json.dumps(c.get("images") or {}, default=str))
         return self._call(context, run)
 
 

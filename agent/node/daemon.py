@@ -104,6 +104,7 @@ class Agent:
         self.previous_agent: dict | None = None
         self.cleaned: list[dict] = []
         self.transports: list[str] = []
+        self.images = None                  # the node's image store (agent/sandbox/images)
 
     # ================================================================ start / stop
 
@@ -137,6 +138,8 @@ class Agent:
                                    aging_seconds=cfg.scheduling.aging_seconds, history=cfg.limits.history)
         except ReportedError as e:
             raise DsecError(f"capacity: {e.message}", 2)
+        from agent.sandbox import images
+        self.images = images.open_store(cfg.images.store, cfg.images.budget)
         self.warm.resolve()
         self._lifecycle("", "agent_started", pid=os.getpid(), version=VERSION, config={
             "socket": cfg.socket, "tcp": cfg.tcp.listen if cfg.tcp else None,
@@ -153,6 +156,8 @@ class Agent:
         t = threading.Thread(target=self._tick_loop, name="dsec-agent-tick", daemon=True)
         t.start()
         self._threads.append(t)
+        if cfg.images.prewarm:
+            self._submit_work(self._prewarm, list(cfg.images.prewarm))
         self._flush_emits()
         return self
 
@@ -341,9 +346,35 @@ class Agent:
 
         return rec.watch.hooks(on_cgroup=on_cgroup, on_step=on_step)
 
+    def _prewarm(self, refs: list[str]):
+        """images.prewarm: unpack these images' layers at start (executor thread)."""
+        for ref in refs:
+            t0 = time.monotonic()
+            lid = f"prewarm-{self.instance}"
+            try:
+                img = self.images.resolve(ref)
+                before = sum(self.images.cached(img))
+                self.images.prepare(img, lid)
+                self._lifecycle("", "image_prewarmed", image=ref, image_digest=img.digest,
+                                layers=len(img.layers), unpacked=len(img.layers) - before,
+                                ms=round((time.monotonic() - t0) * 1000, 3))
+            except ReportedError as e:
+                log.error("images.prewarm %s: %s", ref, e.message)
+                self.degraded.append(f"image prewarm {ref}: {e.message}")
+                self._lifecycle("", "image_prewarm_failed", image=ref, reason=e.message)
+            finally:
+                self.images.release(lid)
+
+    def _prepare_image(self, spec):
+        """A sandbox on an image: its layers unpacked (once, coalesced) and its config applied."""
+        from agent.sandbox import images
+        images.prepare_spec(self.images, spec, spec.image_ref, **spec.image_args)
+
     def _start_sandbox(self, rec: SandboxRecord, defer_start: bool = False):
         """Create and start the launcher Sandbox of `rec` (executor thread). Returns it or raises."""
         from agent.sandbox.launcher import Sandbox
+        if rec.spec.image is not None and not rec.spec.layers:
+            self._prepare_image(rec.spec)        # a warm sandbox of an image profile
         sb = Sandbox(rec.spec, **self._hooks(rec, defer_start))
         with self._starts:
             try:
@@ -517,7 +548,6 @@ class Agent:
         CreateSandboxRequest fields as Python values (see api.py)."""
         from agent.sandbox import launcher
         from agent.sandbox.launcher import SandboxSpec
-        from agent.node.scheduler import Request
         d = self.cfg.defaults
         f = check_create(req, self.cfg)
         sid, cpus, memory, pids = f["sandbox_id"], f["cpus"], f["memory"], f["pids"]
@@ -534,21 +564,86 @@ class Agent:
         grace = grace or d.grace_seconds
         audit = not req.get("no_audit")
         fields = {"priority": priority, "labels": labels, "lifetime": lifetime, "grace": grace}
+        img, vols = self._image_and_volumes(req, rootfs)
+        if img is not None:       # the image's defaults apply where the request names none
+            key = profile_key(cpus_quota=quota, memory=memory, pids=pids, policy=policy, network=network,
+                              rootfs=None, user=req.get("user") or None, workdir=req.get("workdir") or None,
+                              env=env, image=img.digest)
+        else:
+            key = profile_key(cpus_quota=quota, memory=memory, pids=pids, policy=policy, network=network,
+                              rootfs=rootfs, user=user, workdir=workdir, env=env)
         with self._lock:
-            if self._shutting:
-                raise ApiError("UNAVAILABLE", "the agent is shutting down")
-            live = sum(1 for r in self._records.values() if r.state not in ENDED)
-            if live >= self.cfg.limits.max_sandboxes:
-                raise ApiError("RESOURCE_EXHAUSTED", f"the agent already holds {live} sandboxes "
-                                                     f"(limits.max_sandboxes)")
-            if not sid and not req.get("no_warm") and not req.get("keep") and audit \
+            self._check_room_locked()
+            if not sid and not req.get("no_warm") and not req.get("keep") and audit and not vols \
                     and over_budget == self.cfg.audit.over_budget and self.warm.profiles:
-                key = profile_key(cpus_quota=quota, memory=memory, pids=pids, policy=policy, network=network,
-                                        rootfs=rootfs, user=user, workdir=workdir, env=env)
                 rec = self.warm.try_claim_locked(key, fields)
                 if rec is not None:
                     self._cond.notify_all()
                     return self._created(rec)
+        spec = SandboxSpec(argv=[], sandbox_id=sid or launcher.new_sandbox_id(), cpus=quota, memory=memory,
+                           pids=pids, grace=grace, rootfs=rootfs, network=network, env=env, workdir=workdir,
+                           user=user, keep=bool(req.get("keep")), policy=policy, volumes=vols)
+        if img is not None:
+            # unpacked before the request queues (outside the lock; concurrent requests for one
+            # image wait for one unpack): a request whose image is cached never waits behind it
+            try:
+                self._prepare_image_for(spec, img, req, env)
+            except ReportedError as e:
+                raise _bad(e.message) from None
+        try:
+            return self._submit_created(spec, sid, labels, priority, acc_cpus, memory, pids, audit,
+                                        over_budget, lifetime, grace)
+        except BaseException:
+            if getattr(spec, "lease", None):
+                try:
+                    os.unlink(spec.lease)
+                except OSError:
+                    pass
+            raise
+
+    def _check_room_locked(self):
+        if self._shutting:
+            raise ApiError("UNAVAILABLE", "the agent is shutting down")
+        live = sum(1 for r in self._records.values() if r.state not in ENDED)
+        if live >= self.cfg.limits.max_sandboxes:
+            raise ApiError("RESOURCE_EXHAUSTED", f"the agent already holds {live} sandboxes "
+                                                 f"(limits.max_sandboxes)")
+
+    def _image_and_volumes(self, req: dict, rootfs):
+        """CreateSandbox's image (resolved in the node's store) and volumes (checked against
+        volumes.allowed_roots), or ApiError(INVALID_ARGUMENT) naming what is wrong."""
+        from agent.sandbox import volumes
+        img = None
+        ref = req.get("image") or ""
+        if ref:
+            if rootfs:
+                raise _bad("image and rootfs: give one of them")
+            try:
+                img = self.images.resolve(ref)
+            except ReportedError as e:
+                raise _bad(e.message) from None
+        vols = []
+        items = req.get("volumes") or []
+        try:
+            if len(items) > volumes.MAX_VOLUMES:
+                raise volumes.VolumeError(f"volumes: at most {volumes.MAX_VOLUMES}, got {len(items)}")
+            vols = volumes.parse([volumes.check(h, s, not rw, self.cfg.volumes.allowed_roots)
+                                  for h, s, rw in items], self.cfg.volumes.allowed_roots)
+        except ReportedError as e:
+            raise _bad(e.message) from None
+        return img, vols
+
+    def _prepare_image_for(self, spec, img, req: dict, env: dict):
+        from agent.sandbox import images
+        images.prepare_spec(self.images, spec, img, user=req.get("user") or None,
+                            workdir=req.get("workdir") or None, env=env)
+
+    def _submit_created(self, spec, sid, labels, priority, acc_cpus, memory, pids, audit, over_budget,
+                        lifetime, grace):
+        from agent.sandbox import launcher
+        from agent.node.scheduler import Request
+        with self._lock:
+            self._check_room_locked()
             if sid:
                 if sid in self._records or any(w.rec.id == sid for w in self.warm.entries.values()):
                     raise ApiError("ALREADY_EXISTS", f"sandbox id {sid} is in use")
@@ -556,10 +651,7 @@ class Agent:
                     raise ApiError("ALREADY_EXISTS", f"sandbox id {sid} is in use on this node "
                                                      f"(state dir {launcher.SANDBOX_DIR}/{sid} exists)")
             else:
-                sid = launcher.new_sandbox_id()
-            spec = SandboxSpec(argv=[], sandbox_id=sid, cpus=quota, memory=memory, pids=pids, grace=grace,
-                               rootfs=rootfs, network=network, env=env, workdir=workdir, user=user,
-                               keep=bool(req.get("keep")), policy=policy)
+                sid = spec.sandbox_id
             rec = SandboxRecord(sid, spec, labels=labels, priority=priority, cpus=acc_cpus, memory=memory,
                                 pids=pids, audit=audit and self.rec is not None, over_budget=over_budget,
                                 lifetime=lifetime, grace=grace)
@@ -580,9 +672,12 @@ class Agent:
     @staticmethod
     def _request_extra(rec: SandboxRecord) -> dict:
         sp = rec.spec
+        img = sp.image or {}
         return {"priority": rec.priority, "cpus": rec.cpus, "cpu_quota": sp.cpus, "memory": rec.memory,
                 "pids": rec.pids, "network": sp.network, "rootfs": sp.rootfs or "default", "user": sp.user,
-                "workdir": sp.workdir, "lifetime_s": rec.lifetime, "audit": rec.audit}
+                "workdir": sp.workdir, "lifetime_s": rec.lifetime, "audit": rec.audit,
+                "image": img.get("name"), "image_digest": img.get("digest"),
+                "volumes": [v.to_dict() for v in sp.volumes] or None}
 
     def _created(self, rec):
         self._flush_emits()
@@ -607,7 +702,8 @@ class Agent:
                    "started_ns": rec.started_ns, "ended_ns": rec.ended_ns, "queued_seconds": rec.queued_s,
                    "steps": rec.steps, "warm": rec.warm, "warm_profile": rec.warm_profile or "",
                    "preempted_for": rec.preempted_for or "", "node": self.node, "cgroup_id": rec.cgroup_id,
-                   "waiting": "", "queue_position": -1, "summary": rec.summary if summary else None}
+                   "waiting": "", "queue_position": -1, "summary": rec.summary if summary else None,
+                   "image": (rec.spec.image or {}).get("name", ""), "image_digest": (rec.spec.image or {}).get("digest", "")}
             out.update(rec.policy_identity())
             if rec.state == QUEUED and self.sched is not None:
                 i = self.sched.info(rec.id) or {}
@@ -811,9 +907,28 @@ class Agent:
                   "max_lifetime_seconds": self.cfg.limits.max_lifetime_seconds,
                   "max_stream_subscribers": self.cfg.limits.max_stream_subscribers}
         return {"node": self.node, "agent_version": VERSION, "kernel": os.uname().release, "cgroup_mode": mode,
+                "images": self._images_report(warm),
                 "audit": self.audit_feature, "enforcement": self.enforce_feature, "degraded": degraded,
                 "capacity": snap, "warm_profiles": warm, "limits": limits, "transports": list(self.transports),
                 "pid": os.getpid(), "started_ns": self.started_ns}
+
+    def _images_report(self, warm: list) -> dict:
+        """The image store for Capabilities: what a placer needs to prefer this node
+        (which images are cached here, how many warm sandboxes of each are ready)."""
+        if self.images is None:
+            return {}
+        try:
+            u = self.images.usage()
+            out = []
+            for img in self.images.images():
+                c = self.images.cached(img)
+                ready = sum(w["ready"] for w, p in zip(warm, self.warm.profiles.values())
+                            if p.image is not None and p.image.digest == img.digest)
+                out.append({"names": img.names, "digest": img.digest, "layers": len(img.layers),
+                            "cached_layers": sum(c), "cached": all(c), "warm_ready": ready})
+            return dict(u, images=out, stats=dict(self.images.stats))
+        except ReportedError as e:
+            return {"error": e.message}
 
     # ================================================================ the tick
 

@@ -103,7 +103,17 @@ def spec_for(plan, sandbox_id: str):
     for k in ("memory", "cpus", "pids"):
         if sb.get(k) is not None:
             kw[k] = sb[k]
-    return SandboxSpec(argv=[], sandbox_id=sandbox_id, policy=plan.policy, **kw)
+    spec = SandboxSpec(argv=[], sandbox_id=sandbox_id, policy=plan.policy, **kw)
+    if sb.get("volumes"):
+        from agent.sandbox import volumes
+        spec.volumes = volumes.parse([f"{v['host']}:{v['sandbox']}:{v['mode']}" for v in sb["volumes"]],
+                                     volumes.default_roots())
+    if sb.get("image"):               # the recorded image, by digest, from this node's store
+        from agent.sandbox import images
+        img = images.open_store().resolve(sb["image"])
+        spec.layers = images.open_store().prepare(img, sandbox_id)
+        spec.image = img.record()
+    return spec
 
 
 def _memfd(data: bytes) -> int:
