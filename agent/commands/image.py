@@ -54,8 +54,12 @@ def store():
     from agent.sandbox import images
     budget = os.environ.get("DSEC_IMAGE_BUDGET")
     if budget:
-        from agent.commands.run import parse_size
-        budget = parse_size(budget, "DSEC_IMAGE_BUDGET")
+        from agent.node.config import parse_size
+        from agent.errors import UsageError
+        try:
+            budget = parse_size(budget)
+        except ValueError as e:
+            raise UsageError(f"DSEC_IMAGE_BUDGET {budget!r}: {e}")
     return images.open_store(budget=budget or None)
 
 

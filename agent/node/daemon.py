@@ -6,12 +6,17 @@ audits sandboxes for many clients (docs/agent.md).
     ... agent.create(...), agent.exec_step(...), agent.kill(...) ...   (called by agent/node/api.py)
     agent.shutdown()
 
+Why this file is long: the Agent is one state machine under one lock (records,
+lifecycle, scheduler glue, create/stop/close); every part that stands alone is a
+file beside it (below), and what is left reads each other's state.
+
 The agent in parts, each a file of agent/node/:
   daemon.py    this file: the Agent (state, lock, lifecycle records, scheduler glue,
                create/kill/close/wait/list, policy updates, capabilities, the tick)
   records.py   SandboxRecord, StepRun, states, request limits, ApiError
   requests.py  request checks (CreateSandbox, Exec) and the policy cache
   warm.py      the warm pool
+  images.py    the image store of the node: prewarm, image and volume requests, the report
   steps.py     one Exec: streaming, timeouts, cancellation
   streams.py   live event streams (StreamEvents) and the spool tap
   export.py    the continuous ClickHouse export and its barrier
@@ -58,6 +63,7 @@ from agent.errors import DsecError, ReportedError
 from agent.node import steps
 from agent.node.export import ClickHouseExport
 from agent.node.host import RunDir, clean_up_after, load_audit
+from agent.node.images import NodeImages
 from agent.node.records import (CANCELLED, ENDED, EXITED, FAILED, KILLED, MAX_ARG_BYTES, MAX_ARGV_ITEMS,
                                 MAX_EXEC_BYTES, MAX_GRACE, MAX_LABELS, PREEMPTED, QUEUED, RUNNING, STARTING, STATES,
                                 STOPPING, STREAM_POLL, VERSION, WARM, ApiError, SandboxRecord, _bad, _compact, _fs,
@@ -105,6 +111,7 @@ class Agent:
         self.cleaned: list[dict] = []
         self.transports: list[str] = []
         self.images = None                  # the node's image store (agent/sandbox/images)
+        self.node_images = NodeImages(self)  # images.prewarm, image requests, volumes (node/images.py)
 
     # ================================================================ start / stop
 
@@ -138,8 +145,7 @@ class Agent:
                                    aging_seconds=cfg.scheduling.aging_seconds, history=cfg.limits.history)
         except ReportedError as e:
             raise DsecError(f"capacity: {e.message}", 2)
-        from agent.sandbox import images
-        self.images = images.open_store(cfg.images.store, cfg.images.budget)
+        self.images = self.node_images.open()
         self.warm.resolve()
         self._lifecycle("", "agent_started", pid=os.getpid(), version=VERSION, config={
             "socket": cfg.socket, "tcp": cfg.tcp.listen if cfg.tcp else None,
@@ -157,7 +163,7 @@ class Agent:
         t.start()
         self._threads.append(t)
         if cfg.images.prewarm:
-            self._submit_work(self._prewarm, list(cfg.images.prewarm))
+            self._submit_work(self.node_images.prewarm, list(cfg.images.prewarm))
         self._flush_emits()
         return self
 
@@ -346,35 +352,11 @@ class Agent:
 
         return rec.watch.hooks(on_cgroup=on_cgroup, on_step=on_step)
 
-    def _prewarm(self, refs: list[str]):
-        """images.prewarm: unpack these images' layers at start (executor thread)."""
-        for ref in refs:
-            t0 = time.monotonic()
-            lid = f"prewarm-{self.instance}"
-            try:
-                img = self.images.resolve(ref)
-                before = sum(self.images.cached(img))
-                self.images.prepare(img, lid)
-                self._lifecycle("", "image_prewarmed", image=ref, image_digest=img.digest,
-                                layers=len(img.layers), unpacked=len(img.layers) - before,
-                                ms=round((time.monotonic() - t0) * 1000, 3))
-            except ReportedError as e:
-                log.error("images.prewarm %s: %s", ref, e.message)
-                self.degraded.append(f"image prewarm {ref}: {e.message}")
-                self._lifecycle("", "image_prewarm_failed", image=ref, reason=e.message)
-            finally:
-                self.images.release(lid)
-
-    def _prepare_image(self, spec):
-        """A sandbox on an image: its layers unpacked (once, coalesced) and its config applied."""
-        from agent.sandbox import images
-        images.prepare_spec(self.images, spec, spec.image_ref, **spec.image_args)
-
     def _start_sandbox(self, rec: SandboxRecord, defer_start: bool = False):
         """Create and start the launcher Sandbox of `rec` (executor thread). Returns it or raises."""
         from agent.sandbox.launcher import Sandbox
         if rec.spec.image is not None and not rec.spec.layers:
-            self._prepare_image(rec.spec)        # a warm sandbox of an image profile
+            self.node_images.prepare(rec.spec)   # a warm sandbox of an image profile
         sb = Sandbox(rec.spec, **self._hooks(rec, defer_start))
         with self._starts:
             try:
@@ -564,14 +546,12 @@ class Agent:
         grace = grace or d.grace_seconds
         audit = not req.get("no_audit")
         fields = {"priority": priority, "labels": labels, "lifetime": lifetime, "grace": grace}
-        img, vols = self._image_and_volumes(req, rootfs)
-        if img is not None:       # the image's defaults apply where the request names none
-            key = profile_key(cpus_quota=quota, memory=memory, pids=pids, policy=policy, network=network,
-                              rootfs=None, user=req.get("user") or None, workdir=req.get("workdir") or None,
-                              env=env, image=img.digest)
-        else:
-            key = profile_key(cpus_quota=quota, memory=memory, pids=pids, policy=policy, network=network,
-                              rootfs=rootfs, user=user, workdir=workdir, env=env)
+        img, vols = self.node_images.check_request(req, rootfs)
+        # with an image, its defaults apply where the request names none
+        key = profile_key(cpus_quota=quota, memory=memory, pids=pids, policy=policy, network=network,
+                          rootfs=rootfs, env=env, image=img and img.digest,
+                          user=req.get("user") or None if img else user,
+                          workdir=req.get("workdir") or None if img else workdir)
         with self._lock:
             self._check_room_locked()
             if not sid and not req.get("no_warm") and not req.get("keep") and audit and not vols \
@@ -583,22 +563,20 @@ class Agent:
         spec = SandboxSpec(argv=[], sandbox_id=sid or launcher.new_sandbox_id(), cpus=quota, memory=memory,
                            pids=pids, grace=grace, rootfs=rootfs, network=network, env=env, workdir=workdir,
                            user=user, keep=bool(req.get("keep")), policy=policy, volumes=vols)
-        if img is not None:
-            # unpacked before the request queues (outside the lock; concurrent requests for one
-            # image wait for one unpack): a request whose image is cached never waits behind it
-            try:
-                self._prepare_image_for(spec, img, req, env)
-            except ReportedError as e:
-                raise _bad(e.message) from None
         try:
+            if img is not None:
+                # unpacked before the request queues (outside the lock; concurrent requests for one
+                # image wait for one unpack): a request whose image is cached never waits behind it
+                try:
+                    self.node_images.prepare(spec, img, user=req.get("user") or None,
+                                             workdir=req.get("workdir") or None, env=env)
+                except ReportedError as e:
+                    raise _bad(e.message) from None
             return self._submit_created(spec, sid, labels, priority, acc_cpus, memory, pids, audit,
                                         over_budget, lifetime, grace)
         except BaseException:
-            if getattr(spec, "lease", None):
-                try:
-                    os.unlink(spec.lease)
-                except OSError:
-                    pass
+            if getattr(spec, "lease", None) and os.path.exists(spec.lease):
+                os.unlink(spec.lease)        # never created: its layers are not held
             raise
 
     def _check_room_locked(self):
@@ -608,35 +586,6 @@ class Agent:
         if live >= self.cfg.limits.max_sandboxes:
             raise ApiError("RESOURCE_EXHAUSTED", f"the agent already holds {live} sandboxes "
                                                  f"(limits.max_sandboxes)")
-
-    def _image_and_volumes(self, req: dict, rootfs):
-        """CreateSandbox's image (resolved in the node's store) and volumes (checked against
-        volumes.allowed_roots), or ApiError(INVALID_ARGUMENT) naming what is wrong."""
-        from agent.sandbox import volumes
-        img = None
-        ref = req.get("image") or ""
-        if ref:
-            if rootfs:
-                raise _bad("image and rootfs: give one of them")
-            try:
-                img = self.images.resolve(ref)
-            except ReportedError as e:
-                raise _bad(e.message) from None
-        vols = []
-        items = req.get("volumes") or []
-        try:
-            if len(items) > volumes.MAX_VOLUMES:
-                raise volumes.VolumeError(f"volumes: at most {volumes.MAX_VOLUMES}, got {len(items)}")
-            vols = volumes.parse([volumes.check(h, s, not rw, self.cfg.volumes.allowed_roots)
-                                  for h, s, rw in items], self.cfg.volumes.allowed_roots)
-        except ReportedError as e:
-            raise _bad(e.message) from None
-        return img, vols
-
-    def _prepare_image_for(self, spec, img, req: dict, env: dict):
-        from agent.sandbox import images
-        images.prepare_spec(self.images, spec, img, user=req.get("user") or None,
-                            workdir=req.get("workdir") or None, env=env)
 
     def _submit_created(self, spec, sid, labels, priority, acc_cpus, memory, pids, audit, over_budget,
                         lifetime, grace):
@@ -907,28 +856,10 @@ class Agent:
                   "max_lifetime_seconds": self.cfg.limits.max_lifetime_seconds,
                   "max_stream_subscribers": self.cfg.limits.max_stream_subscribers}
         return {"node": self.node, "agent_version": VERSION, "kernel": os.uname().release, "cgroup_mode": mode,
-                "images": self._images_report(warm),
+                "images": self.node_images.report(warm),
                 "audit": self.audit_feature, "enforcement": self.enforce_feature, "degraded": degraded,
                 "capacity": snap, "warm_profiles": warm, "limits": limits, "transports": list(self.transports),
                 "pid": os.getpid(), "started_ns": self.started_ns}
-
-    def _images_report(self, warm: list) -> dict:
-        """The image store for Capabilities: what a placer needs to prefer this node
-        (which images are cached here, how many warm sandboxes of each are ready)."""
-        if self.images is None:
-            return {}
-        try:
-            u = self.images.usage()
-            out = []
-            for img in self.images.images():
-                c = self.images.cached(img)
-                ready = sum(w["ready"] for w, p in zip(warm, self.warm.profiles.values())
-                            if p.image is not None and p.image.digest == img.digest)
-                out.append({"names": img.names, "digest": img.digest, "layers": len(img.layers),
-                            "cached_layers": sum(c), "cached": all(c), "warm_ready": ready})
-            return dict(u, images=out, stats=dict(self.images.stats))
-        except ReportedError as e:
-            return {"error": e.message}
 
     # ================================================================ the tick
 

@@ -44,8 +44,8 @@ import threading
 import time
 
 from agent.sandbox import rootfs
-from agent.sandbox.images import layer as layer_mod
-from agent.sandbox.images import oci
+import agent.sandbox.images.layer as layer_mod
+import agent.sandbox.images.oci as oci
 from agent.sandbox.images.errors import ImageError, ImageNotFound
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]{0,254}$")
