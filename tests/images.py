@@ -163,3 +163,22 @@ def member(name, kind=tarfile.REGTYPE, data=b"", **kw):
         ti.size = len(data)
         return ti, data
     return ti, None
+
+
+# --- fixtures both test files use (imported there) -------------------------------------
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory):
+    """The test images (OCI layout with refs base, app, tool), built once per module."""
+    return build_layout(tmp_path_factory.mktemp("imgsrc"))
+
+
+@pytest.fixture
+def store_dir(tmp_path):
+    """A private image store for one test (the node's own is never touched)."""
+    d = str(tmp_path / "store")
+    yield d
+    subprocess.run(["rm", "-rf", d])

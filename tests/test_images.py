@@ -14,21 +14,10 @@ import threading
 import pytest
 
 import images as T
+from images import layout, store_dir  # noqa: F401 - fixtures
 from conftest import dsec
 from agent.sandbox import images
 from agent.sandbox.images import ImageError
-
-
-@pytest.fixture(scope="module")
-def layout(tmp_path_factory):
-    return T.build_layout(tmp_path_factory.mktemp("imgsrc"))
-
-
-@pytest.fixture
-def store_dir(tmp_path):
-    d = str(tmp_path / "store")
-    yield d
-    subprocess.run(["rm", "-rf", d])
 
 
 def env_for(store_dir, **kw):
@@ -365,7 +354,7 @@ def test_volumes_read_only_by_default_and_only_from_allowed_roots(layout, store_
     assert r.returncode == 0, err(r)
     assert out(r).split() == ["weights", "ro"]
     assert (outd / "r.txt").read_text() == "result\n" and not (data / "y").exists()
-    for vol, msg in ((f"/etc:/x", "is not inside an allowed root"), (f"{data}:/proc/x", "cannot mount over /proc/x"),
+    for vol, msg in (("/etc:/x", "is not inside an allowed root"), (f"{data}:/proc/x", "cannot mount over /proc/x"),
                      (f"{data}:rel", "must be absolute"), (f"{data}:/d:rx", "expected ro or rw"),
                      (f"{tmp_path}/none:/d", "does not exist"), (f"{data}:/a/../b", "'..'")):
         r = dsec("run", "--image", "b:1", "--volume", vol, "--", "true", env=e)

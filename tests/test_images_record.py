@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import tarfile
 import threading
 import uuid
@@ -15,24 +14,13 @@ import uuid
 import pytest
 
 import images as T
+from images import layout, store_dir  # noqa: F401 - fixtures
 from conftest import dsec
 from fixtures_clickhouse import SESSION_DB, connect
 from test_agent import AgentProc
 from agent.sandbox import images
 from audit_schema import migrations
 from audit_schema.events import FIELDS
-
-
-@pytest.fixture(scope="module")
-def layout(tmp_path_factory):
-    return T.build_layout(tmp_path_factory.mktemp("imgsrc"))
-
-
-@pytest.fixture
-def store_dir(tmp_path):
-    d = str(tmp_path / "store")
-    yield d
-    subprocess.run(["rm", "-rf", d])
 
 
 def test_the_record_names_the_image_and_search_and_replay_find_it(layout, store_dir, clickhouse_url, tmp_path, sid):
