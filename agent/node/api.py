@@ -106,7 +106,8 @@ class AgentServicer(pb_grpc.AgentServicer):
                    "grace_seconds": request.grace_seconds, "keep": request.keep,
                    "over_budget": request.over_budget, "no_audit": request.no_audit, "no_warm": request.no_warm,
                    "image": request.image, "volumes": [(v.host_path, v.sandbox_path, v.read_write)
-                                                       for v in request.volumes]}
+                                                       for v in request.volumes],
+                   "from_snapshot": request.from_snapshot}
             rec = self.agent.create(req)
             if request.wait_running:
                 rem = context.time_remaining()
@@ -222,6 +223,14 @@ class AgentServicer(pb_grpc.AgentServicer):
                 yield event_message(ev)
         except ApiError as e:
             _abort(context, e)
+
+    def Snapshot(self, request, context):
+        def run():
+            s = self.agent.snapshots.take(request.sandbox_id)
+            return pb.SnapshotInfo(snapshot_id=s["id"], sandbox_id=s["sandbox_id"], step=s["step"], files=s["files"],
+                                   bytes=s["bytes"], frozen_ms=s["frozen_ms"], total_ms=s["total_ms"],
+                                   attempts=s["attempts"], json=json.dumps(s, default=str))
+        return self._call(context, run)
 
     def Capabilities(self, request, context):
         def run():

@@ -232,7 +232,7 @@ def _policy_ref(policy=None, policy_yaml=None, mode=None, source_name=None):
 def _create_request(*, sandbox_id=None, cpus=None, memory=None, pids=None, priority=None, policy=None,
                     policy_yaml=None, mode=None, policy_source=None, rootfs=None, network=None, labels=None,
                     env=None, workdir=None, user=None, lifetime=None, grace=None, keep=False, over_budget=None,
-                    audit=True, warm=True, wait=True, image=None, volumes=None):
+                    audit=True, warm=True, wait=True, image=None, volumes=None, from_snapshot=None):
     from agent.node.proto import pb
     req = pb.CreateSandboxRequest(
         sandbox_id=sandbox_id or "", resources=pb.Resources(cpus=float(cpus or 0.0), memory_bytes=_size(memory),
@@ -240,7 +240,8 @@ def _create_request(*, sandbox_id=None, cpus=None, memory=None, pids=None, prior
         priority=priority or "", rootfs=rootfs or "", network=network or "", labels=dict(labels or {}),
         env=_env(env), workdir=workdir or "", user=user or "", lifetime_seconds=float(lifetime or 0.0),
         grace_seconds=float(grace or 0.0), keep=keep, over_budget=over_budget or "", no_audit=not audit,
-        no_warm=not warm, wait_running=wait, image=image or "", volumes=[_volume(v) for v in volumes or ()])
+        no_warm=not warm, wait_running=wait, image=image or "", volumes=[_volume(v) for v in volumes or ()],
+        from_snapshot=from_snapshot or "")
     ref = _policy_ref(policy, policy_yaml, mode, policy_source)
     if ref is not None:
         req.policy.CopyFrom(ref)
@@ -419,6 +420,18 @@ class Client:
             raise SandboxFailed("FAILED_PRECONDITION", f"sandbox {info.sandbox_id} failed: {info.reason}",
                                 info.reason)
         return Sandbox(self, info.sandbox_id, info)
+
+    def snapshot(self, sandbox_id: str, timeout: float | None = None) -> dict:
+        """Snapshot a running sandbox (frozen while its writable layer is copied): the
+        snapshot's record (id, step, files, bytes, frozen_ms, changes ...)."""
+        from agent.node.proto import pb
+        m = self._unary("Snapshot", pb.SnapshotRequest(sandbox_id=sandbox_id), timeout=timeout)
+        return json.loads(m.json)
+
+    def fork(self, snapshot_id: str, n: int, **spec) -> list["Sandbox"]:
+        """n new sandboxes from one snapshot, each with its own writable layer over the
+        snapshot's (shared on disk); their sandbox_start records the lineage."""
+        return [self.create(from_snapshot=snapshot_id, warm=False, **spec) for _ in range(int(n))]
 
     def sandbox(self, sandbox_id: str) -> "Sandbox":
         return Sandbox(self, sandbox_id)

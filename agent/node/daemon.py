@@ -17,6 +17,7 @@ The agent in parts, each a file of agent/node/:
   requests.py  request checks (CreateSandbox, Exec) and the policy cache
   warm.py      the warm pool
   images.py    the image store of the node: prewarm, image and volume requests, the report
+  snapshots.py Snapshot and forks (CreateSandbox from_snapshot)
   steps.py     one Exec: streaming, timeouts, cancellation
   streams.py   live event streams (StreamEvents) and the spool tap
   export.py    the continuous ClickHouse export and its barrier
@@ -64,6 +65,7 @@ from agent.node import steps
 from agent.node.export import ClickHouseExport
 from agent.node.host import RunDir, clean_up_after, load_audit
 from agent.node.images import NodeImages
+from agent.node.snapshots import NodeSnapshots
 from agent.node.records import (CANCELLED, ENDED, EXITED, FAILED, KILLED, MAX_ARG_BYTES, MAX_ARGV_ITEMS,
                                 MAX_EXEC_BYTES, MAX_GRACE, MAX_LABELS, PREEMPTED, QUEUED, RUNNING, STARTING, STATES,
                                 STOPPING, STREAM_POLL, VERSION, WARM, ApiError, SandboxRecord, _bad, _compact, _fs,
@@ -112,6 +114,7 @@ class Agent:
         self.transports: list[str] = []
         self.images = None                  # the node's image store (agent/sandbox/images)
         self.node_images = NodeImages(self)  # images.prewarm, image requests, volumes (node/images.py)
+        self.snapshots = NodeSnapshots(self)  # Snapshot, CreateSandbox(from_snapshot) (node/snapshots.py)
 
     # ================================================================ start / stop
 
@@ -146,6 +149,7 @@ class Agent:
         except ReportedError as e:
             raise DsecError(f"capacity: {e.message}", 2)
         self.images = self.node_images.open()
+        self.snapshots.open()
         self.warm.resolve()
         self._lifecycle("", "agent_started", pid=os.getpid(), version=VERSION, config={
             "socket": cfg.socket, "tcp": cfg.tcp.listen if cfg.tcp else None,
@@ -555,6 +559,7 @@ class Agent:
         with self._lock:
             self._check_room_locked()
             if not sid and not req.get("no_warm") and not req.get("keep") and audit and not vols \
+                    and not req.get("from_snapshot") \
                     and over_budget == self.cfg.audit.over_budget and self.warm.profiles:
                 rec = self.warm.try_claim_locked(key, fields)
                 if rec is not None:
@@ -563,6 +568,10 @@ class Agent:
         spec = SandboxSpec(argv=[], sandbox_id=sid or launcher.new_sandbox_id(), cpus=quota, memory=memory,
                            pids=pids, grace=grace, rootfs=rootfs, network=network, env=env, workdir=workdir,
                            user=user, keep=bool(req.get("keep")), policy=policy, volumes=vols)
+        if req.get("from_snapshot"):
+            if img is not None or rootfs:
+                raise _bad("from_snapshot: the snapshot names its own image or rootfs")
+            self.snapshots.fork_spec(spec, req["from_snapshot"], req)
         try:
             if img is not None:
                 # unpacked before the request queues (outside the lock; concurrent requests for one

@@ -134,6 +134,8 @@ class SandboxWatch:
                  # the image (name, manifest and layer digests) and data volumes, if any
                  "image": getattr(s, "image", None),
                  "volumes": [v.to_dict() for v in getattr(s, "volumes", ())],
+                 # a fork: the sandbox and snapshot it started from, and that snapshot's step
+                 "lineage": getattr(s, "lineage", None),
                  # the policy itself, so replay can re-run under it
                  "policy_yaml": policy_text(s.policy)}
         extra.update(self.start_extra)

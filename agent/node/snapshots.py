@@ -1,0 +1,95 @@
+"""The node agent's snapshots (docs/snapshots.md): Snapshot(sandbox) and the
+forks of CreateSandbox(from_snapshot=...).
+
+    snap = agent.snapshots.take(sandbox_id)      # lifecycle: snapshotting -> snapshotted | snapshot_failed
+    agent.snapshots.fork_spec(spec, snapshot_id) # a new sandbox's layers, context and lineage
+
+"snapshotting" is a lifecycle state of the sandbox with its own timeout and
+retries (agent/sandbox/snapshots.py: the cgroup freezer, FREEZE_TIMEOUT_S,
+RETRIES); steps may run meanwhile (they are frozen for the copy), and one
+snapshot of a sandbox is taken at a time.
+"""
+from __future__ import annotations
+
+import threading
+
+from audit_schema.errors import ReportedError
+from agent.node.records import RUNNING, ApiError, _bad
+
+
+class NodeSnapshots:
+    def __init__(self, agent):
+        self.agent = agent
+        self._busy: set[str] = set()
+        self._lock = threading.Lock()
+        self.store = None
+
+    def open(self):
+        from agent.sandbox.snapshots import SnapshotStore
+        self.store = SnapshotStore()
+        return self.store
+
+    def take(self, sid: str) -> dict:
+        a = self.agent
+        rec = a.lookup(sid)
+        with a._lock:
+            if rec.state != RUNNING or rec.sandbox is None:
+                raise ApiError("FAILED_PRECONDITION", f"sandbox {rec.id} is {rec.state}: only a running sandbox "
+                                                      f"can be snapshotted")
+            sb = rec.sandbox
+            step = rec.steps
+        with self._lock:
+            if rec.id in self._busy:
+                raise ApiError("FAILED_PRECONDITION", f"sandbox {rec.id} is already snapshotting")
+            self._busy.add(rec.id)
+        sp = sb.spec
+        ctx = {"step": step, "env": dict(sb.env), "workdir": sp.workdir, "user": sp.user,
+               "labels": dict(rec.labels)}
+        a._lifecycle(rec.id, "snapshotting", step=step)
+        a._flush_emits()
+        try:
+            snap = self.store.take(sb, ctx)
+        except ReportedError as e:
+            a._lifecycle(rec.id, "snapshot_failed", step=step, reason=e.message)
+            a._flush_emits()
+            raise ApiError("FAILED_PRECONDITION" if e.code == 2 else "INTERNAL", e.message) from None
+        finally:
+            with self._lock:
+                self._busy.discard(rec.id)
+        a._lifecycle(rec.id, "snapshotted", step=step, snapshot=snap["id"], files=snap["files"],
+                     bytes=snap["bytes"], frozen_ms=snap["frozen_ms"], total_ms=snap["total_ms"],
+                     attempts=snap["attempts"], image_digest=(sp.image or {}).get("digest"))
+        a._flush_emits()
+        return snap
+
+    def fork_spec(self, spec, ref: str, req: dict):
+        """The spec of a sandbox forked from snapshot `ref`: its layers (the snapshot's
+        over its base), the parent's user, workdir and env unless the request names them,
+        and its lineage."""
+        try:
+            snap = self.store.get(ref)
+        except ReportedError as e:
+            raise _bad(e.message) from None
+        ctx = snap.get("context") or {}
+        spec.layers = self.store.lowers(snap)
+        spec.image = snap["base"].get("image")
+        if spec.image:                  # the base image's layers: unpacked if evicted, leased to this sandbox
+            own = len(snap.get("chain", [])) + 1
+            try:
+                img = self.agent.images.resolve(spec.image["digest"])
+                base, spec.lease = self.agent.images.prepare_lease(img, spec.sandbox_id)
+            except ReportedError as e:
+                raise _bad(f"snapshot {snap['id'][:12]}: {e.message}") from None
+            spec.layers = spec.layers[:own] + base
+        spec.rootfs = None
+        spec.snapshot = snap
+        spec.lineage = {"parent_sandbox": snap["sandbox_id"], "snapshot": snap["id"], "step": snap["step"]}
+        if not req.get("user") and ctx.get("user"):
+            spec.user = ctx["user"]
+        if not req.get("workdir") and ctx.get("workdir"):
+            spec.workdir = ctx["workdir"]
+        env = dict(ctx.get("env") or {})
+        env.pop("HOSTNAME", None)
+        env.update(spec.env)
+        spec.env = env
+        return snap
