@@ -16,6 +16,7 @@ from images import layout, store_dir  # noqa: F401 - fixtures
 from conftest import dsec
 from test_agent import AgentProc
 from agent.sandbox import images
+from agent.node.client import AgentError
 
 
 def test_snapshot_fork_lineage_and_export(layout, store_dir, clickhouse_url, tmp_path):
@@ -50,7 +51,7 @@ def test_snapshot_fork_lineage_and_export(layout, store_dir, clickhouse_url, tmp
             order = [x["path"] for x in snap["changes"]]
             assert order.index("/opt/app/a.txt") < order.index("/opt/app/b.txt")   # the order they were made in
             # the parent goes on and changes more; forks see the snapshot's state, each its own
-            sb.exec(["/bin/sh", "-c", "echo later > /opt/app/c.txt"])
+            sb.exec(["/bin/sh", "-c", "echo later > /opt/app/c.txt; echo changed > /opt/app/a.txt"])
             kids = c.fork(sid, 3, labels={"job": "fork-test"})
             outs = []
             for i, k in enumerate(kids):
@@ -66,10 +67,33 @@ def test_snapshot_fork_lineage_and_export(layout, store_dir, clickhouse_url, tmp
             # a snapshot of a fork chains to its parent's
             s2 = c.snapshot(kids[1].id)
             assert s2["chain"] == [sid]
+            # rollback of the live parent: same id, cgroup and PID 1; later files gone, the background
+            # process of step 1 ended; twice gives the same state
+            info = c.get(sb.id)
+            for _ in range(2):
+                r = c.restore(sb.id, sid)
+                assert r["step"] == 1 and r["snapshot"] == sid
+                out = sb.exec(["/bin/sh", "-c", "cat /opt/app/a.txt; test -e c.txt || echo no-c; "
+                                                "test -e /etc/group || echo no-group; ps -o pid= 2>/dev/null | wc -l; "
+                                                "echo again > /opt/app/c.txt"]).stdout.decode().split()
+                assert out[:3] == ["one", "no-c", "no-group"], out
+            assert c.get(sb.id).cgroup_id == info.cgroup_id
+            r = dsec("snapshot", "restore", sb.id, "abcdef123456", env=e)
+            assert r.returncode == 2 and "no such snapshot" in r.stderr.decode()
+            # a running step: refused unless forced, then ended
+            import threading
+            t = threading.Thread(target=lambda: sb.exec(["/bin/sleep", "20"]))
+            t.start()
+            import time as _t
+            _t.sleep(0.5)
+            with pytest.raises(AgentError, match="is running; restore ends it only when forced"):
+                c.restore(sb.id, sid)
+            c.restore(sb.id, sid, force=True)
+            t.join(10)
+            assert not t.is_alive()
             for k in kids:
                 k.close()
             sb.close()
-            from agent.node.client import AgentError
             with pytest.raises(AgentError, match="no such snapshot"):
                 c.create(from_snapshot="ab" * 8)
             plain = c.create()                        # the default root: several overlays, refused clearly

@@ -5,6 +5,7 @@ examples:
   dsec snapshot ls
   dsec snapshot inspect 3f2a9c01b2d4       # JSON: step context, base image, ordered changes
   dsec snapshot export 3f2a9c01b2d4 -o ./snap-layout     # an OCI image layout: `dsec image import` it elsewhere
+  dsec snapshot restore sbx-1a2b3c 3f2a9c01b2d4  # roll the live sandbox back (--force: also mid-step)
   dsec snapshot rm 3f2a9c01b2d4
 
 A snapshot holds the sandbox's filesystem state (its writable layer over its
@@ -36,23 +37,31 @@ def register(p):
     e.add_argument("snapshot", metavar="ID")
     e.add_argument("-o", "--output", required=True, metavar="DIR")
     e.add_argument("--ref", default="snapshot", help="the layout's ref name (default: snapshot)")
+    rs = sub.add_parser("restore", help="roll a running sandbox of the agent back to a snapshot")
+    rs.add_argument("sandbox", metavar="SANDBOX")
+    rs.add_argument("snapshot", metavar="ID")
+    rs.add_argument("--force", action="store_true", help="also while a step runs (it is ended)")
     r = sub.add_parser("rm", help="remove a snapshot")
     r.add_argument("snapshot", metavar="ID")
 
 
 def run(args) -> int:
     from agent.sandbox.snapshots import SnapshotStore, export
-    if args.action == "create":
+    if args.action in ("create", "restore"):
         from agent.node import via_agent
         from agent.node.client import AgentError
         path = via_agent.agent_socket()
         if path is None:
-            raise DsecError("dsec snapshot create needs the node agent (sandboxes of `dsec run` are not "
+            raise DsecError(f"dsec snapshot {args.action} needs the node agent (sandboxes of `dsec run` are not "
                             "addressable): start `dsec agent`", 1)
         c = via_agent.connect(path, "snapshot")
         if c is None:
             raise DsecError(f"no agent answers at {path}", 1)
         try:
+            if args.action == "restore":
+                r = c.restore(args.sandbox, args.snapshot, force=args.force)
+                print(f"restored {args.sandbox} to snapshot {r['snapshot']} (step {r['step']}) in {r['total_ms']:.1f} ms")
+                return 0
             s = c.snapshot(args.sandbox)
         except AgentError as e:
             raise DsecError(e.message, 2 if e.status in ("NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARGUMENT")

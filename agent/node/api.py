@@ -232,6 +232,13 @@ class AgentServicer(pb_grpc.AgentServicer):
                                    attempts=s["attempts"], json=json.dumps(s, default=str))
         return self._call(context, run)
 
+    def Restore(self, request, context):
+        def run():
+            r = self.agent.snapshots.restore(request.sandbox_id, request.snapshot_id, request.force)
+            return pb.RestoreResponse(sandbox_id=request.sandbox_id, snapshot_id=r["snapshot"], step=r["step"],
+                                      total_ms=r["total_ms"])
+        return self._call(context, run)
+
     def Capabilities(self, request, context):
         def run():
             c = self.agent.capabilities()

@@ -428,6 +428,14 @@ class Client:
         m = self._unary("Snapshot", pb.SnapshotRequest(sandbox_id=sandbox_id), timeout=timeout)
         return json.loads(m.json)
 
+    def restore(self, sandbox_id: str, snapshot_id: str, force: bool = False, timeout: float | None = None) -> dict:
+        """Roll a running sandbox back to a snapshot (processes of later steps are ended;
+        a running step only with force=True)."""
+        from agent.node.proto import pb
+        m = self._unary("Restore", pb.RestoreRequest(sandbox_id=sandbox_id, snapshot_id=snapshot_id, force=force),
+                        timeout=timeout)
+        return {"sandbox_id": m.sandbox_id, "snapshot": m.snapshot_id, "step": m.step, "total_ms": m.total_ms}
+
     def fork(self, snapshot_id: str, n: int, **spec) -> list["Sandbox"]:
         """n new sandboxes from one snapshot, each with its own writable layer over the
         snapshot's (shared on disk); their sandbox_start records the lineage."""

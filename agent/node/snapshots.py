@@ -2,6 +2,7 @@
 forks of CreateSandbox(from_snapshot=...).
 
     snap = agent.snapshots.take(sandbox_id)      # lifecycle: snapshotting -> snapshotted | snapshot_failed
+    agent.snapshots.restore(sandbox_id, snap_id) # lifecycle: restoring -> restored | restore_failed
     agent.snapshots.fork_spec(spec, snapshot_id) # a new sandbox's layers, context and lineage
 
 "snapshotting" is a lifecycle state of the sandbox with its own timeout and
@@ -61,6 +62,39 @@ class NodeSnapshots:
                      attempts=snap["attempts"], image_digest=(sp.image or {}).get("digest"))
         a._flush_emits()
         return snap
+
+    def restore(self, sid: str, ref: str, force: bool = False) -> dict:
+        from agent.sandbox.snapshots import restore
+        a = self.agent
+        rec = a.lookup(sid)
+        try:
+            snap = self.store.get(ref)
+        except ReportedError as e:
+            raise _bad(e.message) from None
+        with a._lock:
+            if rec.state != RUNNING or rec.sandbox is None:
+                raise ApiError("FAILED_PRECONDITION", f"sandbox {rec.id} is {rec.state}: only a running sandbox "
+                                                      f"can be restored")
+            sb = rec.sandbox
+        with self._lock:
+            if rec.id in self._busy:
+                raise ApiError("FAILED_PRECONDITION", f"sandbox {rec.id} is snapshotting or restoring")
+            self._busy.add(rec.id)
+        a._lifecycle(rec.id, "restoring", step=rec.steps, snapshot=snap["id"], force=force)
+        a._flush_emits()
+        try:
+            r = restore(self.store, sb, snap, a.images, force=force)
+        except ReportedError as e:
+            a._lifecycle(rec.id, "restore_failed", step=rec.steps, snapshot=snap["id"], reason=e.message)
+            a._flush_emits()
+            raise ApiError("FAILED_PRECONDITION" if e.code == 2 else "INTERNAL", e.message) from None
+        finally:
+            with self._lock:
+                self._busy.discard(rec.id)
+        a._lifecycle(rec.id, "restored", step=rec.steps, snapshot=snap["id"], snapshot_step=snap["step"],
+                     total_ms=r["total_ms"])
+        a._flush_emits()
+        return r
 
     def fork_spec(self, spec, ref: str, req: dict):
         """The spec of a sandbox forked from snapshot `ref`: its layers (the snapshot's

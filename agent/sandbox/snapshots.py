@@ -350,3 +350,131 @@ def export(store: "SnapshotStore", snap: dict, out_dir: str, image_store, ref: s
         json.dump({"schemaVersion": 2, "manifests": [dict(m, mediaType="application/vnd.oci.image.manifest.v1+json",
                                                           annotations={"org.opencontainers.image.ref.name": ref})]}, f)
     return {"layout": out_dir, "ref": ref, "manifest_digest": m["digest"], "layers": len(layers)}
+
+
+# --- rollback of a live sandbox ----------------------------------------------------------
+
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT = 428, 429          # x86_64
+_OPEN_TREE_CLONE, _AT_RECURSIVE, _MOVE_MOUNT_F_EMPTY_PATH, _AT_FDCWD = 1, 0x8000, 0x04, -100
+
+
+def _helper(sup_pid: int, lowers: str, upper: str, work: str, mnt: str, err_w: int):
+    """In a forked child: mount the new root in a private namespace, carry it into the
+    sandbox's mount namespace, move /proc, /sys, /dev, /tmp and volumes onto it and
+    pivot_root: every process whose root was the old root (PID 1) now has the new one."""
+    import ctypes
+    from agent.sandbox import sysutil as su
+    libc = ctypes.CDLL(None, use_errno=True)
+    stage = "unshare"
+    try:
+        su.unshare(su.CLONE_NEWNS)
+        su.mount(None, "/", None, su.MS_REC | su.MS_PRIVATE)
+        stage = "overlay"
+        su.mount("overlay", mnt, "overlay", su.MS_NOSUID | su.MS_NODEV,
+                 f"lowerdir={lowers},upperdir={upper},workdir={work}")
+        stage = "open_tree"
+        fd = libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(mnt), _OPEN_TREE_CLONE | os.O_CLOEXEC)
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "open_tree")
+        stage = "setns"
+        ns = os.open(f"/proc/{sup_pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        su.setns(ns, su.CLONE_NEWNS)
+        os.chdir("/")
+        with open("/proc/1/mountinfo") as f:
+            info = f.read()
+        rows = [line.split() for line in info.splitlines() if line.strip()]
+        root_id = next(r[0] for r in rows if r[4] == "/")
+        tops = [r[4] for r in rows if r[1] == root_id and r[4] != "/"]
+        stage = "attach"
+        target = "/.dsec-restore"
+        if not os.path.isdir(target):
+            os.mkdir(target, 0o700)        # in the old root's upper layer, which is discarded
+        if libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH) < 0:
+            raise OSError(ctypes.get_errno(), "move_mount")
+        stage = "move"
+        for p in tops:
+            if p == target:
+                continue
+            dst = target + p
+            if not os.path.lexists(dst):
+                os.makedirs(dst, 0o755, exist_ok=True)
+            su.mount(p, dst, None, su.MS_MOVE)
+        stage = "pivot_root"
+        os.chdir(target)
+        su.pivot_root(".", ".")
+        su.umount2(".", su.MNT_DETACH)
+        os.chdir("/")
+        os.write(err_w, b"ok")
+        os._exit(0)
+    except BaseException as e:  # noqa: BLE001 - never return into the caller's process
+        try:
+            os.write(err_w, f"{stage}: {getattr(e, 'strerror', None) or e}".encode()[:500])
+        finally:
+            os._exit(1)
+
+
+def restore(store: "SnapshotStore", sb, snap: dict, image_store=None, *, force: bool = False) -> dict:
+    """Roll a live sandbox back to `snap`: its processes (all but PID 1) are ended, its
+    root becomes a fresh writable layer over the snapshot's layers; the sandbox keeps
+    its id, cgroup, network, policy and PID 1. Restoring twice gives the same state;
+    a restore that fails before the switch leaves the previous state as it was."""
+    import signal
+    spec = sb.spec
+    if sb.state != "running":
+        raise SnapshotError(f"sandbox {sb.sid} is {sb.state}: only a running sandbox can be restored", EXIT_USAGE)
+    running = [s for s in sb.steps.values() if not s.done]
+    if running and not force:
+        raise SnapshotError(f"sandbox {sb.sid}: step {running[0].step} is running; restore ends it only "
+                            f"when forced (force=True / --force)", EXIT_USAGE)
+    own = len(snap.get("chain", [])) + 1
+    lowers = store.lowers(snap)
+    if snap["base"].get("image") and image_store is not None:
+        img = image_store.resolve(snap["base"]["image"]["digest"])
+        lowers = lowers[:own] + image_store.prepare(img, sb.sid)
+    n = len([d for d in os.listdir(sb.dir) if d.startswith("upper")])
+    upper = os.path.join(sb.dir, f"upper.{n}", "_root")
+    work = os.path.join(sb.dir, f"work.{n}", "_root")
+    mnt = os.path.join(sb.dir, f"restore.{n}")
+    for d in (upper, work, mnt):
+        os.makedirs(d, 0o755)
+    t0 = time.monotonic()
+    # end every process but PID 1 (frozen first, so nothing forks meanwhile)
+    freeze(sb.cg)
+    try:
+        for pid in sb.cg.pids():
+            if pid != sb.sup_pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    finally:
+        thaw(sb.cg)
+    deadline = time.monotonic() + 5
+    while set(sb.cg.pids()) - {sb.sup_pid}:
+        if time.monotonic() > deadline:
+            raise SnapshotError(f"sandbox {sb.sid}: its processes did not end within 5 s")
+        time.sleep(0.002)
+    killed_ms = (time.monotonic() - t0) * 1000
+    r, w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        _helper(sb.sup_pid, ":".join(lowers), upper, work, mnt, w)
+    os.close(w)
+    msg = b""
+    while chunk := os.read(r, 1024):
+        msg += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    os.rmdir(mnt)
+    if msg != b"ok":
+        shutil.rmtree(os.path.dirname(upper), ignore_errors=True)
+        shutil.rmtree(os.path.dirname(work), ignore_errors=True)
+        raise SnapshotError(f"sandbox {sb.sid}: restore of {snap['id'][:12]} failed ({msg.decode(errors='replace')}); "
+                            f"the sandbox is as it was")
+    # the launcher's view: the change manifest walks the new upper over the new lowers
+    sb.layers = [("/", upper, ":".join(lowers))]
+    spec.layers = lowers
+    spec.snapshot = snap
+    return {"snapshot": snap["id"], "step": snap["step"], "killed_ms": round(killed_ms, 3),
+            "total_ms": round((time.monotonic() - t0) * 1000, 3)}
