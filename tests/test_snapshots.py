@@ -32,6 +32,9 @@ def test_snapshot_fork_lineage_and_export(layout, store_dir, clickhouse_url, tmp
          "DSEC_CLICKHOUSE_URL": clickhouse_url}
     try:
         with agent.client(timeout=120) as c:
+            caps = c.capabilities()["snapshots"]
+            assert caps["store"] == snaps and caps["filesystem"] is True
+            assert caps["processes"]["available"] is False and caps["processes"]["detail"]   # said, not silent
             sb = c.create(image="layout:app", env={"TASK": "t1"}, user="root")
             r = sb.exec(["/bin/sh", "-c", "echo one > /opt/app/a.txt; sleep 0.01; echo two > /opt/app/b.txt; "
                                           "rm /etc/group; mkdir -p /opt/app/d; chmod 700 /opt/app/d; "

@@ -249,7 +249,8 @@ class AgentServicer(pb_grpc.AgentServicer):
                 warm_profiles=[pb.WarmProfileInfo(name=w["name"], count=w["count"], ready=w["ready"],
                                                   spec_json=json.dumps(w["spec"])) for w in c["warm_profiles"]],
                 limits_json=json.dumps(c["limits"]), transports=c["transports"], pid=c["pid"],
-                started_ns=c["started_ns"], images_json=json.dumps(c.get("images") or {}, default=str))
+                started_ns=c["started_ns"], images_json=json.dumps(c.get("images") or {}, default=str),
+                snapshots_json=json.dumps(c.get("snapshots") or {}, default=str))
         return self._call(context, run)
 
 

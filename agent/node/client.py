@@ -592,7 +592,8 @@ def _caps(m) -> dict:
             "warm_profiles": [{"name": w.name, "count": w.count, "ready": w.ready,
                                "spec": json.loads(w.spec_json or "{}")} for w in m.warm_profiles],
             "limits": json.loads(m.limits_json or "{}"), "transports": list(m.transports), "pid": m.pid,
-            "started_ns": m.started_ns, "images": json.loads(m.images_json or "{}")}
+            "started_ns": m.started_ns, "images": json.loads(m.images_json or "{}"),
+            "snapshots": json.loads(m.snapshots_json or "{}")}
 
 
 class Sandbox:

@@ -865,7 +865,7 @@ class Agent:
                   "max_lifetime_seconds": self.cfg.limits.max_lifetime_seconds,
                   "max_stream_subscribers": self.cfg.limits.max_stream_subscribers}
         return {"node": self.node, "agent_version": VERSION, "kernel": os.uname().release, "cgroup_mode": mode,
-                "images": self.node_images.report(warm),
+                "images": self.node_images.report(warm), "snapshots": self.snapshots.report(),
                 "audit": self.audit_feature, "enforcement": self.enforce_feature, "degraded": degraded,
                 "capacity": snap, "warm_profiles": warm, "limits": limits, "transports": list(self.transports),
                 "pid": os.getpid(), "started_ns": self.started_ns}

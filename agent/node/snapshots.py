@@ -22,13 +22,20 @@ class NodeSnapshots:
     def __init__(self, agent):
         self.agent = agent
         self._busy: set[str] = set()
+        self.criu: dict = {}
         self._lock = threading.Lock()
         self.store = None
 
     def open(self):
-        from agent.sandbox.snapshots import SnapshotStore
+        from agent.sandbox.snapshots import SnapshotStore, criu_feature
         self.store = SnapshotStore()
+        self.criu = criu_feature()
         return self.store
+
+    def report(self) -> dict:
+        """For Capabilities: where snapshots live, and whether they can hold processes."""
+        return {"store": self.store.root if self.store else None, "filesystem": True,
+                "processes": self.criu if self.store else None}
 
     def take(self, sid: str) -> dict:
         a = self.agent

@@ -50,6 +50,23 @@ def default_root() -> str:
     return os.environ.get("DSEC_SNAPSHOT_STORE") or os.path.join(rootfs.STATE_ROOT, "snapshots")
 
 
+def criu_feature() -> dict:
+    """Can a snapshot include a live step's processes? Only where CRIU works (`criu check`);
+    dsec's snapshots hold the filesystem and the step context, never processes, until then."""
+    import shutil as _sh
+    if _sh.which("criu") is None:
+        return {"available": False, "detail": "criu is not installed (apt-get install criu)"}
+    try:
+        r = subprocess.run(["criu", "check"], capture_output=True, timeout=20, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"available": False, "detail": f"criu check: {e}"}
+    text = (r.stdout + r.stderr).decode(errors="replace").strip().splitlines()
+    ok = r.returncode == 0 and not any("Error" in ln for ln in text)
+    return {"available": False, "works_here": ok,
+            "detail": ("criu check passes, but process snapshots are not built into dsec yet" if ok else
+                       f"criu check fails on this kernel: {text[-1][:200] if text else r.returncode}")}
+
+
 # --- the freezer ---------------------------------------------------------------------
 
 def _freeze_files(cg) -> tuple[str, str, str]:
