@@ -103,6 +103,23 @@ def test_snapshot_fork_lineage_and_export(layout, store_dir, clickhouse_url, tmp
             with pytest.raises(AgentError, match="snapshots need a sandbox on an image or a --rootfs"):
                 c.snapshot(plain.id)
             plain.close()
+        # replay --rerun --from-step 2: from the snapshot taken after step 1, only steps 2.. re-run
+        with agent.client(timeout=120) as c:
+            t = c.create(image="layout:app", user="root")
+            t.exec(["/bin/sh", "-c", "echo base > /opt/app/state"])
+            c.snapshot(t.id)
+            t.exec(["/bin/sh", "-c", "cat /opt/app/state; echo more >> /opt/app/state"])
+            t.close()
+        import time as _t
+        _t.sleep(2)                              # the agent exports continuously
+        r = dsec("replay", t.id, "--rerun", "--from-step", "2", "--format", "json", env=e, timeout=180)
+        d = json.loads(r.stdout)
+        assert r.returncode == 0 and not d["changed"], (r.stdout, r.stderr)
+        assert [x["step"] for x in d["steps"]] == [2]
+        assert any("started from snapshot" in n for n in d["notes"])
+        evs = [json.loads(x) for x in dsec("events", "--sandbox", d["rerun"], "--kind", "sandbox_start", "--format",
+                                           "json", env=e).stdout.splitlines()]
+        assert json.loads(evs[0]["extra"])["lineage"]["parent_sandbox"] == t.id
         # lineage in every child's sandbox_start
         for k in kids:
             evs = [json.loads(x) for x in dsec("events", "--sandbox", k.id, "--kind", "sandbox_start", "--format",

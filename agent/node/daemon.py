@@ -362,6 +362,7 @@ class Agent:
         if rec.spec.image is not None and not rec.spec.layers:
             self.node_images.prepare(rec.spec)   # a warm sandbox of an image profile
         sb = Sandbox(rec.spec, **self._hooks(rec, defer_start))
+        sb.next_step = getattr(rec.spec, "first_step", 1)      # a fork goes on from its snapshot's step
         with self._starts:
             try:
                 sb.start()

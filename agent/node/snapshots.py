@@ -104,33 +104,11 @@ class NodeSnapshots:
         return r
 
     def fork_spec(self, spec, ref: str, req: dict):
-        """The spec of a sandbox forked from snapshot `ref`: its layers (the snapshot's
-        over its base), the parent's user, workdir and env unless the request names them,
-        and its lineage."""
+        """The spec of a sandbox forked from snapshot `ref` (agent/sandbox/snapshots.py fork_spec)."""
+        from agent.sandbox.snapshots import fork_spec
         try:
             snap = self.store.get(ref)
+            fork_spec(spec, snap, self.store, self.agent.images, user=req.get("user"), workdir=req.get("workdir"))
         except ReportedError as e:
             raise _bad(e.message) from None
-        ctx = snap.get("context") or {}
-        spec.layers = self.store.lowers(snap)
-        spec.image = snap["base"].get("image")
-        if spec.image:                  # the base image's layers: unpacked if evicted, leased to this sandbox
-            own = len(snap.get("chain", [])) + 1
-            try:
-                img = self.agent.images.resolve(spec.image["digest"])
-                base, spec.lease = self.agent.images.prepare_lease(img, spec.sandbox_id)
-            except ReportedError as e:
-                raise _bad(f"snapshot {snap['id'][:12]}: {e.message}") from None
-            spec.layers = spec.layers[:own] + base
-        spec.rootfs = None
-        spec.snapshot = snap
-        spec.lineage = {"parent_sandbox": snap["sandbox_id"], "snapshot": snap["id"], "step": snap["step"]}
-        if not req.get("user") and ctx.get("user"):
-            spec.user = ctx["user"]
-        if not req.get("workdir") and ctx.get("workdir"):
-            spec.workdir = ctx["workdir"]
-        env = dict(ctx.get("env") or {})
-        env.pop("HOSTNAME", None)
-        env.update(spec.env)
-        spec.env = env
         return snap

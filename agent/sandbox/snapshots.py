@@ -274,6 +274,33 @@ class SnapshotStore:
         return snap
 
 
+def fork_spec(spec, snap: dict, store: "SnapshotStore", image_store=None, *, user=None, workdir=None) -> None:
+    """Make `spec` a sandbox starting from `snap`: its own writable layer over the
+    snapshot's layers and their base (the base image's layers unpacked if evicted and
+    leased to spec.sandbox_id), the parent's user, workdir and env unless given, the
+    lineage; its steps go on from the snapshot's step (`first_step`)."""
+    ctx = snap.get("context") or {}
+    spec.layers = store.lowers(snap)
+    spec.image = snap["base"].get("image")
+    spec.rootfs = None
+    if spec.image and image_store is not None:
+        own = len(snap.get("chain", [])) + 1
+        img = image_store.resolve(spec.image["digest"])
+        base, spec.lease = image_store.prepare_lease(img, spec.sandbox_id)
+        spec.layers = spec.layers[:own] + base
+    spec.snapshot = snap
+    spec.first_step = int(snap.get("step") or 0) + 1
+    spec.lineage = {"parent_sandbox": snap["sandbox_id"], "snapshot": snap["id"], "step": snap["step"]}
+    if not user and ctx.get("user"):
+        spec.user = ctx["user"]
+    if not workdir and ctx.get("workdir"):
+        spec.workdir = ctx["workdir"]
+    env = dict(ctx.get("env") or {})
+    env.pop("HOSTNAME", None)
+    env.update(spec.env)
+    spec.env = env
+
+
 # --- export as an OCI image ------------------------------------------------------------
 
 def _layer_tar(root: str, path: str) -> None:
