@@ -94,6 +94,8 @@ FIELDS: tuple[Field, ...] = (
     # created fresh and one migrated have the same column order
     Field("syscall", "String", "syscall_denied/_violation: the x86_64 syscall name", low_card=True),
     Field("protocol", "String", "egress_*: tcp | udp | icmp | ... of the socket", low_card=True),
+    # added by schema migration 3 (images)
+    Field("image_digest", "String", "manifest digest of the sandbox's OCI image ('' = no image)", low_card=True),
 )
 
 FIELD_NAMES = tuple(f.name for f in FIELDS)

@@ -251,9 +251,16 @@ def _v2(db: str, feat: Features) -> list:
     return [AddColumn(db, "syscall"), AddColumn(db, "protocol")]
 
 
+def _v3(db: str, feat: Features) -> list:
+    # images (agent/sandbox/images): the manifest digest of the sandbox's image on every
+    # row, LowCardinality where the server supports it (few images, millions of rows)
+    return [AddColumn(db, "image_digest")]
+
+
 MIGRATIONS = [
     (1, "events table and sandboxes view", _v1),
     (2, "enforcement columns: syscall, protocol", _v2),
+    (3, "image column: image_digest", _v3),
 ]
 LATEST = MIGRATIONS[-1][0]
 

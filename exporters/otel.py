@@ -132,6 +132,7 @@ ATTRIBUTES: dict[str, tuple] = {
     "extra": ("attr", "dsec.extra"),                      # the kind's JSON object, as a string
     "syscall": ("attr", "dsec.syscall"),
     "protocol": ("attr", "network.transport"),            # tcp | udp | ...
+    "image_digest": ("attr", "oci.manifest.digest"),      # the sandbox's image (semconv oci.*)
 }
 
 # fields whose 0 / "" means something for these kinds (else defaults are left out)

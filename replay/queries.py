@@ -5,6 +5,7 @@
     sql = connects_sql(db, "10.0.0.0/8", port=443)        # which connected (or tried) to a CIDR
     sql = writes_sql(db, "/etc")                          # which wrote, unlinked or renamed under a path
     sql = denials_sql(db, policy_hash, since_ns, until_ns)   # every denial / would-deny of a policy
+    sql = images_sql(db, digest="sha256:...")             # which sandboxes ran an image (or name="app:1")
     rows = Search(store).run("execs", sha256="ab12...")   # dicts, with an AuditStore
 
 Every builder takes `modern` (the server is a current release, not 18.16):
@@ -179,6 +180,31 @@ def writes_sql(db: str, under: str, *, since_ns=None, until_ns=None, limit: int 
             f"GROUP BY sandbox_id\nORDER BY first_ns, sandbox_id\nLIMIT {sql_int(limit)}")
 
 
+def images_sql(db: str, *, digest: str | None = None, name: str | None = None, since_ns=None, until_ns=None,
+               limit: int = DEFAULT_LIMIT) -> str:
+    """Sandboxes that ran an image: by manifest digest (the image_digest column every row
+    carries), or by the name the sandbox_start record gives (NAME:TAG as it was run)."""
+    db = quote_ident(db)
+    if digest:
+        d = digest.strip().lower()
+        if not d.startswith("sha256:"):
+            d = "sha256:" + d
+        if not SHA256_RE.match(d[7:]):
+            raise ReplayError(f"--image {digest!r}: a digest is sha256: and 64 hex digits", EXIT_USAGE)
+        pre = f"image_digest = {sql_string(d)}"
+    elif name:
+        pre = f"position(extra, {sql_string(chr(34) + 'name' + chr(34) + ':' + chr(34) + name + chr(34))}) > 0"
+    else:
+        raise ReplayError("give --image NAME[:TAG] or a digest", EXIT_USAGE)
+    where = ["kind = 'sandbox_start'"] + _window(since_ns, until_ns)
+    return (f"SELECT sandbox_id, any(node) AS node, min(ts_ns) AS first_ns, max(ts_ns) AS last_ns,\n"
+            f"  uniqExact(event_id) AS events, arraySort(groupUniqArray(step)) AS steps,\n"
+            f"  arraySlice(groupUniqArray(image_digest), 1, 5) AS images,\n"
+            f"  arraySort(groupUniqArray(decision)) AS decisions\n"
+            f"FROM {db}.{EVENTS_TABLE}\nPREWHERE {pre}\nWHERE {' AND '.join(where)}\n"
+            f"GROUP BY sandbox_id\nORDER BY first_ns, sandbox_id\nLIMIT {sql_int(limit)}")
+
+
 DENIAL_COLUMNS = ("event_id", "ts_ns", "node", "sandbox_id", "step", "kind", "pid", "comm", "policy_name",
                   "policy_hash", "mode", "decision", "path", "path2", "family", "addr", "port", "protocol",
                   "syscall", "count", "ret")
@@ -230,6 +256,7 @@ SUMMARY_COLUMNS = {
     "connects": ("sandbox_id", "node", "first_ns", "last_ns", "events", "steps", "destinations", "connected",
                  "failed", "decisions"),
     "writes": ("sandbox_id", "node", "first_ns", "last_ns", "events", "steps", "paths", "failed", "decisions"),
+    "images": ("sandbox_id", "node", "first_ns", "last_ns", "events", "steps", "images", "decisions"),
 }
 
 
@@ -257,6 +284,8 @@ class Search:
         if question == "writes":
             under = kw.pop("under")
             return writes_sql(db, under, **kw), SUMMARY_COLUMNS["writes"]
+        if question == "images":
+            return images_sql(db, **kw), SUMMARY_COLUMNS["images"]
         if question == "denials":
             h = kw.pop("policy_hash")
             return denials_sql(db, h, **kw), DENIAL_COLUMNS

@@ -158,6 +158,13 @@ def render(t: Trajectory, unattributed_lost: list | None = None, title: str | No
         a(f" · network {_e(i.get('network') or '-')} · memory {f'{mem >> 20}M' if isinstance(mem, int) and mem else '-'} · "
           f"cpus {_e(i.get('cpus') or '-')} · pids {_e(i.get('pids') or '-')} · user {_e(i.get('user') or '-')} · "
           f"rootfs {_e(i.get('rootfs') or '-')}")
+        img = i.get("image") or {}
+        if img:
+            a(f" · image <b id='image'>{_e(img.get('name'))}</b> <span class='hash' title='"
+              f"{_e(' '.join(img.get('layers') or []))}'>{_e(img.get('digest'))}</span> "
+              f"({len(img.get('layers') or [])} layers)")
+        for v in i.get("volumes") or []:
+            a(f" · volume {_e(v.get('host'))}:{_e(v.get('sandbox'))}:{_e(v.get('mode'))}")
     a("</div>")
     if s:
         st = "timed out" if s.get("timed_out") else (f"signal {s['signal']}" if s.get("signal") else f"exit {s.get('exit_code')}")

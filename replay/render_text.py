@@ -73,6 +73,11 @@ def header(t: Trajectory) -> list[str]:
     if i:
         bits.append(f"network {i.get('network')}, memory {_mb(i.get('memory'))}, cpus {i.get('cpus') or '-'}, "
                     f"pids {i.get('pids') or '-'}, user {i.get('user')}, rootfs {i.get('rootfs')}")
+        img = i.get("image") or {}
+        if img:
+            bits.append(f"image {img.get('name')} ({img.get('digest')}, {len(img.get('layers') or [])} layers)")
+        for v in i.get("volumes") or []:
+            bits.append(f"volume {v.get('host')}:{v.get('sandbox')}:{v.get('mode')}")
     out.append("  " + "; ".join(bits))
     if s:
         st = "timed out" if s.get("timed_out") else (f"signal {s['signal']}" if s.get("signal") else f"exit {s.get('exit_code')}")

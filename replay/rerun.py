@@ -59,6 +59,8 @@ class Plan:
     steps: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     sandbox_id: str | None = None
+    first_step: int = 1            # --from-step K: the re-run starts at step K ...
+    from_snapshot: str | None = None   # ... from the snapshot taken after step K-1, when there is one
 
 
 def recorded_policy(t: Trajectory):
@@ -91,8 +93,25 @@ def recorded_policy(t: Trajectory):
     return p, f"recorded ({ident['name']}, {p.mode})"
 
 
+def snapshots_of(t: Trajectory) -> dict[int, str]:
+    """step -> the last snapshot the record says was taken after it (lifecycle `snapshotted`)."""
+    import json
+    out = {}
+    for r in t.records:
+        if r.get("kind") != "lifecycle":
+            continue
+        try:
+            x = json.loads(r.get("extra") or "{}")
+        except ValueError:
+            continue
+        if x.get("state") == "snapshotted" and x.get("snapshot"):
+            out[int(x.get("step") or 0)] = x["snapshot"]
+    return out
+
+
 def plan_rerun(t: Trajectory, policy=None, *, mode: str | None = None, env: dict | None = None,
-               step_timeout: float = DEFAULT_STEP_TIMEOUT, sandbox_id: str | None = None) -> Plan:
+               step_timeout: float = DEFAULT_STEP_TIMEOUT, sandbox_id: str | None = None,
+               from_step: int | None = None) -> Plan:
     if policy is None:
         policy, source = recorded_policy(t)
     else:
@@ -107,7 +126,8 @@ def plan_rerun(t: Trajectory, policy=None, *, mode: str | None = None, env: dict
     rootfs = i.get("rootfs")
     sb = {"network": i.get("network") or "none", "memory": i.get("memory"), "cpus": i.get("cpus"),
           "pids": i.get("pids"), "user": i.get("user") or "sandbox", "workdir": i.get("workdir") or "/workspace",
-          "rootfs": None if rootfs in (None, "", "default") else rootfs}
+          "rootfs": None if rootfs in (None, "", "default") else rootfs,
+          "image": (i.get("image") or {}).get("digest"), "volumes": i.get("volumes") or []}
     plan = Plan(t.sandbox_id, sb, policy, source, sandbox_id=sandbox_id)
     if sb["rootfs"] and not os.path.isdir(sb["rootfs"]):
         raise ReplayError(f"the recorded rootfs {sb['rootfs']} does not exist on this node", 1)
@@ -139,6 +159,19 @@ def plan_rerun(t: Trajectory, policy=None, *, mode: str | None = None, env: dict
         if timeout is None and step_timeout:
             timeout = step_timeout
         plan.steps.append(PlannedStep(s.n, list(s.argv), step_env, s.workdir, timeout, s.stdin))
+    if from_step is not None and from_step > 1:
+        if from_step > max(s.n for s in plan.steps):
+            raise ReplayError(f"sandbox {t.sandbox_id} has no step {from_step}", EXIT_USAGE)
+        snap = snapshots_of(t).get(from_step - 1)
+        if snap is None:
+            plan.notes.append(f"no snapshot was taken after step {from_step - 1}: steps 1..{from_step - 1} are "
+                              f"re-run first")
+        else:
+            plan.from_snapshot = snap
+            plan.first_step = from_step
+            plan.steps = [s for s in plan.steps if s.n >= from_step]
+            plan.notes.append(f"started from snapshot {snap[:12]} (taken after step {from_step - 1}): steps "
+                              f"1..{from_step - 1} are not re-run")
     return plan
 
 
@@ -168,11 +201,16 @@ def run_via_agent(plan: Plan, client) -> tuple[str, list[StepRun], dict]:
     sb_spec = plan.sandbox
     kw = {"sandbox_id": plan.sandbox_id or new_replay_id(), "network": sb_spec.get("network"), "memory": sb_spec.get("memory"),
           "cpus": sb_spec.get("cpus"), "pids": sb_spec.get("pids"), "user": sb_spec.get("user"),
-          "workdir": sb_spec.get("workdir"), "rootfs": sb_spec.get("rootfs"),
+          "workdir": sb_spec.get("workdir"), "rootfs": sb_spec.get("rootfs"), "image": sb_spec.get("image"),
+          "from_snapshot": plan.from_snapshot,
+          "volumes": [f"{v['host']}:{v['sandbox']}:{v['mode']}" for v in sb_spec.get("volumes") or []],
           "labels": {"replay_of": plan.original}, "warm": False}
     if plan.policy is not None:
         kw["policy_yaml"] = dump_yaml(plan.policy)
         kw["policy_source"] = plan.policy.source
+    if plan.from_snapshot:           # the snapshot names its own image or rootfs
+        kw.pop("image", None)
+        kw.pop("rootfs", None)
     sb = client.create(**kw)
     results = []
     try:
@@ -227,7 +265,8 @@ SETS = ("execs", "connects", "writes", "denials")
 def compare(orig: Trajectory, new: Trajectory, plan: Plan | None = None, results=None, how: str = "") -> dict:
     """The diff, as plain data (what --format json prints)."""
     steps = []
-    numbers = sorted(set(orig.step_numbers) | set(new.step_numbers))
+    first = plan.first_step if plan else 1
+    numbers = sorted(n for n in set(orig.step_numbers) | set(new.step_numbers) if n >= first)
     changed = False
     for n in numbers:
         a, b = orig.step(n), new.step(n)

@@ -24,6 +24,9 @@ PKGS=(
   nftables iproute2                        # NAT for --network egress; test hosts
   strace                                   # strace-style learning input
   golang-github-containers-common          # containers-common default seccomp profile (policy import tests)
+  umoci skopeo                             # OCI image layouts and archives (dsec image import; test images)
+  busybox-static                           # base layer of the test images (tests/images.py)
+  criu                                     # process checkpoint for snapshots, behind feature detection
   procps psmisc curl ca-certificates
   g++ nodejs                               # toolchains of /run_code's cpp and nodejs (docs/trainers.md)
   chromium fonts-dejavu-core               # headless browser for tests/test_replay_browser.py (HTML incident report)

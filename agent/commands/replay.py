@@ -62,6 +62,9 @@ def register(p):
     p.add_argument("--step-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="--rerun: timeout for steps recorded without one (default 600)")
     p.add_argument("--in-process", action="store_true", help="--rerun: do not use a running node agent")
+    p.add_argument("--from-step", type=int, metavar="K",
+                   help="--rerun: start at step K, from the snapshot taken after step K-1 when there is one "
+                        "(docs/snapshots.md)")
 
 
 def _policy(ref: str, what: str):
@@ -109,8 +112,8 @@ def run(args) -> int:
     from replay.store import AuditStore
     if args.against and args.rerun:
         raise DsecError("--against and --rerun are separate questions: give one", EXIT_USAGE)
-    if (args.policy or args.mode or args.env or args.in_process) and not args.rerun:
-        raise DsecError("--policy, --mode, --env and --in-process go with --rerun "
+    if (args.policy or args.mode or args.env or args.in_process or args.from_step) and not args.rerun:
+        raise DsecError("--policy, --mode, --env, --in-process and --from-step go with --rerun "
                         "(for a what-if use --against POLICY)", EXIT_USAGE)
     if args.format == "html" and (args.against or args.rerun):
         raise DsecError("--format html is the incident report of a recording: use text or json with "
@@ -154,7 +157,8 @@ def run(args) -> int:
 def _rerun(args, store, t, override, env) -> int:
     from replay.rerun import compare, plan_rerun, render_diff, run_via_agent
     from replay.trajectory import reconstruct
-    plan = plan_rerun(t, override, mode=args.mode, env=env, step_timeout=args.step_timeout)
+    plan = plan_rerun(t, override, mode=args.mode, env=env, step_timeout=args.step_timeout,
+                      from_step=args.from_step)
     try:
         # through the node agent when one answers, else in this process
         client = None

@@ -66,11 +66,18 @@ def register(p):
     p.add_argument("--grace", metavar="SECONDS", default="3",
                    help="on timeout or signal: SIGTERM, wait this long, then SIGKILL (default: 3)")
     p.add_argument("--rootfs", metavar="DIR", help="read-only lower layer for / (default: host /usr,/bin,/lib* + minimal /etc)")
+    p.add_argument("--image", metavar="NAME[:TAG|@DIGEST]",
+                   help="run on an imported OCI image (`dsec image ls`); without CMD, its Entrypoint + Cmd")
+    p.add_argument("--entrypoint", metavar="CMD", help="with --image: replace the image's Entrypoint ('' drops it)")
+    p.add_argument("--volume", action="append", default=[], metavar="HOST:SANDBOX[:ro|rw]",
+                   help="bind-mount a host path (read-only unless :rw) from an allowed root "
+                        "(DSEC_VOLUME_ROOTS or the agent config's volumes.allowed_roots)")
     p.add_argument("--network", default="none", metavar="none|egress",
                    help="none: loopback only (default); egress: veth + NAT to the outside")
     p.add_argument("--env", action="append", default=[], metavar="K=V", help="set an environment variable (repeatable)")
-    p.add_argument("--workdir", default="/workspace", metavar="DIR", help="working directory inside (default: /workspace)")
-    p.add_argument("--user", default="sandbox", metavar="USER", help="NAME, UID or UID:GID (default: sandbox, uid 1000)")
+    p.add_argument("--workdir", metavar="DIR", help="working directory inside (default: /workspace, or the image's)")
+    p.add_argument("--user", metavar="USER", help="NAME, UID or UID:GID (default: sandbox, uid 1000; an image's "
+                                                  "own user unless it is root)")
     p.add_argument("--keep", action="store_true", help="keep the upper layer after exit (path printed on stderr)")
     p.add_argument("--summary-json", metavar="FILE", help="write the run summary (exit, resources, changes) here")
     p.add_argument("--policy", metavar="FILE|NAME", default="default",
@@ -100,8 +107,12 @@ def spec_from_args(args):
     from agent.sandbox.launcher import SandboxSpec
     if args.cmd and args.cmd[0] == "--":
         args.cmd = args.cmd[1:]
-    if not args.cmd:
+    if not args.cmd and not args.image:
         raise DsecError("no command given (usage: dsec run [options] -- CMD [ARGS...])", EXIT_DSEC)
+    if args.image and args.rootfs:
+        raise DsecError("--image and --rootfs: give one of them", EXIT_DSEC)
+    if args.entrypoint is not None and not args.image:
+        raise DsecError("--entrypoint goes with --image", EXIT_DSEC)
     if args.network not in ("none", "egress"):
         raise DsecError(f"--network {args.network!r}: expected none or egress", EXIT_DSEC)
     if args.workdir and not args.workdir.startswith("/"):
@@ -113,15 +124,52 @@ def spec_from_args(args):
             policy = policy.with_mode(args.mode)
     except ReportedError as e:
         raise DsecError(e.message, EXIT_DSEC)
-    return SandboxSpec(
+    spec = SandboxSpec(
         policy=policy,
         argv=list(args.cmd), sandbox_id=args.sandbox_id,
         cpus=_positive(float, "--cpus")(args.cpus) if args.cpus else None,
         memory=parse_size(args.memory), pids=_positive(int, "--pids")(args.pids),
         timeout=_positive(float, "--timeout")(args.timeout) if args.timeout else None,
         grace=float(_positive(float, "--grace")(args.grace)),
-        rootfs=args.rootfs, network=args.network, env=_env(args.env), workdir=args.workdir,
-        user=args.user, keep=args.keep)
+        rootfs=args.rootfs, network=args.network, env=_env(args.env), workdir=args.workdir or "/workspace",
+        user=args.user or "sandbox", keep=args.keep)
+    if args.image:
+        # resolved here (a digest the agent can check); its layers are unpacked where the sandbox runs
+        from agent.sandbox import images
+        from agent.commands.image import store
+        try:
+            img = store().resolve(args.image)
+        except ReportedError as e:
+            raise DsecError(e.message, EXIT_DSEC)
+        spec.image = img.record()
+        spec.image_ref = img
+        spec.image_args = {"argv": list(args.cmd), "user": args.user, "workdir": args.workdir,
+                           "env": _env(args.env), "entrypoint": _entrypoint(args.entrypoint)}
+        spec.argv = images.command(img, args.cmd, spec.image_args["entrypoint"])
+        if not spec.argv:
+            raise DsecError(f"no command given, and image {img.asked} has no Entrypoint or Cmd", EXIT_DSEC)
+    return spec
+
+
+def _entrypoint(text):
+    if text is None:
+        return None
+    import shlex
+    try:
+        return shlex.split(text)
+    except ValueError as e:
+        raise DsecError(f"--entrypoint {text!r}: {e}", EXIT_DSEC)
+
+
+def prepare_image(spec):
+    """Unpack and lease the image's layers for spec.sandbox_id and apply its config
+    (agent/sandbox/images/runtime.py: dsec's secure defaults win)."""
+    from agent.sandbox import images
+    from agent.commands.image import store
+    try:
+        images.prepare_spec(store(), spec, spec.image_ref, **spec.image_args)
+    except ReportedError as e:
+        raise DsecError(e.message, EXIT_DSEC)
 
 
 def run(args) -> int:
@@ -141,10 +189,17 @@ def run(args) -> int:
     from agent.node import via_agent
     result = via_agent.run(spec, args)
     if result is None:
+        from agent.sandbox import volumes
+        try:
+            spec.volumes = volumes.parse(args.volume, volumes.default_roots())
+        except ReportedError as e:
+            raise DsecError(e.message, EXIT_DSEC)
         if not spec.sandbox_id:
             spec.sandbox_id = new_sandbox_id()
             sys.stderr.write(f"dsec: sandbox {spec.sandbox_id}\n")
             sys.stderr.flush()
+        if spec.image is not None:
+            prepare_image(spec)
         if args.audit == "on":
             from agent.sensors.inprocess import run_audited
             result = run_audited(spec, over_budget=args.over_budget)

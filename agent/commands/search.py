@@ -9,6 +9,7 @@ examples:
   dsec search write --under /etc                   # opened for writing, unlinked or renamed under /etc
   dsec search denials --policy-hash 5bf9bb52f383 --since 2026-11-29T00:00Z --until 2026-11-30T00:00Z
   dsec search denials --policy hardened.yaml --since 7d --format json | jq -r .sandbox_id | sort -u
+  dsec search image --image app:1                  # which sandboxes ran this image (name or digest)
 
 exec       sandboxes that exec'd a binary with this sha256 (of the file, as
            recorded at exec), or a path: an absolute path matches exactly, a
@@ -20,6 +21,10 @@ connect    sandboxes whose connect records (whatever the result) or egress
 write      sandboxes that opened a path for writing, unlinked or renamed (from
            or to) a path at or under the given directory; failed attempts
            included (the `failed` column)
+image      sandboxes that ran an image: a digest (sha256:..., matched on the
+           image_digest column), or NAME[:TAG] (resolved to its digest through this
+           node's image store; a name the store does not know matches the name the
+           sandbox_start records give)
 denials    every denied / would-deny record stamped with a policy's content
            hash (or a prefix of at least 8 hex digits; --policy FILE|NAME
            computes it), time-ordered, one row per event, with totals by kind
@@ -44,7 +49,8 @@ HELP = "which sandboxes exec'd X, connected to a CIDR, wrote under a path; a pol
 
 
 def register(p):
-    p.add_argument("question", choices=("exec", "connect", "write", "denials"), help="what to search for")
+    p.add_argument("question", choices=("exec", "connect", "write", "image", "denials"), help="what to search for")
+    p.add_argument("--image", metavar="NAME[:TAG]|DIGEST", help="image: the image's name or manifest digest")
     p.add_argument("--sha256", metavar="HEX", help="exec: the binary's sha256")
     p.add_argument("--path", metavar="PATTERN", help="exec: absolute path, basename, or glob (* ?)")
     p.add_argument("--cidr", metavar="CIDR", help="connect: an IPv4/IPv6 network (a bare address is /32 or /128)")
@@ -67,7 +73,7 @@ def _args_for(args) -> tuple[str, dict]:
         raise DsecError("--limit must be positive", EXIT_USAGE)
 
     def only(allowed):
-        for name in ("sha256", "path", "cidr", "port", "under", "policy_hash", "policy"):
+        for name in ("sha256", "path", "cidr", "port", "under", "policy_hash", "policy", "image"):
             if getattr(args, name) is not None and name not in allowed:
                 raise DsecError(f"--{name.replace('_', '-')} does not go with `dsec search {args.question}`", EXIT_USAGE)
 
@@ -86,6 +92,11 @@ def _args_for(args) -> tuple[str, dict]:
         if not args.under:
             raise DsecError("dsec search write: give --under DIR", EXIT_USAGE)
         return "writes", {"under": args.under, "limit": args.limit, **window}
+    if args.question == "image":
+        only(("image",))
+        if not args.image:
+            raise DsecError("dsec search image: give --image NAME[:TAG] or a digest", EXIT_USAGE)
+        return "images", {**_image_key(args.image), "limit": args.limit, **window}
     only(("policy_hash", "policy"))
     if bool(args.policy_hash) == bool(args.policy):
         raise DsecError("dsec search denials: give exactly one of --policy-hash or --policy", EXIT_USAGE)
@@ -94,6 +105,23 @@ def _args_for(args) -> tuple[str, dict]:
         from policies.load import load_policy
         h = load_policy(args.policy).hash
     return "denials", {"policy_hash": h, "limit": args.limit, **window}
+
+
+def _image_key(text: str) -> dict:
+    """A digest as given; a name through this node's image store when it knows it."""
+    import re
+    t = text.strip()
+    if t.startswith("sha256:") or re.fullmatch(r"[0-9a-f]{64}", t):
+        return {"digest": t}
+    try:
+        from agent.sandbox import images
+        return {"digest": images.open_store().resolve(t).digest}
+    except Exception:  # noqa: BLE001 - no store here, or it does not know the name: match the recorded name
+        try:
+            from agent.sandbox.images import parse_name
+            return {"name": parse_name("@" not in t and t or t.split("@")[0], "--image")}
+        except Exception:  # noqa: BLE001
+            return {"name": t}
 
 
 def _ts(ns) -> str:
@@ -132,7 +160,7 @@ def run(args) -> int:
             print("totals: " + ", ".join(f"{t['kind']} {t['decision']} {t['events']} in {t['sandboxes']} sandbox(es)"
                                          for t in totals))
     else:
-        detail = {"execs": "paths", "connects": "destinations", "writes": "paths"}[question]
+        detail = {"execs": "paths", "connects": "destinations", "writes": "paths", "images": "images"}[question]
         print(f"{'SANDBOX':24} {'NODE':12} {'FIRST (UTC)':26} {'EVENTS':>6} {'STEPS':10} {'DECISIONS':18} {detail.upper()}")
         for r in rows:
             steps = ",".join(map(str, r["steps"]))[:10]

@@ -58,7 +58,8 @@ def info_message(info: dict) -> "pb.SandboxInfo":
         queued_seconds=info.get("queued_seconds") or 0.0, steps=info.get("steps", 0), warm=info.get("warm", False),
         waiting=info.get("waiting") or "", queue_position=info.get("queue_position", -1),
         preempted_for=info.get("preempted_for") or "", node=info.get("node", ""),
-        cgroup_id=info.get("cgroup_id", 0), warm_profile=info.get("warm_profile") or "")
+        cgroup_id=info.get("cgroup_id", 0), warm_profile=info.get("warm_profile") or "",
+        image=info.get("image") or "", image_digest=info.get("image_digest") or "")
     if info.get("summary") is not None:
         m.summary_json = json.dumps(info["summary"], ensure_ascii=True, default=str)
     return m
@@ -103,7 +104,10 @@ class AgentServicer(pb_grpc.AgentServicer):
                    "env": [(e.name, e.value) for e in request.env], "workdir": request.workdir,
                    "user": request.user, "lifetime_seconds": request.lifetime_seconds,
                    "grace_seconds": request.grace_seconds, "keep": request.keep,
-                   "over_budget": request.over_budget, "no_audit": request.no_audit, "no_warm": request.no_warm}
+                   "over_budget": request.over_budget, "no_audit": request.no_audit, "no_warm": request.no_warm,
+                   "image": request.image, "volumes": [(v.host_path, v.sandbox_path, v.read_write)
+                                                       for v in request.volumes],
+                   "from_snapshot": request.from_snapshot}
             rec = self.agent.create(req)
             if request.wait_running:
                 rem = context.time_remaining()
@@ -220,6 +224,21 @@ class AgentServicer(pb_grpc.AgentServicer):
         except ApiError as e:
             _abort(context, e)
 
+    def Snapshot(self, request, context):
+        def run():
+            s = self.agent.snapshots.take(request.sandbox_id)
+            return pb.SnapshotInfo(snapshot_id=s["id"], sandbox_id=s["sandbox_id"], step=s["step"], files=s["files"],
+                                   bytes=s["bytes"], frozen_ms=s["frozen_ms"], total_ms=s["total_ms"],
+                                   attempts=s["attempts"], json=json.dumps(s, default=str))
+        return self._call(context, run)
+
+    def Restore(self, request, context):
+        def run():
+            r = self.agent.snapshots.restore(request.sandbox_id, request.snapshot_id, request.force)
+            return pb.RestoreResponse(sandbox_id=request.sandbox_id, snapshot_id=r["snapshot"], step=r["step"],
+                                      total_ms=r["total_ms"])
+        return self._call(context, run)
+
     def Capabilities(self, request, context):
         def run():
             c = self.agent.capabilities()
@@ -230,7 +249,8 @@ class AgentServicer(pb_grpc.AgentServicer):
                 warm_profiles=[pb.WarmProfileInfo(name=w["name"], count=w["count"], ready=w["ready"],
                                                   spec_json=json.dumps(w["spec"])) for w in c["warm_profiles"]],
                 limits_json=json.dumps(c["limits"]), transports=c["transports"], pid=c["pid"],
-                started_ns=c["started_ns"])
+                started_ns=c["started_ns"], images_json=json.dumps(c.get("images") or {}, default=str),
+                snapshots_json=json.dumps(c.get("snapshots") or {}, default=str))
         return self._call(context, run)
 
 

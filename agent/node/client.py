@@ -175,6 +175,8 @@ class SandboxInfo:
     cgroup_id: int = 0
     summary: dict | None = None
     timed_out: bool = False
+    image: str = ""
+    image_digest: str = ""
 
     @property
     def ended(self) -> bool:
@@ -189,7 +191,8 @@ def _info(m) -> SandboxInfo:
         admitted_ns=m.admitted_ns, started_ns=m.started_ns, ended_ns=m.ended_ns, queued_seconds=m.queued_seconds,
         steps=m.steps, warm=m.warm, warm_profile=m.warm_profile, waiting=m.waiting,
         queue_position=m.queue_position, preempted_for=m.preempted_for, node=m.node, cgroup_id=m.cgroup_id,
-        summary=json.loads(m.summary_json) if m.summary_json else None, timed_out=m.timed_out)
+        summary=json.loads(m.summary_json) if m.summary_json else None, timed_out=m.timed_out,
+        image=m.image, image_digest=m.image_digest)
 
 
 def _b(v) -> bytes:
@@ -234,7 +237,7 @@ def _policy_ref(policy=None, policy_yaml=None, mode=None, source_name=None):
 def _create_request(*, sandbox_id=None, cpus=None, memory=None, pids=None, priority=None, policy=None,
                     policy_yaml=None, mode=None, policy_source=None, rootfs=None, network=None, labels=None,
                     env=None, workdir=None, user=None, lifetime=None, grace=None, keep=False, over_budget=None,
-                    audit=True, warm=True, wait=True):
+                    audit=True, warm=True, wait=True, image=None, volumes=None, from_snapshot=None):
     from agent.node.proto import pb
     req = pb.CreateSandboxRequest(
         sandbox_id=sandbox_id or "", resources=pb.Resources(cpus=float(cpus or 0.0), memory_bytes=_size(memory),
@@ -242,11 +245,27 @@ def _create_request(*, sandbox_id=None, cpus=None, memory=None, pids=None, prior
         priority=priority or "", rootfs=rootfs or "", network=network or "", labels=dict(labels or {}),
         env=_env(env), workdir=workdir or "", user=user or "", lifetime_seconds=float(lifetime or 0.0),
         grace_seconds=float(grace or 0.0), keep=keep, over_budget=over_budget or "", no_audit=not audit,
-        no_warm=not warm, wait_running=wait)
+        no_warm=not warm, wait_running=wait, image=image or "", volumes=[_volume(v) for v in volumes or ()],
+        from_snapshot=from_snapshot or "")
     ref = _policy_ref(policy, policy_yaml, mode, policy_source)
     if ref is not None:
         req.policy.CopyFrom(ref)
     return req
+
+
+def _volume(v):
+    """'HOST:SANDBOX[:ro|rw]', (host, sandbox[, 'rw'|'ro'|bool]) or {host, sandbox, mode}."""
+    from agent.node.proto import pb
+    if isinstance(v, str):
+        parts = v.split(":")
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+            raise InvalidArgument("INVALID_ARGUMENT", f"volume {v!r}: expected HOST:SANDBOX[:ro|rw]")
+        return pb.Volume(host_path=parts[0], sandbox_path=parts[1], read_write=len(parts) == 3 and parts[2] == "rw")
+    if isinstance(v, dict):
+        return pb.Volume(host_path=v["host"], sandbox_path=v["sandbox"], read_write=v.get("mode") == "rw")
+    host, sandbox, *mode = v
+    rw = bool(mode) and (mode[0] is True or mode[0] == "rw")
+    return pb.Volume(host_path=host, sandbox_path=sandbox, read_write=rw)
 
 
 def _exec_start(sandbox_id, argv, *, env=None, workdir=None, stdin=None, close_stdin=True, timeout=None,
@@ -413,7 +432,8 @@ class Client:
         """Create a sandbox. spec: sandbox_id, cpus, memory (bytes or '512M'), pids, priority
         (reserved|standard|preemptible), policy (name), policy_yaml (text), mode, rootfs,
         network (none|egress), labels, env, workdir, user, lifetime, grace, keep, over_budget,
-        audit (bool), warm (bool). wait=True returns once it runs (a queued request waits its
+        audit (bool), warm (bool), image (NAME[:TAG] or a digest of the agent's image store),
+        volumes (['HOST:SANDBOX[:ro|rw]', ...], from the agent's volumes.allowed_roots). wait=True returns once it runs (a queued request waits its
         turn, up to `timeout` seconds); SandboxFailed if it could not start."""
         req = _create_request(wait=wait, **spec)
         m = self._unary("CreateSandbox", req, timeout=timeout if wait else None)
@@ -422,6 +442,26 @@ class Client:
             raise SandboxFailed("FAILED_PRECONDITION", f"sandbox {info.sandbox_id} failed: {info.reason}",
                                 info.reason)
         return Sandbox(self, info.sandbox_id, info)
+
+    def snapshot(self, sandbox_id: str, timeout: float | None = None) -> dict:
+        """Snapshot a running sandbox (frozen while its writable layer is copied): the
+        snapshot's record (id, step, files, bytes, frozen_ms, changes ...)."""
+        from agent.node.proto import pb
+        m = self._unary("Snapshot", pb.SnapshotRequest(sandbox_id=sandbox_id), timeout=timeout)
+        return json.loads(m.json)
+
+    def restore(self, sandbox_id: str, snapshot_id: str, force: bool = False, timeout: float | None = None) -> dict:
+        """Roll a running sandbox back to a snapshot (processes of later steps are ended;
+        a running step only with force=True)."""
+        from agent.node.proto import pb
+        m = self._unary("Restore", pb.RestoreRequest(sandbox_id=sandbox_id, snapshot_id=snapshot_id, force=force),
+                        timeout=timeout)
+        return {"sandbox_id": m.sandbox_id, "snapshot": m.snapshot_id, "step": m.step, "total_ms": m.total_ms}
+
+    def fork(self, snapshot_id: str, n: int, **spec) -> list["Sandbox"]:
+        """n new sandboxes from one snapshot, each with its own writable layer over the
+        snapshot's (shared on disk); their sandbox_start records the lineage."""
+        return [self.create(from_snapshot=snapshot_id, warm=False, **spec) for _ in range(int(n))]
 
     def sandbox(self, sandbox_id: str) -> "Sandbox":
         return Sandbox(self, sandbox_id)
@@ -570,7 +610,8 @@ def _caps(m) -> dict:
             "warm_profiles": [{"name": w.name, "count": w.count, "ready": w.ready,
                                "spec": json.loads(w.spec_json or "{}")} for w in m.warm_profiles],
             "limits": json.loads(m.limits_json or "{}"), "transports": list(m.transports), "pid": m.pid,
-            "started_ns": m.started_ns}
+            "started_ns": m.started_ns, "images": json.loads(m.images_json or "{}"),
+            "snapshots": json.loads(m.snapshots_json or "{}")}
 
 
 class Sandbox:

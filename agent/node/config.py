@@ -193,8 +193,10 @@ class WarmProfile(_Base):
     mode: Optional[Literal["learn", "audit", "enforce"]] = None
     network: Literal["none", "egress"] = "none"
     rootfs: Optional[str] = None
-    user: str = "sandbox"
-    workdir: str = "/workspace"
+    image: Optional[str] = Field(None, description="an imported image (NAME[:TAG] or digest): the pool's "
+                                                   "sandboxes run on it; its layers are unpacked at start")
+    user: Optional[str] = Field(None, description="default: sandbox (uid 1000), or the image's non-root user")
+    workdir: Optional[str] = Field(None, description="default: /workspace, or the image's WorkingDir")
     env: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("name")
@@ -214,9 +216,53 @@ class WarmProfile(_Base):
 
     @field_validator("workdir")
     @classmethod
-    def _workdir(cls, v: str) -> str:
-        if not v.startswith("/"):
+    def _workdir(cls, v):
+        if v is not None and not v.startswith("/"):
             raise ValueError("must be an absolute path")
+        return v
+
+    @model_validator(mode="after")
+    def _image_or_rootfs(self):
+        if self.image and self.rootfs:
+            raise ValueError("give image or rootfs, not both")
+        return self
+
+
+class ImagesConfig(_Base):
+    """The node's image store (docs/images.md)."""
+    store: Optional[str] = Field(None, description="directory (default: DSEC_IMAGE_STORE or /var/lib/dsec/images)")
+    budget: Optional[Union[int, str]] = Field(None, description="bytes of unpacked layers kept (e.g. 50G); the "
+                                                                "least recently used unused ones are evicted")
+    prewarm: list[str] = Field(default_factory=list, description="images whose layers are unpacked at agent start")
+
+    @field_validator("budget")
+    @classmethod
+    def _budget(cls, v):
+        if v is None:
+            return v
+        n = parse_size(v)
+        if n < 16 << 20:
+            raise ValueError(f"{v!r} is less than 16M")
+        return n
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v):
+        if v is not None and not v.startswith("/"):
+            raise ValueError("must be an absolute path")
+        return v
+
+
+class VolumesConfig(_Base):
+    allowed_roots: list[str] = Field(default_factory=list, description="host directories volumes may come from "
+                                                                      "(none: no volumes)")
+
+    @field_validator("allowed_roots")
+    @classmethod
+    def _roots(cls, v):
+        for r in v:
+            if not r.startswith("/") or r.rstrip("/") == "":
+                raise ValueError(f"{r!r}: an absolute directory other than /")
         return v
 
 
@@ -430,6 +476,8 @@ class AgentConfig(_Base):
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     defaults: DefaultsConfig = Field(default_factory=DefaultsConfig)
     warm_pool: list[WarmProfile] = Field(default_factory=list)
+    images: ImagesConfig = Field(default_factory=ImagesConfig)
+    volumes: VolumesConfig = Field(default_factory=VolumesConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     exporter: ExporterConfig = Field(default_factory=ExporterConfig)
@@ -596,6 +644,9 @@ def load_config(path: str | None = None, environ=None) -> AgentConfig:
     for d in cfg.policy_dirs:
         if not os.path.isdir(d):
             raise ConfigError(f"{source}: policy_dirs: {d}: no such directory")
+    for d in cfg.volumes.allowed_roots:
+        if not os.path.isdir(d):
+            raise ConfigError(f"{source}: volumes.allowed_roots: {d}: no such directory")
     return cfg
 
 

@@ -6,12 +6,18 @@ audits sandboxes for many clients (docs/agent.md).
     ... agent.create(...), agent.exec_step(...), agent.kill(...) ...   (called by agent/node/api.py)
     agent.shutdown()
 
+Why this file is long: the Agent is one state machine under one lock (records,
+lifecycle, scheduler glue, create/stop/close); every part that stands alone is a
+file beside it (below), and what is left reads each other's state.
+
 The agent in parts, each a file of agent/node/:
   daemon.py    this file: the Agent (state, lock, lifecycle records, scheduler glue,
                create/kill/close/wait/list, policy updates, capabilities, the tick)
   records.py   SandboxRecord, StepRun, states, request limits, ApiError
   requests.py  request checks (CreateSandbox, Exec) and the policy cache
   warm.py      the warm pool
+  images.py    the image store of the node: prewarm, image and volume requests, the report
+  snapshots.py Snapshot and forks (CreateSandbox from_snapshot)
   steps.py     one Exec: streaming, timeouts, cancellation
   streams.py   live event streams (StreamEvents) and the spool tap
   export.py    the continuous ClickHouse export and its barrier
@@ -60,6 +66,8 @@ from agent.errors import DsecError, ReportedError
 from agent.node import steps
 from agent.node.export import ClickHouseExport
 from agent.node.host import RunDir, apply_host, clean_up_after, load_audit
+from agent.node.images import NodeImages
+from agent.node.snapshots import NodeSnapshots
 from agent.node.records import (CANCELLED, ENDED, EXITED, FAILED, KILLED, MAX_ARG_BYTES, MAX_ARGV_ITEMS,
                                 MAX_EXEC_BYTES, MAX_GRACE, MAX_LABELS, PREEMPTED, QUEUED, RUNNING, STARTING, STATES,
                                 STOPPING, STREAM_POLL, VERSION, WARM, ApiError, SandboxRecord, _bad, _compact, _fs,
@@ -106,6 +114,9 @@ class Agent:
         self.previous_agent: dict | None = None
         self.cleaned: list[dict] = []
         self.transports: list[str] = []
+        self.images = None                  # the node's image store (agent/sandbox/images)
+        self.node_images = NodeImages(self)  # images.prewarm, image requests, volumes (node/images.py)
+        self.snapshots = NodeSnapshots(self)  # Snapshot, CreateSandbox(from_snapshot) (node/snapshots.py)
 
     # ================================================================ start / stop
 
@@ -142,6 +153,8 @@ class Agent:
                                    aging_seconds=cfg.scheduling.aging_seconds, history=cfg.limits.history)
         except ReportedError as e:
             raise DsecError(f"capacity: {e.message}", 2)
+        self.images = self.node_images.open()
+        self.snapshots.open()
         self.warm.resolve()
         self._lifecycle("", "agent_started", pid=os.getpid(), version=VERSION, config={
             "socket": cfg.socket, "tcp": cfg.tcp.listen if cfg.tcp else None,
@@ -159,6 +172,8 @@ class Agent:
         t = threading.Thread(target=self._tick_loop, name="dsec-agent-tick", daemon=True)
         t.start()
         self._threads.append(t)
+        if cfg.images.prewarm:
+            self._submit_work(self.node_images.prewarm, list(cfg.images.prewarm))
         self._flush_emits()
         return self
 
@@ -350,7 +365,10 @@ class Agent:
     def _start_sandbox(self, rec: SandboxRecord, defer_start: bool = False):
         """Create and start the launcher Sandbox of `rec` (executor thread). Returns it or raises."""
         from agent.sandbox.launcher import Sandbox
+        if rec.spec.image is not None and not rec.spec.layers:
+            self.node_images.prepare(rec.spec)   # a warm sandbox of an image profile
         sb = Sandbox(rec.spec, **self._hooks(rec, defer_start))
+        sb.next_step = getattr(rec.spec, "first_step", 1)      # a fork goes on from its snapshot's step
         with self._starts:
             try:
                 sb.start()
@@ -523,7 +541,6 @@ class Agent:
         CreateSandboxRequest fields as Python values (see api.py)."""
         from agent.sandbox import launcher
         from agent.sandbox.launcher import SandboxSpec
-        from agent.node.scheduler import Request
         d = self.cfg.defaults
         f = check_create(req, self.cfg)
         sid, cpus, memory, pids = f["sandbox_id"], f["cpus"], f["memory"], f["pids"]
@@ -540,21 +557,58 @@ class Agent:
         grace = grace or d.grace_seconds
         audit = not req.get("no_audit")
         fields = {"priority": priority, "labels": labels, "lifetime": lifetime, "grace": grace}
+        img, vols = self.node_images.check_request(req, rootfs)
+        # with an image, its defaults apply where the request names none
+        key = profile_key(cpus_quota=quota, memory=memory, pids=pids, policy=policy, network=network,
+                          rootfs=rootfs, env=env, image=img and img.digest,
+                          user=req.get("user") or None if img else user,
+                          workdir=req.get("workdir") or None if img else workdir)
         with self._lock:
-            if self._shutting:
-                raise ApiError("UNAVAILABLE", "the agent is shutting down")
-            live = sum(1 for r in self._records.values() if r.state not in ENDED)
-            if live >= self.cfg.limits.max_sandboxes:
-                raise ApiError("RESOURCE_EXHAUSTED", f"the agent already holds {live} sandboxes "
-                                                     f"(limits.max_sandboxes)")
-            if not sid and not req.get("no_warm") and not req.get("keep") and audit \
+            self._check_room_locked()
+            if not sid and not req.get("no_warm") and not req.get("keep") and audit and not vols \
+                    and not req.get("from_snapshot") \
                     and over_budget == self.cfg.audit.over_budget and self.warm.profiles:
-                key = profile_key(cpus_quota=quota, memory=memory, pids=pids, policy=policy, network=network,
-                                        rootfs=rootfs, user=user, workdir=workdir, env=env)
                 rec = self.warm.try_claim_locked(key, fields)
                 if rec is not None:
                     self._cond.notify_all()
                     return self._created(rec)
+        spec = SandboxSpec(argv=[], sandbox_id=sid or launcher.new_sandbox_id(), cpus=quota, memory=memory,
+                           pids=pids, grace=grace, rootfs=rootfs, network=network, env=env, workdir=workdir,
+                           user=user, keep=bool(req.get("keep")), policy=policy, volumes=vols)
+        if req.get("from_snapshot"):
+            if img is not None or rootfs:
+                raise _bad("from_snapshot: the snapshot names its own image or rootfs")
+            self.snapshots.fork_spec(spec, req["from_snapshot"], req)
+        try:
+            if img is not None:
+                # unpacked before the request queues (outside the lock; concurrent requests for one
+                # image wait for one unpack): a request whose image is cached never waits behind it
+                try:
+                    self.node_images.prepare(spec, img, user=req.get("user") or None,
+                                             workdir=req.get("workdir") or None, env=env)
+                except ReportedError as e:
+                    raise _bad(e.message) from None
+            return self._submit_created(spec, sid, labels, priority, acc_cpus, memory, pids, audit,
+                                        over_budget, lifetime, grace)
+        except BaseException:
+            if getattr(spec, "lease", None) and os.path.exists(spec.lease):
+                os.unlink(spec.lease)        # never created: its layers are not held
+            raise
+
+    def _check_room_locked(self):
+        if self._shutting:
+            raise ApiError("UNAVAILABLE", "the agent is shutting down")
+        live = sum(1 for r in self._records.values() if r.state not in ENDED)
+        if live >= self.cfg.limits.max_sandboxes:
+            raise ApiError("RESOURCE_EXHAUSTED", f"the agent already holds {live} sandboxes "
+                                                 f"(limits.max_sandboxes)")
+
+    def _submit_created(self, spec, sid, labels, priority, acc_cpus, memory, pids, audit, over_budget,
+                        lifetime, grace):
+        from agent.sandbox import launcher
+        from agent.node.scheduler import Request
+        with self._lock:
+            self._check_room_locked()
             if sid:
                 if sid in self._records or any(w.rec.id == sid for w in self.warm.entries.values()):
                     raise ApiError("ALREADY_EXISTS", f"sandbox id {sid} is in use")
@@ -562,10 +616,7 @@ class Agent:
                     raise ApiError("ALREADY_EXISTS", f"sandbox id {sid} is in use on this node "
                                                      f"(state dir {launcher.SANDBOX_DIR}/{sid} exists)")
             else:
-                sid = launcher.new_sandbox_id()
-            spec = SandboxSpec(argv=[], sandbox_id=sid, cpus=quota, memory=memory, pids=pids, grace=grace,
-                               rootfs=rootfs, network=network, env=env, workdir=workdir, user=user,
-                               keep=bool(req.get("keep")), policy=policy)
+                sid = spec.sandbox_id
             rec = SandboxRecord(sid, spec, labels=labels, priority=priority, cpus=acc_cpus, memory=memory,
                                 pids=pids, audit=audit and self.rec is not None, over_budget=over_budget,
                                 lifetime=lifetime, grace=grace)
@@ -586,9 +637,12 @@ class Agent:
     @staticmethod
     def _request_extra(rec: SandboxRecord) -> dict:
         sp = rec.spec
+        img = sp.image or {}
         return {"priority": rec.priority, "cpus": rec.cpus, "cpu_quota": sp.cpus, "memory": rec.memory,
                 "pids": rec.pids, "network": sp.network, "rootfs": sp.rootfs or "default", "user": sp.user,
-                "workdir": sp.workdir, "lifetime_s": rec.lifetime, "audit": rec.audit}
+                "workdir": sp.workdir, "lifetime_s": rec.lifetime, "audit": rec.audit,
+                "image": img.get("name"), "image_digest": img.get("digest"),
+                "volumes": [v.to_dict() for v in sp.volumes] or None}
 
     def _created(self, rec):
         self._flush_emits()
@@ -613,7 +667,8 @@ class Agent:
                    "started_ns": rec.started_ns, "ended_ns": rec.ended_ns, "queued_seconds": rec.queued_s,
                    "steps": rec.steps, "warm": rec.warm, "warm_profile": rec.warm_profile or "",
                    "preempted_for": rec.preempted_for or "", "node": self.node, "cgroup_id": rec.cgroup_id,
-                   "waiting": "", "queue_position": -1, "summary": rec.summary if summary else None}
+                   "waiting": "", "queue_position": -1, "summary": rec.summary if summary else None,
+                   "image": (rec.spec.image or {}).get("name", ""), "image_digest": (rec.spec.image or {}).get("digest", "")}
             out.update(rec.policy_identity())
             if rec.state == QUEUED and self.sched is not None:
                 i = self.sched.info(rec.id) or {}
@@ -817,6 +872,7 @@ class Agent:
                   "max_lifetime_seconds": self.cfg.limits.max_lifetime_seconds,
                   "max_stream_subscribers": self.cfg.limits.max_stream_subscribers}
         return {"node": self.node, "agent_version": VERSION, "kernel": os.uname().release, "cgroup_mode": mode,
+                "images": self.node_images.report(warm), "snapshots": self.snapshots.report(),
                 "audit": self.audit_feature, "enforcement": self.enforce_feature, "degraded": degraded,
                 "capacity": snap, "warm_profiles": warm, "limits": limits, "transports": list(self.transports),
                 "pid": os.getpid(), "started_ns": self.started_ns}

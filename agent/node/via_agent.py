@@ -79,9 +79,12 @@ def run(spec, args):
         except OSError as e:
             raise DsecError(f"--policy {args.policy}: {e.strerror}", EXIT_DSEC)
     try:
+        image = getattr(args, "image", None)
         sb = c.create(sandbox_id=spec.sandbox_id, cpus=spec.cpus, memory=spec.memory, pids=spec.pids,
                       rootfs=os.path.abspath(spec.rootfs) if spec.rootfs else None, network=spec.network,
-                      env=spec.env, workdir=spec.workdir, user=spec.user, keep=spec.keep, grace=spec.grace,
+                      env=spec.env, workdir=args.workdir if image else spec.workdir,
+                      user=args.user if image else spec.user, keep=spec.keep, grace=spec.grace,
+                      image=image, volumes=list(getattr(args, "volume", None) or ()),
                       over_budget=args.over_budget, audit=args.audit == "on", mode=args.mode,
                       labels={"client": "dsec-run"}, **pol)
     except SandboxFailed as e:

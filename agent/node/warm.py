@@ -24,10 +24,12 @@ from agent.node.records import EXITED, QUEUED, RUNNING, WARM, ApiError, SandboxR
 log = logging.getLogger("dsec.agent")
 
 
-def profile_key(*, cpus_quota, memory, pids, policy, network, rootfs, user, workdir, env) -> tuple:
+def profile_key(*, cpus_quota, memory, pids, policy, network, rootfs, user, workdir, env, image=None) -> tuple:
+    """What a request must equal to take a warm sandbox. With an image: its manifest
+    digest, and user/workdir as asked (None: the image's)."""
     return (cpus_quota, memory, pids, policy.identity()["policy_hash"] if policy else None,
             policy.mode if policy else None, network, rootfs or None, user, workdir,
-            tuple(sorted(env.items())))
+            tuple(sorted(env.items())), image)
 
 
 class _Profile:
@@ -42,6 +44,7 @@ class _Profile:
         self.cpus = cpus_acc
         self.backoff_until = 0.0
         self.failures = 0
+        self.image = None                  # agent/sandbox/images Image, for image profiles
 
 
 class _WarmEntry:
@@ -70,10 +73,21 @@ class WarmPool:
                                 f"{getattr(e, 'message', e)}", 2)
             if p.rootfs and not os.path.isdir(p.rootfs):
                 raise DsecError(f"warm_pool profile {p.name!r}: rootfs {p.rootfs}: no such directory", 2)
-            key = profile_key(cpus_quota=p.cpus, memory=p.memory, pids=p.pids, policy=policy,
-                              network=p.network, rootfs=p.rootfs, user=p.user, workdir=p.workdir,
-                              env=dict(p.env))
-            self.profiles[p.name] = _Profile(p, policy, key, p.cpus or self.agent.cfg.defaults.cpus)
+            img = None
+            if p.image:
+                try:
+                    img = self.agent.images.resolve(p.image)
+                except ReportedError as e:
+                    raise DsecError(f"warm_pool profile {p.name!r}: {e.message}", 2)
+                key = profile_key(cpus_quota=p.cpus, memory=p.memory, pids=p.pids, policy=policy,
+                                  network=p.network, rootfs=None, user=p.user, workdir=p.workdir,
+                                  env=dict(p.env), image=img.digest)
+            else:
+                key = profile_key(cpus_quota=p.cpus, memory=p.memory, pids=p.pids, policy=policy,
+                                  network=p.network, rootfs=p.rootfs, user=p.user or "sandbox",
+                                  workdir=p.workdir or "/workspace", env=dict(p.env))
+            prof = self.profiles[p.name] = _Profile(p, policy, key, p.cpus or self.agent.cfg.defaults.cpus)
+            prof.image = img
 
     def refill(self):
         """Keep each profile at its count (tick thread). Only capacity nobody waits for is used."""
@@ -99,7 +113,12 @@ class WarmPool:
                     d = a.cfg.defaults
                     spec = SandboxSpec(argv=[], sandbox_id=sid, cpus=c.cpus, memory=c.memory, pids=c.pids,
                                        grace=d.grace_seconds, rootfs=c.rootfs, network=c.network,
-                                       env=dict(c.env), workdir=c.workdir, user=c.user, policy=prof.policy)
+                                       env=dict(c.env), workdir=c.workdir or "/workspace",
+                                       user=c.user or "sandbox", policy=prof.policy)
+                    if prof.image is not None:     # layers unpacked and config applied in _start (executor)
+                        spec.image = prof.image.record()
+                        spec.image_ref = prof.image
+                        spec.image_args = {"user": c.user, "workdir": c.workdir, "env": dict(c.env)}
                     rec = SandboxRecord(sid, spec, labels={}, priority=d.priority, cpus=prof.cpus,
                                         memory=c.memory, pids=c.pids, audit=True,
                                         over_budget=a.cfg.audit.over_budget, lifetime=d.lifetime_seconds,

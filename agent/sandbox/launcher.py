@@ -59,7 +59,7 @@ class SandboxSpec:
 
     def __init__(self, argv, sandbox_id=None, cpus=None, memory=1 << 30, pids=1024, timeout=None,
                  grace=3.0, rootfs=None, network="none", env=None, workdir="/workspace",
-                 user="sandbox", keep=False, tmp_size=None, policy=None):
+                 user="sandbox", keep=False, tmp_size=None, policy=None, layers=None, image=None, volumes=None):
         self.argv: list[str] = list(argv)
         self.sandbox_id: str | None = sandbox_id
         self.cpus: float | None = cpus
@@ -75,6 +75,11 @@ class SandboxSpec:
         self.keep: bool = keep
         self.tmp_size: int | None = tmp_size
         self.policy = policy              # policies.model.Policy or None (no filter, all writable)
+        # an image (agent/sandbox/images): its unpacked layers as overlay lower dirs, top first,
+        # and what the record says about it; volumes: agent/sandbox/volumes.Volume, checked
+        self.layers: list[str] = list(layers or ())
+        self.image: dict | None = image
+        self.volumes: list = list(volumes or ())
 
 
 class Result:
@@ -212,7 +217,11 @@ class Sandbox:
         if spec.network not in ("none", "egress"):
             raise DsecError(f"--network {spec.network}: expected none or egress", EXIT_DSEC)
         layout = cgroups.detect()
-        if spec.rootfs:
+        pw_root = None
+        if spec.layers:                     # image layers, top first: one overlay over all of them
+            from agent.sandbox.images import passwd_root
+            lower, host_dirs, pw_root = ":".join(spec.layers), [], passwd_root(spec.layers)
+        elif spec.rootfs:
             rf = os.path.abspath(spec.rootfs)
             if not os.path.isdir(rf):
                 raise DsecError(f"--rootfs {spec.rootfs}: no such directory", EXIT_DSEC)
@@ -221,7 +230,7 @@ class Sandbox:
             lower, host_dirs = rf, []
         else:
             lower, host_dirs = rootfs.ensure_base()
-        uid, gid, home = _passwd_lookup(lower, spec.user)
+        uid, gid, home = _passwd_lookup(pw_root or lower, spec.user)
         self.started_at = time.time()
         self.dir = os.path.join(SANDBOX_DIR, self.sid)
         os.makedirs(SANDBOX_DIR, exist_ok=True)
@@ -263,7 +272,7 @@ class Sandbox:
         cfg = {"root": root, "upper": upper, "work": work, "lower": lower, "host_dirs": host_dirs,
                "hostname": self.sid, "argv": [], "env": self.env, "workdir": spec.workdir,
                "uid": uid, "gid": gid, "tmp_size": spec.tmp_size or spec.memory or (512 << 20),
-               "seccomp": None, "writable": None,
+               "seccomp": None, "writable": None, "volumes": [v.to_dict() for v in spec.volumes],
                "hold_after_exit": bool(self.hooks["on_workload_exit"])}
         if spec.policy is not None:
             from policies.compile import seccomp_filter, writable_paths

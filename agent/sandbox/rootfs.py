@@ -185,6 +185,18 @@ def _kind(mode: int) -> str:
     return "other"
 
 
+def _in_lowers(lowers: list[str], rel: str) -> bool:
+    """Does the lower stack (top first) show `rel`? A whiteout (0/0 char device)
+    in a higher layer hides what lower ones have."""
+    for d in lowers:
+        try:
+            st = os.lstat(os.path.join(d, rel))
+        except OSError:
+            continue
+        return not (stat.S_ISCHR(st.st_mode) and st.st_rdev == 0)
+    return False
+
+
 def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES) -> tuple[list[dict], int]:
     """Walk upper layers; layers = [(sandbox path prefix, upper dir, lower dir)].
 
@@ -197,6 +209,7 @@ def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES) -> tup
     for prefix, upper, lower in layers:
         if not os.path.isdir(upper):
             continue
+        lowers = lower.split(":")          # an image: its layers, top first
         for dirpath, dirnames, filenames in os.walk(upper):
             rel_dir = os.path.relpath(dirpath, upper)
             for name in sorted(dirnames) + sorted(filenames):
@@ -204,7 +217,7 @@ def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES) -> tup
                 rel = os.path.normpath(os.path.join(rel_dir, name))
                 spath = os.path.normpath(prefix.rstrip("/") + "/" + rel)
                 st = os.lstat(full)
-                in_lower = os.path.lexists(os.path.join(lower, rel))
+                in_lower = _in_lowers(lowers, rel)
                 if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
                     entry = {"path": spath, "change": "deleted", "kind": "whiteout"}
                 elif stat.S_ISDIR(st.st_mode):

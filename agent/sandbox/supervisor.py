@@ -46,6 +46,7 @@ import time
 import traceback
 
 from agent.sandbox import sysutil as su
+from agent.sandbox.volumes import mount_all as mount_volumes
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
              signal.SIGUSR1, signal.SIGUSR2)
@@ -139,6 +140,10 @@ def build_mounts(cfg: dict) -> list[str]:
         os.symlink(target, f"{dev}/{link}")
     _mount("tmpfs", mp("/tmp", 0o1777), "tmpfs", su.MS_NOSUID | su.MS_NODEV,
            f"mode=1777,size={cfg['tmp_size']}")
+    try:                                # --volume HOST:SANDBOX[:ro|rw] (agent/sandbox/volumes.py)
+        mount_volumes(root, cfg.get("volumes"), created)
+    except OSError as e:
+        raise SetupError(e.strerror if e.errno else str(e))
     for p in MASKED:
         t = root + p
         if os.path.isdir(t) and not os.path.islink(t):

@@ -103,7 +103,22 @@ def spec_for(plan, sandbox_id: str):
     for k in ("memory", "cpus", "pids"):
         if sb.get(k) is not None:
             kw[k] = sb[k]
-    return SandboxSpec(argv=[], sandbox_id=sandbox_id, policy=plan.policy, **kw)
+    spec = SandboxSpec(argv=[], sandbox_id=sandbox_id, policy=plan.policy, **kw)
+    if sb.get("volumes"):
+        from agent.sandbox import volumes
+        spec.volumes = volumes.parse([f"{v['host']}:{v['sandbox']}:{v['mode']}" for v in sb["volumes"]],
+                                     volumes.default_roots())
+    if plan.from_snapshot:            # --from-step: the snapshot taken after the step before
+        from agent.sandbox import images
+        from agent.sandbox.snapshots import SnapshotStore, fork_spec
+        st = SnapshotStore()
+        fork_spec(spec, st.get(plan.from_snapshot), st, images.open_store())
+    elif sb.get("image"):             # the recorded image, by digest, from this node's store
+        from agent.sandbox import images
+        img = images.open_store().resolve(sb["image"])
+        spec.layers = images.open_store().prepare(img, sandbox_id)
+        spec.image = img.record()
+    return spec
 
 
 def _memfd(data: bytes) -> int:
@@ -131,7 +146,9 @@ def rerun(plan, *, spool=None, url: str | None = None, flush_timeout: float = 30
     try:
         spec = spec_for(plan, sid)
         watch = SandboxWatch(rec, spec, labels={"replay_of": plan.original})
-        sb = Sandbox(spec, **watch.hooks()).start()
+        sb = Sandbox(spec, **watch.hooks())
+        sb.next_step = getattr(spec, "first_step", 1)     # a fork goes on from its snapshot's step
+        sb.start()
         try:
             for st in plan.steps:
                 fd = _memfd(st.stdin) if st.stdin is not None else None

@@ -43,6 +43,7 @@ class Recorder:
         self._instance = os.urandom(8).hex()
         self.stopped: dict[int, int] = {}
         self.policies: dict[str, object] = {}      # sandbox id -> Policy (decision stamping)
+        self.images: dict[str, str] = {}           # sandbox id -> image manifest digest (every row)
         self._watched: dict[int, dict] = {}        # cgroup id -> {sandbox_id, policy, path, enforced}
         self._taps: list = []
         self.enforcer = None
@@ -71,6 +72,9 @@ class Recorder:
 
     # -- records ----------------------------------------------------------------------
     def _on_record(self, rec: dict):
+        img = self.images.get(rec.get("sandbox_id"))
+        if img and not rec.get("image_digest"):
+            rec["image_digest"] = img
         pol = self.policies.get(rec.get("sandbox_id"))
         if pol is not None and not rec.get("decision"):
             rec["decision"] = decision(pol, rec)
@@ -131,6 +135,9 @@ class Recorder:
     def record(self, rec: dict):
         """A record of the launcher's own (sandbox_start, sandbox_exit ...)."""
         rec = dict(rec)
+        img = self.images.get(rec.get("sandbox_id"))
+        if img:
+            rec.setdefault("image_digest", img)
         pol = self.policies.get(rec.get("sandbox_id"))
         if pol is not None:
             for k, v in pol.identity().items():
@@ -146,7 +153,7 @@ class Recorder:
 
     # -- sandboxes ----------------------------------------------------------------------
     def watch(self, sandbox_id: str, cgroup_id: int, policy=None, cgroup_path: str | None = None,
-              step: int = 0, **labels):
+              step: int = 0, image_digest: str = "", **labels):
         """Audit cgroup `cgroup_id` from now on. With a policy, its eBPF enforcement
         starts at started(); an enforce-mode policy whose programs cannot load
         refuses here (exit 125) instead of running unconfined."""
@@ -156,6 +163,8 @@ class Recorder:
                                 f"unavailable: {self.enforce_error or 'disabled'}", EXIT_DSEC)
             self.policies[sandbox_id] = policy
             labels.update(policy.identity())
+        if image_digest:
+            self.images[sandbox_id] = image_digest
         self.sensor.add_sandbox(cgroup_id, sandbox_id, step=step, **labels)
         self._watched[cgroup_id] = {"sandbox_id": sandbox_id, "policy": policy, "path": cgroup_path,
                                     "enforced": False, "step": step}

@@ -116,6 +116,9 @@ class SandboxWatch:
 
     # -- records --------------------------------------------------------------------
     def _record(self, r: dict):
+        img = getattr(self.spec, "image", None)
+        if img:
+            r.setdefault("image_digest", img["digest"])
         pol = self.spec.policy
         if pol is not None:
             for k, v in pol.identity().items():
@@ -128,6 +131,11 @@ class SandboxWatch:
         extra = {"network": s.network, "memory": s.memory, "cpus": s.cpus, "pids": s.pids, "user": s.user,
                  "workdir": s.workdir, "rootfs": s.rootfs or "default", "labels": self.labels,
                  "timeout": s.timeout,
+                 # the image (name, manifest and layer digests) and data volumes, if any
+                 "image": getattr(s, "image", None),
+                 "volumes": [v.to_dict() for v in getattr(s, "volumes", ())],
+                 # a fork: the sandbox and snapshot it started from, and that snapshot's step
+                 "lineage": getattr(s, "lineage", None),
                  # the policy itself, so replay can re-run under it
                  "policy_yaml": policy_text(s.policy)}
         extra.update(self.start_extra)
@@ -151,6 +159,7 @@ class SandboxWatch:
             from agent.sandbox import cgroups
             path = cgroups.SandboxCgroup(cgroups.detect(), sandbox_id).v2_path
             self.rec.watch(sandbox_id, cgroup_id, policy=self.spec.policy, cgroup_path=path, step=0,
+                           image_digest=(getattr(self.spec, "image", None) or {}).get("digest", ""),
                            **self.sensor_labels)
             self.watched = True
         if not self.defer_start:
@@ -203,6 +212,7 @@ class SandboxWatch:
         finally:
             # the recorder keeps policies for decision stamping; a long-lived process forgets them
             self.rec.policies.pop(self.sandbox_id, None)
+            self.rec.images.pop(self.sandbox_id, None)
         return self.stats
 
     def on_exit(self, summary):

@@ -1,0 +1,524 @@
+"""Step snapshots of a sandbox's filesystem (issue 17, first part; docs/snapshots.md).
+
+    store = SnapshotStore()                               # DSEC_SNAPSHOT_STORE or /var/lib/dsec/snapshots
+    snap = store.take(sb, context={"step": 3, ...})       # sb: a running launcher.Sandbox on an image or rootfs
+    lowers = store.lowers(snap)                           # [snapshot layers..., base layers...], top first
+    store.export(snap, "out-dir", image_store)            # an OCI image layout (base image + snapshot layer)
+
+take(): the sandbox's processes are frozen (cgroup2 cgroup.freeze, or the v1
+freezer), its writable layer is copied (`cp -a`: modes, owners, mtimes,
+xattrs, overlay whiteouts and opaque dirs) into snapshots/layers/.tmp-..., then
+thawed; the copy is walked for the manifest of changes (path, change, kind,
+mode, uid, gid, mtime, ctime, size, sha256), ordered by ctime (the order the
+changes were made in), and the snapshot's id is the sha256 of that manifest and
+its parent chain: the same state gives the same id (content-addressed), and an
+existing one is reused. The sandbox keeps running on its writable layer;
+a later snapshot holds everything since the start (not a delta: docs).
+Freezing has a timeout (FREEZE_TIMEOUT_S) and is retried (RETRIES); on a
+failure the sandbox is always thawed and nothing is left in the store.
+
+Layout:
+    snapshots/<id>.json        sandbox, node, step context, base (image digest + layer digests, or
+                               rootfs), parent snapshot, the manifest, sizes, timings
+    layers/<id>/root/          the frozen writable layer (overlayfs format)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import time
+
+from agent.errors import DsecError, EXIT_USAGE
+from agent.sandbox import rootfs
+
+FREEZE_TIMEOUT_S = 5.0
+RETRIES = 3
+ID_RE = re.compile(r"^[0-9a-f]{12,64}$")
+
+
+class SnapshotError(DsecError):
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message, code)
+
+
+def default_root() -> str:
+    return os.environ.get("DSEC_SNAPSHOT_STORE") or os.path.join(rootfs.STATE_ROOT, "snapshots")
+
+
+def criu_feature() -> dict:
+    """Can a snapshot include a live step's processes? Only where CRIU works (`criu check`);
+    dsec's snapshots hold the filesystem and the step context, never processes, until then."""
+    import shutil as _sh
+    if _sh.which("criu") is None:
+        return {"available": False, "detail": "criu is not installed (apt-get install criu)"}
+    try:
+        r = subprocess.run(["criu", "check"], capture_output=True, timeout=20, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"available": False, "detail": f"criu check: {e}"}
+    text = (r.stdout + r.stderr).decode(errors="replace").strip().splitlines()
+    ok = r.returncode == 0 and not any("Error" in ln for ln in text)
+    return {"available": False, "works_here": ok,
+            "detail": ("criu check passes, but process snapshots are not built into dsec yet" if ok else
+                       f"criu check fails on this kernel: {text[-1][:200] if text else r.returncode}")}
+
+
+# --- the freezer ---------------------------------------------------------------------
+
+def _freeze_files(cg) -> tuple[str, str, str]:
+    """(control file, frozen value, thawed value) of the sandbox's freezer."""
+    if cg.v2_path and os.path.exists(os.path.join(cg.v2_path, "cgroup.freeze")):
+        return os.path.join(cg.v2_path, "cgroup.freeze"), "1", "0"
+    root = cg.layout.v1_roots.get("freezer") or "/sys/fs/cgroup/freezer"
+    p = os.path.join(root, "dsec", cg.sandbox_id, "freezer.state")
+    if os.path.exists(p):
+        return p, "FROZEN", "THAWED"
+    raise SnapshotError(f"sandbox {cg.sandbox_id}: no cgroup freezer (cgroup2 cgroup.freeze or the v1 freezer): "
+                        f"a snapshot would not be consistent")
+
+
+def _frozen(cg, control: str) -> bool:
+    if control.endswith("cgroup.freeze"):
+        with open(os.path.join(cg.v2_path, "cgroup.events")) as f:
+            return "frozen 1" in f.read()
+    with open(control) as f:
+        return f.read().strip() == "FROZEN"
+
+
+def freeze(cg, timeout: float = FREEZE_TIMEOUT_S) -> str:
+    control, on, _ = _freeze_files(cg)
+    with open(control, "w") as f:
+        f.write(on)
+    deadline = time.monotonic() + timeout
+    delay = 0.0002
+    while not _frozen(cg, control):
+        if time.monotonic() > deadline:
+            thaw(cg)
+            raise SnapshotError(f"sandbox {cg.sandbox_id}: not frozen within {timeout:g}s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
+    return control
+
+
+def thaw(cg):
+    control, _, off = _freeze_files(cg)
+    with open(control, "w") as f:
+        f.write(off)
+
+
+# --- the store -----------------------------------------------------------------------
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest(root: str) -> list[dict]:
+    """Every entry of a writable layer, in the order it was last changed (ctime)."""
+    out = []
+    for dp, dn, fn in os.walk(root):
+        dn.sort()
+        for name in sorted(dn) + sorted(fn):
+            full = os.path.join(dp, name)
+            st = os.lstat(full)
+            rel = "/" + os.path.relpath(full, root)
+            e = {"path": os.fsdecode(rel), "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid, "gid": st.st_gid,
+                 "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                e["kind"] = "whiteout"
+            elif stat.S_ISDIR(st.st_mode):
+                e["kind"] = "dir"
+                try:
+                    e["opaque"] = os.getxattr(full, "trusted.overlay.opaque") == b"y"
+                except OSError:
+                    e["opaque"] = False
+            elif stat.S_ISLNK(st.st_mode):
+                e["kind"], e["target"] = "symlink", os.fsdecode(os.readlink(full))
+            elif stat.S_ISREG(st.st_mode):
+                e["kind"], e["size"], e["sha256"] = "file", st.st_size, _sha256(full)
+            else:
+                e["kind"] = "other"
+            out.append(e)
+    out.sort(key=lambda e: (e["ctime_ns"], e["path"]))
+    return out
+
+
+class SnapshotStore:
+    def __init__(self, root: str | None = None):
+        self.root = os.path.abspath(root or default_root())
+        for d in ("layers", "snapshots"):
+            os.makedirs(os.path.join(self.root, d), mode=0o700, exist_ok=True)
+
+    def _meta(self, sid: str) -> str:
+        return os.path.join(self.root, "snapshots", sid + ".json")
+
+    def layer_root(self, sid: str) -> str:
+        return os.path.join(self.root, "layers", sid, "root")
+
+    def get(self, ref: str) -> dict:
+        if not ref or not ID_RE.match(ref.removeprefix("snap-")):
+            raise SnapshotError(f"snapshot {ref[:80]!r}: not a snapshot id (hex digits)", EXIT_USAGE)
+        h = ref.removeprefix("snap-")
+        hits = [f[:-5] for f in os.listdir(os.path.join(self.root, "snapshots")) if f.startswith(h) and f.endswith(".json")]
+        if len(hits) != 1:
+            raise SnapshotError(f"snapshot {ref}: {'no such snapshot' if not hits else 'ambiguous prefix'} "
+                                f"in {self.root}", EXIT_USAGE)
+        with open(self._meta(hits[0])) as f:
+            snap = json.load(f)
+        for s in [snap["id"]] + snap.get("chain", []):
+            if not os.path.isdir(self.layer_root(s)):
+                raise SnapshotError(f"snapshot {snap['id'][:12]}: its layer {s[:12]} is missing from {self.root}",
+                                    EXIT_USAGE)
+        return snap
+
+    def list(self) -> list[dict]:
+        out = []
+        for f in sorted(os.listdir(os.path.join(self.root, "snapshots"))):
+            if f.endswith(".json"):
+                with open(os.path.join(self.root, "snapshots", f)) as fh:
+                    out.append(json.load(fh))
+        return sorted(out, key=lambda s: s["created_ns"])
+
+    def lowers(self, snap: dict) -> list[str]:
+        """The overlay lower dirs of a sandbox restored from `snap`, top first."""
+        own = [self.layer_root(s) for s in [snap["id"]] + snap.get("chain", [])]
+        return own + list(snap["base"]["lowers"])
+
+    def take(self, sb, context: dict | None = None, *, timeout: float = FREEZE_TIMEOUT_S,
+             retries: int = RETRIES) -> dict:
+        """Freeze, copy the writable layer, thaw; record the snapshot. `sb` is a running
+        launcher.Sandbox whose root is an image or a --rootfs (one overlay)."""
+        spec = sb.spec
+        if not spec.layers and not spec.rootfs:
+            raise SnapshotError(f"sandbox {sb.sid}: snapshots need a sandbox on an image or a --rootfs "
+                                f"(the default root is several overlays over host directories)", EXIT_USAGE)
+        if sb.state != "running" or sb.cg is None:
+            raise SnapshotError(f"sandbox {sb.sid} is {sb.state}: only a running sandbox can be snapshotted",
+                                EXIT_USAGE)
+        upper = os.path.join(sb.dir, "upper", "_root")
+        lowers = list(spec.layers) if spec.layers else [os.path.abspath(spec.rootfs)]
+        parent = getattr(spec, "snapshot", None) or {}
+        chain = ([parent["id"]] + parent.get("chain", [])) if parent else []
+        base_lowers = lowers[len(chain):] if parent else lowers
+        tmp = os.path.join(self.root, "layers", f".tmp-{os.getpid()}-{os.urandom(4).hex()}")
+        attempts, last, ok = 0, None, False
+        t0 = time.monotonic()
+        while attempts < retries and not ok:
+            attempts += 1
+            try:
+                os.makedirs(tmp, 0o700)
+                tf = time.monotonic()
+                freeze(sb.cg, timeout)
+                try:
+                    frozen_at = time.monotonic()
+                    r = subprocess.run(["cp", "-a", upper, os.path.join(tmp, "root")], capture_output=True)
+                    if r.returncode != 0:
+                        raise SnapshotError(f"sandbox {sb.sid}: copying the writable layer failed: "
+                                            f"{r.stderr.decode(errors='replace').strip()[:300]}")
+                finally:
+                    thaw(sb.cg)
+                frozen_ms = (time.monotonic() - tf) * 1000
+                copy_ms = (time.monotonic() - frozen_at) * 1000
+                ok = True
+            except (SnapshotError, OSError) as e:
+                last = e
+                shutil.rmtree(tmp, ignore_errors=True)
+                if sb.state != "running":
+                    break
+        if not ok:
+            msg = last.message if isinstance(last, SnapshotError) else str(last)
+            raise SnapshotError(f"sandbox {sb.sid}: snapshot failed after {attempts} attempt(s): {msg}")
+        try:
+            man = manifest(os.path.join(tmp, "root"))
+            key = json.dumps({"manifest": [{k: v for k, v in e.items() if k != "ctime_ns"} for e in man],
+                              "chain": chain, "base": base_lowers}, sort_keys=True)
+            sid = hashlib.sha256(key.encode()).hexdigest()
+            final = os.path.join(self.root, "layers", sid)
+            if os.path.isdir(final):
+                shutil.rmtree(tmp, ignore_errors=True)        # the same state: one layer
+            else:
+                os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        ctx = dict(context or {})
+        snap = {"id": sid, "sandbox_id": sb.sid, "node": os.uname().nodename, "created_ns": time.time_ns(),
+                "step": ctx.get("step", 0), "context": ctx, "chain": chain,
+                "base": {"image": spec.image, "rootfs": None if spec.layers else os.path.abspath(spec.rootfs),
+                         "lowers": base_lowers},
+                "changes": man, "files": sum(1 for e in man if e["kind"] == "file"),
+                "bytes": sum(e.get("size", 0) for e in man), "attempts": attempts,
+                "frozen_ms": round(frozen_ms, 3), "copy_ms": round(copy_ms, 3),
+                "total_ms": round((time.monotonic() - t0) * 1000, 3)}
+        tmpm = self._meta(sid) + f".{os.getpid()}.tmp"
+        with open(tmpm, "w") as f:
+            json.dump(snap, f)
+        os.rename(tmpm, self._meta(sid))
+        return snap
+
+    def remove(self, ref: str) -> dict:
+        snap = self.get(ref)
+        users = [s["id"] for s in self.list() if snap["id"] in s.get("chain", [])]
+        if users:
+            raise SnapshotError(f"snapshot {snap['id'][:12]} is the parent of {len(users)} other snapshot(s) "
+                                f"({', '.join(u[:12] for u in users[:4])})", EXIT_USAGE)
+        os.unlink(self._meta(snap["id"]))
+        shutil.rmtree(os.path.join(self.root, "layers", snap["id"]), ignore_errors=True)
+        return snap
+
+
+def fork_spec(spec, snap: dict, store: "SnapshotStore", image_store=None, *, user=None, workdir=None) -> None:
+    """Make `spec` a sandbox starting from `snap`: its own writable layer over the
+    snapshot's layers and their base (the base image's layers unpacked if evicted and
+    leased to spec.sandbox_id), the parent's user, workdir and env unless given, the
+    lineage; its steps go on from the snapshot's step (`first_step`)."""
+    ctx = snap.get("context") or {}
+    spec.layers = store.lowers(snap)
+    spec.image = snap["base"].get("image")
+    spec.rootfs = None
+    if spec.image and image_store is not None:
+        own = len(snap.get("chain", [])) + 1
+        img = image_store.resolve(spec.image["digest"])
+        base, spec.lease = image_store.prepare_lease(img, spec.sandbox_id)
+        spec.layers = spec.layers[:own] + base
+    spec.snapshot = snap
+    spec.first_step = int(snap.get("step") or 0) + 1
+    spec.lineage = {"parent_sandbox": snap["sandbox_id"], "snapshot": snap["id"], "step": snap["step"]}
+    if not user and ctx.get("user"):
+        spec.user = ctx["user"]
+    if not workdir and ctx.get("workdir"):
+        spec.workdir = ctx["workdir"]
+    env = dict(ctx.get("env") or {})
+    env.pop("HOSTNAME", None)
+    env.update(spec.env)
+    spec.env = env
+
+
+# --- export as an OCI image ------------------------------------------------------------
+
+def _layer_tar(root: str, path: str) -> None:
+    """A tar of an overlayfs-format layer with overlay whiteouts and opaque dirs turned
+    back into OCI ones (.wh.NAME, .wh..wh..opq); user.* and security.capability xattrs kept."""
+    import tarfile
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
+        for dp, dn, fn in os.walk(root):
+            dn.sort()
+            for name in sorted(dn) + sorted(fn):
+                full = os.path.join(dp, name)
+                rel = os.path.relpath(full, root)
+                st = os.lstat(full)
+                if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                    ti = tarfile.TarInfo(os.path.join(os.path.dirname(rel), ".wh." + name))
+                    ti.mtime = int(st.st_mtime)
+                    tf.addfile(ti)
+                    continue
+                ti = tf.gettarinfo(full, rel)
+                ti.uname = ti.gname = ""
+                pax = {}
+                for k in os.listxattr(full, follow_symlinks=False):
+                    if k.startswith("user.") or k == "security.capability":
+                        pax["SCHILY.xattr." + k] = os.getxattr(full, k, follow_symlinks=False).decode(
+                            "utf-8", "surrogateescape")
+                ti.pax_headers = pax
+                if ti.isreg():
+                    with open(full, "rb") as f:
+                        tf.addfile(ti, f)
+                else:
+                    tf.addfile(ti)
+                if stat.S_ISDIR(st.st_mode):
+                    try:
+                        opaque = os.getxattr(full, "trusted.overlay.opaque") == b"y"
+                    except OSError:
+                        opaque = False
+                    if opaque:
+                        tf.addfile(tarfile.TarInfo(os.path.join(rel, ".wh..wh..opq")))
+
+
+def _blob(layout: str, data: bytes) -> dict:
+    h = hashlib.sha256(data).hexdigest()
+    with open(os.path.join(layout, "blobs", "sha256", h), "wb") as f:
+        f.write(data)
+    return {"digest": "sha256:" + h, "size": len(data)}
+
+
+def export(store: "SnapshotStore", snap: dict, out_dir: str, image_store, ref: str = "snapshot") -> dict:
+    """Write an OCI image layout: the base image's layers, then the snapshot's, lowest first.
+    `dsec image import OUT_DIR:REF` on another node restores it there."""
+    import gzip
+    base = snap["base"].get("image")
+    if not base:
+        raise SnapshotError(f"snapshot {snap['id'][:12]}: only snapshots of sandboxes on an image can be exported "
+                            f"(this one is on a --rootfs)", EXIT_USAGE)
+    img = image_store.resolve(base["digest"])
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise SnapshotError(f"{out_dir}: exists and is not empty", EXIT_USAGE)
+    os.makedirs(os.path.join(out_dir, "blobs", "sha256"), exist_ok=True)
+    with open(os.path.join(out_dir, "oci-layout"), "w") as f:
+        json.dump({"imageLayoutVersion": "1.0.0"}, f)
+    with open(image_store.blob_path(img.config_digest), "rb") as f:
+        cfg = json.load(f)
+    layers = []
+    for L in img.layers:
+        shutil.copyfile(image_store.blob_path(L["digest"]), os.path.join(out_dir, "blobs", "sha256", L["digest"][7:]))
+        layers.append({"mediaType": L["media_type"], "digest": L["digest"], "size": L["size"]})
+    for sid in list(reversed(snap.get("chain", []))) + [snap["id"]]:
+        tmp = os.path.join(out_dir, f".layer-{sid[:12]}.tar")
+        _layer_tar(store.layer_root(sid), tmp)
+        with open(tmp, "rb") as f:
+            tar = f.read()
+        os.unlink(tmp)
+        gz = gzip.compress(tar, compresslevel=1, mtime=0)
+        b = _blob(out_dir, gz)
+        layers.append(dict(b, mediaType="application/vnd.oci.image.layer.v1.tar+gzip"))
+        cfg.setdefault("rootfs", {"type": "layers", "diff_ids": []})["diff_ids"].append(
+            "sha256:" + hashlib.sha256(tar).hexdigest())
+        cfg.setdefault("history", []).append({"created_by": f"dsec snapshot {sid[:12]} of sandbox "
+                                                            f"{snap['sandbox_id']} at step {snap['step']}"})
+    cfg.setdefault("config", {})
+    if snap["context"].get("workdir"):
+        cfg["config"]["WorkingDir"] = snap["context"]["workdir"]
+    c = _blob(out_dir, json.dumps(cfg).encode())
+    man = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+           "config": dict(c, mediaType="application/vnd.oci.image.config.v1+json"), "layers": layers,
+           "annotations": {"dev.dsec.snapshot": snap["id"], "dev.dsec.sandbox": snap["sandbox_id"],
+                           "dev.dsec.step": str(snap["step"])}}
+    m = _blob(out_dir, json.dumps(man).encode())
+    with open(os.path.join(out_dir, "index.json"), "w") as f:
+        json.dump({"schemaVersion": 2, "manifests": [dict(m, mediaType="application/vnd.oci.image.manifest.v1+json",
+                                                          annotations={"org.opencontainers.image.ref.name": ref})]}, f)
+    return {"layout": out_dir, "ref": ref, "manifest_digest": m["digest"], "layers": len(layers)}
+
+
+# --- rollback of a live sandbox ----------------------------------------------------------
+
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT = 428, 429          # x86_64
+_OPEN_TREE_CLONE, _AT_RECURSIVE, _MOVE_MOUNT_F_EMPTY_PATH, _AT_FDCWD = 1, 0x8000, 0x04, -100
+
+
+def _helper(sup_pid: int, lowers: str, upper: str, work: str, mnt: str, err_w: int):
+    """In a forked child: mount the new root in a private namespace, carry it into the
+    sandbox's mount namespace, move /proc, /sys, /dev, /tmp and volumes onto it and
+    pivot_root: every process whose root was the old root (PID 1) now has the new one."""
+    import ctypes
+    from agent.sandbox import sysutil as su
+    libc = ctypes.CDLL(None, use_errno=True)
+    stage = "unshare"
+    try:
+        su.unshare(su.CLONE_NEWNS)
+        su.mount(None, "/", None, su.MS_REC | su.MS_PRIVATE)
+        stage = "overlay"
+        su.mount("overlay", mnt, "overlay", su.MS_NOSUID | su.MS_NODEV,
+                 f"lowerdir={lowers},upperdir={upper},workdir={work}")
+        stage = "open_tree"
+        fd = libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(mnt), _OPEN_TREE_CLONE | os.O_CLOEXEC)
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "open_tree")
+        stage = "setns"
+        ns = os.open(f"/proc/{sup_pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        su.setns(ns, su.CLONE_NEWNS)
+        os.chdir("/")
+        with open("/proc/1/mountinfo") as f:
+            info = f.read()
+        rows = [line.split() for line in info.splitlines() if line.strip()]
+        root_id = next(r[0] for r in rows if r[4] == "/")
+        tops = [r[4] for r in rows if r[1] == root_id and r[4] != "/"]
+        stage = "attach"
+        target = "/.dsec-restore"
+        if not os.path.isdir(target):
+            os.mkdir(target, 0o700)        # in the old root's upper layer, which is discarded
+        if libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, os.fsencode(target), _MOVE_MOUNT_F_EMPTY_PATH) < 0:
+            raise OSError(ctypes.get_errno(), "move_mount")
+        stage = "move"
+        for p in tops:
+            if p == target:
+                continue
+            dst = target + p
+            if not os.path.lexists(dst):
+                os.makedirs(dst, 0o755, exist_ok=True)
+            su.mount(p, dst, None, su.MS_MOVE)
+        stage = "pivot_root"
+        os.chdir(target)
+        su.pivot_root(".", ".")
+        su.umount2(".", su.MNT_DETACH)
+        os.chdir("/")
+        os.write(err_w, b"ok")
+        os._exit(0)
+    except BaseException as e:  # noqa: BLE001 - never return into the caller's process
+        try:
+            os.write(err_w, f"{stage}: {getattr(e, 'strerror', None) or e}".encode()[:500])
+        finally:
+            os._exit(1)
+
+
+def restore(store: "SnapshotStore", sb, snap: dict, image_store=None, *, force: bool = False) -> dict:
+    """Roll a live sandbox back to `snap`: its processes (all but PID 1) are ended, its
+    root becomes a fresh writable layer over the snapshot's layers; the sandbox keeps
+    its id, cgroup, network, policy and PID 1. Restoring twice gives the same state;
+    a restore that fails before the switch leaves the previous state as it was."""
+    import signal
+    spec = sb.spec
+    if sb.state != "running":
+        raise SnapshotError(f"sandbox {sb.sid} is {sb.state}: only a running sandbox can be restored", EXIT_USAGE)
+    running = [s for s in sb.steps.values() if not s.done]
+    if running and not force:
+        raise SnapshotError(f"sandbox {sb.sid}: step {running[0].step} is running; restore ends it only "
+                            f"when forced (force=True / --force)", EXIT_USAGE)
+    own = len(snap.get("chain", [])) + 1
+    lowers = store.lowers(snap)
+    if snap["base"].get("image") and image_store is not None:
+        img = image_store.resolve(snap["base"]["image"]["digest"])
+        lowers = lowers[:own] + image_store.prepare(img, sb.sid)
+    n = len([d for d in os.listdir(sb.dir) if d.startswith("upper")])
+    upper = os.path.join(sb.dir, f"upper.{n}", "_root")
+    work = os.path.join(sb.dir, f"work.{n}", "_root")
+    mnt = os.path.join(sb.dir, f"restore.{n}")
+    for d in (upper, work, mnt):
+        os.makedirs(d, 0o755)
+    t0 = time.monotonic()
+    # end every process but PID 1 (frozen first, so nothing forks meanwhile)
+    freeze(sb.cg)
+    try:
+        for pid in sb.cg.pids():
+            if pid != sb.sup_pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    finally:
+        thaw(sb.cg)
+    deadline = time.monotonic() + 5
+    while set(sb.cg.pids()) - {sb.sup_pid}:
+        if time.monotonic() > deadline:
+            raise SnapshotError(f"sandbox {sb.sid}: its processes did not end within 5 s")
+        time.sleep(0.002)
+    killed_ms = (time.monotonic() - t0) * 1000
+    r, w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        _helper(sb.sup_pid, ":".join(lowers), upper, work, mnt, w)
+    os.close(w)
+    msg = b""
+    while chunk := os.read(r, 1024):
+        msg += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    os.rmdir(mnt)
+    if msg != b"ok":
+        shutil.rmtree(os.path.dirname(upper), ignore_errors=True)
+        shutil.rmtree(os.path.dirname(work), ignore_errors=True)
+        raise SnapshotError(f"sandbox {sb.sid}: restore of {snap['id'][:12]} failed ({msg.decode(errors='replace')}); "
+                            f"the sandbox is as it was")
+    # the launcher's view: the change manifest walks the new upper over the new lowers
+    sb.layers = [("/", upper, ":".join(lowers))]
+    spec.layers = lowers
+    spec.snapshot = snap
+    return {"snapshot": snap["id"], "step": snap["step"], "killed_ms": round(killed_ms, 3),
+            "total_ms": round((time.monotonic() - t0) * 1000, 3)}

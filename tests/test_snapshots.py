@@ -1,0 +1,144 @@
+"""Step snapshots and forks (issue 17, first part): a real agent, real sandboxes on a
+real image; the snapshot is taken frozen, holds the writable layer (files, a
+deletion as a whiteout, metadata, the order of changes) and the step context;
+forks start from it, each with its own writable layer; lineage is recorded; an
+export imports as an image that runs elsewhere."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+import images as T
+from images import layout, store_dir  # noqa: F401 - fixtures
+from conftest import dsec
+from test_agent import AgentProc
+from agent.sandbox import images
+from agent.node.client import AgentError
+
+
+def test_snapshot_fork_lineage_and_export(layout, store_dir, clickhouse_url, tmp_path):
+    st = images.ImageStore(store_dir)
+    st.import_image(f"{layout}:app")
+    snaps = str(tmp_path / "snaps")
+    os.makedirs(tmp_path / "agent")
+    agent = AgentProc(str(tmp_path / "agent"), clickhouse_url,
+                      {"images": {"store": store_dir}, "capacity": {"cpus": 8, "memory": "8G"}})
+    agent.env["DSEC_SNAPSHOT_STORE"] = snaps
+    agent.start()
+    e = {"DSEC_SNAPSHOT_STORE": snaps, "DSEC_IMAGE_STORE": store_dir, "DSEC_AGENT_SOCKET": agent.socket,
+         "DSEC_CLICKHOUSE_URL": clickhouse_url}
+    try:
+        with agent.client(timeout=120) as c:
+            caps = c.capabilities()["snapshots"]
+            assert caps["store"] == snaps and caps["filesystem"] is True
+            assert caps["processes"]["available"] is False and caps["processes"]["detail"]   # said, not silent
+            sb = c.create(image="layout:app", env={"TASK": "t1"}, user="root")
+            r = sb.exec(["/bin/sh", "-c", "echo one > /opt/app/a.txt; sleep 0.01; echo two > /opt/app/b.txt; "
+                                          "rm /etc/group; mkdir -p /opt/app/d; chmod 700 /opt/app/d; "
+                                          "sleep 30 & echo started"])
+            assert r.stdout == b"started\n", r.stderr
+            # a step still running (the background sleep): it is frozen for the copy, then goes on
+            r = dsec("snapshot", "create", sb.id, env=e)
+            assert r.returncode == 0, r.stderr
+            sid = r.stdout.decode().split()[1]
+            snap = c.snapshot(sb.id)             # the same state again: the same content-addressed id
+            assert snap["id"] == sid and snap["step"] == 1
+            assert snap["context"]["env"]["TASK"] == "t1" and snap["context"]["workdir"] == "/opt/app"
+            ch = {x["path"]: x for x in snap["changes"]}
+            assert ch["/etc/group"]["kind"] == "whiteout"
+            assert ch["/opt/app/a.txt"]["kind"] == "file" and ch["/opt/app/a.txt"]["uid"] == 0
+            assert ch["/opt/app/d"]["mode"] == 0o700
+            order = [x["path"] for x in snap["changes"]]
+            assert order.index("/opt/app/a.txt") < order.index("/opt/app/b.txt")   # the order they were made in
+            # the parent goes on and changes more; forks see the snapshot's state, each its own
+            sb.exec(["/bin/sh", "-c", "echo later > /opt/app/c.txt; echo changed > /opt/app/a.txt"])
+            kids = c.fork(sid, 3, labels={"job": "fork-test"})
+            outs = []
+            for i, k in enumerate(kids):
+                r = k.exec(["/bin/sh", "-c", f"cat a.txt b.txt; test -e c.txt || echo no-c; "
+                                             f"test -e /etc/group || echo no-group; echo $TASK; id -u; "
+                                             f"echo {i} > mine.txt; ls"])
+                outs.append(r.stdout.decode().split())
+            for i, o in enumerate(outs):
+                assert o[:6] == ["one", "two", "no-c", "no-group", "t1", "0"], o
+                assert "mine.txt" in o
+            r = kids[0].exec(["/bin/cat", "/opt/app/mine.txt"])
+            assert r.stdout == b"0\n"                 # its own writable layer, not a sibling's
+            # a snapshot of a fork chains to its parent's
+            s2 = c.snapshot(kids[1].id)
+            assert s2["chain"] == [sid]
+            # rollback of the live parent: same id, cgroup and PID 1; later files gone, the background
+            # process of step 1 ended; twice gives the same state
+            info = c.get(sb.id)
+            for _ in range(2):
+                r = c.restore(sb.id, sid)
+                assert r["step"] == 1 and r["snapshot"] == sid
+                out = sb.exec(["/bin/sh", "-c", "cat /opt/app/a.txt; test -e c.txt || echo no-c; "
+                                                "test -e /etc/group || echo no-group; ps -o pid= 2>/dev/null | wc -l; "
+                                                "echo again > /opt/app/c.txt"]).stdout.decode().split()
+                assert out[:3] == ["one", "no-c", "no-group"], out
+            assert c.get(sb.id).cgroup_id == info.cgroup_id
+            r = dsec("snapshot", "restore", sb.id, "abcdef123456", env=e)
+            assert r.returncode == 2 and "no such snapshot" in r.stderr.decode()
+            # a running step: refused unless forced, then ended
+            import threading
+            t = threading.Thread(target=lambda: sb.exec(["/bin/sleep", "20"]))
+            t.start()
+            import time as _t
+            _t.sleep(0.5)
+            with pytest.raises(AgentError, match="is running; restore ends it only when forced"):
+                c.restore(sb.id, sid)
+            c.restore(sb.id, sid, force=True)
+            t.join(10)
+            assert not t.is_alive()
+            for k in kids:
+                k.close()
+            sb.close()
+            with pytest.raises(AgentError, match="no such snapshot"):
+                c.create(from_snapshot="ab" * 8)
+            plain = c.create()                        # the default root: several overlays, refused clearly
+            with pytest.raises(AgentError, match="snapshots need a sandbox on an image or a --rootfs"):
+                c.snapshot(plain.id)
+            plain.close()
+        # replay --rerun --from-step 2: from the snapshot taken after step 1, only steps 2.. re-run
+        with agent.client(timeout=120) as c:
+            t = c.create(image="layout:app", user="root")
+            t.exec(["/bin/sh", "-c", "echo base > /opt/app/state"])
+            c.snapshot(t.id)
+            t.exec(["/bin/sh", "-c", "cat /opt/app/state; echo more >> /opt/app/state"])
+            t.close()
+        import time as _t
+        _t.sleep(2)                              # the agent exports continuously
+        r = dsec("replay", t.id, "--rerun", "--from-step", "2", "--format", "json", env=e, timeout=180)
+        d = json.loads(r.stdout)
+        assert r.returncode == 0 and not d["changed"], (r.stdout, r.stderr)
+        assert [x["step"] for x in d["steps"]] == [2]
+        assert any("started from snapshot" in n for n in d["notes"])
+        evs = [json.loads(x) for x in dsec("events", "--sandbox", d["rerun"], "--kind", "sandbox_start", "--format",
+                                           "json", env=e).stdout.splitlines()]
+        assert json.loads(evs[0]["extra"])["lineage"]["parent_sandbox"] == t.id
+        # lineage in every child's sandbox_start
+        for k in kids:
+            evs = [json.loads(x) for x in dsec("events", "--sandbox", k.id, "--kind", "sandbox_start", "--format",
+                                               "json", env=e).stdout.splitlines()]
+            lin = json.loads(evs[0]["extra"])["lineage"]
+            assert lin == {"parent_sandbox": sb.id, "snapshot": sid, "step": 1}
+        # exported as an OCI image, imported into another store, run there
+        out = str(tmp_path / "exported")
+        r = dsec("snapshot", "export", sid, "-o", out, env=e)
+        assert r.returncode == 0, r.stderr
+        other = str(tmp_path / "other-store")
+        e2 = {"DSEC_IMAGE_STORE": other, "DSEC_AGENT": "off"}
+        r = dsec("image", "import", f"{out}:snapshot", "--name", "restored:1", env=e2)
+        assert r.returncode == 0, r.stderr
+        r = dsec("run", "--audit", "off", "--image", "restored:1", "--entrypoint", "", "--", "/bin/sh", "-c",
+                 "cat /opt/app/a.txt; test -e /etc/group || echo no-group; stat -c %a /opt/app/d", env=e2)
+        assert r.stdout.decode().split() == ["one", "no-group", "700"], r.stderr
+        r = dsec("snapshot", "inspect", "ffff00001111", env=e)
+        assert r.returncode == 2 and "no such snapshot" in r.stderr.decode()
+        subprocess.run(["rm", "-rf", other])
+    finally:
+        assert agent.stop() == 0, agent.read_log()[-2000:]
