@@ -657,3 +657,63 @@ def test_syscall_programs_run_only_while_a_sandbox_needs_them(enforce_sensor, en
             assert h.poll_until(lambda: not s.syscall_hooks()["enter"]["attached"], 3)
         finally:
             s.sys_hook_linger_s = saved
+
+
+SYSCALL_SPRAY = r'''
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+n, distinct = int(sys.argv[1]), sys.argv[2] == "distinct"
+for i in range(n):
+    libc.syscall(1000 + i)                        # ENOSYS: every number a violation
+if distinct:
+    for nr in range(387, 424):                    # unassigned on x86_64: ENOSYS
+        libc.syscall(nr)
+for _ in range(10):
+    libc.ptrace(0x4206, -1, 0, 0)                 # PTRACE_SEIZE of no process: harmless
+print("done", flush=True)
+'''
+
+
+def test_violation_table_is_bounded_per_sandbox(enforce_sensor, enforce_cgroups):
+    """syscall(1000+i) over 70,000 numbers in one sandbox (issue 13 point 2) leaves
+    the (sandbox, syscall) table usable by a neighbour: numbers >= 512 are one
+    counter, and a sandbox holds at most 64 counters (the rest is counted in its
+    own record as table_full), never the table's 262,144 entries."""
+    h = enforce_sensor
+    spec = {"syscalls": {"default": "allow", "deny": ["ptrace"]}}
+    spray = h.sandbox(enforce_cgroups, policy("audit", name="t-spray", **spec))
+    p = run_workload(spray.cg, [PYTHON, "-I", "-c", SYSCALL_SPRAY, "70000", "same"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    o, e = p.communicate(timeout=120)
+    assert p.returncode == 0, e.decode()
+    quiet = h.sandbox(enforce_cgroups, policy("audit", name="t-quiet", **spec))
+    p = run_workload(quiet.cg, [PYTHON, "-I", "-c", SYSCALL_SPRAY, "0", "same"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    o, e = p.communicate(timeout=60)
+    assert p.returncode == 0, e.decode()
+    h.settle()
+    s_stats = h.sensor.stats(spray.cg.id)
+    assert s_stats["violations"] == {"out_of_range": 70000, "ptrace": 10}
+    q_totals = quiet.remove()
+    assert q_totals["violations"] == {"ptrace": 10} and q_totals["lost_total"] == 0
+    recs = quiet.of_kind("syscall_violation")
+    assert sum(r["count"] for r in recs) == 10
+    s_totals = spray.remove()
+    recs = spray.of_kind("syscall_violation")
+    assert sum(r["count"] for r in recs if r["syscall"] == "out_of_range") == 70000
+    assert len(recs) < 100                                   # rate-limited: not one record per call
+    assert "table_full" not in s_totals["lost"]
+
+    # a policy that denies everything, in audit mode: every distinct call a counter
+    wide = h.sandbox(enforce_cgroups, policy("audit", name="t-wide", syscalls={"default": "deny", "allow": []}))
+    p = run_workload(wide.cg, [PYTHON, "-I", "-c", SYSCALL_SPRAY, "0", "distinct"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    o, e = p.communicate(timeout=60)
+    assert p.returncode == 0, e.decode()
+    h.settle()
+    w_totals = wide.remove()
+    assert len(w_totals["violations"]) == 64                 # the sandbox's share of the table
+    assert w_totals["sys_overflow"] > 0
+    assert w_totals["lost"]["table_full"]["syscall_violation"] == w_totals["sys_overflow"]
+    lost = [r for r in wide.of_kind("events_lost") if _extra(r)["reason"] == "table_full"]
+    assert sum(r["count"] for r in lost) == w_totals["sys_overflow"]

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from agent.sensors import bpfsys
 from agent.sensors.common import BPF_DIR, TRACEFS, RINGBUF_MISSING, RingSensor, base_missing
+from agent.sensors.common import byte_bucket
 from agent.sensors.common import (bpffs_mounted, cgroup2_mount, check_sandbox_ids, compile_text, describe, find_tracefs,
                               loss_totals, map_discard, ring_pages, ringbuf_supported, source_text, token_bucket,
                               tracepoints_in, unavailable)
@@ -65,6 +66,8 @@ PIN_ROOT = "/sys/fs/bpf/dsec"
 DEFAULT_RING_BYTES = 4 << 20
 DEFAULT_RATE = 1000            # egress/exec records per second per sandbox
 DEFAULT_BURST = 5000
+DEFAULT_BYTE_RATE = 1 << 20    # bytes of records per second per sandbox
+BYTE_BURST_SHARE = 8           # default byte burst: the ring buffer's size / this
 DEFAULT_REPORT_INTERVAL_S = 1.0
 
 # cgroup hook programs (function name, attach type); names are the kernel's
@@ -274,12 +277,16 @@ class EnforcementSensor(RingSensor):
 
     def __init__(self, on_record=None, *, node: str | None = None, ring_bytes: int = DEFAULT_RING_BYTES,
                  rate: float = DEFAULT_RATE, burst: int = DEFAULT_BURST,
+                 byte_rate: float = DEFAULT_BYTE_RATE, byte_burst: int | None = None,
                  report_interval_s: float = DEFAULT_REPORT_INTERVAL_S, resolver: HostResolver | None = None,
                  pin_root: str | None = PIN_ROOT, loss_interval_s: float = 0.5, tracefs_roots=TRACEFS):
         require_features(tracefs_roots, pin_root)
         self.on_record = on_record
+        if byte_burst is None:
+            byte_burst = max(65536, ring_bytes // BYTE_BURST_SHARE)
         self.defaults = {"rate": rate, "burst": burst}
         _budget(rate, burst)
+        self.byte_budget = byte_bucket(byte_rate, byte_burst, "enforcement byte budget")
         if not report_interval_s > 0:
             raise DsecError(f"report_interval_s must be > 0, got {report_interval_s!r}")
         self.report_ns = int(report_interval_s * 1e9)
@@ -434,6 +441,7 @@ class EnforcementSensor(RingSensor):
                 self._state_map[self._state_map.Key(cgroup_id)] = self._state_map.Leaf()
                 cfg = self._cfg.Leaf()
                 cfg.interval_ns, cfg.tolerance_ns, cfg.report_ns = interval, tolerance, self.report_ns
+                cfg.byte_ps, cfg.byte_tol_ns = self.byte_budget
                 cfg.idx, cfg.step = idx, step
                 self._set_modes(cfg, sb)
                 ct.memmove(cfg.sys_allow, syscall_bitmap(policy), len(cfg.sys_allow))
@@ -928,13 +936,21 @@ class EnforcementSensor(RingSensor):
 
     def _violations(self, cgroup_id: int) -> dict:
         from policies.syscalls import name_of
-        return {name_of(k.nr) or f"nr_{k.nr}": v.count for k, v in self._viol.items() if k.cgroup_id == cgroup_id}
+        from agent.sensors.decoder import syscall_name
+        return {syscall_name(k.nr): v.count for k, v in self._viol.items() if k.cgroup_id == cgroup_id}
 
     def _flush_syscalls(self, cgroup_id: int | None = None, final: bool = False) -> None:
         """Report violations the kernel counted but did not report (its per-syscall
         rate limit): once their window is over, or all of them with final. One
         pass over the counters, for one sandbox or all."""
         now = time.monotonic_ns()
+        # only sandboxes with counters in the table (dsec_enf_state.sys_entries): an
+        # idle node never walks it, a busy one walks at most 64 entries per such sandbox
+        wanted = [c for c in ([cgroup_id] if cgroup_id is not None else list(self._sbx))
+                  if self._sbx.get(c) is not None and self._sbx[c].modes["sys"] in ("audit", "enforce")
+                  and (self._state_entry(c) is not None and self._state_entry(c).sys_entries)]
+        if not wanted:
+            return
         for k, v in list(self._viol.items()):
             cgid = k.cgroup_id
             if cgroup_id is not None and cgid != cgroup_id:
@@ -959,7 +975,7 @@ class EnforcementSensor(RingSensor):
         if st.learn_lost:
             lost.setdefault("table_full", {})["egress_destination"] = st.learn_lost
         return {"emitted": emitted, "lost": lost, "killed": st.killed,
-                "sys_out_of_range": st.sys_out_of_range}
+                "sys_out_of_range": st.sys_out_of_range, "sys_overflow": st.sys_overflow}
 
     @staticmethod
     def _totals(state: dict | None) -> dict:
@@ -967,6 +983,8 @@ class EnforcementSensor(RingSensor):
         out["killed"] = state["killed"] if state else 0
         if state and state["sys_out_of_range"]:
             out["sys_out_of_range"] = state["sys_out_of_range"]   # learn: numbers >= 512 (x32 ABI)
+        if state and state["sys_overflow"]:
+            out["sys_overflow"] = state["sys_overflow"]   # violations past the sandbox's 64 counters
         return out
 
     def _flush_losses(self, cgroup_id: int, state: dict | None) -> None:
