@@ -468,3 +468,40 @@ def test_module_flush_for_short_lived_runs(clickhouse_url, clickhouse_client, sp
     spool.append_many(events(sid, 3))
     res = flush(spool, clickhouse_url, timeout=30)
     assert res.ok and res.sent == 3 and "3 event(s) sent" in res.summary()
+
+
+def _as_default_user(port: int) -> subprocess.CompletedProcess:
+    """What any local process could do on main: clickhouse-client as `default`, no password."""
+    return subprocess.run(["clickhouse-client", "--port", str(port), "-q", "SELECT count() FROM system.tables"],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_private_server_has_a_generated_password_and_no_default_user(clickhouse_server, tmp_path):
+    """Issue 13 point 5: `clickhouse-client --port 19000` answered any local user
+    (the `default` user had no password), who could delete audit rows."""
+    s = clickhouse_server
+    st = os.stat(s.password_file)
+    assert st.st_mode & 0o777 == 0o600 and st.st_uid == 0
+    assert os.stat(s.home).st_mode & 0o077 == 0
+    assert os.stat(os.path.join(s.home, "users.xml")).st_mode & 0o077 == 0
+    pw = s.password()
+    assert len(pw) >= 32
+    with open(os.path.join(s.home, "users.xml")) as f:
+        users = f.read()
+    assert pw not in users and "<default>" not in users.split("<users>")[1].split("</users>")[0]
+    r = _as_default_user(s.tcp_port)
+    assert r.returncode != 0 and ("default" in r.stderr or "password" in r.stderr.lower()), r.stderr
+    r = subprocess.run(["clickhouse-client", "--port", str(s.tcp_port), "--user", "dsec", "--password", "wrong",
+                        "-q", "SELECT 1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    client, _ = connect(s.url)                                   # dsec's own URL carries the credentials
+    try:
+        assert client.execute("SELECT 1") == [(1,)]
+    finally:
+        client.disconnect()
+    # what dsec prints never shows the password
+    out = run_dsec("clickhouse", "status", env={"DSEC_CLICKHOUSE_URL": ""})
+    assert out.returncode == 0, out.stderr
+    out.stdout = out.stdout.decode()
+    assert pw not in out.stdout and "dsec:***@" in out.stdout and s.password_file in out.stdout
+    assert "schema version" in out.stdout or "not created yet" in out.stdout
