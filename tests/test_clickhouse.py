@@ -505,3 +505,47 @@ def test_private_server_has_a_generated_password_and_no_default_user(clickhouse_
     out.stdout = out.stdout.decode()
     assert pw not in out.stdout and "dsec:***@" in out.stdout and s.password_file in out.stdout
     assert "schema version" in out.stdout or "not created yet" in out.stdout
+
+
+def test_agent_exporter_restarts_after_an_unexpected_error(clickhouse_url, tmp_path, caplog):
+    """Issue 13 point 8: the agent's exporter thread died for good on an unexpected
+    error, the spool then filled and dropped. Now it logs, counts and restarts."""
+    from agent.node.export import ClickHouseExport
+    from exporters.metrics import METRICS
+    spool = Spool(str(tmp_path / "spool"), fsync="never")
+    ex = ClickHouseExport(spool, 0.1)
+    ex.exporter._url = clickhouse_url
+    real, crashes = ex.exporter.flush, [3]
+
+    def flaky(*a, **kw):
+        if crashes[0] > 0:
+            crashes[0] -= 1
+            raise RuntimeError("unexpected (injected)")
+        return real(*a, **kw)
+    ex.exporter.flush = flaky
+    before = sum(METRICS._counters.get("dsec.exporter.restarts", {}).values())
+    sid = "restart-" + uuid.uuid4().hex[:8]
+    spool.append_many([{"event_id": f"{sid}-{i}", "ts_ns": time.time_ns(), "sandbox_id": sid, "kind": "exec",
+                        "path": "/bin/true"} for i in range(10)])
+    ex.start()
+    try:
+        deadline = time.monotonic() + 30
+        client, db = connect(clickhouse_url)
+        n = 0
+        while time.monotonic() < deadline:
+            try:
+                n = final_count(client, db, sid)[0]
+            except Exception:   # the database may not exist before the first export
+                n = 0
+            if n == 10:
+                break
+            time.sleep(0.2)
+        client.disconnect()
+        assert n == 10
+        assert ex.restarts == 3 and "injected" in ex.last_crash
+        assert ex._thread.is_alive()
+        assert sum(METRICS._counters.get("dsec.exporter.restarts", {}).values()) == before + 3
+        assert sum(1 for r in caplog.records if "exporter failed unexpectedly" in r.getMessage()) == 3
+    finally:
+        ex.close()
+        spool.close()
