@@ -717,3 +717,62 @@ def test_violation_table_is_bounded_per_sandbox(enforce_sensor, enforce_cgroups)
     assert w_totals["lost"]["table_full"]["syscall_violation"] == w_totals["sys_overflow"]
     lost = [r for r in wide.of_kind("events_lost") if _extra(r)["reason"] == "table_full"]
     assert sum(r["count"] for r in lost) == w_totals["sys_overflow"]
+
+
+def test_slow_dns_does_not_hold_up_other_sandboxes(enforce_sensor, enforce_cgroups, enforce_net):
+    """Issue 13 point 8: hostname rules were resolved under the sensor's lock, so a
+    slow DNS answer stalled every other sandbox's start. Ordering, not timing: a
+    sandbox without hostname rules is registered while the other's DNS query is
+    still unanswered."""
+    import threading
+    h, net = enforce_sensor, enforce_net
+    dns = DnsServer({"slow.dsec.test": ([net.addr(5)], 60)})
+    dns.gate.clear()
+    saved = h.sensor.resolver
+    h.sensor.resolver = HostResolver(nameservers=[dns.addr], timeout=30, min_ttl=1, hosts_file="/nonexistent",
+                                     system_fallback=False)
+    resolving = threading.Event()
+    real = h.sensor.resolver.resolve
+
+    def resolve(host):
+        resolving.set()
+        try:
+            return real(host)
+        finally:
+            resolving.clear()
+    h.sensor.resolver.resolve = resolve
+    slow_done = {}
+    try:
+        slow_pol = policy(egress={"default": "deny", "allow": [{"host": "slow.dsec.test", "ports": [80]}]})
+        cg_slow = enforce_cgroups()
+
+        def add_slow():
+            try:
+                slow_done["sbx"] = h.sandbox(enforce_cgroups, slow_pol, cg=cg_slow)
+            except Exception as e:   # noqa: BLE001 - reported by the assertions
+                slow_done["error"] = e
+        t = threading.Thread(target=add_slow)
+        t.start()
+        assert resolving.wait(10)
+        deadline = time.monotonic() + 10
+        while dns.queries < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert dns.queries >= 1
+        quick_box = {}
+        q = threading.Thread(target=lambda: quick_box.update(sbx=h.sandbox(
+            enforce_cgroups, policy(egress={"default": "deny", "allow": [{"cidr": "10.0.0.0/8"}]}))))
+        q.start()
+        q.join(20)                      # the other's DNS query stays unanswered for 30 s
+        quick_first = not q.is_alive() and resolving.is_set() and t.is_alive()
+        dns.gate.set()
+        t.join(60)
+        q.join(60)
+        assert "sbx" in quick_box and quick_first, "the quick sandbox waited for the other's DNS"
+        quick = quick_box["sbx"]
+        assert "error" not in slow_done, slow_done.get("error")
+        assert h.sensor.egress_addresses(slow_done["sbx"].cg.id) == {"slow.dsec.test": [net.addr(5)]}
+        quick.remove()
+    finally:
+        dns.gate.set()
+        h.sensor.resolver = saved
+        dns.close()

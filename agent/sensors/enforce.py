@@ -43,6 +43,7 @@ import ctypes as ct
 import ipaddress
 import logging
 import os
+import threading
 import re
 import socket
 import time
@@ -330,6 +331,10 @@ class EnforcementSensor(RingSensor):
         for name, attach_type in EGRESS_PROGS:
             fn = self.bpf.load_func(name.encode(), BPF.CGROUP_SOCK_ADDR, attach_type=attach_type)
             self._progs[name] = (fn.fd, attach_type, bpfsys.prog_info(fn.fd)["id"])
+        # the syscall programs' attachment state, under _hook_lock only (taken inside the
+        # sensor's lock, never the other way): an idle detach (~80 ms of RCU grace
+        # periods) runs without the sensor's lock
+        self._hook_lock = threading.Lock()
         self._sys_users = {"enter": 0, "exit": 0}
         self._sys_attached = {"enter": False, "exit": False}
         self._sys_idle_since = {"enter": 0.0, "exit": 0.0}
@@ -417,6 +422,7 @@ class EnforcementSensor(RingSensor):
             if len(prefix) > limit:
                 raise DsecError(f"add_sandbox: exec pattern {prefix.decode(errors='replace')!r} is {len(prefix)} "
                                 f"bytes; the kernel matcher takes at most {limit}")
+        answers = self._prefetch(h.host for h in (erules.allow_hosts + erules.deny_hosts)) if erules else {}
         with self._lock:
             self._check_open()
             if cgroup_id in self._sbx:
@@ -433,7 +439,7 @@ class EnforcementSensor(RingSensor):
                 if erules is not None:
                     for h in erules.allow_hosts + erules.deny_hosts:
                         sb.hosts[h.host] = _Host(h.host, deny=h in erules.deny_hosts)
-                self._resolve_hosts(sb, initial=True)
+                self._resolve_hosts(sb, initial=True, answers=answers)
                 self._apply_egress(sb)
                 self._apply_exec(sb, xrules or [])
                 if modes["sys"] == "learn":
@@ -467,16 +473,20 @@ class EnforcementSensor(RingSensor):
         the policy in force (they are applied by seccomp and at exec, and every
         record names one policy): otherwise DsecError."""
         from policies.compile import egress_rules, exec_rules, namespace_rules, syscall_bitmap
+        erules = egress_rules(policy)
+        answers = self._prefetch(h.host for h in (erules.allow_hosts + erules.deny_hosts)) if erules else {}
         with self._lock:
             self._check_open()
             sb = self._get(cgroup_id, "update_egress")
             old = sb.policy
-            if (policy.mode != old.mode or exec_rules(policy) != exec_rules(old)
-                    or syscall_bitmap(policy) != syscall_bitmap(old)
-                    or namespace_rules(policy) != namespace_rules(old)):
+            differ = [what for what, same in (
+                ("mode", policy.mode == old.mode), ("exec", exec_rules(policy) == exec_rules(old)),
+                ("syscalls", syscall_bitmap(policy) == syscall_bitmap(old)),
+                ("namespaces", namespace_rules(policy) == namespace_rules(old))) if not same]
+            if differ:
                 raise DsecError(f"update_egress: policy {policy.name!r} changes more than egress rules "
-                                f"(mode, exec or syscall rules differ from {old.name!r}); start a new sandbox")
-            erules = egress_rules(policy)
+                                f"({', '.join(differ)} differ from {old.name!r}: fixed when the sandbox started; "
+                                f"nothing was applied); start a new sandbox")
             hosts = {}
             if erules is not None:
                 for h in erules.allow_hosts + erules.deny_hosts:
@@ -488,7 +498,7 @@ class EnforcementSensor(RingSensor):
                            erules, hosts=hosts)
             old_idx, old_entries, old_exec = sb.idx, sb.egress_entries, sb.exec_keys
             try:
-                self._resolve_hosts(new, initial=True, only_new=True)
+                self._resolve_hosts(new, initial=True, only_new=True, answers=answers)
                 # the new rules go in under a new rule-set index, then one update of the
                 # sandbox's entry switches index, mode and default together: a connection
                 # is checked against the old rules or the new ones, never a mix
@@ -563,10 +573,9 @@ class EnforcementSensor(RingSensor):
         those still inside their rate-limit window) and losses, deliver."""
         return self._drain()
 
-    def _periodic(self, now: float) -> None:
-        self._sys_hooks_idle(now)
-
     def _after_periodic(self) -> None:
+        if not self._closed:
+            self._sys_hooks_idle(time.monotonic())
         self.refresh_hosts()
 
     def _flush_all(self, final: bool) -> None:
@@ -656,14 +665,28 @@ class EnforcementSensor(RingSensor):
                     changed += 1
         return changed
 
-    def _resolve_hosts(self, sb: _Sandbox, initial: bool = False, only_new: bool = False) -> None:
+    def _prefetch(self, hosts) -> dict:
+        """Resolve hostnames without the sensor's lock (DNS may take seconds): {host: answer | ResolveError}."""
+        out = {}
+        for host in dict.fromkeys(hosts):
+            try:
+                out[host] = self.resolver.resolve(host)
+            except ResolveError as e:
+                out[host] = e
+        return out
+
+    def _resolve_hosts(self, sb: _Sandbox, initial: bool = False, only_new: bool = False,
+                       answers: dict | None = None) -> None:
         for x in sb.hosts.values():
             if only_new and x.next_refresh:
                 continue
-            try:
-                res = self.resolver.resolve(x.host)
-            except ResolveError as e:
-                res = e
+            if answers is not None and x.host in answers:
+                res = answers[x.host]
+            else:
+                try:
+                    res = self.resolver.resolve(x.host)
+                except ResolveError as e:
+                    res = e
             self._apply_resolution(sb, x, res)
             if isinstance(res, ResolveError) and x.deny and sb.modes["egress"] == "enforce" and initial:
                 raise DsecError(f"egress deny rule for host {x.host!r}: {res} (the rule cannot be enforced)")
@@ -776,6 +799,10 @@ class EnforcementSensor(RingSensor):
         return k
 
     def _sys_hook_get(self, sb: _Sandbox, hook: str) -> None:
+        with self._hook_lock:
+            self._sys_hook_get_locked(sb, hook)
+
+    def _sys_hook_get_locked(self, sb: _Sandbox, hook: str) -> None:
         if not self._sys_attached[hook]:
             kind, tp, fn = SYS_HOOKS[hook]
             try:
@@ -792,14 +819,21 @@ class EnforcementSensor(RingSensor):
     def _sys_hook_put(self, sb: _Sandbox) -> None:
         hook, sb.sys_hook = sb.sys_hook, None
         if hook is not None:
-            self._sys_users[hook] -= 1
-            if self._sys_users[hook] == 0:
-                self._sys_idle_since[hook] = time.monotonic()
+            with self._hook_lock:
+                self._sys_users[hook] -= 1
+                if self._sys_users[hook] == 0:
+                    self._sys_idle_since[hook] = time.monotonic()
 
     def _sys_hooks_idle(self, now: float) -> None:
         """Detach a syscall program nobody has needed for sys_hook_linger_s (from
         poll(): detaching costs ~80 ms of RCU grace periods, not to be paid by
-        every remove_sandbox of a busy node)."""
+        every remove_sandbox of a busy node), after the sensor's lock is released:
+        only _hook_lock is held, so launches go on unless one needs that very
+        program at that moment."""
+        with self._hook_lock:
+            self._sys_hooks_idle_locked(now)
+
+    def _sys_hooks_idle_locked(self, now: float) -> None:
         for hook, attached in self._sys_attached.items():
             if attached and self._sys_users[hook] == 0 and now - self._sys_idle_since[hook] >= self.sys_hook_linger_s:
                 kind, tp, _ = SYS_HOOKS[hook]
@@ -814,7 +848,7 @@ class EnforcementSensor(RingSensor):
 
     def syscall_hooks(self) -> dict:
         """The syscall programs: {"enter"|"exit": {"attached": bool, "sandboxes": n}}."""
-        with self._lock:
+        with self._hook_lock:
             return {h: {"attached": self._sys_attached[h], "sandboxes": self._sys_users[h]}
                     for h in self._sys_users}
 

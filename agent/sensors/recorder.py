@@ -244,9 +244,12 @@ class Recorder:
             if w["enforced"]:
                 self.enforcer.set_step(cgroup_id, step)
 
-    def update_policy(self, cgroup_id: int, policy):
-        """Egress and exec rules of a running sandbox change at once. Syscall rules
-        are fixed by the seccomp filter loaded at exec; they can only be tightened."""
+    def update_policy(self, cgroup_id: int, policy) -> dict:
+        """Change the egress rules of a running sandbox at once. Nothing else can
+        change in place: exec, syscall and namespace rules and the mode are
+        fixed when the sandbox starts (the seccomp filter, the exec check's rule
+        set), so a policy that differs in them is refused (DsecError), never
+        half-applied. Returns {"applied": ["egress"], "unchanged": [...]}."""
         w = self._watched.get(cgroup_id)
         if not w:
             raise DsecError(f"cgroup {cgroup_id} is not watched")
@@ -255,6 +258,7 @@ class Recorder:
         self.enforcer.update_egress(cgroup_id, policy)
         w["policy"] = policy
         self.policies[w["sandbox_id"]] = policy
+        return {"applied": ["egress"], "unchanged": ["exec", "syscalls", "namespaces", "mode"]}
 
     def syscall_counts(self, cgroup_id: int) -> dict:
         w = self._watched.get(cgroup_id)
