@@ -29,7 +29,7 @@ O_FLAGS = ((0o1, "O_WRONLY"), (0o2, "O_RDWR"), (0o100, "O_CREAT"), (0o1000, "O_T
            (0o2000, "O_APPEND"), (0o200, "O_EXCL"))
 # the timeline's label of each kind (others: the kind itself)
 LABELS = {"open_write": "write", "events_lost": "!! LOST", "sandbox_start": "start", "sandbox_exit": "end",
-          "step_start": "step", "step_end": "step", "lifecycle": "agent"}
+          "file_changes": "changes", "step_start": "step", "step_end": "step", "lifecycle": "agent"}
 WIDE = ("syscall_denied", "syscall_violation", "exec_denied", "exec_violation", "egress_denied",
         "egress_violation")
 
@@ -122,6 +122,8 @@ def detail(ev: dict, full: bool = False) -> str:
         return (argv_text(ev.get("argv")) if ev.get("argv") else "sandbox created") + extra
     if k == "sandbox_exit":
         return _status(ev) + extra
+    if k == "file_changes":
+        return f"{ev.get('count')} file changes (a page of the change manifest)" + extra
     if k == "step_start":
         return f"start: {argv_text(ev.get('argv'))}" + extra
     if k == "step_end":

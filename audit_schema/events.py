@@ -27,6 +27,7 @@ KINDS = (
     "events_lost",     # a gap in the record: count events were not recorded
     "sandbox_start",   # the launcher started a sandbox
     "sandbox_exit",    # the sandbox ended (exit_code/signal, summary in extra)
+    "file_changes",    # a page of the sandbox's change manifest: count, extra = {page, pages, changes}
     # policy enforcement (bpf/enforce.c): *_denied = blocked (enforce mode, decision
     # "denied"); *_violation = would have been blocked (audit mode, "would-deny")
     "egress_denied",   # connect/sendmsg refused with EPERM: family, addr, port, protocol

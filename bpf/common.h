@@ -120,6 +120,18 @@ static __always_inline void dsec_inflight_put(u64 cgid)
         __sync_fetch_and_add(&st->inflight, -1);
 }
 
+/* The byte budget (shared.h): a record of `size` bytes of an admitted event
+ * fits the sandbox's byte share, else it is counted (over_bytes) and not
+ * emitted. Checked when the record's size is known, just before it goes into
+ * the ring: every kind, fixed or variable size. */
+static __always_inline int dsec_admit_bytes(struct dsec_sandbox *cfg, struct dsec_state *st, u32 kind, u64 size)
+{
+    if (!cfg || dsec_gcra_bytes(&st->btat, cfg->byte_ps, cfg->byte_tol_ns, size))
+        return 1;
+    dsec_count_lost(cfg, st, DSEC_LOST_OVER_BYTES, kind);
+    return 0;
+}
+
 /* ---- record building ------------------------------------------------------- */
 
 /* A fixed-size record (no strings) of an admitted event: reserved in the ring
@@ -127,6 +139,8 @@ static __always_inline void dsec_inflight_put(u64 cgid)
 static __always_inline struct dsec_event *dsec_reserve(struct dsec_sandbox *cfg, struct dsec_state *st,
                                                       u32 kind, u64 cgid)
 {
+    if (!dsec_admit_bytes(cfg, st, kind, DSEC_FIXED_BYTES))
+        return 0;
     struct dsec_event *e = events.ringbuf_reserve(DSEC_FIXED_BYTES);
     if (!e) {
         dsec_count_lost(cfg, st, DSEC_LOST_RINGBUF_FULL, kind);
@@ -170,12 +184,13 @@ static __always_inline void dsec_output(void *rec, u64 size, u64 max, u64 cgid, 
     if (!st)
         return;   /* sandbox removed while the syscall was in flight */
     size = dsec_record_size(size, max);
-    if (events.ringbuf_output(rec, size, 0) == 0) {
+    struct dsec_sandbox *cfg = sandboxes.lookup(&cgid);
+    if (!dsec_admit_bytes(cfg, st, kind, size))
+        return;
+    if (events.ringbuf_output(rec, size, 0) == 0)
         dsec_count_emitted(st, kind);
-    } else {
-        struct dsec_sandbox *cfg = sandboxes.lookup(&cgid);
+    else
         dsec_count_lost(cfg, st, DSEC_LOST_RINGBUF_FULL, kind);
-    }
 }
 
 /* ---- file and connect syscalls: enter stores, exit emits ------------------ */

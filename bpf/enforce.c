@@ -92,12 +92,25 @@ static __always_inline int enf_admit(struct dsec_enf_sandbox *cfg, struct dsec_e
     return 0;
 }
 
+/* byte budget (shared.h): a record of `size` bytes fits the sandbox's share,
+ * else counted (over_bytes) and not emitted */
+static __always_inline int enf_admit_bytes(struct dsec_enf_sandbox *cfg, struct dsec_enf_state *st, u32 kind,
+                                           u64 size)
+{
+    if (dsec_gcra_bytes(&st->btat, cfg->byte_ps, cfg->byte_tol_ns, size))
+        return 1;
+    enf_count_lost(st, DSEC_LOST_OVER_BYTES, kind);
+    return 0;
+}
+
 /* a fixed-size record (no strings): reserve, fill the header, return the body
- * (0: no room, counted as lost) */
+ * (0: over the byte budget or no room, counted as lost) */
 static __always_inline struct dsec_event_small *enf_reserve(struct dsec_enf_sandbox *cfg,
                                                             struct dsec_enf_state *st,
                                                             u32 kind, u64 cgid)
 {
+    if (!enf_admit_bytes(cfg, st, kind, DSEC_FIXED_BYTES))
+        return 0;
     struct dsec_event_small *e = enf_events.ringbuf_reserve(DSEC_FIXED_BYTES);
     if (!e) {
         enf_count_lost(st, DSEC_LOST_RINGBUF_FULL, kind);
@@ -327,6 +340,8 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     e->u.exec_check.status = status;
     u64 size = dsec_record_size(DSEC_FIXED_BYTES + m, sizeof(struct dsec_event_small));
     e->h.size = size;
+    if (!enf_admit_bytes(cfg, st, kind, size))
+        return 0;
     if (enf_events.ringbuf_output(e, size, 0) == 0)
         enf_count_emitted(st, kind);
     else
@@ -374,6 +389,12 @@ static __always_inline int enf_sys_allowed(struct dsec_enf_sandbox *cfg, long id
     return (byte >> (i & 7)) & 1;
 }
 
+/* One violation of syscall `id`: counted in sys_viol under (sandbox, number),
+ * every number >= DSEC_SYSCALL_NR_MAX under the one key DSEC_SYSCALL_NR_OTHER,
+ * and at most DSEC_SYSVIOL_PER_SANDBOX keys per sandbox (the rest is counted in
+ * the sandbox's sys_overflow and as table_full): one sandbox cannot fill the
+ * table for the others. Reported at most once per report_ns per key, through
+ * the sandbox's event and byte budgets like every other record. */
 static __always_inline void enf_sys_violation(struct dsec_enf_sandbox *cfg, u64 cgid, u32 kind,
                                               long id, long ret, u32 status)
 {
@@ -382,13 +403,22 @@ static __always_inline void enf_sys_violation(struct dsec_enf_sandbox *cfg, u64 
         return;
     struct dsec_sys_key k = {};
     k.cgroup_id = cgid;
-    k.nr = (u32)id;
+    k.nr = (id >= 0 && id < DSEC_SYSCALL_NR_MAX) ? (u32)id : DSEC_SYSCALL_NR_OTHER;
     struct dsec_sys_viol *v = sys_viol.lookup(&k);
     if (!v) {
+        u64 n = __sync_fetch_and_add(&st->sys_entries, 1);
+        if (n >= DSEC_SYSVIOL_PER_SANDBOX) {
+            __sync_fetch_and_add(&st->sys_entries, -1);
+            __sync_fetch_and_add(&st->sys_overflow, 1);
+            enf_count_lost(st, DSEC_LOST_TABLE_FULL, kind);
+            return;
+        }
         struct dsec_sys_viol nv = {};
-        sys_viol.insert(&k, &nv);
+        if (sys_viol.insert(&k, &nv) != 0)
+            __sync_fetch_and_add(&st->sys_entries, -1);   /* another CPU's, or no room */
         v = sys_viol.lookup(&k);
         if (!v) {
+            __sync_fetch_and_add(&st->sys_overflow, 1);
             enf_count_lost(st, DSEC_LOST_TABLE_FULL, kind);
             return;
         }
@@ -403,12 +433,14 @@ static __always_inline void enf_sys_violation(struct dsec_enf_sandbox *cfg, u64 
         return;     /* counted; reported with a later record or by userspace */
     if (__sync_val_compare_and_swap(&v->last_ns, last, now) != last)
         return;     /* another CPU reports it */
+    if (!enf_admit(cfg, st, kind))
+        return;     /* counted over_budget; the total still reaches userspace's summary */
     struct dsec_event_small *e = enf_reserve(cfg, st, kind, cgid);
     if (!e)
         return;
     e->u.syscall.total = total;
     e->u.syscall.ret = ret;
-    e->u.syscall.nr = (u32)id;
+    e->u.syscall.nr = k.nr;        /* the counter's key: >= 512 are one */
     e->u.syscall.status = status;
     enf_submit(e, st, kind);
 }

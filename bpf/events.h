@@ -127,8 +127,9 @@
 #define DSEC_LOST_OVER_BUDGET 1        /* over the sandbox's fair share */
 #define DSEC_LOST_INFLIGHT_FULL 2      /* too many syscalls in flight (per sandbox or table) */
 #define DSEC_LOST_TABLE_FULL 3         /* enforcement: a kernel table (violation counters, learned
-                                        * destinations) had no room */
-#define DSEC_NLOST 4
+                                        * destinations) had no room, or the sandbox's share of it */
+#define DSEC_LOST_OVER_BYTES 4         /* over the sandbox's byte budget (bytes of records per second) */
+#define DSEC_NLOST 5
 
 /* ---- how a process ended (body.exit.how) --------------------------------- */
 #define DSEC_EXIT_UNKNOWN 0
@@ -272,12 +273,15 @@ struct dsec_event_small {
 struct dsec_sandbox {   /* sandboxes: cgroup id -> configuration, written by userspace */
     __u64 interval_ns;  /* fair share: 1e9 / rate; 0 = unlimited */
     __u64 tolerance_ns; /* (burst - 1) * interval_ns */
+    __u64 byte_ps;      /* byte budget: picoseconds per byte (1e12 / bytes per second); 0 = unlimited */
+    __u64 byte_tol_ns;  /* burst_bytes * byte_ps / 1000 */
     __u32 step;
     __u32 mode;         /* DSEC_OVER_* */
 };
 
 struct dsec_state {     /* sbx_state: cgroup id -> state, written by the kernel */
     __u64 tat;          /* GCRA theoretical arrival time (ns, CLOCK_MONOTONIC) */
+    __u64 btat;         /* the byte budget's GCRA arrival time (ns) */
     __s64 inflight;     /* pending syscalls of this sandbox */
     __u64 stopped;      /* DSEC_OVER_STOP fired (SIGKILL sent) this many times */
     __u64 emitted[DSEC_NKINDS];
@@ -303,7 +307,10 @@ struct dsec_exit_info { /* exit_info: tgid -> how it is ending */
 #define DSEC_EXEC_ENTRIES 65536        /* all sandboxes: exec patterns */
 #endif
 #ifndef DSEC_SYSVIOL_ENTRIES
-#define DSEC_SYSVIOL_ENTRIES 65536    /* all sandboxes: (sandbox, syscall) violation counters */
+#define DSEC_SYSVIOL_ENTRIES 262144   /* all sandboxes: (sandbox, syscall) violation counters */
+#endif
+#ifndef DSEC_SYSVIOL_PER_SANDBOX
+#define DSEC_SYSVIOL_PER_SANDBOX 64    /* distinct syscalls counted per sandbox (the rest: sys_overflow) */
 #endif
 #ifndef DSEC_DEST_ENTRIES
 #define DSEC_DEST_ENTRIES 65536        /* all sandboxes: learned egress destinations */
@@ -317,6 +324,7 @@ struct dsec_exit_info { /* exit_info: tgid -> how it is ending */
 #define DSEC_EXEC_PATTERN_MAX 250      /* longest exec pattern the kernel matcher takes (a filename
                                         * of 251+ bytes fills the key: its NUL is not compared) */
 #define DSEC_SYSCALL_NR_MAX 512        /* syscall numbers in the bitmap / counters */
+#define DSEC_SYSCALL_NR_OTHER 512      /* sys_viol key of every number >= DSEC_SYSCALL_NR_MAX (one entry) */
 
 /* ---- per-concern mode (dsec_enf_sandbox.egress/exec/sys) ---------------- */
 #define DSEC_MODE_OFF 0                /* the policy has no rules of this kind */
@@ -339,6 +347,8 @@ struct dsec_enf_sandbox {   /* enf_sandboxes: cgroup id -> configuration, writte
     __u64 interval_ns;      /* event budget (GCRA): 1e9 / rate; 0 = unlimited */
     __u64 tolerance_ns;     /* (burst - 1) * interval_ns */
     __u64 report_ns;        /* syscall reports: at most one per (sandbox, syscall) per report_ns */
+    __u64 byte_ps;          /* byte budget: picoseconds per byte; 0 = unlimited */
+    __u64 byte_tol_ns;      /* burst_bytes * byte_ps / 1000 */
     __u32 idx;              /* rule-set index: the first key field of this sandbox's LPM entries */
     __u32 step;
     __u8 egress;            /* DSEC_MODE_* */
@@ -352,6 +362,9 @@ struct dsec_enf_sandbox {   /* enf_sandboxes: cgroup id -> configuration, writte
 
 struct dsec_enf_state {     /* enf_state: cgroup id -> counters, written by the kernel */
     __u64 tat;              /* GCRA theoretical arrival time */
+    __u64 btat;             /* the byte budget's GCRA arrival time (ns) */
+    __u64 sys_entries;      /* sys_viol entries of this sandbox (at most DSEC_SYSVIOL_PER_SANDBOX) */
+    __u64 sys_overflow;     /* violations not counted per syscall: the sandbox's share was used */
     __u64 emitted[DSEC_NKINDS];
     __u64 lost[DSEC_NLOST * DSEC_NKINDS];   /* [reason * DSEC_NKINDS + kind] */
     __u64 killed;           /* exec enforcement: SIGKILLs sent */

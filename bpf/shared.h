@@ -57,6 +57,28 @@ static __always_inline int dsec_gcra(u64 *tat, u64 interval, u64 tol)
     return 0;
 }
 
+/* Byte budget: the same GCRA with a cost. A byte costs `ps_per_byte`
+ * picoseconds (1e12 / bytes per second); the bucket holds `tol` ns (the
+ * burst's bytes). A record of `bytes` is admitted when the bucket has room for
+ * all of it. Kept in ns like the event budget (ps would wrap a u64 after
+ * ~200 days of uptime). */
+static __always_inline int dsec_gcra_bytes(u64 *tat, u64 ps_per_byte, u64 tol, u64 bytes)
+{
+    if (ps_per_byte == 0)
+        return 1;
+    u64 now = bpf_ktime_get_ns();
+    u64 cost = (bytes * ps_per_byte) / 1000;
+    for (int i = 0; i < 4; i++) {
+        u64 t = *(volatile u64 *)tat;
+        u64 base = t > now ? t : now;
+        if (base + cost - now > tol)
+            break;
+        if (__sync_val_compare_and_swap(tat, t, base + cost) == t)
+            return 1;
+    }
+    return 0;
+}
+
 /* ---- records ------------------------------------------------------------------ */
 
 /* The header of a record of the current task, all but ppid (the caller looks

@@ -181,11 +181,80 @@ def validate_record(rec) -> dict:
     return rec
 
 
+TRUNC_MARK = "...[dsec: truncated]"     # ends every value fit_record cut
+
+
+def _dumps(rec: dict) -> bytes:
+    return json.dumps(rec, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def _cut(v: str, keep: int) -> str:
+    """v's first `keep` characters (never half a surrogate pair) + the marker."""
+    return v[:max(0, keep)] + TRUNC_MARK
+
+
+def fit_record(rec: dict, limit: int = MAX_RECORD_BYTES) -> tuple[dict, bytes]:
+    """(record, its JSON) no larger than `limit`: a record is never refused for
+    being large. Its largest fields are cut, each ending with TRUNC_MARK, until
+    it fits; `extra` stays valid JSON (a cut extra's text moves under
+    extra.extra_prefix) and extra.dsec_truncated names every field cut with its
+    original length (characters, or items of argv). Most records fit at once
+    and cost one json.dumps."""
+    payload = _dumps(rec)
+    if len(payload) <= limit:
+        return rec, payload
+    rec = dict(rec)
+    cut: dict = {}
+    try:
+        note = json.loads(rec["extra"]) if rec.get("extra") else {}
+    except ValueError:
+        note = None
+    if not isinstance(note, dict):
+        note = None                       # not an object: kept (cut) as extra_prefix
+    prefix = None if note is not None else (rec.get("extra") or "")
+    fixed = {"event_id", "kind", "node", "sandbox_id"}
+    for _ in range(64):                   # bounded: every round shrinks the largest field
+        fields = {k: v for k, v in rec.items() if k not in fixed and k != "extra"
+                  and (isinstance(v, str) or (isinstance(v, list) and v))}
+        if prefix is not None:
+            fields["extra"] = prefix
+        elif note is not None and rec.get("extra"):
+            fields["extra"] = rec["extra"]
+        if not fields:
+            break
+        sizes = {k: len(_dumps({"": v})) for k, v in fields.items()}
+        k = max(sizes, key=sizes.get)
+        excess = len(payload) - limit + 4096          # room for the markers
+        v = fields[k]
+        if isinstance(v, list):
+            cut.setdefault(k, len(v))
+            keep = max(0, len(v) - 1 - int(len(v) * excess / max(1, sizes[k])))
+            items = list(v[:keep])
+            if not items and v and isinstance(v[0], str):
+                items = [_cut(v[0], len(v[0]) - int(len(v[0]) * excess / max(1, sizes[k])) - 32)]
+            rec[k] = items + [TRUNC_MARK]
+        else:
+            cut.setdefault(k, len(v))
+            keep = len(v) - int(len(v) * excess / max(1, sizes[k])) - len(TRUNC_MARK)
+            if k == "extra":
+                prefix = _cut(prefix if prefix is not None else v, keep)
+                note = None
+            else:
+                rec[k] = _cut(v, keep)
+        d = dict(note) if note is not None else {"extra_prefix": prefix}
+        d["dsec_truncated"] = cut
+        rec["extra"] = json.dumps(d, separators=(",", ":"), sort_keys=True)
+        payload = _dumps(rec)
+        if len(payload) <= limit:
+            _METRICS().add("dsec.records.truncated", 1, kind=str(rec.get("kind")))
+            log.warning("audit record %r (%s) cut to fit the spool's %d-byte limit: %s",
+                        rec.get("event_id"), rec.get("kind"), limit, ", ".join(sorted(cut)))
+            return rec, payload
+    raise ExportError(f"audit record {rec.get('event_id')!r}: cannot be cut to {limit} bytes", EXIT_USAGE)
+
+
 def encode_frame(rec: dict) -> bytes:
-    payload = json.dumps(rec, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-    if len(payload) > MAX_RECORD_BYTES:
-        raise ExportError(f"audit record {rec.get('event_id')!r}: {len(payload)} bytes encoded, "
-                        f"more than the spool's limit of {MAX_RECORD_BYTES} (bound the field upstream)", EXIT_USAGE)
+    rec, payload = fit_record(rec)
     n = struct.pack("<I", len(payload))
     return MAGIC + n + struct.pack("<I", zlib.crc32(payload, zlib.crc32(n))) + payload
 

@@ -168,6 +168,7 @@ class Trajectory:
         self.steps: list[Step] = []
         self.info: dict = {}                 # sandbox_start extra: resources, rootfs, user, labels ...
         self.summary: dict = {}              # sandbox_exit extra: the run summary
+        self.change_pages: dict = {}         # file_changes records: page number -> changes
 
     @property
     def t0(self) -> int:
@@ -193,6 +194,10 @@ class Trajectory:
 
     @property
     def changes(self) -> list[dict]:
+        """The manifest: from its file_changes pages when recorded (complete),
+        else the sandbox_exit summary's inline part."""
+        if self.change_pages:
+            return [c for _, page in sorted(self.change_pages.items()) for c in page]
         return list(self.summary.get("changes") or [])
 
     @property
@@ -355,6 +360,10 @@ def reconstruct(sandbox_id: str, records: list[dict]) -> Trajectory:
         if kind == "sandbox_exit":
             t.exit = r
             t.summary = _extra(r)
+            continue
+        if kind == "file_changes":
+            ex = _extra(r)
+            t.change_pages[int(ex.get("page") or 0)] = list(ex.get("changes") or [])
             continue
         if kind == "events_lost":
             t.lost += int(r.get("count") or 0)

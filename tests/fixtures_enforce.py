@@ -162,6 +162,8 @@ class DnsServer:
     def __init__(self, answers: dict):
         self.answers = dict(answers)
         self.queries = 0
+        self.gate = threading.Event()       # cleared: queries are held unanswered until set
+        self.gate.set()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", 0))
         self.addr = self.sock.getsockname()
@@ -175,6 +177,8 @@ class DnsServer:
                 continue
             q, peer = self.sock.recvfrom(4096)
             self.queries += 1
+            while not self.gate.wait(0.1) and not self._stop:
+                pass
             try:
                 self.sock.sendto(self._answer(q), peer)
             except Exception:   # noqa: BLE001 - a malformed query gets no answer

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from conftest import DSEC, ROOT, dsec
-from hosts import leftovers
+from hosts import NetHost, leftovers
 
 from agent.node.client import (AgentError, AsyncClient, Client, InvalidArgument, NotFound, PermissionDenied, TLS,
                           SandboxPreempted)
@@ -376,18 +376,50 @@ def test_stream_events_live_with_filters(client):
         next(iter(client.events(kinds=["bogus"])))
 
 
-def test_update_policy(client):
-    from agent.sensors.recorder import Recorder
-    with client.create(warm=False, network="none") as sb:
-        if hasattr(Recorder, "update_policy"):
-            r = sb.update_policy("no-network")
-            assert r["policy_name"] == "no-network" and set(r["applied"]) >= {"egress", "exec"}
-            assert "seccomp" in r["syscalls"] and "tightened" in r["syscalls"]
-            assert sb.info().policy_name == "no-network"
-        else:
-            with pytest.raises(AgentError) as e:
-                sb.update_policy("no-network")
-            assert e.value.status == "UNIMPLEMENTED" and "update_policy" in e.value.message
+CONNECT = ("import errno, socket, sys\n"
+           "s = socket.socket()\n"
+           "s.settimeout(5)\n"
+           "try:\n"
+           "    s.connect((sys.argv[1], 8080)); print('ok')\n"
+           "except OSError as e:\n"
+           "    print(errno.errorcode.get(e.errno, e.errno))\n")
+
+
+@pytest.fixture(scope="module")
+def update_host():
+    with NetHost(subnet=43) as th:          # 10.200.43.0/24: not used by any other test
+        p = subprocess.Popen(["ip", "netns", "exec", th.name, "timeout", "600", "python3", "-m", "http.server",
+                              "--bind", th.addr, "8080"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+        th.procs.append(p)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and subprocess.run(
+                ["ip", "netns", "exec", th.name, "python3", "-c",
+                 f"import socket; socket.create_connection(('{th.addr}', 8080), 1)"], capture_output=True).returncode:
+            time.sleep(0.1)
+        yield th
+
+
+def test_update_policy(client, update_host):
+    """Issue 13 points 8-9: the update takes effect (a connect that worked is now
+    refused) and the answer says what was applied, nothing more: exec rules are
+    not changed by an update (one that changes them is refused)."""
+    addr = update_host.addr
+    with client.create(warm=False, network="egress", policy="default") as sb:
+        r = sb.exec(["python3", "-I", "-c", CONNECT, addr], timeout=30)
+        assert r.exit_code == 0 and r.stdout.strip() == b"ok", r.stderr
+        u = sb.update_policy("no-network")
+        assert u["policy_name"] == "no-network" and u["applied"] == ["egress"]
+        assert "seccomp" in u["syscalls"] and "tightened" in u["syscalls"]
+        assert sb.info().policy_name == "no-network"
+        r = sb.exec(["python3", "-I", "-c", CONNECT, addr], timeout=30)
+        assert r.exit_code == 0 and r.stdout.strip() == b"EPERM", r.stdout
+        exec_rules = ("apiVersion: dsec/v1\nkind: SandboxPolicy\nmetadata: {name: execs}\nspec:\n"
+                      "  mode: enforce\n  exec: {allow: [/usr/bin/*]}\n  egress: {default: deny}\n")
+        with pytest.raises(AgentError) as e:
+            sb.update_policy(policy_yaml=exec_rules)
+        assert e.value.status == "FAILED_PRECONDITION" and "exec" in e.value.message
+        assert sb.info().policy_name == "no-network"
         with pytest.raises(InvalidArgument, match="no built-in policy"):
             sb.update_policy("no-such-policy")
 

@@ -587,3 +587,64 @@ def test_paths_resolve_in_the_sandbox_view(tmp_path):
     finally:
         _kill(p)
     assert resolve_path(p.pid, b"x", AT_FDCWD) is None        # gone: unresolved, not guessed
+
+
+EXEC_FLOOD = r'''
+import os, sys
+n = int(sys.argv[1])
+argv = ["x" * 1023] * 16                      # 16 KiB of argv: a ~20 KiB record each
+for i in range(n):
+    try:
+        os.execv("/nonexistent-dsec-flood", argv)
+    except OSError:
+        pass
+    if i == 100:
+        print("flooding", flush=True)
+print(n, flush=True)
+'''
+
+QUIET_WRITES = r'''
+import os, sys
+d = sys.argv[1]
+for i in range(100):
+    fd = os.open(f"{d}/w{i}.txt", os.O_WRONLY | os.O_CREAT, 0o644)
+    os.close(fd)
+'''
+
+
+def test_byte_heavy_flood_leaves_quiet_neighbour_complete(audit_sensor, audit_cgroups, tmp_path):
+    """Issue 13 point 1: failing execve with 16 KiB of argv, 3,000 times, while
+    nobody reads the ring: within the event budget (rate 5000, burst 25000) but
+    ~60 MiB of records for a 32 MiB ring. The byte budget holds the flooder to its
+    share; the quiet neighbour's 100 writes are all recorded, and the flooder's
+    loss is accounted in its own record (over_bytes)."""
+    h = audit_sensor
+    quiet_prog = _write(tmp_path / "quiet.py", QUIET_WRITES)
+    qdir = tmp_path / "quiet"
+    qdir.mkdir()
+    flooder = h.sandbox(audit_cgroups)
+    quiet = h.sandbox(audit_cgroups)
+    fp = run_in_cgroup(flooder.cg, [PYTHON, "-I", "-B", "-c", EXEC_FLOOD, "3000"], stdout=subprocess.PIPE)
+    qp = None
+    try:
+        assert fp.stdout.readline().strip() == b"flooding"
+        fp.communicate(timeout=120)
+        qp = run_in_cgroup(quiet.cg, [PYTHON, "-I", "-B", quiet_prog, str(qdir)])
+        assert qp.wait(60) == 0
+    finally:
+        _kill(fp)
+        if qp is not None:
+            _kill(qp)
+    q_totals = quiet.remove()
+    f_totals = flooder.remove()
+    assert q_totals["lost_total"] == 0, q_totals
+    writes = [r for r in quiet.of_kind("open_write") if r["path"].startswith(str(qdir))]
+    assert len(writes) == 100
+    over = f_totals["lost"].get("over_bytes", {}).get("exec", 0)
+    assert over > 1000, f_totals
+    assert "ringbuf_full" not in f_totals["lost"]
+    failed = [r for r in flooder.of_kind("exec") if r["ret"] != 0]
+    assert len(failed) + over == 3000                       # every failing exec accounted for
+    reported = _lost_records(flooder, "over_bytes")
+    assert sum(_extra(r)["kinds"].get("exec", 0) for r in reported) == over
+    assert all(r["sandbox_id"] == flooder.sandbox_id for r in reported)

@@ -468,3 +468,84 @@ def test_module_flush_for_short_lived_runs(clickhouse_url, clickhouse_client, sp
     spool.append_many(events(sid, 3))
     res = flush(spool, clickhouse_url, timeout=30)
     assert res.ok and res.sent == 3 and "3 event(s) sent" in res.summary()
+
+
+def _as_default_user(port: int) -> subprocess.CompletedProcess:
+    """What any local process could do on main: clickhouse-client as `default`, no password."""
+    return subprocess.run(["clickhouse-client", "--port", str(port), "-q", "SELECT count() FROM system.tables"],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_private_server_has_a_generated_password_and_no_default_user(clickhouse_server, tmp_path):
+    """Issue 13 point 5: `clickhouse-client --port 19000` answered any local user
+    (the `default` user had no password), who could delete audit rows."""
+    s = clickhouse_server
+    st = os.stat(s.password_file)
+    assert st.st_mode & 0o777 == 0o600 and st.st_uid == 0
+    assert os.stat(s.home).st_mode & 0o077 == 0
+    assert os.stat(os.path.join(s.home, "users.xml")).st_mode & 0o077 == 0
+    pw = s.password()
+    assert len(pw) >= 32
+    with open(os.path.join(s.home, "users.xml")) as f:
+        users = f.read()
+    assert pw not in users and "<default>" not in users.split("<users>")[1].split("</users>")[0]
+    r = _as_default_user(s.tcp_port)
+    assert r.returncode != 0 and ("default" in r.stderr or "password" in r.stderr.lower()), r.stderr
+    r = subprocess.run(["clickhouse-client", "--port", str(s.tcp_port), "--user", "dsec", "--password", "wrong",
+                        "-q", "SELECT 1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    client, _ = connect(s.url)                                   # dsec's own URL carries the credentials
+    try:
+        assert client.execute("SELECT 1") == [(1,)]
+    finally:
+        client.disconnect()
+    # what dsec prints never shows the password
+    out = run_dsec("clickhouse", "status", env={"DSEC_CLICKHOUSE_URL": ""})
+    assert out.returncode == 0, out.stderr
+    out.stdout = out.stdout.decode()
+    assert pw not in out.stdout and "dsec:***@" in out.stdout and s.password_file in out.stdout
+    assert "schema version" in out.stdout or "not created yet" in out.stdout
+
+
+def test_agent_exporter_restarts_after_an_unexpected_error(clickhouse_url, tmp_path, caplog):
+    """Issue 13 point 8: the agent's exporter thread died for good on an unexpected
+    error, the spool then filled and dropped. Now it logs, counts and restarts."""
+    from agent.node.export import ClickHouseExport
+    from exporters.metrics import METRICS
+    spool = Spool(str(tmp_path / "spool"), fsync="never")
+    ex = ClickHouseExport(spool, 0.1)
+    ex.exporter._url = clickhouse_url
+    real, crashes = ex.exporter.flush, [3]
+
+    def flaky(*a, **kw):
+        if crashes[0] > 0:
+            crashes[0] -= 1
+            raise RuntimeError("unexpected (injected)")
+        return real(*a, **kw)
+    ex.exporter.flush = flaky
+    before = sum(METRICS._counters.get("dsec.exporter.restarts", {}).values())
+    sid = "restart-" + uuid.uuid4().hex[:8]
+    spool.append_many([{"event_id": f"{sid}-{i}", "ts_ns": time.time_ns(), "sandbox_id": sid, "kind": "exec",
+                        "path": "/bin/true"} for i in range(10)])
+    ex.start()
+    try:
+        deadline = time.monotonic() + 30
+        client, db = connect(clickhouse_url)
+        n = 0
+        while time.monotonic() < deadline:
+            try:
+                n = final_count(client, db, sid)[0]
+            except Exception:   # the database may not exist before the first export
+                n = 0
+            if n == 10:
+                break
+            time.sleep(0.2)
+        client.disconnect()
+        assert n == 10
+        assert ex.restarts == 3 and "injected" in ex.last_crash
+        assert ex._thread.is_alive()
+        assert sum(METRICS._counters.get("dsec.exporter.restarts", {}).values()) == before + 3
+        assert sum(1 for r in caplog.records if "exporter failed unexpectedly" in r.getMessage()) == 3
+    finally:
+        ex.close()
+        spool.close()

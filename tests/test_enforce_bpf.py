@@ -658,3 +658,122 @@ def test_syscall_programs_run_only_while_a_sandbox_needs_them(enforce_sensor, en
             assert h.poll_until(lambda: not s.syscall_hooks()["enter"]["attached"], 3)
         finally:
             s.sys_hook_linger_s = saved
+
+
+SYSCALL_SPRAY = r'''
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+n, distinct = int(sys.argv[1]), sys.argv[2] == "distinct"
+for i in range(n):
+    libc.syscall(1000 + i)                        # ENOSYS: every number a violation
+if distinct:
+    for nr in range(387, 424):                    # unassigned on x86_64: ENOSYS
+        libc.syscall(nr)
+for _ in range(10):
+    libc.ptrace(0x4206, -1, 0, 0)                 # PTRACE_SEIZE of no process: harmless
+print("done", flush=True)
+'''
+
+
+def test_violation_table_is_bounded_per_sandbox(enforce_sensor, enforce_cgroups):
+    """syscall(1000+i) over 70,000 numbers in one sandbox (issue 13 point 2) leaves
+    the (sandbox, syscall) table usable by a neighbour: numbers >= 512 are one
+    counter, and a sandbox holds at most 64 counters (the rest is counted in its
+    own record as table_full), never the table's 262,144 entries."""
+    h = enforce_sensor
+    spec = {"syscalls": {"default": "allow", "deny": ["ptrace"]}}
+    spray = h.sandbox(enforce_cgroups, policy("audit", name="t-spray", **spec))
+    p = run_workload(spray.cg, [PYTHON, "-I", "-c", SYSCALL_SPRAY, "70000", "same"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    o, e = p.communicate(timeout=120)
+    assert p.returncode == 0, e.decode()
+    quiet = h.sandbox(enforce_cgroups, policy("audit", name="t-quiet", **spec))
+    p = run_workload(quiet.cg, [PYTHON, "-I", "-c", SYSCALL_SPRAY, "0", "same"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    o, e = p.communicate(timeout=60)
+    assert p.returncode == 0, e.decode()
+    h.settle()
+    s_stats = h.sensor.stats(spray.cg.id)
+    assert s_stats["violations"] == {"out_of_range": 70000, "ptrace": 10}
+    q_totals = quiet.remove()
+    assert q_totals["violations"] == {"ptrace": 10} and q_totals["lost_total"] == 0
+    recs = quiet.of_kind("syscall_violation")
+    assert sum(r["count"] for r in recs) == 10
+    s_totals = spray.remove()
+    recs = spray.of_kind("syscall_violation")
+    assert sum(r["count"] for r in recs if r["syscall"] == "out_of_range") == 70000
+    assert len(recs) < 100                                   # rate-limited: not one record per call
+    assert "table_full" not in s_totals["lost"]
+
+    # a policy that denies everything, in audit mode: every distinct call a counter
+    wide = h.sandbox(enforce_cgroups, policy("audit", name="t-wide", syscalls={"default": "deny", "allow": []}))
+    p = run_workload(wide.cg, [PYTHON, "-I", "-c", SYSCALL_SPRAY, "0", "distinct"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    o, e = p.communicate(timeout=60)
+    assert p.returncode == 0, e.decode()
+    h.settle()
+    w_totals = wide.remove()
+    assert len(w_totals["violations"]) == 64                 # the sandbox's share of the table
+    assert w_totals["sys_overflow"] > 0
+    assert w_totals["lost"]["table_full"]["syscall_violation"] == w_totals["sys_overflow"]
+    lost = [r for r in wide.of_kind("events_lost") if _extra(r)["reason"] == "table_full"]
+    assert sum(r["count"] for r in lost) == w_totals["sys_overflow"]
+
+
+def test_slow_dns_does_not_hold_up_other_sandboxes(enforce_sensor, enforce_cgroups, enforce_net):
+    """Issue 13 point 8: hostname rules were resolved under the sensor's lock, so a
+    slow DNS answer stalled every other sandbox's start. Ordering, not timing: a
+    sandbox without hostname rules is registered while the other's DNS query is
+    still unanswered."""
+    import threading
+    h, net = enforce_sensor, enforce_net
+    dns = DnsServer({"slow.dsec.test": ([net.addr(5)], 60)})
+    dns.gate.clear()
+    saved = h.sensor.resolver
+    h.sensor.resolver = HostResolver(nameservers=[dns.addr], timeout=30, min_ttl=1, hosts_file="/nonexistent",
+                                     system_fallback=False)
+    resolving = threading.Event()
+    real = h.sensor.resolver.resolve
+
+    def resolve(host):
+        resolving.set()
+        try:
+            return real(host)
+        finally:
+            resolving.clear()
+    h.sensor.resolver.resolve = resolve
+    slow_done = {}
+    try:
+        slow_pol = policy(egress={"default": "deny", "allow": [{"host": "slow.dsec.test", "ports": [80]}]})
+        cg_slow = enforce_cgroups()
+
+        def add_slow():
+            try:
+                slow_done["sbx"] = h.sandbox(enforce_cgroups, slow_pol, cg=cg_slow)
+            except Exception as e:   # noqa: BLE001 - reported by the assertions
+                slow_done["error"] = e
+        t = threading.Thread(target=add_slow)
+        t.start()
+        assert resolving.wait(10)
+        deadline = time.monotonic() + 10
+        while dns.queries < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert dns.queries >= 1
+        quick_box = {}
+        q = threading.Thread(target=lambda: quick_box.update(sbx=h.sandbox(
+            enforce_cgroups, policy(egress={"default": "deny", "allow": [{"cidr": "10.0.0.0/8"}]}))))
+        q.start()
+        q.join(20)                      # the other's DNS query stays unanswered for 30 s
+        quick_first = not q.is_alive() and resolving.is_set() and t.is_alive()
+        dns.gate.set()
+        t.join(60)
+        q.join(60)
+        assert "sbx" in quick_box and quick_first, "the quick sandbox waited for the other's DNS"
+        quick = quick_box["sbx"]
+        assert "error" not in slow_done, slow_done.get("error")
+        assert h.sensor.egress_addresses(slow_done["sbx"].cg.id) == {"slow.dsec.test": [net.addr(5)]}
+        quick.remove()
+    finally:
+        dns.gate.set()
+        h.sensor.resolver = saved
+        dns.close()

@@ -390,3 +390,54 @@ def test_corrupt_and_torn_segment_every_sink_keeps_the_rest_and_reports_the_gap(
     otlp.close()
     fl.close()
     sp.close()
+
+
+# --- the recorder's append failures ------------------------------------------------------
+
+class _FailingAppends:
+    """The spool, with its next `n` appends failing as a disk error would (EIO)."""
+
+    def __init__(self, spool, n):
+        self.spool, self.n, self.calls = spool, n, 0
+
+    def __getattr__(self, name):
+        return getattr(self.spool, name)
+
+    def append_many(self, records):
+        self.calls += 1
+        if self.n > 0:
+            self.n -= 1
+            raise OSError(5, "Input/output error (injected)")
+        return self.spool.append_many(records)
+
+
+def test_append_errors_retry_and_leave_the_batch_queued(audit_cgroups, tmp_path):
+    """Issue 13 point 4: Recorder._flush_pending took its batch before appending, so
+    an append error lost it, and the error flag never reset (every later unwatch
+    failed). Now the batch stays queued in order, is retried, and the flag clears."""
+    from agent.sensors.recorder import Recorder
+    spool = Spool(str(tmp_path / "sp"), fsync="never")
+    failing = _FailingAppends(spool, 3)
+    rec = Recorder(node="faults", spool=failing, enforce=False)
+    try:
+        sid = "retry-" + uuid.uuid4().hex[:8]
+        for i in range(5):
+            rec.record({"kind": "lifecycle", "sandbox_id": sid, "extra": json.dumps({"state": f"s{i}"})})
+        assert wait_until(lambda: failing.n == 0 and not rec._pending, 10)
+        out = []
+        reader = spool.reader("check")
+        while True:
+            b = reader.read(1000)
+            if not b:
+                break
+            out += b.records
+            reader.commit(b)
+        states = [json.loads(r["extra"])["state"] for r in out if r["sandbox_id"] == sid]
+        assert states == [f"s{i}" for i in range(5)]            # nothing lost, in order
+        assert rec.append_errors == 3 and rec._error is None     # healthy again: the flag is reset
+        cg = audit_cgroups()
+        rec.watch(sid, cg.id)
+        assert "lost_total" in rec.unwatch(cg.id)               # no stale "audit pipeline failed"
+    finally:
+        rec.close()
+        spool.close()

@@ -330,3 +330,71 @@ def test_gc_after_killed_run():
     assert sid not in lo["state"]
     assert not lo["links"]
     assert dsec("gc").stdout.startswith(b"clean")
+
+
+def test_gc_never_takes_a_starting_sandbox_for_an_orphan():
+    """Issue 13 point 8: gc listed state directories, then cgroups; a sandbox that
+    started in between had cgroups and no live state in gc's view, and gc removed
+    them (and, with no sandbox live, the NAT table under it). The interleaving is
+    forced: the sandbox starts right after gc's first listing."""
+    from agent.sandbox import cgroups, gc
+    from agent.sandbox.launcher import Sandbox, SandboxSpec
+    sid = "gcrace-" + os.urandom(4).hex()
+    box = {}
+    real = cgroups.list_sandbox_cgroups
+
+    def start():
+        box["sb"] = Sandbox(SandboxSpec(argv=[], sandbox_id=sid, network="none")).start()
+
+    def listing_then_start(layout):
+        t = threading.Thread(target=start)
+        t.start()
+        box["thread"] = t
+        deadline = time.monotonic() + 3          # on main the sandbox is up well within this
+        while time.monotonic() < deadline and not any(sid in c for c in leftovers()["cgroups"]):
+            time.sleep(0.02)
+        return real(layout)
+
+    cgroups.list_sandbox_cgroups = listing_then_start
+    try:
+        rep = gc.remove(final=True)
+    finally:
+        cgroups.list_sandbox_cgroups = real
+    box["thread"].join(30)
+    sb = box.get("sb")
+    assert sb is not None
+    try:
+        assert sid not in [s["sandbox_id"] for s in rep["sandboxes"]]
+        r = sb.exec(["sh", "-c", "echo alive"], timeout=30)
+        assert r.code == 0 and any(sid in c for c in leftovers()["cgroups"])
+    finally:
+        sb.close()
+
+
+def test_kill_all_never_signals_a_pid_that_left_the_cgroup(tmp_path):
+    """Issue 13 point 8: kill_all SIGKILLed the pids it read from cgroup.procs, which
+    may belong to another process by then (pid reuse). A listed pid that is not a
+    member any more (here: a process outside the sandbox) must survive."""
+    from agent.sandbox import cgroups
+    from agent.sandbox.launcher import Sandbox, SandboxSpec
+    outsider = subprocess.Popen(["sleep", "60"])
+    sb = Sandbox(SandboxSpec(argv=[], sandbox_id="kill-" + os.urandom(4).hex(), network="none")).start()
+    try:
+        cg = sb.cg
+        real_pids = cg.pids
+        calls = [0]
+
+        def pids_with_a_stale_entry():        # the first listing has a pid that left since
+            calls[0] += 1
+            return sorted(set(real_pids()) | ({outsider.pid} if calls[0] == 1 else set()))
+        inside = real_pids()
+        assert inside and outsider.pid not in inside
+        cg.pids = pids_with_a_stale_entry
+        cg.kill_all(timeout=2)
+        cg.pids = real_pids
+        assert not real_pids()
+        assert outsider.poll() is None                      # not killed
+    finally:
+        sb.close()
+        outsider.kill()
+        outsider.wait()

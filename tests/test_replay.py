@@ -646,3 +646,48 @@ def test_rerun_goes_through_the_running_agent(incident, node_agent):
         for key in ("execs", "connects", "writes", "denials"):
             assert s[key]["added"] == [] and s[key]["removed"] == [], (s["step"], key, s[key])
     assert r.returncode == 0 and not d["changed"]
+
+
+DEEP_WRITER = r'''
+import os
+d = b"/workspace"
+for i in range(15):
+    d += b"/" + bytes([0xff, 0xfe]) * 127 + bytes([0x30 + i])
+os.makedirs(d)
+for i in range(1000):
+    with open(d + b"/" + b"\xfa" * 180 + str(i).encode(), "wb"):
+        pass
+'''
+
+
+def test_huge_change_manifest_is_recorded_whole(clickhouse_url, tmp_path):
+    """Issue 13 point 4: 1,000 non-UTF-8 ~4 KiB paths make the manifest ~28 MiB
+    escaped; on main the sandbox_exit record was refused by the spool and the
+    sandbox's end was lost. Now the manifest is in its own paged file_changes
+    records and sandbox_exit arrives."""
+    from agent.sandbox.launcher import Sandbox, SandboxSpec
+    from agent.sensors.recorder import Recorder
+    from agent.sensors.watch import SandboxWatch
+    from exporters.spool import Spool
+    from exporters.clickhouse import flush
+    rec = Recorder(spool=Spool(str(tmp_path / "spool")), enforce=False)
+    sid = "manifest-" + os.urandom(4).hex()
+    try:
+        spec = SandboxSpec(argv=[], sandbox_id=sid, network="none", memory=256 << 20, pids=64)
+        sb = Sandbox(spec, **SandboxWatch(rec, spec).hooks()).start()
+        try:
+            r = sb.exec(["python3", "-I", "-c", DEEP_WRITER], timeout=120)
+        finally:
+            summary = sb.close()
+    finally:
+        rec.close()
+    assert r.code == 0, r.error
+    res = flush(rec.spool, url=clickhouse_url, timeout=60)
+    assert res.ok, res.summary()
+    with AuditStore(clickhouse_url) as store:
+        t = reconstruct(sid, list(store.events(sid)))
+    assert t.exit is not None                                         # the end is recorded
+    assert len(summary["changes"]) >= 1000
+    assert [c["path"] for c in t.changes] == [c["path"] for c in summary["changes"]]
+    assert any(c["path"].endswith("\udcfa" * 180 + "999") for c in t.changes)
+    assert len(t.change_pages) >= 2

@@ -87,10 +87,24 @@ def test_bad_records_are_refused_with_a_clear_line(spool, bad, words):
     assert spool.size_bytes() == 0
 
 
-def test_oversized_record_is_refused(spool):
-    with pytest.raises(ExportError, match="limit"):
-        spool.append(rec(0, argv=["x" * (MAX_RECORD_BYTES + 1)]))
-    assert spool.size_bytes() == 0
+def test_oversized_record_is_cut_with_a_marker_never_refused(spool):
+    """Issue 13 point 4: a sandbox_exit whose manifest holds 1,000 non-UTF-8
+    4 KiB paths is ~28 MiB escaped, past the 16 MiB frame limit; on main the
+    spool refused the batch and every record in it was lost."""
+    bad = "/" + "\udcff" * 4095
+    big = rec(1, kind="sandbox_exit", path="",
+              extra=json.dumps({"changes": [{"path": bad, "kind": "added"}] * 1000, "exit_code": 0}))
+    argv = rec(2, argv=["x" * (MAX_RECORD_BYTES + 1)])
+    assert spool.append_many([rec(0), big, argv, rec(3)]) == 4
+    out, damage = read_all(spool.reader("t"))
+    assert [r["event_id"] for r in out] == ["ev-0", "ev-1", "ev-2", "ev-3"] and not damage
+    ex = json.loads(out[1]["extra"])
+    assert ex["dsec_truncated"] == {"extra": len(big["extra"])}
+    assert ex["extra_prefix"].endswith("...[dsec: truncated]")
+    assert big["extra"].startswith(ex["extra_prefix"][:-len("...[dsec: truncated]")])
+    assert out[2]["argv"][-1] == "...[dsec: truncated]"
+    assert json.loads(out[2]["extra"])["dsec_truncated"] == {"argv": 1}
+    assert out[0] == rec(0) and out[3] == rec(3)
 
 
 def test_cursor_persists_and_uncommitted_batch_is_read_again(spool, tmp_path):

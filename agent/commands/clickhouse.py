@@ -20,7 +20,7 @@ exit status: 0 ok (status: running); 1 failure (status: not running); 2 bad usag
 """
 from __future__ import annotations
 
-from exporters.clickhouse_server import PrivateServer, connect, external_url, parse_url
+from exporters.clickhouse_server import USER, PrivateServer, connect, external_url, parse_url
 from agent.errors import ReportedError
 
 HELP = "start, stop or show dsec's private ClickHouse server"
@@ -55,7 +55,8 @@ def _print_status(server: PrivateServer, st, verb: str):
         print(f"dsec ClickHouse {verb} (pid {st.pid})")
     else:
         print("dsec ClickHouse is not running" + (f": {st.detail}" if st.detail else ""))
-    print(f"  native  127.0.0.1:{st.tcp_port}   {st.url}")
+    print(f"  native  127.0.0.1:{st.tcp_port}   {parse_url(st.url).url}")
+    print(f"  user    {USER}, password in {server.password_file} (0600)")
     print(f"  http    127.0.0.1:{st.http_port}   http://127.0.0.1:{st.http_port}/")
     print(f"  data    {st.data_dir}")
     print(f"  logs    {st.log_dir}")

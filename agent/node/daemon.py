@@ -790,9 +790,7 @@ class Agent:
             raise ApiError("FAILED_PRECONDITION", f"policy update failed: {e.message}") from None
         with self._lock:
             rec.spec.policy = policy
-        applied = ["egress", "exec"]
-        if isinstance(result, dict) and result.get("applied"):
-            applied = list(result["applied"])
+        applied = list((result or {}).get("applied") or [])     # what the recorder says it applied, only
         syscalls = ("unchanged in the kernel filter: the seccomp filter is installed when a step starts from the "
                     "policy the sandbox was created with and cannot be replaced; syscalls the new policy denies can "
                     "only be tightened through eBPF (reported, and killed where the policy says so), never loosened")

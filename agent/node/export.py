@@ -51,7 +51,16 @@ class _Pokeable:
             return self._stop
 
 
+RESTART_BACKOFF = (0.5, 30.0)     # first and longest wait before the exporter loop restarts
+
+
 class ClickHouseExport:
+    """The exporter loop in a thread that does not die: an unexpected error (a
+    bug, a driver exception the sink does not classify) is logged with its
+    traceback, counted in dsec.exporter.restarts{sink="clickhouse"} and the
+    loop restarts after a backoff (0.5 s doubling to 30 s, reset once a pass
+    has run for a minute); the records wait in the spool meanwhile."""
+
     def __init__(self, spool, interval: float, *, url: str | None = None, cluster: str | None = None,
                  insert: str = "local", ddl: str = "auto"):
         from exporters.clickhouse import ClickHouseExporter
@@ -60,20 +69,36 @@ class ClickHouseExport:
         self.exporter = ClickHouseExporter(spool, url, cluster=cluster, insert=insert, ddl=ddl)
         self._stop = _Pokeable()
         self._thread: threading.Thread | None = None
+        self.restarts = 0
+        self.last_crash = ""
 
     @property
     def url(self) -> str:
         return self.exporter._url
 
     def start(self) -> "ClickHouseExport":
-        def run():
-            try:
-                self.exporter.run(self._stop, interval=self.interval)
-            except Exception:  # noqa: BLE001
-                log.exception("ClickHouse exporter thread died; events stay in the spool")
-        self._thread = threading.Thread(target=run, name="dsec-agent-export", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="dsec-agent-export", daemon=True)
         self._thread.start()
         return self
+
+    def _run(self):
+        from exporters.metrics import METRICS
+        backoff = RESTART_BACKOFF[0]
+        while not self._stop.is_set():
+            began = time.monotonic()
+            try:
+                self.exporter.run(self._stop, interval=self.interval)
+                return
+            except Exception as e:  # noqa: BLE001 - the thread restarts; records wait in the spool
+                self.restarts += 1
+                self.last_crash = f"{type(e).__name__}: {e}"[:300]
+                METRICS.add("dsec.exporter.restarts", 1, sink="clickhouse")
+                if time.monotonic() - began > 60:
+                    backoff = RESTART_BACKOFF[0]
+                log.exception("ClickHouse exporter failed unexpectedly (restart %d in %.1fs); events stay "
+                              "in the spool", self.restarts, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, RESTART_BACKOFF[1])
 
     def close(self):
         self._stop.set()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import time
 from agent.errors import DsecError, EXIT_DSEC
 
@@ -263,24 +264,43 @@ class SandboxCgroup:
 
     # --- teardown --------------------------------------------------------------
     def kill_all(self, timeout: float = 5.0):
-        """SIGKILL every process left in the sandbox's cgroups and wait until empty."""
-        if self.v2_path and os.path.exists(f"{self.v2_path}/cgroup.kill"):
-            try:
-                _write(f"{self.v2_path}/cgroup.kill", "1")
-            except OSError:
-                pass
+        """SIGKILL every process left in the sandbox's cgroups and wait until empty.
+
+        Never by a pid read from cgroup.procs alone (the pid may have been
+        reused by then): cgroup.kill where the cgroup2 directory has it (the
+        kernel kills the members, atomically against forks), else each listed
+        pid through a pidfd opened first and signalled only if that pid is
+        still a member after the pidfd pins the process."""
+        kill_file = f"{self.v2_path}/cgroup.kill" if self.v2_path else None
+        has_kill = bool(kill_file and os.path.exists(kill_file))
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while True:
+            if has_kill:
+                try:
+                    _write(kill_file, "1")
+                except OSError:
+                    has_kill = False
             left = self.pids()
             if not left:
                 return True
-            for pid in left:
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
+            for pid in left:            # no cgroup.kill, or members of the v1 hierarchies only
+                self._kill_member(pid)
+            if time.monotonic() >= deadline:
+                return not self.pids()
             time.sleep(0.01)
-        return not self.pids()
+
+    def _kill_member(self, pid: int) -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return                      # gone
+        try:
+            if pid in self.pids():      # the pidfd's process is the member: the pid cannot be reused now
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def remove(self, timeout: float = 5.0) -> list[str]:
         """Remove the sandbox's cgroups; returns the paths that could not be removed."""

@@ -13,6 +13,14 @@ the nftables table "ip dsec" and the empty "dsec" parent cgroups (removed when
 no sandbox is left, with final=True). With several agents on one host each
 gc sees its own: its state directory (DSEC_STATE_DIR), cgroup parent
 (DSEC_CGROUP_PARENT), links of its egress pool and NAT table (DSEC_EGRESS_POOL).
+
+Starting sandboxes: gc holds <state dir>/gc.lock exclusively from its first
+listing to its last removal; a launcher holds it shared from before its state
+directory exists until its cgroups exist and its state lock is held
+(start_guard()). So a sandbox is either wholly visible to gc as live, or not
+there yet; gc never takes a starting sandbox's cgroups (or, with no sandbox
+live, the NAT table under it) for an orphan's. Each orphan is also checked
+once more, under the lock, just before it is removed.
 """
 from __future__ import annotations
 
@@ -22,6 +30,54 @@ import json
 import os
 import shutil
 import time
+from contextlib import contextmanager
+
+
+def _lock_path() -> str:
+    from agent.sandbox import rootfs
+    return os.path.join(rootfs.STATE_ROOT, "gc.lock")
+
+
+@contextmanager
+def _gc_lock(mode: int):
+    os.makedirs(os.path.dirname(_lock_path()), exist_ok=True)
+    fd = os.open(_lock_path(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, mode)
+        yield
+    finally:
+        os.close(fd)
+
+
+class StartGuard:
+    """gc.lock held shared by a launcher while its sandbox comes into being (gc
+    waits); release() is idempotent."""
+
+    def __init__(self):
+        os.makedirs(os.path.dirname(_lock_path()), exist_ok=True)
+        self.fd = os.open(_lock_path(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_SH)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def release(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def start_guard() -> StartGuard:
+    return StartGuard()
+
+
+def _live_now() -> set:
+    from agent.sandbox import launcher
+    if not os.path.isdir(launcher.SANDBOX_DIR):
+        return set()
+    return {sid for sid in os.listdir(launcher.SANDBOX_DIR)
+            if _is_live(os.path.join(launcher.SANDBOX_DIR, sid))}
 
 
 def _is_live(state_dir: str) -> bool:
@@ -75,6 +131,12 @@ def _state_of(state_dir: str) -> dict:
 
 
 def remove(found: dict | None = None, *, dry_run: bool = False, final: bool = True) -> dict:
+    """See _remove; collects (when found is None) and removes under gc.lock."""
+    with _gc_lock(fcntl.LOCK_EX):
+        return _remove(found, dry_run=dry_run, final=final)
+
+
+def _remove(found: dict | None = None, *, dry_run: bool = False, final: bool = True) -> dict:
     """Remove the orphans of `found` (collect() when None). final=True (`dsec gc`)
     also removes the NAT table and the empty parent cgroups when no sandbox is
     left. Returns {"sandboxes": [{sandbox_id, owner_pid, supervisor_pid,
@@ -82,12 +144,16 @@ def remove(found: dict | None = None, *, dry_run: bool = False, final: bool = Tr
     "parents": [...], "live": [...], "failed": n}."""
     from agent.sandbox import cgroups, launcher, netns
     found = found or collect()
-    out = {"sandboxes": [], "links": [], "parents": [], "live": found["live"], "failed": 0}
+    live_now = _live_now()            # under the lock: what started since `found` was collected
+    out = {"sandboxes": [], "links": [], "parents": [], "live": sorted(set(found["live"]) | live_now),
+           "failed": 0}
     for sid in found["orphans"]:
         sd = os.path.join(launcher.SANDBOX_DIR, sid)
         st = _state_of(sd)
         item = {"sandbox_id": sid, "owner_pid": st.get("owner_pid"), "supervisor_pid": st.get("supervisor_pid"),
                 "cgroups_removed": [], "cgroups_left": [], "state_removed": None}
+        if sid in live_now:
+            continue                  # started since it was listed: not an orphan
         out["sandboxes"].append(item)
         if dry_run:
             continue
@@ -114,7 +180,7 @@ def remove(found: dict | None = None, *, dry_run: bool = False, final: bool = Tr
         except Exception as e:  # noqa: BLE001 - reported, counted
             item["error"] = str(e)
             out["failed"] += 1
-    if final and not found["live"] and not dry_run:
+    if final and not out["live"] and not dry_run:
         netns.remove_nat()
         out["parents"] = cgroups.remove_empty_parents(found["layout"])
     return out

@@ -234,15 +234,19 @@ class Sandbox:
         self.started_at = time.time()
         self.dir = os.path.join(SANDBOX_DIR, self.sid)
         os.makedirs(SANDBOX_DIR, exist_ok=True)
+        from agent.sandbox import gc
+        self._gc_guard = gc.start_guard()   # gc waits until this sandbox is visibly live (issue 13)
         try:
             os.mkdir(self.dir, 0o700)
         except FileExistsError:
+            self._gc_guard.release()
             raise DsecError(f"sandbox id {self.sid} is already in use (state dir {self.dir} exists; "
                             f"`dsec gc` removes stale ones)", EXIT_DSEC)
         self.state = "starting"
         try:
             self._start(layout, lower, host_dirs, uid, gid, home)
         except BaseException:
+            self._gc_guard.release()
             self._teardown()
             self.state = "closed"
             raise
@@ -256,7 +260,10 @@ class Sandbox:
         self._write_state({"sandbox_id": self.sid, "owner_pid": os.getpid(), "owner_start": _owner_start_time(),
                            "created": self.started_at, "network": spec.network})
         self.cg = cgroups.SandboxCgroup(layout, self.sid)
-        self.cg.create(spec.cpus, spec.memory, spec.pids)
+        try:
+            self.cg.create(spec.cpus, spec.memory, spec.pids)
+        finally:
+            self._gc_guard.release()        # locked state dir + cgroups: gc sees it live
         self.cgroup_id = self.cg.cgroup_id
         self._hook("on_cgroup", self.sid, self.cgroup_id)
 

@@ -36,7 +36,7 @@ from agent.sensors.common import BPF_DIR, TRACEFS, RINGBUF_MISSING, RingSensor, 
 from agent.sensors.common import StderrCapture as _StderrCapture, first_error as _first_error  # noqa: F401 (API)
 from agent.sensors.common import ringbuf_supported as _ringbuf_supported
 from agent.sensors.common import (check_sandbox_ids, compile_text, describe, loss_totals, map_discard, ring_pages,
-                              source_text, token_bucket, tracepoints_in, unavailable)
+                              source_text, token_bucket, tracepoints_in, unavailable, byte_bucket)
 from agent.sensors.decoder import SandboxInfo, load_constants
 from agent.errors import DsecError
 
@@ -48,6 +48,8 @@ DEFAULT_MAX_ARGS = 256
 DEFAULT_RATE = 5000          # events per second per sandbox
 DEFAULT_BURST = 25000        # events
 DEFAULT_MAX_INFLIGHT = 512   # syscalls in flight per sandbox
+DEFAULT_BYTE_RATE = 8 << 20  # bytes of records per second per sandbox
+BYTE_BURST_SHARE = 8         # default byte burst: the ring buffer's size / this
 OVER_BUDGET = ("summarise", "stop")
 LABELS = ("policy_name", "policy_hash", "mode")
 
@@ -123,13 +125,18 @@ class AuditSensor(RingSensor):
                  ring_bytes: int = DEFAULT_RING_BYTES, argv_bytes: int = DEFAULT_ARGV_BYTES,
                  max_args: int = DEFAULT_MAX_ARGS, max_inflight: int = DEFAULT_MAX_INFLIGHT,
                  rate: float = DEFAULT_RATE, burst: int = DEFAULT_BURST,
+                 byte_rate: float = DEFAULT_BYTE_RATE, byte_burst: int | None = None,
                  over_budget: str = "summarise", on_over_budget=None,
                  enrich: bool = True, loss_interval_s: float = 0.5):
         require_features()
         self.on_record = on_record
         self.on_over_budget = on_over_budget
-        self.defaults = {"rate": rate, "burst": burst, "over_budget": over_budget}
+        if byte_burst is None:
+            byte_burst = max(65536, ring_bytes // BYTE_BURST_SHARE)
+        self.defaults = {"rate": rate, "burst": burst, "over_budget": over_budget,
+                         "byte_rate": byte_rate, "byte_burst": byte_burst}
         _budget(rate, burst, over_budget)   # validate early
+        byte_bucket(byte_rate, byte_burst, "byte budget")
         self.ring_bytes = ring_bytes
         self.argv_bytes = argv_bytes
         self.max_args = max_args
@@ -170,9 +177,10 @@ class AuditSensor(RingSensor):
         labels: step (int, default 0), policy_name, policy_hash, mode (copied
         into every record), root_pid (a process of the sandbox whose root is
         used for exec enrichment once the exec'ing process is gone), rate,
-        burst, over_budget ("summarise" | "stop") overriding the defaults.
+        burst, byte_rate, byte_burst, over_budget ("summarise" | "stop")
+        overriding the defaults.
         """
-        known = set(LABELS) | {"step", "root_pid", "rate", "burst", "over_budget"}
+        known = set(LABELS) | {"step", "root_pid", "rate", "burst", "byte_rate", "byte_burst", "over_budget"}
         bad = sorted(set(labels) - known)
         if bad:
             raise DsecError(f"add_sandbox: unknown label(s) {', '.join(bad)} (known: {', '.join(sorted(known))})")
@@ -181,6 +189,8 @@ class AuditSensor(RingSensor):
         burst = labels.get("burst", self.defaults["burst"])
         mode = labels.get("over_budget", self.defaults["over_budget"])
         interval, tolerance = _budget(rate, burst, mode)
+        byte_ps, byte_tol = byte_bucket(labels.get("byte_rate", self.defaults["byte_rate"]),
+                                        labels.get("byte_burst", self.defaults["byte_burst"]), "byte budget")
         step = int(labels.get("step", 0))
         with self._lock:
             self._check_open()
@@ -195,6 +205,7 @@ class AuditSensor(RingSensor):
             self._modes[cgroup_id] = mode
             cfg = self._sandboxes_map.Leaf()
             cfg.interval_ns, cfg.tolerance_ns, cfg.step = interval, tolerance, step
+            cfg.byte_ps, cfg.byte_tol_ns = byte_ps, byte_tol
             cfg.mode = self.consts.over[mode]
             try:
                 self._state_map[self._state_map.Key(cgroup_id)] = self._state_map.Leaf()  # zeroed first

@@ -199,6 +199,19 @@ def token_bucket(rate, burst, what: str, unit: str) -> tuple[int, int]:
     return interval, interval * (int(burst) - 1)
 
 
+def byte_bucket(rate, burst, what: str) -> tuple[int, int]:
+    """(ps_per_byte, tolerance_ns) of the kernel's byte budget (shared.h
+    dsec_gcra_bytes); (0, 0) = unlimited. rate in bytes/s, burst in bytes (a
+    record larger than the burst is never admitted: keep burst >= 64 KiB)."""
+    if rate is None or rate == 0:
+        return 0, 0
+    if rate < 0 or burst is None or burst < 65536:
+        raise DsecError(f"{what}: byte rate must be > 0 bytes/s and byte burst >= 65536 bytes "
+                        f"(got byte_rate={rate}, byte_burst={burst})")
+    ps = max(1, int(1e12 / rate))
+    return ps, int(burst) * ps // 1000
+
+
 def check_sandbox_ids(cgroup_id, sandbox_id) -> None:
     if not isinstance(cgroup_id, int) or cgroup_id <= 1:
         raise DsecError(f"add_sandbox: cgroup id must be a cgroup2 directory's inode number, got {cgroup_id!r}")

@@ -221,6 +221,15 @@ def clock_offset_ns(samples: int = 5) -> int:
     return best[1]
 
 
+def syscall_name(nr: int) -> str:
+    """A syscall number of the enforcement sensor's counters as a name; every
+    number >= 512 (DSEC_SYSCALL_NR_OTHER, one counter) is "out_of_range"."""
+    from policies.syscalls import name_of
+    if nr >= 512:
+        return "out_of_range"
+    return name_of(nr) or f"nr_{nr}"
+
+
 # ---------------------------------------------------------------- sockaddr
 
 def decode_sockaddr(raw: bytes, addrlen: int) -> tuple[str, str, int, dict]:
@@ -569,12 +578,11 @@ class Decoder:
         """Fields of a syscall_denied / syscall_violation record. `total` is the
         kernel's running count for (sandbox, syscall); `count` is the part no
         earlier record reported (0 when a userspace summary got there first)."""
-        from policies.syscalls import name_of
         key = (cgroup_id, nr)
         before = self.sys_reported.get(key, 0)
         if total > before:
             self.sys_reported[key] = total
-        rec["syscall"] = name_of(nr) or f"nr_{nr}"
+        rec["syscall"] = syscall_name(nr)
         rec["count"] = max(0, total - before)
         rec["ret"] = ret
         rec["decision"] = "denied" if kind == "syscall_denied" else "would-deny"

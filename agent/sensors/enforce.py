@@ -43,6 +43,7 @@ import ctypes as ct
 import ipaddress
 import logging
 import os
+import threading
 import re
 import socket
 import time
@@ -51,6 +52,7 @@ from dataclasses import dataclass, field
 
 from agent.sensors import bpfsys
 from agent.sensors.common import BPF_DIR, TRACEFS, RINGBUF_MISSING, RingSensor, base_missing
+from agent.sensors.common import byte_bucket
 from agent.sensors.common import (bpffs_mounted, cgroup2_mount, check_sandbox_ids, compile_text, describe, find_tracefs,
                               loss_totals, map_discard, ring_pages, ringbuf_supported, source_text, token_bucket,
                               tracepoints_in, unavailable)
@@ -65,6 +67,8 @@ PIN_ROOT = "/sys/fs/bpf/dsec"
 DEFAULT_RING_BYTES = 4 << 20
 DEFAULT_RATE = 1000            # egress/exec records per second per sandbox
 DEFAULT_BURST = 5000
+DEFAULT_BYTE_RATE = 1 << 20    # bytes of records per second per sandbox
+BYTE_BURST_SHARE = 8           # default byte burst: the ring buffer's size / this
 DEFAULT_REPORT_INTERVAL_S = 1.0
 
 # cgroup hook programs (function name, attach type); names are the kernel's
@@ -274,12 +278,16 @@ class EnforcementSensor(RingSensor):
 
     def __init__(self, on_record=None, *, node: str | None = None, ring_bytes: int = DEFAULT_RING_BYTES,
                  rate: float = DEFAULT_RATE, burst: int = DEFAULT_BURST,
+                 byte_rate: float = DEFAULT_BYTE_RATE, byte_burst: int | None = None,
                  report_interval_s: float = DEFAULT_REPORT_INTERVAL_S, resolver: HostResolver | None = None,
                  pin_root: str | None = PIN_ROOT, loss_interval_s: float = 0.5, tracefs_roots=TRACEFS):
         require_features(tracefs_roots, pin_root)
         self.on_record = on_record
+        if byte_burst is None:
+            byte_burst = max(65536, ring_bytes // BYTE_BURST_SHARE)
         self.defaults = {"rate": rate, "burst": burst}
         _budget(rate, burst)
+        self.byte_budget = byte_bucket(byte_rate, byte_burst, "enforcement byte budget")
         if not report_interval_s > 0:
             raise DsecError(f"report_interval_s must be > 0, got {report_interval_s!r}")
         self.report_ns = int(report_interval_s * 1e9)
@@ -323,6 +331,10 @@ class EnforcementSensor(RingSensor):
         for name, attach_type in EGRESS_PROGS:
             fn = self.bpf.load_func(name.encode(), BPF.CGROUP_SOCK_ADDR, attach_type=attach_type)
             self._progs[name] = (fn.fd, attach_type, bpfsys.prog_info(fn.fd)["id"])
+        # the syscall programs' attachment state, under _hook_lock only (taken inside the
+        # sensor's lock, never the other way): an idle detach (~80 ms of RCU grace
+        # periods) runs without the sensor's lock
+        self._hook_lock = threading.Lock()
         self._sys_users = {"enter": 0, "exit": 0}
         self._sys_attached = {"enter": False, "exit": False}
         self._sys_idle_since = {"enter": 0.0, "exit": 0.0}
@@ -410,6 +422,7 @@ class EnforcementSensor(RingSensor):
             if len(prefix) > limit:
                 raise DsecError(f"add_sandbox: exec pattern {prefix.decode(errors='replace')!r} is {len(prefix)} "
                                 f"bytes; the kernel matcher takes at most {limit}")
+        answers = self._prefetch(h.host for h in (erules.allow_hosts + erules.deny_hosts)) if erules else {}
         with self._lock:
             self._check_open()
             if cgroup_id in self._sbx:
@@ -426,7 +439,7 @@ class EnforcementSensor(RingSensor):
                 if erules is not None:
                     for h in erules.allow_hosts + erules.deny_hosts:
                         sb.hosts[h.host] = _Host(h.host, deny=h in erules.deny_hosts)
-                self._resolve_hosts(sb, initial=True)
+                self._resolve_hosts(sb, initial=True, answers=answers)
                 self._apply_egress(sb)
                 self._apply_exec(sb, xrules or [])
                 if modes["sys"] == "learn":
@@ -434,6 +447,7 @@ class EnforcementSensor(RingSensor):
                 self._state_map[self._state_map.Key(cgroup_id)] = self._state_map.Leaf()
                 cfg = self._cfg.Leaf()
                 cfg.interval_ns, cfg.tolerance_ns, cfg.report_ns = interval, tolerance, self.report_ns
+                cfg.byte_ps, cfg.byte_tol_ns = self.byte_budget
                 cfg.idx, cfg.step = idx, step
                 self._set_modes(cfg, sb)
                 ct.memmove(cfg.sys_allow, syscall_bitmap(policy), len(cfg.sys_allow))
@@ -459,16 +473,20 @@ class EnforcementSensor(RingSensor):
         the policy in force (they are applied by seccomp and at exec, and every
         record names one policy): otherwise DsecError."""
         from policies.compile import egress_rules, exec_rules, namespace_rules, syscall_bitmap
+        erules = egress_rules(policy)
+        answers = self._prefetch(h.host for h in (erules.allow_hosts + erules.deny_hosts)) if erules else {}
         with self._lock:
             self._check_open()
             sb = self._get(cgroup_id, "update_egress")
             old = sb.policy
-            if (policy.mode != old.mode or exec_rules(policy) != exec_rules(old)
-                    or syscall_bitmap(policy) != syscall_bitmap(old)
-                    or namespace_rules(policy) != namespace_rules(old)):
+            differ = [what for what, same in (
+                ("mode", policy.mode == old.mode), ("exec", exec_rules(policy) == exec_rules(old)),
+                ("syscalls", syscall_bitmap(policy) == syscall_bitmap(old)),
+                ("namespaces", namespace_rules(policy) == namespace_rules(old))) if not same]
+            if differ:
                 raise DsecError(f"update_egress: policy {policy.name!r} changes more than egress rules "
-                                f"(mode, exec or syscall rules differ from {old.name!r}); start a new sandbox")
-            erules = egress_rules(policy)
+                                f"({', '.join(differ)} differ from {old.name!r}: fixed when the sandbox started; "
+                                f"nothing was applied); start a new sandbox")
             hosts = {}
             if erules is not None:
                 for h in erules.allow_hosts + erules.deny_hosts:
@@ -480,7 +498,7 @@ class EnforcementSensor(RingSensor):
                            erules, hosts=hosts)
             old_idx, old_entries, old_exec = sb.idx, sb.egress_entries, sb.exec_keys
             try:
-                self._resolve_hosts(new, initial=True, only_new=True)
+                self._resolve_hosts(new, initial=True, only_new=True, answers=answers)
                 # the new rules go in under a new rule-set index, then one update of the
                 # sandbox's entry switches index, mode and default together: a connection
                 # is checked against the old rules or the new ones, never a mix
@@ -555,10 +573,9 @@ class EnforcementSensor(RingSensor):
         those still inside their rate-limit window) and losses, deliver."""
         return self._drain()
 
-    def _periodic(self, now: float) -> None:
-        self._sys_hooks_idle(now)
-
     def _after_periodic(self) -> None:
+        if not self._closed:
+            self._sys_hooks_idle(time.monotonic())
         self.refresh_hosts()
 
     def _flush_all(self, final: bool) -> None:
@@ -648,14 +665,28 @@ class EnforcementSensor(RingSensor):
                     changed += 1
         return changed
 
-    def _resolve_hosts(self, sb: _Sandbox, initial: bool = False, only_new: bool = False) -> None:
+    def _prefetch(self, hosts) -> dict:
+        """Resolve hostnames without the sensor's lock (DNS may take seconds): {host: answer | ResolveError}."""
+        out = {}
+        for host in dict.fromkeys(hosts):
+            try:
+                out[host] = self.resolver.resolve(host)
+            except ResolveError as e:
+                out[host] = e
+        return out
+
+    def _resolve_hosts(self, sb: _Sandbox, initial: bool = False, only_new: bool = False,
+                       answers: dict | None = None) -> None:
         for x in sb.hosts.values():
             if only_new and x.next_refresh:
                 continue
-            try:
-                res = self.resolver.resolve(x.host)
-            except ResolveError as e:
-                res = e
+            if answers is not None and x.host in answers:
+                res = answers[x.host]
+            else:
+                try:
+                    res = self.resolver.resolve(x.host)
+                except ResolveError as e:
+                    res = e
             self._apply_resolution(sb, x, res)
             if isinstance(res, ResolveError) and x.deny and sb.modes["egress"] == "enforce" and initial:
                 raise DsecError(f"egress deny rule for host {x.host!r}: {res} (the rule cannot be enforced)")
@@ -768,6 +799,10 @@ class EnforcementSensor(RingSensor):
         return k
 
     def _sys_hook_get(self, sb: _Sandbox, hook: str) -> None:
+        with self._hook_lock:
+            self._sys_hook_get_locked(sb, hook)
+
+    def _sys_hook_get_locked(self, sb: _Sandbox, hook: str) -> None:
         if not self._sys_attached[hook]:
             kind, tp, fn = SYS_HOOKS[hook]
             try:
@@ -784,14 +819,21 @@ class EnforcementSensor(RingSensor):
     def _sys_hook_put(self, sb: _Sandbox) -> None:
         hook, sb.sys_hook = sb.sys_hook, None
         if hook is not None:
-            self._sys_users[hook] -= 1
-            if self._sys_users[hook] == 0:
-                self._sys_idle_since[hook] = time.monotonic()
+            with self._hook_lock:
+                self._sys_users[hook] -= 1
+                if self._sys_users[hook] == 0:
+                    self._sys_idle_since[hook] = time.monotonic()
 
     def _sys_hooks_idle(self, now: float) -> None:
         """Detach a syscall program nobody has needed for sys_hook_linger_s (from
         poll(): detaching costs ~80 ms of RCU grace periods, not to be paid by
-        every remove_sandbox of a busy node)."""
+        every remove_sandbox of a busy node), after the sensor's lock is released:
+        only _hook_lock is held, so launches go on unless one needs that very
+        program at that moment."""
+        with self._hook_lock:
+            self._sys_hooks_idle_locked(now)
+
+    def _sys_hooks_idle_locked(self, now: float) -> None:
         for hook, attached in self._sys_attached.items():
             if attached and self._sys_users[hook] == 0 and now - self._sys_idle_since[hook] >= self.sys_hook_linger_s:
                 kind, tp, _ = SYS_HOOKS[hook]
@@ -806,7 +848,7 @@ class EnforcementSensor(RingSensor):
 
     def syscall_hooks(self) -> dict:
         """The syscall programs: {"enter"|"exit": {"attached": bool, "sandboxes": n}}."""
-        with self._lock:
+        with self._hook_lock:
             return {h: {"attached": self._sys_attached[h], "sandboxes": self._sys_users[h]}
                     for h in self._sys_users}
 
@@ -928,13 +970,21 @@ class EnforcementSensor(RingSensor):
 
     def _violations(self, cgroup_id: int) -> dict:
         from policies.syscalls import name_of
-        return {name_of(k.nr) or f"nr_{k.nr}": v.count for k, v in self._viol.items() if k.cgroup_id == cgroup_id}
+        from agent.sensors.decoder import syscall_name
+        return {syscall_name(k.nr): v.count for k, v in self._viol.items() if k.cgroup_id == cgroup_id}
 
     def _flush_syscalls(self, cgroup_id: int | None = None, final: bool = False) -> None:
         """Report violations the kernel counted but did not report (its per-syscall
         rate limit): once their window is over, or all of them with final. One
         pass over the counters, for one sandbox or all."""
         now = time.monotonic_ns()
+        # only sandboxes with counters in the table (dsec_enf_state.sys_entries): an
+        # idle node never walks it, a busy one walks at most 64 entries per such sandbox
+        wanted = [c for c in ([cgroup_id] if cgroup_id is not None else list(self._sbx))
+                  if self._sbx.get(c) is not None and self._sbx[c].modes["sys"] in ("audit", "enforce")
+                  and (self._state_entry(c) is not None and self._state_entry(c).sys_entries)]
+        if not wanted:
+            return
         for k, v in list(self._viol.items()):
             cgid = k.cgroup_id
             if cgroup_id is not None and cgid != cgroup_id:
@@ -959,7 +1009,7 @@ class EnforcementSensor(RingSensor):
         if st.learn_lost:
             lost.setdefault("table_full", {})["egress_destination"] = st.learn_lost
         return {"emitted": emitted, "lost": lost, "killed": st.killed,
-                "sys_out_of_range": st.sys_out_of_range}
+                "sys_out_of_range": st.sys_out_of_range, "sys_overflow": st.sys_overflow}
 
     @staticmethod
     def _totals(state: dict | None) -> dict:
@@ -967,6 +1017,8 @@ class EnforcementSensor(RingSensor):
         out["killed"] = state["killed"] if state else 0
         if state and state["sys_out_of_range"]:
             out["sys_out_of_range"] = state["sys_out_of_range"]   # learn: numbers >= 512 (x32 ABI)
+        if state and state["sys_overflow"]:
+            out["sys_overflow"] = state["sys_overflow"]   # violations past the sandbox's 64 counters
         return out
 
     def _flush_losses(self, cgroup_id: int, state: dict | None) -> None:

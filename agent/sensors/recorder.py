@@ -21,14 +21,18 @@ Every record is stamped with the policy's name, hash and mode and a decision
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 import sys
 import threading
 import time
 
-from agent.errors import DsecError, EXIT_DSEC, ReportedError
+from agent.errors import DsecError, EXIT_DSEC, EXIT_USAGE, ReportedError
 from audit_schema.events import normalize
 from policies.evaluate import decision      # per record, on the poll thread: imported once here
+
+log = logging.getLogger("dsec.audit")
 
 
 class Recorder:
@@ -39,9 +43,13 @@ class Recorder:
         self.spool = spool or Spool()
         self._pending: list[dict] = []
         self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()       # one append at a time: batches stay in order
+        self.append_errors = 0
         self._seq = 0
         self._instance = os.urandom(8).hex()
-        self.stopped: dict[int, int] = {}
+        self._error: BaseException | None = None        # the last append failure, until one succeeds
+        self._poll_error: BaseException | None = None   # the last poll failure, until one succeeds
+        self.stopped: dict[int, int] = {}               # cgroup id -> losses that stopped it (while watched)
         self.policies: dict[str, object] = {}      # sandbox id -> Policy (decision stamping)
         self.images: dict[str, str] = {}           # sandbox id -> image manifest digest (every row)
         self._watched: dict[int, dict] = {}        # cgroup id -> {sandbox_id, policy, path, enforced}
@@ -56,7 +64,6 @@ class Recorder:
         if isinstance(self.enforce_error, BaseException):
             raise self.enforce_error
         self._stop = threading.Event()
-        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="dsec-audit-poll", daemon=True)
         self._thread.start()
 
@@ -105,27 +112,79 @@ class Recorder:
                 self._taps.remove(fn)
 
     def _flush_pending(self):
-        with self._lock:
-            batch, self._pending = self._pending, []
-            taps = list(self._taps)
-        if batch:
-            self.spool.append_many(batch)
-            for fn in taps:
+        """Append what is pending to the spool. A batch leaves the queue only once
+        the spool has it: an append that fails puts it back in front (in order)
+        and the poll thread retries; a record the spool finds invalid (a bug
+        upstream) is replaced by an events_lost record (reason invalid_record)
+        instead of blocking the others. The error flag clears at the next
+        append that succeeds."""
+        with self._flush_lock:
+            with self._lock:
+                batch, self._pending = self._pending, []
+                taps = list(self._taps)
+            if not batch:
+                return
+            try:
                 try:
-                    fn(batch)
-                except Exception:  # noqa: BLE001 - a slow or broken listener never stops recording
-                    pass
+                    self.spool.append_many(batch)
+                except ReportedError as e:
+                    if e.code != EXIT_USAGE:
+                        raise
+                    batch = [self._valid_or_gap(r) for r in batch]
+                    self.spool.append_many(batch)
+            except BaseException as e:
+                with self._lock:
+                    self._pending[:0] = batch
+                if self._error is None:
+                    log.error("audit record spooling failed (%d record(s) kept queued, retried): %s",
+                              len(self._pending), e)
+                self._error = e
+                self.append_errors += 1
+                raise
+            if self._error is not None:
+                log.warning("audit record spooling works again (%d failed attempt(s))", self.append_errors)
+            self._error = None
+        for fn in taps:
+            try:
+                fn(batch)
+            except Exception:  # noqa: BLE001 - a slow or broken listener never stops recording
+                pass
+
+    def _valid_or_gap(self, rec: dict) -> dict:
+        from exporters.spool import validate_record
+        try:
+            return validate_record(rec)
+        except ReportedError as e:
+            log.error("invalid audit record replaced by a gap marker: %s", e.message)
+            return normalize({"event_id": self.new_event_id(), "ts_ns": time.time_ns(), "node": self.node,
+                              "sandbox_id": str(rec.get("sandbox_id") or "") if isinstance(rec, dict) else "",
+                              "kind": "events_lost", "count": 1,
+                              "extra": json.dumps({"reason": "invalid_record", "error": e.message[:500],
+                                                   "kinds": {str(rec.get("kind")): 1}})})
 
     def _loop(self):
+        backoff = 0.05
         while not self._stop.is_set():
+            failed = False
             try:
                 self.sensor.poll(20)
                 if self.enforcer is not None:
                     self.enforcer.poll(0)
-                self._flush_pending()
+                self._poll_error = None
             except BaseException as e:  # noqa: BLE001 - surfaced by close()/unwatch()
-                self._error = e
-                time.sleep(0.1)
+                if self._poll_error is None:
+                    log.error("audit sensor poll failed (retrying): %s", e)
+                self._poll_error = e
+                failed = True
+            try:
+                self._flush_pending()
+            except BaseException:  # noqa: BLE001 - kept queued, logged, retried here
+                failed = True
+            if failed:
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+            else:
+                backoff = 0.05
 
     def new_event_id(self) -> str:
         with self._lock:
@@ -149,7 +208,10 @@ class Recorder:
         rec = normalize(rec)
         with self._lock:
             self._pending.append(rec)
-        self._flush_pending()
+        try:
+            self._flush_pending()
+        except BaseException:  # noqa: BLE001 - queued; the poll thread retries; unwatch() reports it
+            pass
 
     # -- sandboxes ----------------------------------------------------------------------
     def watch(self, sandbox_id: str, cgroup_id: int, policy=None, cgroup_path: str | None = None,
@@ -191,9 +253,12 @@ class Recorder:
             if w["enforced"]:
                 self.enforcer.set_step(cgroup_id, step)
 
-    def update_policy(self, cgroup_id: int, policy):
-        """Egress and exec rules of a running sandbox change at once. Syscall rules
-        are fixed by the seccomp filter loaded at exec; they can only be tightened."""
+    def update_policy(self, cgroup_id: int, policy) -> dict:
+        """Change the egress rules of a running sandbox at once. Nothing else can
+        change in place: exec, syscall and namespace rules and the mode are
+        fixed when the sandbox starts (the seccomp filter, the exec check's rule
+        set), so a policy that differs in them is refused (DsecError), never
+        half-applied. Returns {"applied": ["egress"], "unchanged": [...]}."""
         w = self._watched.get(cgroup_id)
         if not w:
             raise DsecError(f"cgroup {cgroup_id} is not watched")
@@ -202,6 +267,7 @@ class Recorder:
         self.enforcer.update_egress(cgroup_id, policy)
         w["policy"] = policy
         self.policies[w["sandbox_id"]] = policy
+        return {"applied": ["egress"], "unchanged": ["exec", "syscalls", "namespaces", "mode"]}
 
     def syscall_counts(self, cgroup_id: int) -> dict:
         w = self._watched.get(cgroup_id)
@@ -224,9 +290,14 @@ class Recorder:
             stats = dict(stats)
             stats["lost_total"] = stats.get("lost_total", 0) + est.get("lost_total", 0)
             stats["enforcement"] = est
-        self._flush_pending()
-        if self._error:
-            raise DsecError(f"audit pipeline failed: {self._error}")
+        self.stopped.pop(cgroup_id, None)
+        try:
+            self._flush_pending()
+        except BaseException:  # noqa: BLE001 - reported just below; the records stay queued
+            pass
+        err = self._error or self._poll_error
+        if err:
+            raise DsecError(f"audit pipeline failed: {err} (records kept queued and retried)")
         return stats
 
     def close(self):
@@ -237,4 +308,8 @@ class Recorder:
             if self.enforcer is not None:
                 self.enforcer.close()
         finally:
-            self._flush_pending()
+            try:
+                self._flush_pending()
+            except BaseException as e:  # noqa: BLE001
+                log.error("audit records not spooled at close (%d): %s", len(self._pending), e)
+                raise DsecError(f"{len(self._pending)} audit record(s) could not be spooled at close: {e}") from None

@@ -39,7 +39,26 @@ from audit_schema.errors import ReportedError
 
 STDIN_RECORD_MAX = 64 << 10
 POLICY_RECORD_MAX = 256 << 10
-CHANGES_RECORD_MAX = 1000
+CHANGES_RECORD_MAX = 1000          # changes kept inline in sandbox_exit (when they fit CHANGES_INLINE_BYTES)
+CHANGES_INLINE_BYTES = 256 << 10
+CHANGES_PAGE = 200                 # changes per file_changes record
+CHANGES_PAGE_BYTES = 1 << 20       # ... and at most this much JSON
+
+
+def change_pages(changes: list) -> list[list]:
+    """The change manifest in pages of at most CHANGES_PAGE entries and
+    ~CHANGES_PAGE_BYTES of JSON each (a 4 KiB non-UTF-8 path grows ~7x escaped)."""
+    pages, page, size = [], [], 0
+    for c in changes:
+        n = len(json.dumps(c, separators=(",", ":"), default=str))
+        if page and (len(page) >= CHANGES_PAGE or size + n > CHANGES_PAGE_BYTES):
+            pages.append(page)
+            page, size = [], 0
+        page.append(c)
+        size += n
+    if page:
+        pages.append(page)
+    return pages
 SECRET_ENV_PATTERNS = tuple(p for p in os.environ.get(
     "DSEC_SECRET_ENV", "*TOKEN*,*SECRET*,*PASSWORD*,*PASSWD*,*KEY*,*CREDENTIAL*,AWS_*,*AUTH*").split(",") if p)
 
@@ -225,8 +244,20 @@ class SandboxWatch:
             summary["audit"]["error"] = stats["error"]
         if self.syscall_counts():
             summary["audit"]["syscalls"] = self.syscall_counts()     # learn mode: in-kernel counts
+        changes = list(summary.get("changes") or [])
+        pages = change_pages(changes)
+        # the whole manifest in its own records, paged: no record is ever too large for it
+        for i, page in enumerate(pages):
+            self._record({"kind": "file_changes", "sandbox_id": summary["sandbox_id"], "step": self.step,
+                          "count": len(page),
+                          "extra": _compact({"page": i + 1, "pages": len(pages), "changes": page,
+                                             "changes_total": summary.get("changes_total", len(changes))})})
         extra = {k: v for k, v in summary.items() if k != "changes"}
-        extra["changes"] = (summary.get("changes") or [])[:CHANGES_RECORD_MAX]
+        inline = changes[:CHANGES_RECORD_MAX]
+        while inline and len(_compact(inline)) > CHANGES_INLINE_BYTES:
+            inline = inline[:len(inline) // 2]
+        extra["changes"] = inline
+        extra["changes_pages"] = len(pages)
         extra["labels"] = self.labels
         self._record({"kind": "sandbox_exit", "sandbox_id": summary["sandbox_id"], "step": self.step,
                       "exit_code": summary["exit_code"] if summary.get("exit_code") is not None else -1,
