@@ -204,7 +204,7 @@ def step_sets(t: Trajectory, n: int) -> dict[str, set]:
             writes.add(f"{k} {r.get('path') or ''}")
         elif k == "rename":
             writes.add(f"rename {r.get('path') or ''} -> {r.get('path2') or ''}")
-    for d in t.denial_rows(step=n):
+    for d in t.denial_rows(step=n) + t.failed_rows(step=n):
         denials.add(f"{d['decision']} {d['action']} {d['subject']}")
     return {"execs": execs, "connects": connects, "writes": writes, "denials": denials}
 

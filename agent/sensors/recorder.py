@@ -29,6 +29,7 @@ import time
 from agent.errors import DsecError, EXIT_DSEC, ReportedError
 from audit_schema.events import normalize
 from policies.evaluate import decision      # per record, on the poll thread: imported once here
+from agent.sensors.denials import DenialAggregator
 
 
 class Recorder:
@@ -45,6 +46,7 @@ class Recorder:
         self.policies: dict[str, object] = {}      # sandbox id -> Policy (decision stamping)
         self._watched: dict[int, dict] = {}        # cgroup id -> {sandbox_id, policy, path, enforced}
         self._taps: list = []
+        self.denials = DenialAggregator(self.new_event_id)    # identical denials: one record + a count
         self.enforcer = None
         self.enforce_error = None
         # one after the other: BCC/LLVM crash when two modules compile at once
@@ -74,8 +76,9 @@ class Recorder:
         pol = self.policies.get(rec.get("sandbox_id"))
         if pol is not None and not rec.get("decision"):
             rec["decision"] = decision(pol, rec)
+        recs = self.denials.offer(rec)
         with self._lock:
-            self._pending.append(rec)
+            self._pending.extend(recs)
 
     def _on_over_budget(self, cgroup_id, sandbox_id, lost):
         """over_budget="stop": the kernel killed the process that overflowed; stop the
@@ -118,10 +121,17 @@ class Recorder:
                 self.sensor.poll(20)
                 if self.enforcer is not None:
                     self.enforcer.poll(0)
+                self._add_summaries(self.denials.due())
                 self._flush_pending()
             except BaseException as e:  # noqa: BLE001 - surfaced by close()/unwatch()
                 self._error = e
                 time.sleep(0.1)
+
+    def _add_summaries(self, recs: list[dict]):
+        if recs:
+            recs = [normalize(r) for r in recs]
+            with self._lock:
+                self._pending.extend(recs)
 
     def new_event_id(self) -> str:
         with self._lock:
@@ -215,6 +225,8 @@ class Recorder:
             stats = dict(stats)
             stats["lost_total"] = stats.get("lost_total", 0) + est.get("lost_total", 0)
             stats["enforcement"] = est
+        if w:
+            self._add_summaries(self.denials.flush(w["sandbox_id"]))
         self._flush_pending()
         if self._error:
             raise DsecError(f"audit pipeline failed: {self._error}")
