@@ -634,6 +634,49 @@ def _observe_connect(rid, rec, ex, egress, dns, dns_order, notes):
         e["loopback"] = True
 
 
+RULE_KINDS = ("syscalls", "egress", "dns", "exec", "exec.allow_written_under", "files")
+
+
+def _rule_sets(spec: dict) -> dict[str, set]:
+    eg = spec.get("egress") or {}
+    x = spec.get("exec") or {}
+    return {
+        "syscalls": set(spec["syscalls"].get("allow", [])),
+        "egress": {f"{r.get('protocol')} {r.get('cidr') or r.get('host')}:{p}"
+                   for r in eg.get("allow", []) for p in (r.get("ports") or ["*"])},
+        "dns": set(eg.get("dns", [])),
+        "exec": set(x.get("allow", [])),
+        "exec.allow_written_under": set(x.get("allow_written_under", [])),
+        "files": set((spec.get("files") or {}).get("writable", [])),
+    }
+
+
+def additions(runs) -> list[dict]:
+    """Per run, in order: what it added to the policy of the runs before it, per rule
+    kind ({run_id, added: {kind: [entries]}, total: n}). The first run adds all it
+    learned. A run that adds nothing changed nothing in the derived policy."""
+    runs = _check_runs(runs)
+    out = []
+    before = {k: set() for k in RULE_KINDS}
+    for i, r in enumerate(runs):
+        spec, _ = observe(runs[: i + 1])
+        now = _rule_sets(spec)
+        added = {k: sorted(now[k] - before[k]) for k in RULE_KINDS if now[k] - before[k]}
+        out.append({"run_id": r["run_id"], "added": added, "total": sum(len(v) for v in added.values())})
+        before = {k: before[k] | now[k] for k in RULE_KINDS}
+    return out
+
+
+def stable_tail(adds: list[dict]) -> int:
+    """How many of the last runs added nothing."""
+    n = 0
+    for a in reversed(adds):
+        if a["total"]:
+            break
+        n += 1
+    return n
+
+
 def derive_policy(runs, *, base: Policy | None = None, name: str = "learned") -> Policy:
     """The policy the runs need, in audit mode, with provenance annotations.
     With `base`, the union with base (policies.merge) -- still in audit mode."""
@@ -849,6 +892,6 @@ def render(policy: Policy, header: list[str] | None = None) -> str:
     return text
 
 
-__all__ = ["derive_policy", "observe", "generalise", "render", "provenance", "provenance_annotations",
+__all__ = ["derive_policy", "observe", "additions", "stable_tail", "RULE_KINDS", "random_name", "generalise", "render", "provenance", "provenance_annotations",
            "strip_provenance", "merge_entry", "egress_key", "new_provenance", "LearnError", "PROV_KEY",
            "RUNTIME", "SCRATCH", "SYSTEM_TREES", "SHARED_ROOTS"]
