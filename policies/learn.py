@@ -370,8 +370,11 @@ class _Notes:
         return out
 
 
-def observe(runs) -> tuple[dict, dict]:
-    """Runs -> (spec dict in audit mode, provenance); the core of derive_policy."""
+def observe(runs, layout_check=None) -> tuple[dict, dict]:
+    """Runs -> (spec dict in audit mode, provenance); the core of derive_policy.
+    layout_check(paths) -> [(index, path, why)]: writable entries the sandbox's root
+    filesystem cannot hold (agent.sandbox.rootfs.writable_conflicts); they are left
+    out and listed in the notes."""
     runs = _check_runs(runs)
     prov = new_provenance()
     notes = _Notes()
@@ -451,6 +454,14 @@ def observe(runs) -> tuple[dict, dict]:
                         notes.add("writes to an unresolved relative path, not learned", _show(p))
                         continue
                     p = _norm_path(p)
+                    raw = rec.get("path_raw") if p == _norm_path(paths[0]) else ex.get("path2_raw")
+                    if raw and not str(raw).startswith("/") and _system(p):
+                        # resolved by the agent after the fact, through the process's cwd or a
+                        # dirfd that may have been closed and reused by then: never trusted for
+                        # an exact entry in a system tree
+                        notes.add("relative writes placed in a system tree only after the fact (the cwd "
+                                  "or dirfd may have changed by then), not learned", f"{_show(p)} (as {_show(raw)})")
+                        continue
                     if p.startswith("/proc/") and re.match(r"^/proc/(\d+|thread-self)(/|$)", p):
                         p = re.sub(r"^/proc/(\d+|thread-self)", "/proc/self", p)
                     _add(written[p], rid)
@@ -507,6 +518,12 @@ def observe(runs) -> tuple[dict, dict]:
         if _valid(m._check_writable, d) is None or not _utf8(d):
             notes.add("written paths no writable entry can hold, not learned", _show(d))
             continue
+        if layout_check is not None:
+            bad = layout_check([d])
+            if bad:
+                notes.add("writable paths the sandbox's root filesystem cannot hold, not learned",
+                          f"{_show(d)}: {bad[0][2]}")
+                continue
         writable.append(d)
         e = _entry()
         e["seen"] = {}
@@ -677,13 +694,13 @@ def stable_tail(adds: list[dict]) -> int:
     return n
 
 
-def derive_policy(runs, *, base: Policy | None = None, name: str = "learned") -> Policy:
+def derive_policy(runs, *, base: Policy | None = None, name: str = "learned", layout_check=None) -> Policy:
     """The policy the runs need, in audit mode, with provenance annotations.
     With `base`, the union with base (policies.merge) -- still in audit mode."""
     if _valid(m._check_name, name) is None:
         raise LearnError(f"invalid policy name {name!r}: use 1-63 of [a-z0-9._-], starting and ending "
                          "alphanumeric")
-    spec, prov = observe(runs)
+    spec, prov = observe(runs, layout_check)
     ann = {"description": _summary(prov), SUMMARY_KEY: _summary(prov)}
     ann.update(provenance_annotations(prov))
     data = {"apiVersion": m.API_VERSION, "kind": m.KIND, "metadata": {"name": name, "annotations": ann},

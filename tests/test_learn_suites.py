@@ -61,6 +61,11 @@ def _policy_denials(sid, env):
     return [e for e in _events(sid, env) if e["decision"] in ("denied", "would-deny")]
 
 
+def _out(r) -> str:
+    """What the suite's runner printed: stdout, then stderr (unittest reports on stderr)."""
+    return r.stdout.decode(errors="replace") + "\n" + r.stderr.decode(errors="replace")
+
+
 def _run(env, name, pol=None, argv=None, extra=()):
     sid = f"suite-{name}-" + uuid.uuid4().hex[:8]
     args = ["run", "--sandbox-id", sid, *env_args(name), *extra]
@@ -87,8 +92,8 @@ def learned(env):
                  env=env, timeout=300)
         assert r.returncode == 0, (name, r.stderr[-2000:])
         out[name] = {"policy": pol, "text": open(pol).read(), "learn_stderr": r.stderr.decode(),
-                     "verdict": result_of(base.returncode, base.stdout.decode(errors="replace"), name)}
-        assert all(v is not None for v in out[name]["verdict"][1]), (name, base.stdout[-2000:])
+                     "verdict": result_of(base.returncode, _out(base), name)}
+        assert all(v is not None for v in out[name]["verdict"][1]), (name, _out(base)[-2000:])
     return out
 
 
@@ -98,7 +103,7 @@ def test_learned_suite_runs_clean_under_enforce(name, learned, env):
     for i in range(ENFORCED_RUNS):
         sid, r = _run(env, name, ln["policy"])
         assert r.returncode not in (125, 137), (i, r.stderr[-2000:])          # it started, nothing killed
-        got = result_of(r.returncode, r.stdout.decode(errors="replace"), name)
+        got = result_of(r.returncode, _out(r), name)
         assert got == ln["verdict"], (i, sid, got, ln["verdict"], r.stderr[-3000:])
         assert _policy_denials(sid, env) == [], (i, sid)
 
@@ -111,7 +116,7 @@ def test_seeded_exec_write_connect_blocked_and_reported(name, learned, env):
     sid, r = _run(env, name, ln["policy"], argv=argv)
     seed = [ln_ for ln_ in r.stderr.decode(errors="replace").splitlines() if ln_.startswith("SEED ")]
     assert seed == ["SEED exec=-9 write=EROFS connect=EPERM"], (seed, r.stderr[-2000:])
-    assert result_of(r.returncode, r.stdout.decode(errors="replace"), name) == ln["verdict"]
+    assert result_of(r.returncode, _out(r), name) == ln["verdict"]
     den = _policy_denials(sid, env)
     exec_denied = [e["path"] for e in den if e["kind"] == "exec_denied"]
     writes = {e["path"] for e in den if e["kind"] == "open_write"}

@@ -114,6 +114,14 @@ def _added_text(a: dict, limit: int = 6) -> str:
     return "; ".join(parts)
 
 
+def _layout_check():
+    """Writable entries the default root filesystem cannot hold are not learned."""
+    from agent.sandbox import rootfs
+    if os.geteuid() != 0 and not os.path.isdir(rootfs.BASE_ROOT):
+        return None
+    return rootfs.writable_conflicts
+
+
 def report_convergence(runs: list[dict], out=sys.stderr) -> list[dict]:
     """Per run: what it added, per rule kind, that the runs before it had not."""
     from policies.learn import additions
@@ -220,7 +228,7 @@ def run(args) -> int:
                 sys.stderr.write(f"dsec learn: NOT stable after {len(runs)} runs (the cap): run {len(runs)} still "
                                  f"added {adds[-1]['total']} entr{'y' if adds[-1]['total'] == 1 else 'ies'}; "
                                  "the policy is written, but learn longer or review what keeps changing\n")
-    policy = derive_policy(runs, base=base, name=name)
+    policy = derive_policy(runs, base=base, name=name, layout_check=_layout_check())
     for w in policy.warnings:
         sys.stderr.write(_disp(f"warning: {w}") + "\n")
     header = [f"Derived by `{how[:300]}`" + (f" with --base {args.base}" if args.base else ""),
