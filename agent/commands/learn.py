@@ -175,8 +175,8 @@ def run(args) -> int:
     if not args.from_strace and not cmd:
         raise _usage("nothing to learn from: give -- CMD [ARGS...] or --from-strace LOG...")
     if args.from_strace and (args.runs is not None or args.until_stable is not None):
-        raise _usage("--runs and --until-stable apply to the live form (-- CMD); with --from-strace every "
-                     "log is one run")
+        raise _usage("--runs applies to the live form (-- CMD), and so does --until-stable; with "
+                     "--from-strace every log is one run")
     if args.runs is not None and args.until_stable is not None:
         raise _usage("give --runs N or --until-stable N, not both")
     if args.max_runs is not None and args.until_stable is None:
