@@ -56,6 +56,7 @@ from policies.errors import PoliciesError, USAGE as EXIT_USAGE
 from policies import model as m
 from policies import syscalls as sc
 from policies.model import Policy
+from policies.evaluate import _ret  # noqa: F401 (one reading of a record's result)
 from policies.provenance import (PROV_KEY, SEEN_MAX, SUMMARY_KEY, _entry,  # noqa: F401 (API)
                                  _summary, _valid, egress_key, merge_entry, new_provenance, provenance,
                                  provenance_annotations, strip_provenance, under)
@@ -132,16 +133,6 @@ def _utf8(s: str) -> bool:
         return True
     except UnicodeEncodeError:
         return False
-
-
-def _ret(rec: dict) -> int | None:
-    r = rec.get("ret")
-    if r is None or isinstance(r, bool):
-        return None
-    try:
-        return int(r)
-    except (TypeError, ValueError):
-        return None
 
 
 def _errname(ret: int | None) -> str:
