@@ -1,5 +1,9 @@
 """Deriving a policy from observed runs (learning mode), with provenance.
 
+Why this file is long: derivation (observe), generalisation, convergence and the
+commented rendering share one provenance structure and one set of notes; split
+apart, each piece would re-read the others' keys.
+
     policy = derive_policy(runs, base=None, name="learned")   # a Policy, mode audit
     text = render(policy)                                      # YAML with a comment per entry
     prov = provenance(policy)                                  # the provenance, as plain data
