@@ -104,7 +104,9 @@ def _unresolved_write_let_through(policy, rec: dict) -> bool:
     if ret is None or ret < 0:
         return False
     paths = [rec.get("path") or ""] + ([rec.get("path2") or ""] if rec.get("kind") == "rename" else [])
-    return any(p and not p.startswith("/") for p in paths)
+    raw = rec.get("path_raw") or ""
+    # relative as given and placed by the agent only after the fact (cwd/dirfd may be gone or reused)
+    return any(p and not p.startswith("/") for p in paths) or bool(raw and not raw.startswith("/"))
 
 
 def decision(policy, rec: dict, host_addrs: dict | None = None) -> str:
