@@ -7,8 +7,11 @@ killed it); "would-deny": the policy forbids it but the mode is audit (it went
 through and is reported); "failed": the policy forbids it, but the action
 failed on its own (an exec or write the kernel refused for a reason of its
 own -- ENOENT, ENOTDIR, EACCES ...: a PATH search miss is not a policy
-denial); "allowed" otherwise, including everything in learn mode. Used to stamp audit events as they are recorded and by replay's what-if
-evaluation against a policy other than the one in force.
+denial; in enforce mode also a write the read-only layout refused with EROFS
+that the sandbox's user had no permission for anyway, as the agent found and
+noted in extra.refused_anyway); "allowed" otherwise, including everything
+in learn mode. Used to stamp audit events as they are recorded and by
+replay's what-if evaluation against a policy other than the one in force.
 
 Pure: no I/O. Hostname egress rules are evaluated only against the addresses
 passed in `host_addrs` (what the agent resolved); without them a host rule
@@ -17,6 +20,7 @@ matches nothing.
 from __future__ import annotations
 
 import errno as _errno
+import json
 import posixpath
 
 from policies.compile import egress_rules, exec_allowed, writable_paths
@@ -67,6 +71,7 @@ FAILED = "failed"                                 # forbidden, but the kernel re
 # what the read-only layout answers a write it refuses (the policy's own refusal in enforce mode)
 LAYOUT_ERRNOS = (_errno.EROFS,)
 ACTION_KINDS = ("exec", "open_write", "unlink", "rename")
+WRITE_ACTIONS = ("open_write", "unlink", "rename")
 
 
 def _ret(rec: dict):
@@ -79,18 +84,54 @@ def _ret(rec: dict):
         return None
 
 
+def layout_refusal(rec: dict) -> bool:
+    """A write the read-only layout refused (EROFS): the policy's own refusal in
+    enforce mode -- unless the kernel would have refused it anyway."""
+    ret = _ret(rec)
+    return rec.get("kind") in WRITE_ACTIONS and ret is not None and -ret in LAYOUT_ERRNOS
+
+
+def mark_refused_anyway(rec: dict, why: str | None):
+    """Note in rec's extra that the agent found the write would have failed anyway
+    (agent/sensors/permcheck.py: the sandbox's uid/gid lack the permission)."""
+    if not why:
+        return
+    try:
+        extra = json.loads(rec.get("extra") or "{}")
+    except ValueError:
+        extra = {}
+    if not isinstance(extra, dict):
+        extra = {}
+    extra["refused_anyway"] = why.split(":", 1)[0]
+    extra["refused_anyway_by"] = ("the agent's permission check, after the fact, best effort: "
+                                  + why.split(":", 1)[1].strip())
+    rec["extra"] = json.dumps(extra, sort_keys=True)
+
+
+def _refused_anyway(rec: dict) -> bool:
+    extra = rec.get("extra")
+    if not extra or "refused_anyway" not in extra:
+        return False
+    try:
+        return bool(json.loads(extra).get("refused_anyway"))
+    except (ValueError, AttributeError):
+        return False
+
+
 def failed_on_its_own(policy, rec: dict) -> bool:
     """Did this exec/write fail for a reason of the kernel's own (not the policy's)?
     An exec that returned an error never ran (the exec check acts on execs that
     succeed); a write that failed with anything but the layout's EROFS (enforce
-    mode) failed whatever the policy says."""
+    mode) failed whatever the policy says; an EROFS write failed on its own when
+    the agent found the sandbox's user lacks the permission it needs
+    (extra.refused_anyway)."""
     if rec.get("kind") not in ACTION_KINDS:
         return False
     ret = _ret(rec)
     if ret is None or ret >= 0:
         return False
     if rec.get("kind") != "exec" and policy.mode == "enforce" and -ret in LAYOUT_ERRNOS:
-        return False
+        return _refused_anyway(rec)
     return True
 
 

@@ -7,7 +7,7 @@ import json
 
 from agent.sensors.denials import DenialAggregator
 from policies.compile import exec_allowed
-from policies.evaluate import decision
+from policies.evaluate import decision, mark_refused_anyway
 from policies.learn import additions, derive_policy, random_name, render, stable_tail
 from policies.load import load_policy_text
 
@@ -78,6 +78,13 @@ def test_decision_failed_is_not_a_policy_denial():
     assert decision(enf, missing) == "failed" and decision(aud, missing) == "failed"
     assert decision(enf, {"kind": "exec", "path": "/usr/bin/id", "ret": 0}) == "denied"
     assert decision(enf, {"kind": "open_write", "path": "/etc/x", "ret": -errno.EROFS}) == "denied"
+    # EROFS, but the agent found the sandbox's user had no permission there anyway
+    rofs = {"kind": "open_write", "path": "/etc/x", "ret": -errno.EROFS, "extra": json.dumps({"gid": 1000})}
+    mark_refused_anyway(rofs, "EACCES: /etc is 0:0 drwxr-xr-x: uid 1000 gid 1000 (other) has no write permission")
+    assert decision(enf, rofs) == "failed" and json.loads(rofs["extra"])["refused_anyway"] == "EACCES"
+    assert json.loads(rofs["extra"])["gid"] == 1000
+    mark_refused_anyway(rofs2 := {"kind": "unlink", "path": "/etc/y", "ret": -errno.EROFS}, None)
+    assert decision(enf, rofs2) == "denied"
     assert decision(enf, {"kind": "open_write", "path": "/etc/group/x", "ret": -errno.ENOTDIR}) == "failed"
     # a relative write the kernel let through: the layout allowed it, no denial claimed
     assert decision(enf, {"kind": "unlink", "path": "test0.txt", "ret": 0}) == "allowed"

@@ -28,8 +28,10 @@ import time
 
 from agent.errors import DsecError, EXIT_DSEC, ReportedError
 from audit_schema.events import normalize
-from policies.evaluate import decision      # per record, on the poll thread: imported once here
+# per record, on the poll thread: imported once here
+from policies.evaluate import decision, layout_refusal, mark_refused_anyway
 from agent.sensors.denials import DenialAggregator
+from agent.sensors.permcheck import SandboxRoots
 
 
 class Recorder:
@@ -47,6 +49,7 @@ class Recorder:
         self._watched: dict[int, dict] = {}        # cgroup id -> {sandbox_id, policy, path, enforced}
         self._taps: list = []
         self.denials = DenialAggregator(self.new_event_id)    # identical denials: one record + a count
+        self.roots = SandboxRoots()                 # enforce-mode sandboxes' roots: EROFS writes refused anyway?
         self.enforcer = None
         self.enforce_error = None
         # one after the other: BCC/LLVM crash when two modules compile at once
@@ -75,6 +78,8 @@ class Recorder:
     def _on_record(self, rec: dict):
         pol = self.policies.get(rec.get("sandbox_id"))
         if pol is not None and not rec.get("decision"):
+            if pol.mode == "enforce" and layout_refusal(rec):
+                mark_refused_anyway(rec, self.roots.refused_anyway(rec.get("sandbox_id"), rec))
             rec["decision"] = decision(pol, rec)
         recs = self.denials.offer(rec)
         with self._lock:
@@ -175,6 +180,8 @@ class Recorder:
         (the supervisor and its children until they exec are exempt)."""
         self.sensor.set_root_pid(cgroup_id, pid)
         w = self._watched.get(cgroup_id)
+        if w and w["policy"] is not None and w["policy"].mode == "enforce":
+            self.roots.add(w["sandbox_id"], pid)
         if not w or w["policy"] is None or self.enforcer is None or not w["path"]:
             if w and w["policy"] is not None and self.enforcer is None:
                 sys.stderr.write(f"dsec: warning: sandbox {w['sandbox_id']}: eBPF enforcement unavailable "
@@ -227,6 +234,7 @@ class Recorder:
             stats["enforcement"] = est
         if w:
             self._add_summaries(self.denials.flush(w["sandbox_id"]))
+            self.roots.remove(w["sandbox_id"])
         self._flush_pending()
         if self._error:
             raise DsecError(f"audit pipeline failed: {self._error}")
@@ -235,6 +243,7 @@ class Recorder:
     def close(self):
         self._stop.set()
         self._thread.join(timeout=5)
+        self.roots.close()
         try:
             self.sensor.close()
             if self.enforcer is not None:
