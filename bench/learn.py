@@ -2,6 +2,7 @@
 """Learning mode: how tight the learned syscall allowlist is, and what learning costs.
 
 usage:
+  .venv/bin/python bench/learn.py --suites    # real third-party test suites (tests/suites.py), below
   .venv/bin/python bench/learn.py             # full run (about 3 min on 2 cores)
   .venv/bin/python bench/learn.py --quick     # short run (about 40 s)
   .venv/bin/python bench/learn.py --reps 5    # more repetitions
@@ -29,6 +30,16 @@ seconds and as ratios against host and against run-off (medians); then the split
 of the command's cost (sensors + export = run-learn - run-off; derive + write
 = learn - run-learn) and the eBPF sensors' fixed cost measured in-process.
 
+--suites: the real test suites of tests/suites.py (CPython's regression tests
+from Debian, tornado's and dill's from PyPI; installed by scripts/setup.sh).
+For each: `dsec learn --until-stable 1 --max-runs 4` (runs to converge: the
+runs it took until one added nothing), the learned allowlist sizes (syscalls vs
+the containers-common default profile, exec paths and allow_written_under,
+writable paths, egress rules), then --reps runs each, interleaved, of the suite
+under the default policy (`dsec run`) and under the learned policy in enforce
+mode: wall-time medians and the enforce/default ratio, the suite's verdict
+(equal in both) and the policy denials of the enforced runs (0 expected).
+
 Audit records go to a throw-away database on dsec's private ClickHouse server
 (started if needed, left running) through a temporary spool; the database and
 temp dirs (learned policies, host work dirs) are removed at the end, also on
@@ -37,6 +48,7 @@ Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -188,8 +200,57 @@ def containers_default() -> tuple[int, int, int]:
     return len(s.allow), len(table), dflt
 
 
+def suites_bench(ctx, reps: int, n_cc: int, client, db: str) -> bool:
+    """The --suites part: learn, sizes, runs to converge, enforce-mode slowdown."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import yaml
+    from suites import SUITES, env_args, result_of
+    ok = True
+    print(f"{'suite':8} {'runs':>4} {'syscalls':>9} {'/cc':>5} {'exec':>4} {'w-under':>7} {'writable':>8} "
+          f"{'egress':>6} {'default s':>9} {'enforce s':>9} {'ratio':>6}  verdict / policy denials")
+    for name, su in SUITES.items():
+        pol = os.path.join(ctx["tmp"], f"{name}.yaml")
+        r = subprocess.run([DSEC, "learn", "--until-stable", "1", "--max-runs", "4", *env_args(name), "-o", pol,
+                            "--", *su["argv"]], env=ctx["env"], capture_output=True, timeout=600)
+        if r.returncode != 0:
+            print(f"!! {name}: dsec learn failed: {r.stderr.decode(errors='replace')[-300:]}")
+            ok = False
+            continue
+        runs = len(re.findall(rb"dsec learn: run \d+ \(", r.stderr))
+        spec = yaml.safe_load(open(pol))["spec"]
+        nsys = len(spec["syscalls"]["allow"])
+        x = spec.get("exec") or {}
+        times: dict = {"default": [], "enforce": []}
+        verdicts, denials = set(), 0
+        for i in range(reps):
+            for cfg in ("default", "enforce"):
+                sid = f"bench-{name}-{cfg}-{i}-{uuid.uuid4().hex[:6]}"
+                extra = ["--policy", pol, "--mode", "enforce"] if cfg == "enforce" else []
+                t = time.monotonic()
+                rr = subprocess.run([DSEC, "run", "--sandbox-id", sid, *env_args(name), *extra, "--", *su["argv"]],
+                                    env=ctx["env"], capture_output=True, timeout=600)
+                times[cfg].append(time.monotonic() - t)
+                verdicts.add(result_of(rr.returncode, rr.stdout.decode(errors="replace") + "\n"
+                                       + rr.stderr.decode(errors="replace"), name))
+                if cfg == "enforce":
+                    ev = subprocess.run([DSEC, "events", "--sandbox", sid, "--format", "json"], env=ctx["env"],
+                                        capture_output=True, timeout=120).stdout.decode().splitlines()
+                    denials += sum(1 for e in ev if json.loads(e).get("decision") in ("denied", "would-deny"))
+        d, e = med(times["default"]), med(times["enforce"])
+        same = len(verdicts) == 1
+        ok &= same and denials == 0
+        print(f"{name:8} {runs:>4} {nsys:>9} {nsys / n_cc:>5.2f} {len(x.get('allow', [])):>4} "
+              f"{len(x.get('allow_written_under', [])):>7} {len((spec.get('files') or {}).get('writable', [])):>8} "
+              f"{len((spec.get('egress') or {}).get('allow', [])):>6} {d:>9.2f} {e:>9.2f} {e / d:>6.2f}  "
+              f"{'same' if same else '!! DIFFERENT: ' + str(verdicts)} / {denials}{'' if denials == 0 else ' !!'}")
+    print(f"(syscalls vs containers-common's {n_cc}; runs = learn runs until one added nothing, cap 4; ratio = "
+          "enforce-mode wall time / default-policy wall time, medians)")
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suites", action="store_true", help="real third-party test suites (tests/suites.py)")
     ap.add_argument("--quick", action="store_true", help="smaller workloads, 1 repetition")
     ap.add_argument("--reps", type=int, help="runs of each workload x configuration (default 3, --quick 1)")
     a = ap.parse_args()
@@ -218,6 +279,10 @@ def main():
           f"syscalls; dsec's built-in `default` allows {n_default}", flush=True)
     try:
         client.execute(f"CREATE DATABASE IF NOT EXISTS {db}")
+        if a.suites:
+            ok = suites_bench(ctx, reps, n_cc, client, db)
+            finish(t_start, ok)
+            return 0 if ok else 1
         wls = workloads(a.quick)
         for w, _, argv in wls:                                 # warm-up: rootfs, page cache, server
             run_one(ctx, w, argv, "run-off", 0)

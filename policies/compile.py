@@ -286,6 +286,7 @@ def egress_rules(policy: Policy) -> EgressRules | None:
 def exec_rules(policy: Policy) -> list[tuple[bytes, bool]] | None:
     """[(prefix, exact)] sorted, or None when any binary may run. A pattern
     ending in '*' is a prefix (exact=False, the '*' dropped); otherwise exact.
+    Each `exec.allow_written_under` directory D is the prefix "D/".
     For a BPF LPM trie: an exact entry is the path plus its NUL terminator
     (prefix length (len+1)*8), a prefix entry the bytes without NUL (len*8)."""
     x = policy.spec.exec
@@ -297,16 +298,56 @@ def exec_rules(policy: Policy) -> list[tuple[bytes, bool]] | None:
             out.add((pat[:-1].encode(), False))
         else:
             out.add((pat.encode(), True))
+    for d in x.allow_written_under:
+        out.add(((d.rstrip("/") + "/").encode(), False))
     return sorted(out)
 
 
-def exec_allowed(policy: Policy, path: str | bytes) -> bool:
-    """Does the exec allowlist let this absolute path run? (for replay and tests)"""
+def written_under(policy: Policy) -> list[str]:
+    """exec.allow_written_under: directories whose files may run (never mounted noexec)."""
+    x = policy.spec.exec
+    return sorted(set(x.allow_written_under)) if x is not None else []
+
+
+def canonical_exec_path(path: bytes) -> bool:
+    """Absolute, without '//', '/./' or '/../' (what a prefix rule may match)."""
+    if not path.startswith(b"/"):
+        return False
+    parts = path.split(b"/")[1:]
+    return not any(p in (b"", b".", b"..") for p in parts)
+
+
+def resolve_exec(path: str | bytes, cwd: str | bytes | None) -> bytes:
+    """A relative exec name resolved against the process's cwd (lexically, as
+    learning records it); an absolute one unchanged."""
+    p = path if isinstance(path, bytes) else path.encode("utf-8", "surrogateescape")
+    if p.startswith(b"/") or cwd is None:
+        return p
+    c = cwd if isinstance(cwd, bytes) else cwd.encode("utf-8", "surrogateescape")
+    parts: list[bytes] = []
+    for comp in (c.rstrip(b"/") + b"/" + p).split(b"/"):
+        if comp in (b"", b"."):
+            continue
+        if comp == b"..":
+            if parts:
+                parts.pop()
+            continue
+        parts.append(comp)
+    return b"/" + b"/".join(parts)
+
+
+def exec_allowed(policy: Policy, path: str | bytes, cwd: str | bytes | None = None) -> bool:
+    """Does the exec allowlist let this path run? A relative name is resolved
+    against `cwd` first (none known: it matches nothing). Prefix rules only
+    match canonical paths (no '..', '.', '//' components). For replay and tests."""
     rules = exec_rules(policy)
     if rules is None:
         return True
-    p = path if isinstance(path, bytes) else path.encode("utf-8", "surrogateescape")
-    return any(p == pre if exact else p.startswith(pre) for pre, exact in rules)
+    p = resolve_exec(path, cwd)
+    if not p.startswith(b"/"):
+        return False
+    canon = canonical_exec_path(p)
+    return any(p == pre if exact else (canon and p.startswith(pre)) for pre, exact in rules)
 
 
 def writable_paths(policy: Policy) -> list[str] | None:

@@ -107,15 +107,16 @@ def diff(a: Policy, b: Policy) -> dict:
     if eg:
         ch["egress"] = eg
     # exec, files
-    for sec, key in (("exec", "allow"), ("files", "writable")):
+    for sec, keys in (("exec", ("allow", "allow_written_under")), ("files", ("writable",))):
         xa, xb = sa.get(sec), sb.get(sec)
         xd: dict = {}
         pres = _section_presence(xa, xb)
         if pres:
             xd["section"] = pres
-        d = _listdiff((xa or {}).get(key, []), (xb or {}).get(key, []))
-        if d:
-            xd[key] = d
+        for key in keys:
+            d = _listdiff((xa or {}).get(key, []), (xb or {}).get(key, []))
+            if d:
+                xd[key] = d
         if xd:
             ch[sec] = xd
     prov_b = L.provenance(b)
@@ -211,12 +212,13 @@ def render_text(d: dict) -> str:
             out.append(f"  - dns {x}")
         if "order" in dn:
             out.append(f"  dns order: {', '.join(dn['order']['from'])} -> {', '.join(dn['order']['to'])}")
-    for sec, key, title in (("exec", "allow", "exec.allow"), ("files", "writable", "files.writable")):
+    for sec, key, title in (("exec", "allow", "exec.allow"), ("exec", "allow_written_under", "exec.allow_written_under"),
+                            ("files", "writable", "files.writable")):
         x = ch.get(sec)
-        if not x:
+        if not x or (key not in x and ("section" not in x or key == "allow_written_under")):
             continue
         out.append(f"{title}:")
-        if "section" in x:
+        if "section" in x and key != "allow_written_under":
             out.append(f"  section: {x['section']['from']} -> {x['section']['to']}")
         for p in x.get(key, {}).get("added", []):
             out.append(f"  + {L._show(p)}{note(sec, p)}")

@@ -1,12 +1,17 @@
 """Decide, for one recorded event, what a policy says about it.
 
-    decision(policy, record) -> "allowed" | "denied" | "would-deny"
+    decision(policy, record) -> "allowed" | "denied" | "would-deny" | "failed"
 
 "denied": the policy forbids it and the mode is enforce (the kernel refused or
 killed it); "would-deny": the policy forbids it but the mode is audit (it went
-through and is reported); "allowed" otherwise, including everything in learn
-mode. Used to stamp audit events as they are recorded and by replay's what-if
-evaluation against a policy other than the one in force.
+through and is reported); "failed": the policy forbids it, but the action
+failed on its own (an exec or write the kernel refused for a reason of its
+own -- ENOENT, ENOTDIR, EACCES ...: a PATH search miss is not a policy
+denial; in enforce mode also a write the read-only layout refused with EROFS
+that the sandbox's user had no permission for anyway, as the agent found and
+noted in extra.refused_anyway); "allowed" otherwise, including everything
+in learn mode. Used to stamp audit events as they are recorded and by
+replay's what-if evaluation against a policy other than the one in force.
 
 Pure: no I/O. Hostname egress rules are evaluated only against the addresses
 passed in `host_addrs` (what the agent resolved); without them a host rule
@@ -14,6 +19,8 @@ matches nothing.
 """
 from __future__ import annotations
 
+import errno as _errno
+import json
 import posixpath
 
 from policies.compile import egress_rules, exec_allowed, writable_paths
@@ -59,12 +66,105 @@ def forbids(policy, rec: dict, host_addrs: dict | None = None) -> bool:
     return False
 
 
+POLICY_DECISIONS = ("denied", "would-deny")       # what the policy refused (or would have)
+FAILED = "failed"                                 # forbidden, but the kernel refused it on its own
+# what the read-only layout answers a write it refuses (the policy's own refusal in enforce mode)
+LAYOUT_ERRNOS = (_errno.EROFS,)
+ACTION_KINDS = ("exec", "open_write", "unlink", "rename")
+WRITE_ACTIONS = ("open_write", "unlink", "rename")
+
+
+def _ret(rec: dict):
+    r = rec.get("ret")
+    if r is None or isinstance(r, bool):
+        return None
+    try:
+        return int(r)
+    except (TypeError, ValueError):
+        return None
+
+
+def layout_refusal(rec: dict) -> bool:
+    """A write the read-only layout refused (EROFS): the policy's own refusal in
+    enforce mode -- unless the kernel would have refused it anyway."""
+    ret = _ret(rec)
+    return rec.get("kind") in WRITE_ACTIONS and ret is not None and -ret in LAYOUT_ERRNOS
+
+
+def mark_refused_anyway(rec: dict, why: str | None):
+    """Note in rec's extra that the agent found the write would have failed anyway
+    (agent/sensors/permcheck.py: the sandbox's uid/gid lack the permission)."""
+    if not why:
+        return
+    try:
+        extra = json.loads(rec.get("extra") or "{}")
+    except ValueError:
+        extra = {}
+    if not isinstance(extra, dict):
+        extra = {}
+    extra["refused_anyway"] = why.split(":", 1)[0]
+    extra["refused_anyway_by"] = ("the agent's permission check, after the fact, best effort: "
+                                  + why.split(":", 1)[1].strip())
+    rec["extra"] = json.dumps(extra, sort_keys=True)
+
+
+def _refused_anyway(rec: dict) -> bool:
+    extra = rec.get("extra")
+    if not extra or "refused_anyway" not in extra:
+        return False
+    try:
+        return bool(json.loads(extra).get("refused_anyway"))
+    except (ValueError, AttributeError):
+        return False
+
+
+def failed_on_its_own(policy, rec: dict) -> bool:
+    """Did this exec/write fail for a reason of the kernel's own (not the policy's)?
+    An exec that returned an error never ran (the exec check acts on execs that
+    succeed); a write that failed with anything but the layout's EROFS (enforce
+    mode) failed whatever the policy says; an EROFS write failed on its own when
+    the agent found the sandbox's user lacks the permission it needs
+    (extra.refused_anyway)."""
+    if rec.get("kind") not in ACTION_KINDS:
+        return False
+    ret = _ret(rec)
+    if ret is None or ret >= 0:
+        return False
+    if rec.get("kind") != "exec" and policy.mode == "enforce" and -ret in LAYOUT_ERRNOS:
+        return _refused_anyway(rec)
+    return True
+
+
+def _unresolved_write_let_through(policy, rec: dict) -> bool:
+    """A write to a relative path the record could not place, that the kernel let
+    through in enforce mode: the read-only layout allowed it (it is in a writable
+    place); claiming a denial would claim more than was enforced."""
+    if policy.mode != "enforce" or rec.get("kind") not in ("open_write", "unlink", "rename"):
+        return False
+    ret = _ret(rec)
+    if ret is None or ret < 0:
+        return False
+    paths = [rec.get("path") or ""] + ([rec.get("path2") or ""] if rec.get("kind") == "rename" else [])
+    raw = rec.get("path_raw") or ""
+    # relative as given and placed by the agent only after the fact (cwd/dirfd may be gone or reused)
+    return any(p and not p.startswith("/") for p in paths) or bool(raw and not raw.startswith("/"))
+
+
 def decision(policy, rec: dict, host_addrs: dict | None = None) -> str:
     if policy is None or policy.mode == "learn":
         return "allowed"
     if not forbids(policy, rec, host_addrs):
         return "allowed"
+    if failed_on_its_own(policy, rec):
+        return FAILED
+    if _unresolved_write_let_through(policy, rec):
+        return "allowed"
     if policy.mode == "audit":
+        return "would-deny"
+    if rec.get("kind") in ("open_write", "unlink", "rename") and (_ret(rec) or 0) >= 0 \
+            and rec.get("ret") is not None:
+        # enforce mode, yet the write went through: the layout did not refuse it.
+        # Reported, but never as a denial the kernel did not make.
         return "would-deny"
     # enforce: the kernel refused it. A connect/write that failed for its own
     # reason (ECONNREFUSED ...) before enforcement could act is still "denied":

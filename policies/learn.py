@@ -1,5 +1,9 @@
 """Deriving a policy from observed runs (learning mode), with provenance.
 
+Why this file is long: derivation (observe), generalisation, convergence and the
+commented rendering share one provenance structure and one set of notes; split
+apart, each piece would re-read the others' keys.
+
     policy = derive_policy(runs, base=None, name="learned")   # a Policy, mode audit
     text = render(policy)                                      # YAML with a comment per entry
     prov = provenance(policy)                                  # the provenance, as plain data
@@ -56,6 +60,7 @@ from policies.errors import PoliciesError, USAGE as EXIT_USAGE
 from policies import model as m
 from policies import syscalls as sc
 from policies.model import Policy
+from policies.evaluate import _ret  # noqa: F401 (one reading of a record's result)
 from policies.provenance import (PROV_KEY, SEEN_MAX, SUMMARY_KEY, _entry,  # noqa: F401 (API)
                                  _summary, _valid, egress_key, merge_entry, new_provenance, provenance,
                                  provenance_annotations, strip_provenance, under)
@@ -80,7 +85,24 @@ SHARED_ROOTS = ("/var", "/home", "/run", "/srv", "/mnt", "/media", "/opt", "/sna
 # Temporary directories: programs write random names there (tempfile.mkdtemp ...), so
 # anything under one generalises to the directory itself.
 TEMP_DIRS = ("/tmp", "/var/tmp")
+# Fresh in every sandbox (tmpfs or an empty base directory): whatever is there to
+# execute, the sandbox wrote itself.
+FRESH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 WRITE_KINDS = ("open_write", "unlink", "rename", "mkdir")
+# Ports the kernel hands out for bind(port 0) / connect (Linux's default
+# ip_local_port_range): a loopback server the sandbox started itself listens on
+# a different one every run.
+EPHEMERAL = (32768, 60999)
+
+# Names that differ every run: tempfile's tmpXXXXXXXX (8 of [a-z0-9_]),
+# multiprocessing's pymp-XXXXXXXX, mktemp(1)'s tmp.XXXXXXXXXX, long hex ids
+# (uuids, hashes of time), pid-numbered names (name_1234, name-1234, name.1234).
+RANDOM_NAMES = (
+    ("tempfile name", re.compile(r"^(?:tmp|pymp-)[a-z0-9_]{8}(?![a-z0-9_])")),
+    ("mktemp name", re.compile(r"^tmp\.[A-Za-z0-9]{6,12}$")),
+    ("random id", re.compile(r"(?:^|[^0-9a-f])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{12,}(?:$|[^0-9a-f])")),
+    ("pid-numbered name", re.compile(r"(?:^|[_.@-])[0-9]{3,7}(?:$|[_.-])")),
+)
 
 
 class LearnError(PoliciesError):
@@ -117,16 +139,6 @@ def _utf8(s: str) -> bool:
         return False
 
 
-def _ret(rec: dict) -> int | None:
-    r = rec.get("ret")
-    if r is None or isinstance(r, bool):
-        return None
-    try:
-        return int(r)
-    except (TypeError, ValueError):
-        return None
-
-
 def _errname(ret: int | None) -> str:
     if ret is None:
         return "result unknown"
@@ -138,6 +150,25 @@ def _add(d: dict, run: str, n: int = 1):
 
 
 # ---------------------------------------------------------------- path generalisation
+
+def random_name(component: str) -> str | None:
+    """What kind of per-run random name `component` is (None: looks stable)."""
+    for kind, rx in RANDOM_NAMES:
+        if rx.search(component):
+            return kind
+    return None
+
+
+def random_cut(p: str) -> tuple[str, str, str] | None:
+    """(the directory above the first random component of p, that component, its
+    kind), or None when no component looks random."""
+    parts = p.split("/")
+    for i in range(1, len(parts)):
+        kind = random_name(parts[i])
+        if kind:
+            return "/".join(parts[:i]) or "/", parts[i], kind
+    return None
+
 
 def _is_scratch(p: str) -> bool:
     return any(under(p, s) for s in SCRATCH)
@@ -180,6 +211,9 @@ def generalise(paths: Iterable[str]) -> dict[str, list[str]]:
        a path stays exact: nothing else in that directory becomes writable.
     3. Elsewhere a path maps to its directory (creating, replacing or removing a
        file needs its directory writable); a path directly under "/" stays exact.
+       A path with a per-run random component (random_name(): tempfile's
+       tmpXXXXXXXX, pid-numbered names ...) maps to the directory above that
+       component: next run's name will differ.
     4. Entries sharing an ancestor collapse into it, repeatedly, when the
        ancestor is neither "/" nor a system tree nor a shared top-level directory
        (/var, /home, /run, /srv, /mnt, /media, /opt ...): /workspace/a and
@@ -202,6 +236,10 @@ def generalise(paths: Iterable[str]) -> dict[str, list[str]]:
             continue
         if _system(p):
             cand[p].append(p)
+            continue
+        cut = random_cut(p)
+        if cut is not None and cut[0] != "/" and not _system(cut[0]):
+            cand[cut[0]].append(p)          # a per-run random name: its directory, not itself
             continue
         parent = posixpath.dirname(p)
         cand[p if parent == "/" else parent].append(p)
@@ -327,8 +365,11 @@ class _Notes:
         return out
 
 
-def observe(runs) -> tuple[dict, dict]:
-    """Runs -> (spec dict in audit mode, provenance); the core of derive_policy."""
+def observe(runs, layout_check=None) -> tuple[dict, dict]:
+    """Runs -> (spec dict in audit mode, provenance); the core of derive_policy.
+    layout_check(paths) -> [(index, path, why)]: writable entries the sandbox's root
+    filesystem cannot hold (agent.sandbox.rootfs.writable_conflicts); they are left
+    out and listed in the notes."""
     runs = _check_runs(runs)
     prov = new_provenance()
     notes = _Notes()
@@ -337,7 +378,9 @@ def observe(runs) -> tuple[dict, dict]:
     dns: dict[str, dict] = {}
     dns_order: list[str] = []
     execs: dict[str, dict] = {}
+    exec_obs: list[tuple[str, str, str]] = []        # (run, absolute path, relative name as given or "")
     written: dict[str, dict] = defaultdict(dict)     # path -> {run: n}
+    run_written: dict[str, set] = defaultdict(set)   # run -> paths it created or replaced
 
     for r in runs:
         rid = r["run_id"]
@@ -373,6 +416,9 @@ def observe(runs) -> tuple[dict, dict]:
                 if ret != 0:
                     if ret is None:
                         notes.add("execs with an unknown result, not learned", _show(path) or "?")
+                    else:
+                        notes.add("execs that failed (the kernel refused them: not learned)",
+                                  f"{_show(path) or '?'} ({_errname(ret)})")
                     continue
                 if not path.startswith("/"):
                     notes.add("execs of an unresolved relative path, not learned", _show(path))
@@ -381,7 +427,8 @@ def observe(runs) -> tuple[dict, dict]:
                 if ok is None or _norm_path(path) != path:
                     notes.add("exec paths an exec allowlist cannot hold, not learned", _show(path))
                     continue
-                _add(execs.setdefault(path, _entry())["runs"], rid)
+                raw = rec.get("path_raw") or ""
+                exec_obs.append((rid, path, raw if raw and not raw.startswith("/") else ""))
             elif kind in WRITE_KINDS:
                 ret = _ret(rec)
                 paths = [rec.get("path") or ""]
@@ -390,17 +437,31 @@ def observe(runs) -> tuple[dict, dict]:
                 for p in paths:
                     if not p:
                         continue
-                    if ret is not None and ret < 0 and -ret in REFUSED:
-                        notes.add("write attempts the environment refused, not learned (audit mode will "
-                                  "report them as would-deny)", f"{_show(p)} ({_errname(ret)})")
+                    if ret is not None and ret < 0:
+                        what = f"{_show(p)} ({_errname(ret)})"
+                        if -ret in REFUSED:
+                            notes.add("write attempts the environment refused (permissions, read-only), "
+                                      "not learned", what)
+                        else:
+                            notes.add("write attempts that failed (the kernel refused them: not learned)", what)
                         continue
                     if not p.startswith("/"):
                         notes.add("writes to an unresolved relative path, not learned", _show(p))
                         continue
                     p = _norm_path(p)
+                    raw = rec.get("path_raw") if p == _norm_path(paths[0]) else ex.get("path2_raw")
+                    if raw and not str(raw).startswith("/") and _system(p):
+                        # resolved by the agent after the fact, through the process's cwd or a
+                        # dirfd that may have been closed and reused by then: never trusted for
+                        # an exact entry in a system tree
+                        notes.add("relative writes placed in a system tree only after the fact (the cwd "
+                                  "or dirfd may have changed by then), not learned", f"{_show(p)} (as {_show(raw)})")
+                        continue
                     if p.startswith("/proc/") and re.match(r"^/proc/(\d+|thread-self)(/|$)", p):
                         p = re.sub(r"^/proc/(\d+|thread-self)", "/proc/self", p)
                     _add(written[p], rid)
+                    if kind != "unlink" and (kind != "rename" or p == _norm_path(paths[-1])):
+                        run_written[rid].add(p)
         if lost:
             notes.free.append(f"run {rid} LOST {lost} audit event(s): entries may be missing; learn again")
         prov["runs"].append(_run_info(r, lost))
@@ -431,16 +492,14 @@ def observe(runs) -> tuple[dict, dict]:
     # ---- egress
     rules = []
     for (target, proto), d in sorted(egress.items()):
-        rule = {("host" if d["host"] else "cidr"): target, "ports": sorted(d["ports"]), "protocol": proto}
+        rule = {("host" if d["host"] else "cidr"): target,
+                "ports": sorted(d["ports"], key=lambda x: m.port_range(x)), "protocol": proto}
         rules.append(rule)
         prov["egress"][egress_key(rule)] = d["entry"]
     egress_spec: dict = {"default": "deny", "allow": rules}
     if dns_order:
         egress_spec["dns"] = dns_order
     prov["dns"] = dns
-
-    # ---- exec
-    prov["exec"] = execs
 
     # ---- files
     gen = generalise(written)
@@ -454,14 +513,51 @@ def observe(runs) -> tuple[dict, dict]:
         if _valid(m._check_writable, d) is None or not _utf8(d):
             notes.add("written paths no writable entry can hold, not learned", _show(d))
             continue
+        if layout_check is not None:
+            bad = layout_check([d])
+            if bad:
+                notes.add("writable paths the sandbox's root filesystem cannot hold, not learned",
+                          f"{_show(d)}: {bad[0][2]}")
+                continue
         writable.append(d)
         e = _entry()
         e["seen"] = {}
+        kinds = set()
         for p in observed:
             for rid, n in written[p].items():
                 _add(e["runs"], rid, n)
             e["seen"][p] = dict(written[p])
+            cut = random_cut(p)
+            if cut is not None and (cut[0] == d or under(cut[0], d)):
+                kinds.add(f"{cut[2]} {cut[1]}")
+        if kinds:
+            ex = sorted(kinds)
+            e["why"] = [f"per-run random names under it ({', '.join(ex[:2])}{' ...' if len(ex) > 2 else ''}): "
+                        "generalised to this directory"]
         prov["files"][d] = e
+
+    # ---- exec: exact paths, except files the sandbox wrote itself under a writable
+    # directory (a script in a fresh temporary directory: a new name every run),
+    # which become an exec.allow_written_under rule for that directory
+    written_under: dict[str, dict] = {}
+    for rid, path, rel in exec_obs:
+        root = _written_root(path, writable)
+        if root is not None and (root in FRESH_DIRS or path in run_written[rid] or random_cut(path)):
+            e = written_under.setdefault(root, _entry())
+            _add(e["runs"], rid)
+            _add(e.setdefault("seen", {}).setdefault(path + (f" (as {rel})" if rel else ""), {}), rid)
+            continue
+        e = execs.setdefault(path, _entry())
+        _add(e["runs"], rid)
+        if rel:
+            w = f"run by its relative name {_show(rel)} (resolved against the process's cwd)"
+            if w not in e.setdefault("why", []):
+                e["why"].append(w)
+    prov["exec"] = dict(execs)
+    for root, e in written_under.items():
+        e["why"] = [f"files the sandbox wrote itself under {root} and then ran (new names every run): "
+                    "any file there may run; remove this rule to refuse it"]
+        prov["exec"][WRITTEN_KEY + root] = e
 
     spec = {
         "mode": "audit",
@@ -471,8 +567,26 @@ def observe(runs) -> tuple[dict, dict]:
         "exec": {"allow": sorted(execs)},
         "files": {"writable": sorted(writable)},
     }
+    if written_under:
+        spec["exec"]["allow_written_under"] = sorted(written_under)
     prov["notes"] = notes.lines()
     return spec, prov
+
+
+WRITTEN_KEY = "written-under:"      # provenance key prefix of exec.allow_written_under entries
+
+
+def _written_root(path: str, writable: list[str]) -> str | None:
+    """The writable directory `path` is under: a fresh scratch directory (/tmp,
+    /var/tmp, /dev/shm) or a learned files.writable directory; None otherwise."""
+    for d in FRESH_DIRS:
+        if under(path, d) and path != d:
+            return d
+    best = None
+    for w in writable:
+        if path != w and under(path, w) and not _system(w) and (best is None or len(w) < len(best)):
+            best = w
+    return best
 
 
 def _observe_connect(rid, rec, ex, egress, dns, dns_order, notes):
@@ -512,7 +626,15 @@ def _observe_connect(rid, rec, ex, egress, dns, dns_order, notes):
         return
     target = host or f"{ip}/{ip.max_prefixlen}"
     d = egress.setdefault((target, proto), {"ports": set(), "host": bool(host), "entry": _entry()})
-    d["ports"].add(port)
+    if ip.is_loopback and EPHEMERAL[0] <= port <= EPHEMERAL[1]:
+        # a server the sandbox bound itself (port 0): another port every run
+        d["ports"].add(f"{EPHEMERAL[0]}-{EPHEMERAL[1]}")
+        why = (f"loopback ports {EPHEMERAL[0]}-{EPHEMERAL[1]}: the kernel's ephemeral range, random per run "
+               "(servers the sandbox started itself)")
+        if why not in d["entry"].setdefault("why", []):
+            d["entry"]["why"].append(why)
+    else:
+        d["ports"].add(port)
     e = d["entry"]
     _add(e["runs"], rid)
     _add(e.setdefault("seen", {}).setdefault(shown, {}), rid)
@@ -524,13 +646,56 @@ def _observe_connect(rid, rec, ex, egress, dns, dns_order, notes):
         e["loopback"] = True
 
 
-def derive_policy(runs, *, base: Policy | None = None, name: str = "learned") -> Policy:
+RULE_KINDS = ("syscalls", "egress", "dns", "exec", "exec.allow_written_under", "files")
+
+
+def _rule_sets(spec: dict) -> dict[str, set]:
+    eg = spec.get("egress") or {}
+    x = spec.get("exec") or {}
+    return {
+        "syscalls": set(spec["syscalls"].get("allow", [])),
+        "egress": {f"{r.get('protocol')} {r.get('cidr') or r.get('host')}:{p}"
+                   for r in eg.get("allow", []) for p in (r.get("ports") or ["*"])},
+        "dns": set(eg.get("dns", [])),
+        "exec": set(x.get("allow", [])),
+        "exec.allow_written_under": set(x.get("allow_written_under", [])),
+        "files": set((spec.get("files") or {}).get("writable", [])),
+    }
+
+
+def additions(runs) -> list[dict]:
+    """Per run, in order: what it added to the policy of the runs before it, per rule
+    kind ({run_id, added: {kind: [entries]}, total: n}). The first run adds all it
+    learned. A run that adds nothing changed nothing in the derived policy."""
+    runs = _check_runs(runs)
+    out = []
+    before = {k: set() for k in RULE_KINDS}
+    for i, r in enumerate(runs):
+        spec, _ = observe(runs[: i + 1])
+        now = _rule_sets(spec)
+        added = {k: sorted(now[k] - before[k]) for k in RULE_KINDS if now[k] - before[k]}
+        out.append({"run_id": r["run_id"], "added": added, "total": sum(len(v) for v in added.values())})
+        before = {k: before[k] | now[k] for k in RULE_KINDS}
+    return out
+
+
+def stable_tail(adds: list[dict]) -> int:
+    """How many of the last runs added nothing."""
+    n = 0
+    for a in reversed(adds):
+        if a["total"]:
+            break
+        n += 1
+    return n
+
+
+def derive_policy(runs, *, base: Policy | None = None, name: str = "learned", layout_check=None) -> Policy:
     """The policy the runs need, in audit mode, with provenance annotations.
     With `base`, the union with base (policies.merge) -- still in audit mode."""
     if _valid(m._check_name, name) is None:
         raise LearnError(f"invalid policy name {name!r}: use 1-63 of [a-z0-9._-], starting and ending "
                          "alphanumeric")
-    spec, prov = observe(runs)
+    spec, prov = observe(runs, layout_check)
     ann = {"description": _summary(prov), SUMMARY_KEY: _summary(prov)}
     ann.update(provenance_annotations(prov))
     data = {"apiVersion": m.API_VERSION, "kind": m.KIND, "metadata": {"name": name, "annotations": ann},
@@ -640,6 +805,17 @@ def render(policy: Policy, header: list[str] | None = None) -> str:
             more = len(items) - SEEN_MAX + int(e.get("more", 0))
             if more > 0:
                 head.append(f"      ... and {more} more")
+    for d_ in (d["spec"].get("exec") or {}).get("allow_written_under", []):
+        e = prov["exec"].get(WRITTEN_KEY + d_)
+        if not e or not e.get("seen"):
+            continue
+        head.append(f"exec.allow_written_under {d_}: files the sandbox wrote there itself and ran "
+                    "(remove the rule to refuse them):")
+        items = sorted(e["seen"].items(), key=lambda kv: kv[0])
+        for obs, runs in items[:SEEN_MAX]:
+            head.append(f"      {obs}  ({', '.join(f'{r} x{n}' for r, n in sorted(runs.items()))})")
+        if len(items) > SEEN_MAX:
+            head.append(f"      ... and {len(items) - SEEN_MAX} more")
     if prov["notes"]:
         head.append("Notes (not in the policy; judge them):")
         head += [f"  - {n}" for n in prov["notes"]]
@@ -696,6 +872,14 @@ def render(policy: Policy, header: list[str] | None = None) -> str:
             lines.append("  exec:\n    allow:")
             for pat in x["allow"]:
                 lines.append(f"    - {_scalar(pat)}{_comment(_entry_comment(prov['exec'].get(pat), total, 'exec'))}")
+        if x.get("allow_written_under"):
+            lines.append("    allow_written_under:")
+            for d_ in x["allow_written_under"]:
+                pe = prov["exec"].get(WRITTEN_KEY + d_)
+                c = _entry_comment({k: v for k, v in (pe or {}).items() if k != "seen"}, total, "exec")
+                if pe and pe.get("seen"):
+                    c = (c + "; " if c else "") + "ran " + _seen_phrase(pe, total)
+                lines.append(f"    - {_scalar(d_)}{_comment(c)}")
     f = spec.get("files")
     if f is not None:
         if not f["writable"]:
@@ -720,6 +904,6 @@ def render(policy: Policy, header: list[str] | None = None) -> str:
     return text
 
 
-__all__ = ["derive_policy", "observe", "generalise", "render", "provenance", "provenance_annotations",
+__all__ = ["derive_policy", "observe", "additions", "stable_tail", "RULE_KINDS", "random_name", "generalise", "render", "provenance", "provenance_annotations",
            "strip_provenance", "merge_entry", "egress_key", "new_provenance", "LearnError", "PROV_KEY",
            "RUNTIME", "SCRATCH", "SYSTEM_TREES", "SHARED_ROOTS"]

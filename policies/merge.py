@@ -190,11 +190,18 @@ def covering_pattern(pat: str, pats: list[str]) -> str:
     return pat
 
 
+WRITTEN_KEY = "written-under:"     # as policies.learn.WRITTEN_KEY (learn imports merge lazily)
+
+
 def _merge_exec(xs: list[dict | None], labels, notes) -> dict | None:
     if any(x is None for x in xs):
         return None
     pats = sorted({p for x in xs for p in x["allow"]})
-    return {"allow": sorted({covering_pattern(p, pats) for p in pats})}
+    out = {"allow": sorted({covering_pattern(p, pats) for p in pats})}
+    dirs = sorted({d for x in xs for d in x.get("allow_written_under", [])})
+    if dirs:
+        out["allow_written_under"] = sorted({covering_path(d, dirs) for d in dirs})
+    return out
 
 
 def covering_path(p: str, paths: list[str]) -> str:
@@ -231,7 +238,8 @@ def _merged_provenance(policies: list[Policy], cds: list[dict], labels: list[str
             "syscalls": s["syscalls"].get("allow", []) if s["syscalls"]["default"] == "deny" else [],
             "egress": [P.egress_key(r) for r in (s.get("egress") or {}).get("allow", [])],
             "dns": list((s.get("egress") or {}).get("dns", [])),
-            "exec": list((s.get("exec") or {}).get("allow", [])),
+            "exec": list((s.get("exec") or {}).get("allow", []))
+            + [WRITTEN_KEY + d for d in (s.get("exec") or {}).get("allow_written_under", [])],
             "files": list((s.get("files") or {}).get("writable", [])),
         }
         for sec in P.SECTIONS:
@@ -250,6 +258,7 @@ def _merged_provenance(policies: list[Policy], cds: list[dict], labels: list[str
     egress_keys = {P.egress_key(r) for r in (spec.get("egress") or {}).get("allow", [])}
     dns = set((spec.get("egress") or {}).get("dns", []))
     pats = (spec.get("exec") or {}).get("allow", [])
+    wdirs = (spec.get("exec") or {}).get("allow_written_under", [])
     paths = (spec.get("files") or {}).get("writable", [])
     for sec, entries in parts:
         for k, e in entries.items():
@@ -265,6 +274,10 @@ def _merged_provenance(policies: list[Policy], cds: list[dict], labels: list[str
                 if k not in dns:
                     continue
                 tgt = k
+            elif sec == "exec" and k.startswith(WRITTEN_KEY):
+                tgt = WRITTEN_KEY + covering_path(k[len(WRITTEN_KEY):], wdirs)
+                if tgt[len(WRITTEN_KEY):] not in wdirs:
+                    continue
             elif sec == "exec":
                 tgt = covering_pattern(k, pats)
                 if tgt not in pats:

@@ -325,6 +325,11 @@ class Egress(_Base):
 class Exec(_Base):
     allow: list[ExecPattern] = Field(
         description="absolute paths, or a prefix ending in a single '*' (/usr/bin/python3*)")
+    allow_written_under: list[WritablePath] = Field(
+        default_factory=list,
+        description="absolute directories (writable in the sandbox) under which any file may be "
+                    "executed: what the sandbox itself wrote there (scripts in a fresh temporary "
+                    "directory, a build's output); these directories are not mounted noexec")
 
 
 class Files(_Base):
@@ -552,6 +557,18 @@ def semantic_issues(p: Policy) -> list[Issue]:
     x = spec.exec
     if x is not None:
         out += _dups(x.allow, ("spec", "exec", "allow"), "pattern")
+        out += _dups(x.allow_written_under, ("spec", "exec", "allow_written_under"), "directory")
+        writable = None if spec.files is None else list(spec.files.writable)
+        for i, d in enumerate(x.allow_written_under):
+            X = ("spec", "exec", "allow_written_under", i)
+            if d == "/":
+                out.append(Issue(X, "'/' would let every file run: name the writable directories"))
+                continue
+            scratch = any(d == s_ or d.startswith(s_ + "/") for s_ in ("/tmp", "/dev/shm"))
+            if writable is not None and not scratch and not any(
+                    w == "/" or d == w or d.startswith(w.rstrip("/") + "/") for w in writable):
+                out.append(Issue(X, f"{d!r} is not writable (files.writable): nothing the sandbox writes "
+                                    "can be there", "warning"))
         if enforce and not x.allow:
             out.append(Issue(("spec", "exec", "allow"), "enforce mode needs a non-empty exec allowlist "
                                                         "(no command could run)"))
@@ -644,6 +661,8 @@ def canonical(p: Policy) -> dict:
         spec["egress"] = ed
     if p.spec.exec is not None:
         spec["exec"] = {"allow": sorted(set(p.spec.exec.allow))}
+        if p.spec.exec.allow_written_under:       # omitted when empty: older policies keep their hash
+            spec["exec"]["allow_written_under"] = sorted(set(p.spec.exec.allow_written_under))
     if p.spec.files is not None:
         spec["files"] = {"writable": sorted(set(p.spec.files.writable))}
     return {"apiVersion": p.apiVersion, "kind": p.kind, "metadata": md, "spec": spec}

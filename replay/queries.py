@@ -212,17 +212,19 @@ DENIAL_COLUMNS = ("event_id", "ts_ns", "node", "sandbox_id", "step", "kind", "pi
 
 def denials_sql(db: str, policy_hash: str, since_ns=None, until_ns=None, *, limit: int = DEFAULT_LIMIT) -> str:
     """Every denied / would-deny record stamped with a policy hash (or a unique prefix of
-    at least 8 hex digits) in [since, until), one row per event, time-ordered."""
+    at least 8 hex digits) in [since, until), one row per event: the policy's denials
+    first, time-ordered, then the records of forbidden actions that failed on their own
+    (decision 'failed': ENOENT ... -- not policy denials)."""
     db = quote_ident(db)
     h = (policy_hash or "").strip().lower()
     if not HASH_PREFIX_RE.match(h):
         raise ReplayError(f"--policy-hash {policy_hash!r}: expected 8 to 64 hex digits", EXIT_USAGE)
     cond = f"policy_hash = {sql_string(h)}" if len(h) == 64 else f"startsWith(policy_hash, {sql_string(h)})"
     # both filters in PREWHERE: the other 19 columns are read only for the denials themselves
-    pre = f"{cond} AND decision IN ('denied', 'would-deny')"
+    pre = f"{cond} AND decision IN ('denied', 'would-deny', 'failed')"
     where = _window(since_ns, until_ns) or ["1"]
     return (f"SELECT {', '.join(DENIAL_COLUMNS)}\nFROM {db}.{EVENTS_TABLE}\nPREWHERE {pre}\nWHERE {' AND '.join(where)}\n"
-            f"ORDER BY ts_ns, event_id\nLIMIT 1 BY event_id\nLIMIT {sql_int(limit)}")
+            f"ORDER BY decision = 'failed', ts_ns, event_id\nLIMIT 1 BY event_id\nLIMIT {sql_int(limit)}")
 
 
 def denial_totals_sql(db: str, policy_hash: str, since_ns=None, until_ns=None) -> str:

@@ -92,6 +92,24 @@ def header(t: Trajectory) -> list[str]:
     return out
 
 
+def _denial_line(d: dict, t0: int) -> str:
+    n = f" x{d['count']}" if d["count"] > 1 else ""
+    if d["count"] > 1 and d.get("last_ts_ns", d["ts_ns"]) > d["ts_ns"]:
+        n += f" (last +{(d['last_ts_ns'] - t0) / 1e9:.6f}s)"
+    ret = f" {_errno_name(d['ret'])}" if d["decision"] == "failed" and d.get("ret") else ""
+    return (f"  +{(d['ts_ns'] - t0) / 1e9:9.6f}s step {d['step']} [{d['pid']}] {d['decision']:<10} "
+            f"{d['action']:<8} {_show(d['subject'], 80)}{ret}{n}   by {_argv(d['process'], 60)}")
+
+
+def _errno_name(ret) -> str:
+    import errno
+    try:
+        r = int(ret)
+    except (TypeError, ValueError):
+        return ""
+    return errno.errorcode.get(-r, str(r)) if r < 0 else ""
+
+
 def _step_line(s) -> str:
     d = s.duration_ms
     dur = f"{d:.0f} ms" if d is not None else "?"
@@ -121,9 +139,14 @@ def render(t: Trajectory, step: int | None = None, unattributed_lost: list[dict]
     out.append(f"denials ({len(rows)}):" if rows else "denials: none")
     t0 = t.t0
     for d in rows:
-        n = f" x{d['count']}" if d["count"] > 1 else ""
-        out.append(f"  +{(d['ts_ns'] - t0) / 1e9:9.6f}s step {d['step']} [{d['pid']}] {d['decision']:<10} "
-                   f"{d['action']:<8} {_show(d['subject'], 80)}{n}   by {_argv(d['process'], 60)}")
+        out.append(_denial_line(d, t0))
+    failed = t.failed_rows(step=step)
+    if failed:
+        out.append(f"failed on their own ({len(failed)}): forbidden, but the kernel refused them anyway "
+                   "(ENOENT ...): not policy denials")
+        out.extend(_denial_line(d, t0) for d in failed[:50])
+        if len(failed) > 50:
+            out.append(f"  ... and {len(failed) - 50} more")
     numbers = [0] + [s.n for s in t.steps]
     if step is not None:
         numbers = [step]

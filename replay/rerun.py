@@ -254,7 +254,7 @@ def step_sets(t: Trajectory, n: int) -> dict[str, set]:
             writes.add(f"{k} {_abs(r.get('path') or '', wd)}")
         elif k == "rename":
             writes.add(f"rename {_abs(r.get('path') or '', wd)} -> {_abs(r.get('path2') or '', wd)}")
-    for d in t.denial_rows(step=n):
+    for d in t.denial_rows(step=n) + t.failed_rows(step=n):
         denials.add(f"{d['decision']} {d['action']} {d['subject']}")
     return {"execs": execs, "connects": connects, "writes": writes, "denials": denials}
 

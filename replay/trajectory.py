@@ -26,6 +26,8 @@ import json
 
 REDACTED = "<redacted>"
 DENIED = ("denied", "would-deny")
+# forbidden by the policy, but the kernel refused it on its own (ENOENT ...): not a policy denial
+FAILED = ("failed",)
 # sensor records that report a policy decision about an action another record describes
 SENSOR_KINDS = ("exec_denied", "exec_violation", "egress_denied", "egress_violation",
                 "syscall_denied", "syscall_violation")
@@ -154,6 +156,18 @@ class Step:
                 "status": self.status(), "source": self.source, "missing": self.missing}
 
 
+def _aggregated(r: dict) -> dict:
+    """extra of a record that stands for repeated identical denials (agent/sensors/denials.py), else {}."""
+    e = r.get("extra")
+    if not e or '"aggregated"' not in e:
+        return {}
+    try:
+        d = json.loads(e)
+    except ValueError:
+        return {}
+    return d if isinstance(d, dict) and d.get("aggregated") else {}
+
+
 class Trajectory:
     def __init__(self, sandbox_id: str):
         self.sandbox_id = sandbox_id
@@ -212,14 +226,21 @@ class Trajectory:
         return [r for r in self.records
                 if (kinds is None or r["kind"] in kinds) and (step is None or r.get("step") == step)]
 
-    def denials(self) -> list[dict]:
-        return [r for r in self.records if r.get("decision") in DENIED]
+    def denials(self, decisions=DENIED) -> list[dict]:
+        return [r for r in self.records if r.get("decision") in decisions]
 
-    def denial_rows(self, step=None) -> list[dict]:
+    def failed_rows(self, step=None) -> list[dict]:
+        """Like denial_rows, for actions the policy forbids that failed on their own
+        (decision "failed": a PATH search miss, a write under a missing directory)."""
+        return self.denial_rows(step, FAILED)
+
+    def denial_rows(self, step=None, decisions=DENIED) -> list[dict]:
         """One row per denied / would-deny action: the audit record of the action and the
-        enforcement sensor's record of the same action are merged (same process, subject)."""
+        enforcement sensor's record of the same action are merged (same process, subject).
+        Aggregated records (extra.aggregated: identical repeats counted by the recorder)
+        add their count; `last_ts_ns` is the last occurrence. Denied rows come first."""
         rows: dict = {}
-        for r in self.denials():
+        for r in self.denials(decisions):
             if step is not None and r.get("step") != step:
                 continue
             a = action_of(r)
@@ -232,17 +253,22 @@ class Trajectory:
                 row = rows[key] = {"ts_ns": r["ts_ns"], "step": r.get("step", 0), "pid": int(r.get("pid") or 0),
                                    "process": p.argv_at(r["ts_ns"]) if p else [], "action": a[0], "subject": a[1],
                                    "decision": r["decision"], "kinds": [], "audit": 0, "sensor": 0, "count": 0,
-                                   "ret": None}
+                                   "ret": None, "last_ts_ns": r["ts_ns"]}
             if r["kind"] not in row["kinds"]:
                 row["kinds"].append(r["kind"])
+            agg = _aggregated(r)
+            n = int(r.get("count") or 0) if agg else 1
+            row["last_ts_ns"] = max(row["last_ts_ns"], int(agg.get("last_ts_ns") or r["ts_ns"]) if agg else r["ts_ns"])
             if r["kind"] in SENSOR_KINDS:
-                row["sensor"] += int(r.get("count") or 1) if r["kind"].startswith("syscall_") else 1
+                row["sensor"] += int(r.get("count") or 1) if r["kind"].startswith("syscall_") else n
             else:
-                row["audit"] += 1
+                row["audit"] += n
                 if row["ret"] is None:
                     row["ret"] = int(r.get("ret") or 0)
             row["count"] = max(row["audit"], row["sensor"])
-        return sorted(rows.values(), key=lambda d: (d["ts_ns"], d["pid"], d["action"], d["subject"]))
+        rank = {"denied": 0, "would-deny": 1}
+        return sorted(rows.values(), key=lambda d: (rank.get(d["decision"], 2), d["ts_ns"], d["pid"], d["action"],
+                                                    d["subject"]))
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}

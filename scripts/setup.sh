@@ -31,6 +31,7 @@ PKGS=(
   g++ nodejs                               # toolchains of /run_code's cpp and nodejs (docs/trainers.md)
   chromium fonts-dejavu-core               # headless browser for tests/test_replay_browser.py (HTML incident report)
   zookeeper                                # distributed DDL (ON CLUSTER) of the two-shard ClickHouse in tests/test_cluster.py
+  libpython3.11-testsuite                  # CPython's own test suite: a real workload for tests/test_learn_suites.py
 )
 missing=()
 for p in "${PKGS[@]}"; do
@@ -74,6 +75,21 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WAN
   echo "$WANT" > "$STAMP"
 fi
 .venv/bin/python -c 'import bcc, seccomp' 2>/dev/null || die "bcc or seccomp bindings not importable from .venv"
+
+# --- real third-party test suites (tests/suites.py: the learning fidelity matrix, bench/learn.py) ---
+# Pinned PyPI packages that ship their own test suites, installed with --target
+# under /usr/local: sandboxes see the host's /usr (read-only), not this .venv.
+SUITES_DIR=/usr/local/lib/dsec-suites
+for spec in tornado==6.4.2 dill==0.3.9; do
+  name="${spec%%==*}"
+  if [ ! -e "$SUITES_DIR/$name/.dsec-$spec" ]; then
+    say "installing test suite $spec into $SUITES_DIR/$name"
+    rm -rf "$SUITES_DIR/$name"
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --target "$SUITES_DIR/$name" "$spec" \
+      >/tmp/dsec-pip-suites.log 2>&1 || { tail -20 /tmp/dsec-pip-suites.log >&2; die "cannot install $spec"; }
+    touch "$SUITES_DIR/$name/.dsec-$spec"
+  fi
+done
 
 # --- generated code -------------------------------------------------------------
 # The agent's gRPC code is generated from agent/node/proto/*.proto (not kept in git);

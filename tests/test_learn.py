@@ -212,7 +212,7 @@ if extra == "ptrace":
     print("ptrace", libc.ptrace(12, os.getppid(), 0, 0), ctypes.get_errno())   # PTRACE_GETREGS: ESRCH unfiltered
 elif extra == "port":
     try:
-        socket.create_connection(("127.0.0.1", port + 1), timeout=2).close()
+        socket.create_connection(("127.0.0.1", 9), timeout=2).close()
     except OSError as e:
         print("port", e.errno)
 elif extra == "exec":
@@ -334,7 +334,10 @@ def test_real_logs_in_every_format(traced, learn_env):
         d = p.to_dict()["spec"]
         derived[name] = d
         assert d["exec"]["allow"] == ["/bin/sh", "/usr/bin/cat", PYTHON]
-        assert d["egress"]["allow"] == [{"cidr": "127.0.0.1/32", "ports": [learn_env["port"]], "protocol": "tcp"}]
+        # the test server's port is the kernel's pick (ephemeral range): random per run, so learned as the range
+        port = learn_env["port"]
+        want = "32768-60999" if 32768 <= port <= 60999 else port
+        assert d["egress"]["allow"] == [{"cidr": "127.0.0.1/32", "ports": [want], "protocol": "tcp"}]
         assert d["files"]["writable"] == [work], (name, d["files"])
     # every format gives the same exec, egress and files sections
     first = derived["plain"]
@@ -375,14 +378,17 @@ def test_learned_policy_flags_exactly_the_extra_action(traced, learn_env):
         run = parse_strace_file(trace(learn_env, ["-y"], f"again{i}.log"))
         flagged = [r for r in run["records"] if decision(audit, r) != "allowed"]
         assert flagged == [], flagged
-    expect = {"port": ("connect", f"127.0.0.1:{learn_env['port'] + 1}"), "exec": ("exec", "/usr/bin/id"),
+    expect = {"port": ("connect", "127.0.0.1:9"), "exec": ("exec", "/usr/bin/id"),
               "write": ("open_write", os.path.join(learn_env["root"], "outside.txt"))}
     for extra, (kind, what) in expect.items():
         run = parse_strace_file(trace(learn_env, ["-y"], f"extra-{extra}.log", extra=extra))
         flagged = [r for r in run["records"] if decision(audit, r) == "would-deny"]
         got = [(r["kind"], f"{r['addr']}:{r['port']}" if r["kind"] == "connect" else r["path"]) for r in flagged]
         assert got == [(kind, what)], (extra, got)
-        assert decision(policy.with_mode("enforce"), flagged[0]) == "denied"
+        # in enforce mode: denied -- except a write this (unconfined) trace shows going through:
+        # a record never claims a denial the kernel did not make
+        want = "would-deny" if kind == "open_write" and flagged[0]["ret"] >= 0 else "denied"
+        assert decision(policy.with_mode("enforce"), flagged[0]) == want
 
 
 def exec_under(policy, argv, cwd):

@@ -89,26 +89,35 @@ def test_files_writable_layout_and_decisions(mode, tmp_path, clickhouse_url, sid
     pol = tmp_path / "ws.yaml"
     pol.write_text(WS_POLICY % mode)
     env = {"DSEC_CLICKHOUSE_URL": clickhouse_url, "DSEC_SPOOL_DIR": str(tmp_path / "spool")}
+    # /var/tmp (1777): uid 1000 may write there, the policy does not let it; /opt (root 0755):
+    # uid 1000 may not write there anyway, whatever the policy says
     r = dsec("run", "--sandbox-id", sid, "--policy", str(pol), "--", "sh", "-c",
-             "echo ok > /workspace/ok && echo ws-ok; (echo x > /opt/x) 2>/dev/null && echo opt-ok; "
-             "echo t > /tmp/t && echo tmp-ok", env=env)
+             "echo ok > /workspace/ok && echo ws-ok; (echo x > /var/tmp/x) 2>/dev/null && echo vt-ok; "
+             "(echo x > /opt/x) 2>/dev/null && echo opt-ok; echo t > /tmp/t && echo tmp-ok", env=env)
     assert r.returncode == 0, r.stderr
     out = r.stdout.decode().split()
     if mode == "enforce":
         assert out == ["ws-ok", "tmp-ok"]
     else:
-        assert out == ["ws-ok", "tmp-ok"] or out == ["ws-ok", "opt-ok", "tmp-ok"]
+        assert out == ["ws-ok", "vt-ok", "tmp-ok"]
     ev = [json.loads(x) for x in dsec("events", "--sandbox", sid, "--format", "json", "--kind", "open_write",
                                       env=env).stdout.decode().splitlines()]
     by_path = {e["path"]: e for e in ev}
     assert by_path["/workspace/ok"]["decision"] == "allowed"
     assert by_path["/tmp/t"]["decision"] == "allowed"
-    opt = by_path["/opt/x"]
-    assert opt["policy_name"] == "ws-only" and opt["mode"] == mode and len(opt["policy_hash"]) == 64
+    vt, opt = by_path["/var/tmp/x"], by_path["/opt/x"]
+    assert vt["policy_name"] == "ws-only" and vt["mode"] == mode and len(vt["policy_hash"]) == 64
     if mode == "enforce":
-        assert opt["decision"] == "denied" and opt["ret"] == -30      # EROFS
+        assert vt["decision"] == "denied" and vt["ret"] == -30      # EROFS: the layout refused it
+        # EROFS too (the read-only mount answers first), but the agent found uid 1000 has no
+        # write permission on /opt: the kernel would have refused it anyway -- not a policy denial
+        assert opt["decision"] == "failed" and opt["ret"] == -30, opt
+        ex = json.loads(opt["extra"])
+        assert ex["refused_anyway"] == "EACCES" and "/opt is 0:0 drwxr-xr-x" in ex["refused_anyway_by"], ex
+        assert "refused_anyway" not in json.loads(vt["extra"])
     else:
-        assert opt["decision"] == "would-deny"
+        assert vt["decision"] == "would-deny"
+        assert opt["decision"] == "failed" and opt["ret"] == -13     # EACCES: failed on its own
 
 
 def test_audit_off_refuses_policies_enforced_in_ebpf():

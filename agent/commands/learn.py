@@ -3,6 +3,7 @@
 examples:
   dsec learn -o tool.yaml -- python3 tool.py               # one learn-mode run of CMD
   dsec learn --runs 5 --base no-network -o tool.yaml -- python3 tool.py
+  dsec learn --until-stable 2 --max-runs 8 -o tool.yaml -- python3 -m pytest -q   # until 2 runs add nothing
   dsec learn --from-strace trace.log -o tool.yaml          # from `strace -f -o trace.log CMD`
   dsec learn --from-strace a.log b.log --name tool -o tool.yaml
   dsec learn --from-strace trace.log --cwd /work -o tool.yaml   # where CMD started (relative paths)
@@ -25,6 +26,11 @@ strace logs: `strace -f` output with or without -tt/-ttt/-T/-y/-yy/-s/-x, with
 (PREFIX.PID) given together form one run; every other file is one run.
 Lines that cannot be parsed are counted and reported, never fatal.
 
+Convergence: after the runs, each run's line says what it added, per rule
+kind, that the runs before it had not ("nothing new" once learning has
+converged). `--until-stable N` keeps running CMD until N consecutive runs add
+nothing, at most --max-runs times (default 10), and says whether it got there.
+
 Exit status: 0 written; 1 learning failed (a run could not be made); 2 bad
 usage or input (missing/unreadable log, a log without system calls, bad
 --base policy, invalid --name).
@@ -40,14 +46,21 @@ from agent.errors import DsecError, EXIT_USAGE
 
 HELP = "derive a policy (audit mode) from learn-mode runs of CMD or from strace logs"
 MAX_RUNS = 1000
+DEFAULT_MAX_RUNS = 10
 
 
 def register(p):
     p.add_argument("-o", "--output", metavar="OUT.yaml", help="where to write the policy ('-' = stdout)")
     p.add_argument("--from-strace", nargs="+", metavar="LOG", help="learn from these strace -f logs")
     p.add_argument("--runs", metavar="N", help="live form: run CMD N times (default 1)")
+    p.add_argument("--until-stable", metavar="N",
+                   help="live form: run CMD until N consecutive runs add nothing to the policy "
+                        "(at most --max-runs runs)")
+    p.add_argument("--max-runs", metavar="M", help=f"the cap of --until-stable (default {DEFAULT_MAX_RUNS})")
     p.add_argument("--base", metavar="POLICY", help="a policy (file or built-in) to unite with the derived one")
     p.add_argument("--name", metavar="NAME", help="metadata.name of the policy (default: from CMD or the log)")
+    p.add_argument("--env", action="append", default=[], metavar="K=V",
+                   help="live form: set an environment variable in the sandbox (repeatable)")
     p.add_argument("--cwd", metavar="DIR", help="strace form: the directory the traced command started in "
                                                  "(resolves relative paths the log cannot)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
@@ -78,16 +91,44 @@ def _learn_runs():
     return learn_runs
 
 
-def _runs_count(text) -> int:
+def _runs_count(text, opt: str = "--runs", default: int = 1) -> int:
     if text is None:
-        return 1
+        return default
     try:
         n = int(text)
     except ValueError:
-        raise _usage(f"--runs {text!r}: not a whole number") from None
+        raise _usage(f"{opt} {text!r}: not a whole number") from None
     if not 1 <= n <= MAX_RUNS:
-        raise _usage(f"--runs {text!r}: must be between 1 and {MAX_RUNS}")
+        raise _usage(f"{opt} {text!r}: must be between 1 and {MAX_RUNS}")
     return n
+
+
+def _added_text(a: dict, limit: int = 6) -> str:
+    if not a["total"]:
+        return "nothing new"
+    parts = []
+    for kind, items in a["added"].items():
+        shown = ", ".join(_disp(str(x)) for x in items[:limit]) + (f", ... (+{len(items) - limit})"
+                                                                  if len(items) > limit else "")
+        parts.append(f"{len(items)} {kind} ({shown})")
+    return "; ".join(parts)
+
+
+def _layout_check():
+    """Writable entries the default root filesystem cannot hold are not learned."""
+    from agent.sandbox import rootfs
+    if os.geteuid() != 0 and not os.path.isdir(rootfs.BASE_ROOT):
+        return None
+    return rootfs.writable_conflicts
+
+
+def report_convergence(runs: list[dict], out=sys.stderr) -> list[dict]:
+    """Per run: what it added, per rule kind, that the runs before it had not."""
+    from policies.learn import additions
+    adds = additions(runs)
+    for i, a in enumerate(adds):
+        out.write(_disp(f"dsec learn: run {i + 1} ({a['run_id']}) added: {_added_text(a)}") + "\n")
+    return adds
 
 
 def _strace_runs(args) -> list[dict]:
@@ -133,8 +174,15 @@ def run(args) -> int:
         raise _usage("give either --from-strace LOG... or -- CMD [ARGS...], not both")
     if not args.from_strace and not cmd:
         raise _usage("nothing to learn from: give -- CMD [ARGS...] or --from-strace LOG...")
-    if args.from_strace and args.runs is not None:
-        raise _usage("--runs applies to the live form (-- CMD); with --from-strace every log is one run")
+    if args.from_strace and (args.runs is not None or args.until_stable is not None):
+        raise _usage("--runs applies to the live form (-- CMD), and so does --until-stable; with "
+                     "--from-strace every log is one run")
+    if args.runs is not None and args.until_stable is not None:
+        raise _usage("give --runs N or --until-stable N, not both")
+    if args.max_runs is not None and args.until_stable is None:
+        raise _usage("--max-runs is the cap of --until-stable")
+    if args.from_strace and args.env:
+        raise _usage("--env applies to the live form (-- CMD)")
     if cmd and args.cwd is not None:
         raise _usage("--cwd applies to --from-strace")
     name = args.name or default_name(args.from_strace[0] if args.from_strace else cmd[0])
@@ -150,13 +198,37 @@ def run(args) -> int:
         runs = _strace_runs(args)
         how = "dsec learn --from-strace " + " ".join(args.from_strace)
     else:
-        n = _runs_count(args.runs)
         learn_runs = _learn_runs()
-        runs = learn_runs(cmd, n, base)
+        kw = {}
+        if args.env:
+            from agent.commands.run import _env
+            kw["env"] = _env(args.env)
+        if args.until_stable is not None:
+            stable = _runs_count(args.until_stable, "--until-stable")
+            cap = _runs_count(args.max_runs, "--max-runs", max(DEFAULT_MAX_RUNS, stable + 1))
+            if cap <= stable:
+                raise _usage(f"--max-runs {cap} must exceed --until-stable {stable} (the first run always adds)")
+            from policies.learn import additions, stable_tail
+            runs = learn_runs(cmd, cap, base, until=lambda rs: stable_tail(additions(rs)) >= stable, **kw)
+            how = f"dsec learn --until-stable {stable} --max-runs {cap} -- " + " ".join(cmd)
+        else:
+            n = _runs_count(args.runs)
+            runs = learn_runs(cmd, n, base, **kw)
+            how = f"dsec learn --runs {n} -- " + " ".join(cmd)
         if not isinstance(runs, list) or not runs:
             raise DsecError("learning produced no runs", 1)
-        how = f"dsec learn --runs {n} -- " + " ".join(cmd)
-    policy = derive_policy(runs, base=base, name=name)
+        adds = report_convergence(runs)
+        if args.until_stable is not None:
+            from policies.learn import stable_tail
+            tail = stable_tail(adds)
+            if tail >= stable:
+                sys.stderr.write(f"dsec learn: stable: the last {tail} run(s) added nothing "
+                                 f"({len(runs)} runs in all)\n")
+            else:
+                sys.stderr.write(f"dsec learn: NOT stable after {len(runs)} runs (the cap): run {len(runs)} still "
+                                 f"added {adds[-1]['total']} entr{'y' if adds[-1]['total'] == 1 else 'ies'}; "
+                                 "the policy is written, but learn longer or review what keeps changing\n")
+    policy = derive_policy(runs, base=base, name=name, layout_check=_layout_check())
     for w in policy.warnings:
         sys.stderr.write(_disp(f"warning: {w}") + "\n")
     header = [f"Derived by `{how[:300]}`" + (f" with --base {args.base}" if args.base else ""),

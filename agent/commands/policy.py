@@ -125,6 +125,38 @@ def _err(line: str):
     sys.stderr.write(_disp(line) + "\n")
 
 
+def _layout_errors(p) -> list[str]:
+    """files.writable entries the default root filesystem cannot make writable
+    (a path under a regular file: /etc/group/x), as file:line: field: what."""
+    from policies.compile import writable_paths
+    from agent.sandbox import rootfs
+    w = writable_paths(p) or []
+    if not w or os.geteuid() != 0 and not os.path.isdir(rootfs.BASE_ROOT):
+        return []
+    lines = _writable_lines(p.source)
+    out = []
+    for _, path, why in rootfs.writable_conflicts(w):
+        where = f"{p.source}:{lines[path]}" if path in lines else p.source
+        out.append(f"{where}: spec.files.writable: {path!r} cannot be made writable: {why}")
+    return out
+
+
+def _writable_lines(source: str) -> dict:
+    """path -> line number of its files.writable entry in the file (best effort)."""
+    out: dict = {}
+    try:
+        with open(source, encoding="utf-8", errors="replace") as f:
+            for n, line in enumerate(f, 1):
+                t = line.split("#", 1)[0].strip()
+                if t.startswith("- "):
+                    v = t[2:].strip().strip("'\"")
+                    if v.startswith("/"):
+                        out.setdefault(v, n)
+    except OSError:
+        pass
+    return out
+
+
 def _check(args) -> int:
     from policies.load import check, load_policy
     rc = 0
@@ -138,6 +170,12 @@ def _check(args) -> int:
             rc = EXIT_USAGE
             continue
         p = load_policy(ref)
+        bad = _layout_errors(p)
+        if bad:
+            for e in bad:
+                _err(e)
+            rc = EXIT_USAGE
+            continue
         print(_disp(f"OK {p.source} name={p.name} mode={p.mode} hash=sha256:{p.hash}"
                     + (f" ({len(warnings)} warning{'s' if len(warnings) != 1 else ''})" if warnings else "")))
         if warnings and args.strict and rc == 0:

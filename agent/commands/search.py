@@ -27,7 +27,10 @@ image      sandboxes that ran an image: a digest (sha256:..., matched on the
            sandbox_start records give)
 denials    every denied / would-deny record stamped with a policy's content
            hash (or a prefix of at least 8 hex digits; --policy FILE|NAME
-           computes it), time-ordered, one row per event, with totals by kind
+           computes it), time-ordered, one row per event, with totals by kind;
+           policy denials first, then forbidden actions that failed on their
+           own (decision `failed`: ENOENT ... -- the kernel refused them anyway).
+           Identical repeats are one record plus a summary: "(+N identical)"
 
 One row per sandbox (exec, connect, write): first and last time, events,
 steps, a sample of paths / destinations, decisions. --since / --until take
@@ -130,6 +133,20 @@ def _ts(ns) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ns / 1e9)) + f".{int(ns % 1_000_000_000) // 1000:06d}"
 
 
+def _denial_line(r: dict, printable) -> str:
+    subj = r["path"] or (f"{r['addr']}:{r['port']}" if r["addr"] else r["syscall"])
+    if r["kind"] == "rename":
+        subj += f" -> {r['path2']}"
+    more = ""
+    if r["decision"] == "failed" and r.get("ret"):
+        import errno
+        more += f" ({errno.errorcode.get(-int(r['ret']), r['ret'])})"
+    if r.get("count") and not r["kind"].startswith("syscall_"):
+        more += f" (+{r['count']} identical)"
+    return (f"{_ts(r['ts_ns']):26} {printable(r['sandbox_id'])[:20]:20} {r['step']:>4} {r['kind']:17} "
+            f"{r['pid']:>7} {r['decision']:10} {printable(subj)}{more}")
+
+
 def run(args) -> int:
     from audit_schema.describe import printable, to_json_line
     from replay.store import AuditStore
@@ -150,12 +167,15 @@ def run(args) -> int:
         return 0 if rows else 1
     if question == "denials":
         print(f"{'TIME (UTC)':26} {'SANDBOX':20} {'STEP':>4} {'KIND':17} {'PID':>7} {'DECISION':10} SUBJECT")
-        for r in rows:
-            subj = r["path"] or (f"{r['addr']}:{r['port']}" if r["addr"] else r["syscall"])
-            if r["kind"] == "rename":
-                subj += f" -> {r['path2']}"
-            print(f"{_ts(r['ts_ns']):26} {printable(r['sandbox_id'])[:20]:20} {r['step']:>4} {r['kind']:17} "
-                  f"{r['pid']:>7} {r['decision']:10} {printable(subj)}")
+        policy_rows = [r for r in rows if r["decision"] != "failed"]
+        failed = [r for r in rows if r["decision"] == "failed"]
+        for r in policy_rows:
+            print(_denial_line(r, printable))
+        if failed:
+            print(f"-- {len(failed)} record(s) of forbidden actions that failed on their own (the kernel refused "
+                  "them: ENOENT ...), not policy denials:")
+            for r in failed:
+                print(_denial_line(r, printable))
         if totals:
             print("totals: " + ", ".join(f"{t['kind']} {t['decision']} {t['events']} in {t['sandboxes']} sandbox(es)"
                                          for t in totals))

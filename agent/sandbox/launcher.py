@@ -43,7 +43,7 @@ import time
 from agent.sandbox import cgroups
 from agent.sandbox import rootfs
 from agent.sandbox import sysutil as su
-from agent.errors import DsecError, EXIT_DSEC, EXIT_NOEXEC, EXIT_NOTFOUND, EXIT_TIMEOUT, ReportedError
+from agent.errors import DsecError, EXIT_DSEC, EXIT_USAGE, EXIT_NOEXEC, EXIT_NOTFOUND, EXIT_TIMEOUT, ReportedError
 # imported before any fork: a child must not import (another thread may hold the import lock)
 from agent.sandbox.supervisor import supervisor_main
 
@@ -289,6 +289,10 @@ class Sandbox:
                 raise DsecError(f"policy {spec.policy.name}: {e.message}", EXIT_DSEC)
             if spec.policy.mode == "enforce":
                 cfg["writable"] = writable_paths(spec.policy)
+                bad = rootfs.writable_conflicts(cfg["writable"] or [], lower, host_dirs)
+                if bad:
+                    raise DsecError(f"policy {spec.policy.name}: files.writable {bad[0][1]!r}: {bad[0][2]} "
+                                    f"(dsec policy check names every such entry)", EXIT_USAGE)
 
         ctl_parent, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.ctl = ctl_parent

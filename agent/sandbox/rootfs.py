@@ -157,6 +157,59 @@ def _build_base(root: str, spec: dict):
             shutil.copy2(src, dst, follow_symlinks=False)
 
 
+# --- files.writable against the root filesystem ------------------------------------
+
+def _host_view(path: str, lower: str, host_dirs: list[str]) -> str:
+    """Where sandbox path `path` comes from before the sandbox writes anything:
+    a host system directory (/usr ...) or the lower layer."""
+    rel = path.lstrip("/")
+    top = rel.split("/", 1)[0]
+    if top in host_dirs:
+        return "/" + rel
+    return os.path.join(lower, rel)
+
+
+def writable_conflicts(writable: list[str], lower: str | None = None,
+                       host_dirs: list[str] | None = None) -> list[tuple[int, str, str]]:
+    """files.writable entries the sandbox's layout cannot make writable:
+    [(index, path, why)]. A path under a regular file (/etc/group/x: the
+    directory cannot be created) or that is itself neither a directory nor a
+    regular file. Checked against the default rootfs unless `lower` is given."""
+    if lower is None:
+        lower, host_dirs = ensure_base()
+    host_dirs = list(host_dirs or [])
+    out = []
+    for i, w in enumerate(writable):
+        w = w.rstrip("/")
+        if not w:
+            continue
+        parts = w.strip("/").split("/")
+        for j in range(1, len(parts)):
+            anc = "/" + "/".join(parts[:j])
+            hv = _host_view(anc, lower, host_dirs)
+            try:
+                st = os.stat(hv)          # follows symlinks (lib -> usr/lib) as the mount does
+            except FileNotFoundError:
+                break                     # created when the sandbox starts
+            except OSError as e:
+                out.append((i, w, f"{anc} cannot be read in the sandbox's root filesystem ({e.strerror})"))
+                break
+            if not stat.S_ISDIR(st.st_mode):
+                out.append((i, w, f"{anc} is a {_kind(st.st_mode)}, not a directory, in the sandbox's root "
+                                  "filesystem: nothing can be created under it"))
+                break
+        else:
+            hv = _host_view(w, lower, host_dirs)
+            try:
+                st = os.lstat(hv)
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode) or not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+                out.append((i, w, f"{w} is a {_kind(st.st_mode)} in the sandbox's root filesystem "
+                                  "(only directories and regular files can be made writable)"))
+    return out
+
+
 # --- change manifest -----------------------------------------------------------
 
 MAX_CHANGES = 10_000

@@ -49,7 +49,10 @@ def run_audited(spec, over_budget: str = "summarise"):
 
 
 def learn_runs(argv, runs: int, base=None, *, network: str = "none", timeout: float | None = None,
-               memory: int | None = 1 << 30, pids: int | None = 1024, user: str = "sandbox") -> list[dict]:
+               memory: int | None = 1 << 30, pids: int | None = 1024, user: str = "sandbox",
+               until=None, env: dict | None = None) -> list[dict]:
+    """Up to `runs` learn-mode runs of argv; `until(runs_so_far)` -> True stops early
+    (dsec learn --until-stable)."""
     from agent.sandbox.launcher import SandboxSpec, launch
     from agent.sensors.recorder import Recorder
     from agent.sensors.watch import SandboxWatch
@@ -62,7 +65,7 @@ def learn_runs(argv, runs: int, base=None, *, network: str = "none", timeout: fl
     try:
         for i in range(runs):
             spec = SandboxSpec(argv=list(argv), policy=policy, network=network, timeout=timeout,
-                               memory=memory, pids=pids, user=user,
+                               memory=memory, pids=pids, user=user, env=dict(env or {}),
                                sandbox_id=f"learn-{os.urandom(5).hex()}-{i + 1}")
             records: list[dict] = []
 
@@ -84,6 +87,8 @@ def learn_runs(argv, runs: int, base=None, *, network: str = "none", timeout: fl
                              f"{len(records)} events, {len(watch.syscall_counts())} distinct syscalls\n")
             out.append({"run_id": spec.sandbox_id, "records": records, "syscall_counts": watch.syscall_counts(),
                         "exit_code": s.get("exit_code"), "signal": s.get("signal")})
+            if until is not None and until(out):
+                break
     finally:
         rec.close()
     res = flush(rec.spool, timeout=10)

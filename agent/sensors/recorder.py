@@ -30,7 +30,10 @@ import time
 
 from agent.errors import DsecError, EXIT_DSEC, EXIT_USAGE, ReportedError
 from audit_schema.events import normalize
-from policies.evaluate import decision      # per record, on the poll thread: imported once here
+# per record, on the poll thread: imported once here
+from policies.evaluate import decision, layout_refusal, mark_refused_anyway
+from agent.sensors.denials import DenialAggregator
+from agent.sensors.permcheck import SandboxRoots
 
 log = logging.getLogger("dsec.audit")
 
@@ -54,6 +57,8 @@ class Recorder:
         self.images: dict[str, str] = {}           # sandbox id -> image manifest digest (every row)
         self._watched: dict[int, dict] = {}        # cgroup id -> {sandbox_id, policy, path, enforced}
         self._taps: list = []
+        self.denials = DenialAggregator(self.new_event_id)    # identical denials: one record + a count
+        self.roots = SandboxRoots()                 # enforce-mode sandboxes' roots: EROFS writes refused anyway?
         self.enforcer = None
         self.enforce_error = None
         # one after the other: BCC/LLVM crash when two modules compile at once
@@ -84,9 +89,12 @@ class Recorder:
             rec["image_digest"] = img
         pol = self.policies.get(rec.get("sandbox_id"))
         if pol is not None and not rec.get("decision"):
+            if pol.mode == "enforce" and layout_refusal(rec):
+                mark_refused_anyway(rec, self.roots.refused_anyway(rec.get("sandbox_id"), rec))
             rec["decision"] = decision(pol, rec)
+        recs = self.denials.offer(rec)
         with self._lock:
-            self._pending.append(rec)
+            self._pending.extend(recs)
 
     def _on_over_budget(self, cgroup_id, sandbox_id, lost):
         """over_budget="stop": the kernel killed the process that overflowed; stop the
@@ -171,6 +179,7 @@ class Recorder:
                 if self.enforcer is not None:
                     self.enforcer.poll(0)
                 self._poll_error = None
+                self._add_summaries(self.denials.due())
             except BaseException as e:  # noqa: BLE001 - surfaced by close()/unwatch()
                 if self._poll_error is None:
                     log.error("audit sensor poll failed (retrying): %s", e)
@@ -185,6 +194,12 @@ class Recorder:
                 backoff = min(backoff * 2, 2.0)
             else:
                 backoff = 0.05
+
+    def _add_summaries(self, recs: list[dict]):
+        if recs:
+            recs = [normalize(r) for r in recs]
+            with self._lock:
+                self._pending.extend(recs)
 
     def new_event_id(self) -> str:
         with self._lock:
@@ -236,6 +251,8 @@ class Recorder:
         (the supervisor and its children until they exec are exempt)."""
         self.sensor.set_root_pid(cgroup_id, pid)
         w = self._watched.get(cgroup_id)
+        if w and w["policy"] is not None and w["policy"].mode == "enforce":
+            self.roots.add(w["sandbox_id"], pid)
         if not w or w["policy"] is None or self.enforcer is None or not w["path"]:
             if w and w["policy"] is not None and self.enforcer is None:
                 sys.stderr.write(f"dsec: warning: sandbox {w['sandbox_id']}: eBPF enforcement unavailable "
@@ -291,6 +308,9 @@ class Recorder:
             stats["lost_total"] = stats.get("lost_total", 0) + est.get("lost_total", 0)
             stats["enforcement"] = est
         self.stopped.pop(cgroup_id, None)
+        if w:
+            self._add_summaries(self.denials.flush(w["sandbox_id"]))
+            self.roots.remove(w["sandbox_id"])
         try:
             self._flush_pending()
         except BaseException:  # noqa: BLE001 - reported just below; the records stay queued
@@ -303,6 +323,7 @@ class Recorder:
     def close(self):
         self._stop.set()
         self._thread.join(timeout=5)
+        self.roots.close()
         try:
             self.sensor.close()
             if self.enforcer is not None:
