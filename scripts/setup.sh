@@ -20,7 +20,8 @@ PKGS=(
   linux-headers-amd64                      # BCC compiles against these
   python3-seccomp                          # libseccomp's Python bindings
   clickhouse-server clickhouse-client      # the embedded audit store
-  bubblewrap                               # baseline for bench/launch.py
+  bubblewrap crun                          # baselines for bench/launch.py
+  build-essential                          # cc for the sandbox init (agent/sandbox/init)
   nftables iproute2                        # NAT for --network egress; test hosts
   strace                                   # strace-style learning input
   golang-github-containers-common          # containers-common default seccomp profile (policy import tests)
@@ -69,6 +70,15 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WAN
   echo "$WANT" > "$STAMP"
 fi
 .venv/bin/python -c 'import bcc, seccomp' 2>/dev/null || die "bcc or seccomp bindings not importable from .venv"
+
+# --- the sandbox init ------------------------------------------------------------
+# dsec-init (agent/sandbox/init/dsec-init.c) is PID 1 of every sandbox: a small static
+# C program, rebuilt when its source is newer than the binary.
+INIT_BIN=agent/sandbox/init/build/dsec-init
+if [ ! -x "$INIT_BIN" ] || [ agent/sandbox/init/dsec-init.c -nt "$INIT_BIN" ] || [ agent/sandbox/init/proto.h -nt "$INIT_BIN" ]; then
+  say "building $INIT_BIN"
+  .venv/bin/python -c 'from agent.sandbox.plan import build_init; build_init()' || die "cannot build the sandbox init (agent/sandbox/init)"
+fi
 
 # --- generated code -------------------------------------------------------------
 # The agent's gRPC code is generated from agent/node/proto/*.proto (not kept in git);

@@ -7,10 +7,21 @@ end, and NAT on the host. Links and addresses are made with pyroute2; the NAT
 and isolation rules with nftables (the `nft` tool: pyroute2's nftables support
 cannot yet express NAT rules).
 
-The nftables table `ip dsec` (created once, kept; `dsec gc` removes it when
-no sandbox is left) masquerades sandbox traffic leaving through any other
-interface, drops traffic between sandboxes, and drops new connections from a
-sandbox to the host itself (the agent's sockets, host services).
+The nftables table `inet dsec` (IPv4 and IPv6 alike; created once, kept;
+`dsec gc` removes it when no sandbox is left):
+  postrouting  masquerades sandbox traffic leaving through any other interface;
+  forward      drops traffic between sandboxes and to the egress pool, drops
+               every IPv6 packet of a sandbox (no IPv6 is routed for them),
+               and refuses (ICMP admin-prohibited) the node-protected ranges
+               (policies.compile.NODE_PROTECTED: link-local and the metadata
+               service, private, CGNAT, ULA, loopback, multicast, reserved)
+               unless the sandbox's policy has an egress section (its
+               interface is then in the set policy_ifs, and the eBPF egress
+               rules decide); DNS (port 53) to the node's resolvers stays open;
+  input        drops new connections from a sandbox to the host itself, on
+               any of its addresses (the agent's sockets, sshd, a kubelet).
+Inside, IPv6 is disabled on eth0 unless the policy allows IPv6 egress
+(launcher.ipv6_allowed); the host end of each veth has IPv6 disabled.
 """
 from __future__ import annotations
 
@@ -18,6 +29,7 @@ import fcntl
 import hashlib
 import ipaddress
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -28,8 +40,21 @@ RUN_DIR = "/run/dsec"
 POOL = ipaddress.ip_network(os.environ.get("DSEC_EGRESS_POOL", "10.213.0.0/16"))
 HOST_PREFIX = "dsv"
 PEER_PREFIX = "dsp"
+TABLE = ("inet", "dsec")
+OLD_TABLES = (("ip", "dsec"),)
 
-NFT_RULES = """table ip dsec {{
+NFT_RULES = """table inet dsec {{
+  set policy_ifs {{
+    type ifname
+{policy_elems}  }}
+  set protect4 {{
+    type ipv4_addr; flags interval
+    elements = {{ {protect4} }}
+  }}
+  set protect6 {{
+    type ipv6_addr; flags interval
+    elements = {{ {protect6} }}
+  }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
     ip saddr {pool} oifname != "{pfx}*" masquerade
@@ -38,6 +63,9 @@ NFT_RULES = """table ip dsec {{
     type filter hook forward priority filter; policy accept;
     iifname "{pfx}*" oifname "{pfx}*" drop
     iifname "{pfx}*" ip daddr {pool} drop
+    iifname "{pfx}*" meta nfproto ipv6 drop
+    iifname @policy_ifs accept
+{dns}    iifname "{pfx}*" ip daddr @protect4 reject with icmpx type admin-prohibited
   }}
   chain input {{
     type filter hook input priority filter; policy accept;
@@ -46,6 +74,24 @@ NFT_RULES = """table ip dsec {{
   }}
 }}
 """
+
+
+def _rules(policy_ifs=()) -> str:
+    from policies.compile import NODE_PROTECTED
+    from agent.sandbox.rootfs import _host_nameservers
+    v4 = ", ".join(str(n) for n in NODE_PROTECTED if n.version == 4)
+    v6 = ", ".join(str(n) for n in NODE_PROTECTED if n.version == 6)
+    dns = ""
+    for ns in _host_nameservers():
+        try:
+            a = ipaddress.ip_address(ns)
+        except ValueError:
+            continue
+        if a.version == 4:
+            for proto in ("udp", "tcp"):
+                dns += f'    iifname "{HOST_PREFIX}*" ip daddr {a} {proto} dport 53 accept\n'
+    elems = f"    elements = {{ {', '.join(chr(34) + i + chr(34) for i in sorted(policy_ifs))} }}\n" if policy_ifs else ""
+    return NFT_RULES.format(pool=POOL, pfx=HOST_PREFIX, protect4=v4, protect6=v6, dns=dns, policy_elems=elems)
 
 
 def ifnames(sandbox_id: str) -> tuple[str, str]:
@@ -64,27 +110,56 @@ class _Lock:
         os.close(self.fd)
 
 
+def _nft(args, text=None):
+    try:
+        return subprocess.run(["nft", *args], input=text, capture_output=True, text=True)
+    except OSError as e:
+        raise DsecError(f"cannot run nft ({e.strerror}): install nftables", EXIT_DSEC)
+
+
+def _live_policy_ifs() -> list[str]:
+    r = _nft(["list", "set", *TABLE, "policy_ifs"])
+    if r.returncode != 0:
+        return []
+    return [i for i in re.findall(r'"([^"]+)"', r.stdout) if i.startswith(HOST_PREFIX)]
+
+
 def _ensure_nat():
     with open("/proc/sys/net/ipv4/ip_forward") as f:
         if f.read().strip() != "1":
             with open("/proc/sys/net/ipv4/ip_forward", "w") as w:
                 w.write("1")
-    rules = NFT_RULES.format(pool=POOL, pfx=HOST_PREFIX)
-    marker = os.path.join(RUN_DIR, "nft-" + hashlib.sha1(rules.encode()).hexdigest()[:12])
-    if os.path.exists(marker) and \
-            subprocess.run(["nft", "list", "table", "ip", "dsec"], capture_output=True).returncode == 0:
+    want = _rules()
+    marker = os.path.join(RUN_DIR, "nft-" + hashlib.sha1(want.encode()).hexdigest()[:12])
+    if os.path.exists(marker) and _nft(["list", "table", *TABLE]).returncode == 0:
         return
-    # replace the table atomically (one nft transaction)
-    r = subprocess.run(["nft", "-f", "-"], input="table ip dsec {}\ndelete table ip dsec\n" + rules,
-                       capture_output=True, text=True)
-    if r.returncode == 0:
-        open(marker, "w").close()
+    # replace the table atomically (one nft transaction), keeping the live sandboxes' entries
+    text = "".join(f"table {f} {n} {{}}\ndelete table {f} {n}\n" for f, n in (TABLE,) + OLD_TABLES)
+    r = _nft(["-f", "-"], text + _rules(_live_policy_ifs()))
     if r.returncode != 0:
-        raise DsecError(f"cannot install NAT rules with nft: {r.stderr.strip().splitlines()[-1:]}", EXIT_DSEC)
+        raise DsecError(f"cannot install the sandbox firewall with nft: {r.stderr.strip().splitlines()[-1:]}",
+                        EXIT_DSEC)
+    for old in os.listdir(RUN_DIR):
+        if old.startswith("nft-"):
+            try:
+                os.unlink(os.path.join(RUN_DIR, old))
+            except OSError:
+                pass
+    open(marker, "w").close()
 
 
-def setup_egress(sandbox_id: str, netns_pid: int) -> dict:
-    """Create the veth pair into the sandbox's netns; return the inside config."""
+def _disable_ipv6(ifname: str):
+    try:
+        with open(f"/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6", "w") as f:
+            f.write("1")
+    except OSError:
+        pass                                      # no IPv6 on this host: nothing to disable
+
+
+def setup_egress(sandbox_id: str, netns_pid: int, policy_egress: bool = False) -> dict:
+    """Create the veth pair into the sandbox's netns; return the inside config.
+    policy_egress: the policy has an egress section (its eBPF rules decide, the
+    node-protected ranges are not refused by the firewall for it)."""
     from pyroute2 import IPRoute
     from pyroute2.netlink.exceptions import NetlinkError
 
@@ -112,11 +187,16 @@ def setup_egress(sandbox_id: str, netns_pid: int) -> dict:
         try:
             ipr.link("add", ifname=host_if, kind="veth", peer={"ifname": peer_if, "net_ns_pid": netns_pid})
             idx = ipr.link_lookup(ifname=host_if)[0]
+            _disable_ipv6(host_if)
             ipr.addr("add", index=idx, address=host_addr, prefixlen=30)
             ipr.link("set", index=idx, state="up")
         except NetlinkError as e:
             raise DsecError(f"cannot create veth {host_if}: {e}", EXIT_DSEC)
         _ensure_nat()
+        if policy_egress:
+            r = _nft(["add", "element", *TABLE, "policy_ifs", "{", f'"{host_if}"', "}"])
+            if r.returncode != 0:
+                raise DsecError(f"cannot open the firewall for {host_if}: {r.stderr.strip()}", EXIT_DSEC)
     del subnets
     inside = {"peer": peer_if, "addr": peer_addr, "prefixlen": 30, "gateway": host_addr, "host_if": host_if}
     _configure_inside(netns_pid, inside)
@@ -161,9 +241,12 @@ def _configure_inside(netns_pid: int, net: dict):
         ipr.route("add", dst="0.0.0.0/0", gateway=net["gateway"])
 
 
-def teardown(sandbox_id: str):
-    """Delete the sandbox's host veth if it still exists (it normally dies with the netns)."""
+def teardown(sandbox_id: str, policy_egress: bool | None = None):
+    """Delete the sandbox's host veth if it still exists (it normally dies with the netns),
+    and its entry in the firewall's policy_ifs set (policy_egress None: look)."""
     host_if, _ = ifnames(sandbox_id)
+    if policy_egress or (policy_egress is None and host_if in _live_policy_ifs()):
+        _nft(["delete", "element", *TABLE, "policy_ifs", "{", f'"{host_if}"', "}"])
     if not os.path.exists(f"/sys/class/net/{host_if}"):
         return
     from pyroute2 import IPRoute
@@ -184,4 +267,5 @@ def list_host_links() -> list[str]:
 
 
 def remove_nat():
-    subprocess.run(["nft", "delete", "table", "ip", "dsec"], capture_output=True)
+    for fam, name in (TABLE,) + OLD_TABLES:
+        subprocess.run(["nft", "delete", "table", fam, name], capture_output=True)
