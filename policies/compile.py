@@ -506,3 +506,25 @@ def node_protected(addr) -> bool:
     if ip.is_loopback:
         return False
     return any(ip.version == n.version and ip in n for n in NODE_PROTECTED)
+
+
+def implied_defaults(policy: Policy) -> list[str]:
+    """What the launcher adds to a policy that leaves a section out, in words
+    (`dsec policy show` prints them as comments)."""
+    out = []
+    if policy.spec.egress is None:
+        ranges = ", ".join(str(n) for n in NODE_PROTECTED)
+        out.append("egress: no egress section: with --network egress the node is protected: connections to "
+                   f"{ranges} and to the node's own addresses are refused (DNS to the node's resolvers stays "
+                   "open); an egress section opens them explicitly; IPv6 is disabled in the sandbox")
+    s = policy.spec.syscalls
+    if s is None or s.sockets is None:
+        out.append("syscalls.sockets: the default set: unix; inet and inet6 with stream or dgram and protocol "
+                   "default, tcp or udp; other families EAFNOSUPPORT, other types/protocols EPROTONOSUPPORT")
+    lay = mount_layout(policy)
+    if lay.noexec:
+        where = ", ".join(lay.exec_dirs) or "none"
+        out.append(f"exec: every writable layer is mounted noexec (exec.allow_written_under: {where}) and the "
+                   "image is read-only" + (f"; writable: {', '.join(lay.writable)} (no files section)"
+                                           if lay.implied else ""))
+    return out

@@ -97,6 +97,7 @@ class SandboxSpec:
         self.lowers: list[str] | None = list(lowers) if lowers else None
         self.volumes: list[dict] = list(volumes or [])
         self.rootfs_roots = rootfs_roots  # None: any directory rootfs.check_rootfs accepts
+        self.allow_root = True            # False: uid/gid 0 inside is refused (an API caller without "root")
         self.network: str = network
         self.env: dict[str, str] = dict(env or {})
         self.workdir: str = workdir
@@ -123,6 +124,17 @@ def validate_id(sid: str) -> str:
 
 
 _preflight_ok = False
+_private_ok: set = set()
+
+
+def _private_dir(path: str):
+    """A directory of dsec's state that only root may enter (0700), made so once per process."""
+    if path in _private_ok:
+        return
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if os.stat(path).st_mode & 0o077:
+        os.chmod(path, 0o700)
+    _private_ok.add(path)
 
 
 def preflight():
@@ -283,7 +295,7 @@ class Sandbox:
                 raise DsecError(f"volume {src!r} -> {tgt!r}: the source must exist on the host and the target "
                                 f"be an absolute path", EXIT_DSEC)
         self.started_at = time.time()
-        os.makedirs(SANDBOX_DIR, mode=0o700, exist_ok=True)
+        _private_dir(SANDBOX_DIR)
         self.dir = os.path.join(SANDBOX_DIR, self.sid)
         try:
             os.mkdir(self.dir, 0o700)
@@ -295,6 +307,9 @@ class Sandbox:
             if spec.user == DEFAULT_USER:
                 self.lease = uids.allocate(self.sid)
             self.uid, self.gid, home = _user_of(lowers, spec.user, self.lease)
+            if not spec.allow_root and (self.uid == 0 or self.gid == 0):
+                raise DsecError(f"--user {spec.user}: uid/gid 0 inside the sandbox is not allowed for this caller",
+                                EXIT_DSEC)
             self._start(layout, lowers, host_dirs, home)
         except BaseException:
             self._teardown()
@@ -665,8 +680,7 @@ class Sandbox:
             summary["changes_truncated"] = total > len(ch)
             if self.spec.keep:
                 import shutil
-                os.makedirs(KEPT_DIR, mode=0o700, exist_ok=True)
-                os.chmod(KEPT_DIR, 0o700)
+                _private_dir(KEPT_DIR)
                 dest = os.path.join(KEPT_DIR, self.sid)
                 shutil.rmtree(dest, ignore_errors=True)
                 os.rename(os.path.join(self.dir, "upper"), dest)

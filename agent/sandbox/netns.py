@@ -133,8 +133,9 @@ def _ensure_nat():
     marker = os.path.join(RUN_DIR, "nft-" + hashlib.sha1(want.encode()).hexdigest()[:12])
     if os.path.exists(marker) and _nft(["list", "table", *TABLE]).returncode == 0:
         return
-    # replace the table atomically (one nft transaction), keeping the live sandboxes' entries
-    text = "".join(f"table {f} {n} {{}}\ndelete table {f} {n}\n" for f, n in (TABLE,) + OLD_TABLES)
+    # replace the table atomically (one nft transaction), keeping the live sandboxes' entries; an
+    # older dsec's `table ip dsec` may still serve its sandboxes: it is left to `dsec gc`
+    text = "".join(f"table {f} {n} {{}}\ndelete table {f} {n}\n" for f, n in (TABLE,))
     r = _nft(["-f", "-"], text + _rules(_live_policy_ifs()))
     if r.returncode != 0:
         raise DsecError(f"cannot install the sandbox firewall with nft: {r.stderr.strip().splitlines()[-1:]}",
