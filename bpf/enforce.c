@@ -25,10 +25,19 @@
  *          destination in egress_dest. An IPv4-mapped IPv6 destination is
  *          checked as IPv4.
  * exec     sched/sched_process_exec: the kernel's filename (the path as given
- *          to execve; see docs/enforcement.md) -> LPM trie exec_allow (exact
- *          paths with their NUL, prefixes without). enforce: bpf_send_signal
- *          (SIGKILL) — delivered before the new image runs any instruction —
- *          + exec_denied; audit: exec_violation.
+ *          to execve; see docs/enforcement.md), which must be canonical
+ *          (absolute, no '//', '/./', '/../', not /dev/fd/N: enf_canonical)
+ *          -> LPM trie exec_allow (exact paths with their NUL, prefixes
+ *          without). enforce: bpf_send_signal (SIGKILL) — delivered before the
+ *          new image runs any instruction — + exec_denied; audit:
+ *          exec_violation. An executable mmap of a file refused with EPERM
+ *          (a noexec writable layer: `ld.so /tmp/x`, dlopen of a dropped .so)
+ *          is an exec_denied too (syscalls sys_enter/exit_mmap).
+ * sockets  socket()/socketpair() arguments outside the policy's socket rules
+ *          (sock_rules): audit mode at syscalls:sys_enter_socket/socketpair
+ *          (seccomp LOG lets them run), enforce mode at the raw sys_exit
+ *          tracepoint (seccomp refused them before sys_enter; the arguments
+ *          are read from the entry registers, whose x86_64 layout is ABI).
  * syscalls raw_syscalls: sys_enter (raw tracepoint; the id is ctx->args[1])
  *          counts calls per syscall in learn mode and reports calls outside
  *          the allow bitmap in audit mode; sys_exit (tracepoint: id and ret
@@ -48,6 +57,13 @@
 #define DSEC_IPPROTO_UDP 17
 #define DSEC_NR_CLONE 56
 #define DSEC_NR_UNSHARE 272
+#define DSEC_NR_SOCKET 41
+#define DSEC_NR_SOCKETPAIR 53
+/* x86_64 struct pt_regs (arch/x86/include/uapi/asm/ptrace.h): offsets of the entry registers */
+#define DSEC_PT_REGS_DX 96
+#define DSEC_PT_REGS_SI 104
+#define DSEC_PT_REGS_DI 112
+#define DSEC_PT_REGS_ORIG_AX 120
 
 /* ---- maps ---------------------------------------------------------------- */
 BPF_RINGBUF_OUTPUT(enf_events, DSEC_ENF_RING_PAGES);
@@ -67,8 +83,11 @@ BPF_F_TABLE("hash", struct dsec_sys_key, struct dsec_sys_viol, sys_viol, DSEC_SY
 BPF_F_TABLE("hash", u64, struct dsec_sys_counts, sys_counts, DSEC_MAX_LEARN, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", struct dsec_dest_key, struct dsec_dest_val, egress_dest, DSEC_DEST_ENTRIES,
             BPF_F_NO_PREALLOC);
-/* tgid -> sandbox cgroup id: not syscall-checked (supervisor, its children until they exec) */
+/* tgid -> sandbox cgroup id: not syscall-checked (the sandbox's init, its children until they exec) */
 BPF_HASH(enf_exempt, u32, u64, 65536);
+BPF_F_TABLE("hash", struct dsec_sock_key, struct dsec_sock_rule, sock_rules, DSEC_SOCK_ENTRIES, BPF_F_NO_PREALLOC);
+/* tid -> fd of an executable file mapping in flight (exec-enforced sandboxes) */
+BPF_HASH(mmap_pending, u32, s64, 16384);
 
 /* ---- accounting and records ------------------------------------------------ */
 
@@ -267,6 +286,43 @@ int dsec_enf_s6(struct bpf_sock_addr *ctx) { return enf_egress(ctx, DSEC_HOOK_SE
 
 /* ---- exec ------------------------------------------------------------------- */
 
+/* Is this a name the exec allowlist may match? Absolute, no empty, "." or ".."
+ * component, not the /dev/fd/N[/...] name the kernel gives execveat with a
+ * dirfd or fexecve, and short enough to be checked whole: at most
+ * DSEC_EXEC_KEY_PATH - 1 bytes (the verifier bounds the scan; a longer name
+ * matches no pattern). `len` excludes the NUL. */
+static __always_inline int enf_canonical(const char *p, u32 len)
+{
+    if (len == 0 || len >= DSEC_EXEC_KEY_PATH || p[0] != '/')
+        return 0;
+    if (len >= 8 && p[1] == 'd' && p[2] == 'e' && p[3] == 'v' && p[4] == '/' && p[5] == 'f' &&
+        p[6] == 'd' && p[7] == '/')
+        return 0;
+    /* no state carried between iterations (so the verifier prunes them): at
+     * each '/', look at the next three bytes (the NUL ends the name) */
+    asm volatile("" : "+r"(len));
+    for (u32 i = 0; i < DSEC_EXEC_KEY_PATH; i++) {
+        if (i >= len)
+            break;
+        if (p[i & (DSEC_PATH_MAX - 1)] != '/')
+            continue;
+        char a = p[(i + 1) & (DSEC_PATH_MAX - 1)];
+        if (a == '/')
+            return 0;                           /* "//" */
+        if (a != '.')
+            continue;
+        char b = p[(i + 2) & (DSEC_PATH_MAX - 1)];
+        if (b == '/' || b == 0)
+            return 0;                           /* "/./", "/." at the end */
+        if (b != '.')
+            continue;
+        char c = p[(i + 3) & (DSEC_PATH_MAX - 1)];
+        if (c == '/' || c == 0)
+            return 0;                           /* "/../", "/.." at the end */
+    }
+    return 1;
+}
+
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
@@ -283,14 +339,17 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
 
     u32 zero = 0;
     struct dsec_exec_key *k = exec_key_scratch.lookup(&zero);
-    if (!k)
+    struct dsec_event_small *e = enf_scratch.lookup(&zero);
+    if (!k || !e)
         return 0;
     u32 floc = args->data_loc_filename & 0xFFFF;
     const char *fname = (const char *)args + floc;
+    long m = bpf_probe_read_kernel_str(&e->buf[0], DSEC_PATH_MAX, fname);
     __builtin_memset(k->path, 0, sizeof(k->path));
     long n = bpf_probe_read_kernel_str(k->path, sizeof(k->path), fname);
+    int canonical = m > 0 && enf_canonical(&e->buf[0], (u32)m - 1);
     int hit = 0;
-    if (n > 0) {
+    if (n > 0 && canonical) {
         u32 bytes = n;     /* with the NUL */
         if (bytes >= DSEC_EXEC_KEY_PATH)
             bytes = DSEC_EXEC_KEY_PATH - 1;   /* cut: the NUL is not the filename's end */
@@ -316,17 +375,13 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     u32 kind = enforce ? DSEC_KIND_EXEC_DENIED : DSEC_KIND_EXEC_VIOLATION;
     if (!enf_admit(cfg, st, kind))
         return 0;
-    struct dsec_event_small *e = enf_scratch.lookup(&zero);
-    if (!e) {
-        enf_count_lost(st, DSEC_LOST_INFLIGHT_FULL, kind);
-        return 0;
-    }
     __builtin_memset(&e->u, 0, sizeof(e->u));
     dsec_fill_hdr(&e->h, kind, cgid, cfg->step);
     e->u.exec_check.signal_ret = sret;
     e->u.exec_check.old_tid = args->old_pid;
     u32 status = 0;
-    long m = bpf_probe_read_kernel_str(&e->buf[0], DSEC_PATH_MAX, fname);
+    if (m > 0 && !canonical)
+        status |= DSEC_ST_NOT_CANONICAL;
     if (m <= 0) {
         e->buf[0] = 0;
         m = 1;
@@ -346,6 +401,183 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
         enf_count_emitted(st, kind);
     else
         enf_count_lost(st, DSEC_LOST_RINGBUF_FULL, kind);
+    return 0;
+}
+
+/* A refused executable mapping (a file on a noexec layer): the exec check's
+ * second half. PROT_EXEC = 4; the fd comes with the record, userspace names
+ * the file. Only sandboxes whose exec rules are enforced. */
+TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
+{
+    if (!(args->prot & 4) || (long)args->fd < 0)
+        return 0;
+    u64 cgid = 0;
+    struct dsec_enf_sandbox *cfg = dsec_sandbox(&cgid);
+    if (!cfg || cfg->exec != DSEC_MODE_ENFORCE)
+        return 0;
+    u32 tid = bpf_get_current_pid_tgid();
+    s64 fd = (long)args->fd;
+    mmap_pending.update(&tid, &fd);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_mmap)
+{
+    u32 tid = bpf_get_current_pid_tgid();
+    s64 *pfd = mmap_pending.lookup(&tid);
+    if (!pfd)
+        return 0;
+    s64 fd = *pfd;
+    mmap_pending.delete(&tid);
+    if (args->ret != -DSEC_EPERM)
+        return 0;
+    u64 cgid = 0;
+    struct dsec_enf_sandbox *cfg = dsec_sandbox(&cgid);
+    if (!cfg)
+        return 0;
+    struct dsec_enf_state *st = enf_state.lookup(&cgid);
+    if (!st || !enf_admit(cfg, st, DSEC_KIND_EXEC_DENIED))
+        return 0;
+    struct dsec_event_small *e = enf_reserve(cfg, st, DSEC_KIND_EXEC_DENIED, cgid);
+    if (!e)
+        return 0;
+    e->u.exec_check.status = DSEC_ST_MMAP_NOEXEC;
+    e->u.exec_check.fd = (s32)fd;
+    e->u.exec_check.path_len = 0;            /* no path: a fixed-size record */
+    enf_submit(e, st, DSEC_KIND_EXEC_DENIED);
+    return 0;
+}
+
+/* ---- sockets ------------------------------------------------------------------- */
+
+static __always_inline int enf_sock_proto_ok(struct dsec_sock_rule *r, u64 proto)
+{
+    u32 n = r->nproto;
+    if (n == 0)
+        return 1;
+    for (int i = 0; i < DSEC_SOCK_PROTOS; i++) {
+        if ((u32)i >= n)
+            break;
+        if (r->proto[i] == proto)
+            return 1;
+    }
+    return 0;
+}
+
+/* do the policy's socket rules let socket(family, type, protocol) through? */
+static __always_inline int enf_sock_ok(u32 idx, u64 family, u64 type, u64 proto)
+{
+    struct dsec_sock_key k = {};
+    k.idx = idx;
+    k.family = DSEC_SOCK_RULES_ON;
+    k.type = DSEC_SOCK_ANY_TYPE;
+    if (!sock_rules.lookup(&k))
+        return 1;                   /* no socket rules: any socket */
+    if (family >= DSEC_SOCK_RULES_ON || proto > 0xFFFF)
+        return 0;
+    k.family = family;
+    k.type = type & 0xf;
+    struct dsec_sock_rule *r = sock_rules.lookup(&k);
+    if (r && enf_sock_proto_ok(r, proto))
+        return 1;
+    k.type = DSEC_SOCK_ANY_TYPE;
+    r = sock_rules.lookup(&k);
+    return r && enf_sock_proto_ok(r, proto);
+}
+
+static __always_inline void enf_sock_violation(struct dsec_enf_sandbox *cfg, u64 cgid, u32 kind, long id,
+                                               long ret, u64 family, u64 type, u64 proto)
+{
+    struct dsec_enf_state *st = enf_state.lookup(&cgid);
+    if (!st)
+        return;
+    struct dsec_sys_key sk = {};
+    sk.cgroup_id = cgid;
+    sk.nr = (u32)id;
+    struct dsec_sys_viol *v = sys_viol.lookup(&sk);
+    if (!v) {
+        struct dsec_sys_viol nv = {};
+        sys_viol.insert(&sk, &nv);
+        v = sys_viol.lookup(&sk);
+        if (!v) {
+            enf_count_lost(st, DSEC_LOST_TABLE_FULL, kind);
+            return;
+        }
+    }
+    u64 total = __sync_fetch_and_add(&v->count, 1) + 1;
+    v->last_pid = bpf_get_current_pid_tgid() >> 32;
+    v->last_ret = ret;
+    u64 now = bpf_ktime_get_ns();
+    u64 last = *(volatile u64 *)&v->last_ns;
+    if (last && now - last < cfg->report_ns)
+        return;
+    if (__sync_val_compare_and_swap(&v->last_ns, last, now) != last)
+        return;
+    struct dsec_event_small *e = enf_reserve(cfg, st, kind, cgid);
+    if (!e)
+        return;
+    e->u.syscall.total = total;
+    e->u.syscall.ret = ret;
+    e->u.syscall.nr = (u32)id;
+    e->u.syscall.status = DSEC_ST_SOCKET;
+    e->u.syscall.sock_family = family;
+    e->u.syscall.sock_type = type;
+    e->u.syscall.sock_protocol = proto;
+    enf_submit(e, st, kind);
+}
+
+static __always_inline void enf_sock_audit(long id, u64 family, u64 type, u64 proto)
+{
+    u64 cgid = 0;
+    struct dsec_enf_sandbox *cfg = dsec_sandbox(&cgid);
+    if (!cfg || cfg->sys != DSEC_MODE_AUDIT)
+        return;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (enf_exempt.lookup(&tgid))
+        return;
+    if (!enf_sock_ok(cfg->idx, family, type, proto))
+        enf_sock_violation(cfg, cgid, DSEC_KIND_SYSCALL_VIOLATION, id, 0, family, type, proto);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_socket)
+{
+    enf_sock_audit(DSEC_NR_SOCKET, (u64)args->family, (u64)args->type, (u64)args->protocol);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_socketpair)
+{
+    enf_sock_audit(DSEC_NR_SOCKETPAIR, (u64)args->family, (u64)args->type, (u64)args->protocol);
+    return 0;
+}
+
+/* enforce mode: seccomp refused the call (no sys_enter); the raw sys_exit
+ * tracepoint has the entry registers (x86_64 struct pt_regs, a fixed ABI
+ * layout: orig_ax, di, si, dx). Attached only while a sandbox needs it; a
+ * successful call costs one compare. */
+RAW_TRACEPOINT_PROBE(sys_exit)
+{
+    long ret = (long)ctx->args[1];
+    if (ret >= 0)
+        return 0;
+    const char *regs = (const char *)ctx->args[0];
+    u64 nr = 0;
+    bpf_probe_read_kernel(&nr, sizeof(nr), regs + DSEC_PT_REGS_ORIG_AX);
+    if (nr != DSEC_NR_SOCKET && nr != DSEC_NR_SOCKETPAIR)
+        return 0;
+    u64 cgid = 0;
+    struct dsec_enf_sandbox *cfg = dsec_sandbox(&cgid);
+    if (!cfg || cfg->sys != DSEC_MODE_ENFORCE)
+        return 0;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (enf_exempt.lookup(&tgid))
+        return 0;
+    u64 a[3] = {};
+    bpf_probe_read_kernel(&a[0], 8, regs + DSEC_PT_REGS_DI);
+    bpf_probe_read_kernel(&a[1], 8, regs + DSEC_PT_REGS_SI);
+    bpf_probe_read_kernel(&a[2], 8, regs + DSEC_PT_REGS_DX);
+    if (!enf_sock_ok(cfg->idx, a[0], a[1], a[2]))
+        enf_sock_violation(cfg, cgid, DSEC_KIND_SYSCALL_DENIED, (long)nr, ret, a[0], a[1], a[2]);
     return 0;
 }
 

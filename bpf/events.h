@@ -121,6 +121,13 @@
                                         * exec, execveat: /dev/fd/N/..): it can match no pattern */
 #define DSEC_ST_IPV4_MAPPED 0x400      /* egress: an IPv4-mapped IPv6 destination, checked as IPv4 */
 #define DSEC_ST_NAMESPACES 0x800       /* syscall: clone/unshare refused (EPERM) under namespaces: deny */
+#define DSEC_ST_NOT_CANONICAL 0x1000   /* exec check: the filename has '//', '/./', '/../' (or ends in
+                                        * '/.' '/..') or is a /dev/fd/N name: it matches no pattern */
+#define DSEC_ST_MMAP_NOEXEC 0x2000     /* exec_denied: an executable mapping of a file on a noexec
+                                        * (writable) layer was refused (ld.so /tmp/x, dlopen); fd in
+                                        * exec_check.fd, no path (userspace resolves it) */
+#define DSEC_ST_SOCKET 0x4000          /* syscall: socket()/socketpair() arguments outside the
+                                        * policy's socket rules (family/type/protocol in the record) */
 
 /* ---- loss reasons (index into dsec_state.lost) --------------------------- */
 #define DSEC_LOST_RINGBUF_FULL 0       /* ring buffer reservation failed */
@@ -228,9 +235,10 @@ struct dsec_egress {
 struct dsec_exec_check {
     __s64 signal_ret;   /* bpf_send_signal(SIGKILL) result (enforce), 0 otherwise */
     __u32 path_len;
-    __u32 status;       /* DSEC_ST_PATH_TRUNC, DSEC_ST_NOT_ABSOLUTE */
+    __u32 status;       /* DSEC_ST_PATH_TRUNC, DSEC_ST_NOT_ABSOLUTE, DSEC_ST_NOT_CANONICAL,
+                         * DSEC_ST_MMAP_NOEXEC */
     __u32 old_tid;
-    __u32 _pad;
+    __s32 fd;           /* DSEC_ST_MMAP_NOEXEC: the mapped file's fd */
 };
 
 /* syscall_denied / syscall_violation */
@@ -239,7 +247,10 @@ struct dsec_syscall {
     __s64 ret;          /* sys_exit (enforce): what the call returned (-errno from seccomp; the
                          * syscall number when seccomp killed); sys_enter (audit): 0 */
     __u32 nr;           /* syscall number (raw_syscalls id) */
-    __u32 status;       /* DSEC_ST_NAMESPACES */
+    __u32 status;       /* DSEC_ST_NAMESPACES, DSEC_ST_SOCKET */
+    __u64 sock_family;  /* DSEC_ST_SOCKET: socket()/socketpair() arguments */
+    __u64 sock_type;
+    __u64 sock_protocol;
 };
 
 union dsec_body {
@@ -421,6 +432,25 @@ struct dsec_sys_viol {      /* sys_viol: (sandbox, syscall) -> violation counter
     __u32 last_pid;         /* the latest offender */
     __u32 _pad;
     __s64 last_ret;
+};
+
+#define DSEC_SOCK_PROTOS 16           /* protocols per socket rule entry */
+#define DSEC_SOCK_ANY_TYPE 0xFFFF      /* dsec_sock_key.type: the rule holds for every type */
+#define DSEC_SOCK_RULES_ON 0xFFFF      /* dsec_sock_key.family: present = the rule set has socket rules */
+#ifndef DSEC_SOCK_ENTRIES
+#define DSEC_SOCK_ENTRIES 65536        /* all sandboxes: (rule set, family, type) socket rules */
+#endif
+
+struct dsec_sock_key {      /* sock_rules: socket()/socketpair() allowed by the policy */
+    __u32 idx;              /* rule-set index (dsec_enf_sandbox.idx) */
+    __u16 family;
+    __u16 type;             /* SOCK_* (type & 0xf), or DSEC_SOCK_ANY_TYPE */
+};
+
+struct dsec_sock_rule {
+    __u32 nproto;           /* 0: any protocol */
+    __u16 proto[DSEC_SOCK_PROTOS];
+    __u16 _pad[2];
 };
 
 struct dsec_sys_counts {    /* sys_counts: learn mode, cgroup id -> calls per syscall number */

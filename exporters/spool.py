@@ -428,6 +428,8 @@ class Spool:
         self._tlock = threading.Lock()   # not reentrant: locked() never nests
         try:
             os.makedirs(self.cursor_dir, mode=0o700, exist_ok=True)
+            if os.stat(self.path).st_mode & 0o077:
+                os.chmod(self.path, 0o700)     # the audit trail: readable by its owner (root) only
             self._lock_fd = os.open(os.path.join(self.path, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise ExportError(f"spool {self.path}: {e.strerror}")

@@ -6,8 +6,13 @@ fills its maps from these values.
     bits = syscall_bitmap(policy)        # 64 bytes: bit n set = x86_64 syscall n allowed
     egress_rules(policy)                 # EgressRules or None (no egress section: per --network)
     exec_rules(policy)                   # [(prefix bytes, exact)] or None (any binary)
+    exec_allowed(policy, path)           # canonical absolute path matched by the allowlist?
     writable_paths(policy)               # [abs path] or None (the launcher's layout)
+    mount_layout(policy)                 # MountLayout: writable paths, noexec, exec dirs
     namespace_rules(policy)              # NamespaceRules (clone/unshare flags, setns)
+    socket_rules(policy)                 # [(family, types, protocols)] or None (any socket)
+    ebpf_concerns(policy)                # rule kinds only eBPF enforces ("egress", "exec")
+    node_protected(addr)                 # is addr in the ranges --network egress refuses by default?
 
 Seccomp filter, by mode (x86_64 only; see policies/README.md):
   enforce  denied calls get ERRNO(errno) (per-call `errnos` first) or KILL_PROCESS
@@ -20,7 +25,10 @@ Seccomp filter, by mode (x86_64 only; see policies/README.md):
   In enforce and audit, clone3 returns ENOSYS whenever the policy does not allow
   it outright (namespaces: deny, or clone3 not allowed): glibc then falls back to
   clone, whose flags seccomp can inspect; with namespaces: deny, clone and unshare
-  with any CLONE_NEW* flag and setns are denied (LOG in audit).
+  with any CLONE_NEW* flag and setns are denied (LOG in audit). socket() and
+  socketpair() are allowed only with the arguments of syscalls.sockets (the
+  default set when the policy names none): other families get EAFNOSUPPORT,
+  other types or protocols EPROTONOSUPPORT (KILL_PROCESS with action: kill).
 """
 from __future__ import annotations
 
@@ -29,8 +37,9 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from policies import syscalls as sc
-from policies.model import (CLONE_NS_FLAGS, UNSHARE_NS_FLAGS, Policy, PolicyError, Syscalls, errno_number,
-                            port_range)
+from policies.model import (CLONE_NS_FLAGS, SOCKET_FAMILY_MAX, SOCKET_PROTOCOL_MAX, UNSHARE_NS_FLAGS, Policy,
+                            PolicyError, Syscalls, errno_number, port_range)
+from policies.model import socket_rules as _model_socket_rules
 
 BITMAP_BYTES = sc.NR_MAX // 8
 ALL_PORTS = ((0, 65535),)
@@ -91,9 +100,12 @@ def seccomp_filter(policy: Policy, *, audit_log: bool = True):
         f.add_rule(action, _nr(name), *args)
 
     clone3_done = False
+    sock_args = socket_rules(policy) is not None
     if s.default == "deny":
         allowed = set(s.allow)
         for n in sorted(allowed):
+            if sock_args and n in SOCKET_CALLS:
+                continue                  # allowed with their arguments only (_socket_filter)
             if ns_deny and n == "clone":
                 add(sm.ALLOW, n, sm.Arg(0, sm.MASKED_EQ, CLONE_NS_FLAGS, 0))
             elif ns_deny and n == "unshare":
@@ -128,7 +140,94 @@ def seccomp_filter(policy: Policy, *, audit_log: bool = True):
                 add(per_call.get("setns", deny), "setns")
         if not clone3_done and (ns_deny or "clone3" in denied):
             add(enosys, "clone3")
+    _socket_filter(sm, f, policy, add, default, mode, s)
     return f
+
+
+SOCK_TYPE_MASK = 0xF
+SOCKET_CALLS = ("socket", "socketpair")
+
+
+def socket_rules(policy: Policy):
+    """[(family, types, protocols)] the policy allows for socket()/socketpair()
+    (an empty tuple: any), or None when any socket is allowed."""
+    return _model_socket_rules(policy.spec.syscalls)
+
+
+def socket_allowed(policy: Policy, family: int, sock_type: int, protocol: int) -> bool:
+    """Would the socket rules let socket(family, type, protocol) through? (type
+    may carry SOCK_NONBLOCK/SOCK_CLOEXEC; they are masked off, as the kernel does)"""
+    rules = socket_rules(policy)
+    if rules is None:
+        return True
+    t = sock_type & SOCK_TYPE_MASK
+    return any(f == family and (not ts or t in ts) and (not ps or protocol in ps) for f, ts, ps in rules)
+
+
+def _complement(values, hi: int) -> tuple[list[int], int | None]:
+    """The values in 0..hi not in `values`, as single values plus the first value
+    from which every larger one is outside (None: none)."""
+    vs = set(values)
+    top = max(vs) + 1 if vs else 0
+    return [v for v in range(top) if v not in vs], (top if top <= hi else None)
+
+
+def _socket_filter(sm, f, policy, add, default, mode, s):
+    """socket()/socketpair() argument rules (see the module doc). libseccomp ORs
+    the rules of one call and ANDs the comparisons of one rule, and cannot say
+    "not in", so a denylist filter gets one deny rule per value outside the
+    allowed set, an allowlist filter one allow rule per allowed combination."""
+    rules = socket_rules(policy)
+    if rules is None or mode == "learn":
+        return
+    if mode == "enforce":
+        kill = s.action == "kill"
+        fam_deny = sm.KILL_PROCESS if kill else sm.ERRNO(_errno.EAFNOSUPPORT)
+        arg_deny = sm.KILL_PROCESS if kill else sm.ERRNO(_errno.EPROTONOSUPPORT)
+    else:
+        fam_deny = arg_deny = sm.LOG
+    by_family: dict[int, list] = {}
+    for fam, ts, ps in rules:
+        by_family.setdefault(fam, []).append((ts, ps))
+    allowed_nrs = allowed_numbers(policy)
+    for call in SOCKET_CALLS:
+        if _nr(call) not in allowed_nrs:
+            continue                      # denied outright by the call rules
+        if s.default == "deny":
+            for fam, combos in sorted(by_family.items()):
+                for ts, ps in combos:
+                    for t in (ts or (None,)):
+                        for pr in (ps or (None,)):
+                            args = [sm.Arg(0, sm.EQ, fam)]
+                            if t is not None:
+                                args.append(sm.Arg(1, sm.MASKED_EQ, SOCK_TYPE_MASK, t))
+                            if pr is not None:
+                                args.append(sm.Arg(2, sm.EQ, pr))
+                            add(sm.ALLOW, call, *args)
+            continue
+        # default allow: deny what is outside the rules
+        singles, tail = _complement(by_family, SOCKET_FAMILY_MAX - 1)
+        for fam in singles:
+            add(fam_deny, call, sm.Arg(0, sm.EQ, fam))
+        add(fam_deny, call, sm.Arg(0, sm.GE, tail if tail is not None else SOCKET_FAMILY_MAX))
+        for fam, combos in sorted(by_family.items()):
+            if any(not ts and not ps for ts, ps in combos):
+                continue                  # this family with any type and protocol
+            if len(combos) > 1:
+                raise PolicyError(f"syscalls.sockets: family {fam} is listed {len(combos)} times with "
+                                  "different types/protocols; dsec can compile one rule per family in a "
+                                  "default: allow policy (list the union)")
+            ts, ps = combos[0]
+            if ts:
+                for t in range(SOCK_TYPE_MASK + 1):
+                    if t not in ts:
+                        add(arg_deny, call, sm.Arg(0, sm.EQ, fam), sm.Arg(1, sm.MASKED_EQ, SOCK_TYPE_MASK, t))
+            if ps:
+                psingles, ptail = _complement(ps, SOCKET_PROTOCOL_MAX)
+                for pr in psingles:
+                    add(arg_deny, call, sm.Arg(0, sm.EQ, fam), sm.Arg(2, sm.EQ, pr))
+                add(arg_deny, call, sm.Arg(0, sm.EQ, fam),
+                    sm.Arg(2, sm.GE, ptail if ptail is not None else SOCKET_PROTOCOL_MAX + 1))
 
 
 def allowed_numbers(policy: Policy) -> set[int]:
@@ -285,10 +384,11 @@ def egress_rules(policy: Policy) -> EgressRules | None:
 
 def exec_rules(policy: Policy) -> list[tuple[bytes, bool]] | None:
     """[(prefix, exact)] sorted, or None when any binary may run. A pattern
-    ending in '*' is a prefix (exact=False, the '*' dropped); otherwise exact.
-    Each `exec.allow_written_under` directory D is the prefix "D/".
+    ending in '*' is a prefix (exact=False, the '*' dropped); otherwise exact;
+    each exec.allow_written_under directory is the prefix "DIR/".
     For a BPF LPM trie: an exact entry is the path plus its NUL terminator
-    (prefix length (len+1)*8), a prefix entry the bytes without NUL (len*8)."""
+    (prefix length (len+1)*8), a prefix entry the bytes without NUL (len*8).
+    The kernel matches only canonical absolute paths (canonical_exec_path)."""
     x = policy.spec.exec
     if x is None:
         return None
@@ -299,55 +399,32 @@ def exec_rules(policy: Policy) -> list[tuple[bytes, bool]] | None:
         else:
             out.add((pat.encode(), True))
     for d in x.allow_written_under:
-        out.add(((d.rstrip("/") + "/").encode(), False))
+        out.add((d.encode() + b"/", False))
     return sorted(out)
 
 
-def written_under(policy: Policy) -> list[str]:
-    """exec.allow_written_under: directories whose files may run (never mounted noexec)."""
-    x = policy.spec.exec
-    return sorted(set(x.allow_written_under)) if x is not None else []
-
-
-def canonical_exec_path(path: bytes) -> bool:
-    """Absolute, without '//', '/./' or '/../' (what a prefix rule may match)."""
-    if not path.startswith(b"/"):
+def canonical_exec_path(p: bytes) -> bool:
+    """Is this the kind of name the exec allowlist matches: absolute, without
+    '//', '/./', '/../' (or a trailing '/.', '/..'), and not a /dev/fd/N name
+    (what the kernel reports for execveat with a dirfd or fexecve)? The kernel
+    side (bpf/enforce.c) refuses every other name, whatever the patterns."""
+    if not p.startswith(b"/") or b"\0" in p:
         return False
-    parts = path.split(b"/")[1:]
-    return not any(p in (b"", b".", b"..") for p in parts)
+    if b"//" in p or b"/./" in p or b"/../" in p or p.endswith((b"/.", b"/..")):
+        return False
+    return not p.startswith(b"/dev/fd/")
 
 
-def resolve_exec(path: str | bytes, cwd: str | bytes | None) -> bytes:
-    """A relative exec name resolved against the process's cwd (lexically, as
-    learning records it); an absolute one unchanged."""
-    p = path if isinstance(path, bytes) else path.encode("utf-8", "surrogateescape")
-    if p.startswith(b"/") or cwd is None:
-        return p
-    c = cwd if isinstance(cwd, bytes) else cwd.encode("utf-8", "surrogateescape")
-    parts: list[bytes] = []
-    for comp in (c.rstrip(b"/") + b"/" + p).split(b"/"):
-        if comp in (b"", b"."):
-            continue
-        if comp == b"..":
-            if parts:
-                parts.pop()
-            continue
-        parts.append(comp)
-    return b"/" + b"/".join(parts)
-
-
-def exec_allowed(policy: Policy, path: str | bytes, cwd: str | bytes | None = None) -> bool:
-    """Does the exec allowlist let this path run? A relative name is resolved
-    against `cwd` first (none known: it matches nothing). Prefix rules only
-    match canonical paths (no '..', '.', '//' components). For replay and tests."""
+def exec_allowed(policy: Policy, path: str | bytes) -> bool:
+    """Does the exec allowlist let this path run, as the kernel decides it (for
+    replay's what-if and the decision on audit records)?"""
     rules = exec_rules(policy)
     if rules is None:
         return True
-    p = resolve_exec(path, cwd)
-    if not p.startswith(b"/"):
+    p = path if isinstance(path, bytes) else path.encode("utf-8", "surrogateescape")
+    if not canonical_exec_path(p):
         return False
-    canon = canonical_exec_path(p)
-    return any(p == pre if exact else (canon and p.startswith(pre)) for pre, exact in rules)
+    return any(p == pre if exact else p.startswith(pre) for pre, exact in rules)
 
 
 def writable_paths(policy: Policy) -> list[str] | None:
@@ -356,3 +433,98 @@ def writable_paths(policy: Policy) -> list[str] | None:
     if f is None:
         return None
     return sorted(set(f.writable))
+
+
+# writable under an exec allowlist when the policy lists no files.writable (besides
+# the scratch tmpfs mounts /tmp and /dev/shm): the usual places a tool writes
+EXEC_DEFAULT_WRITABLE = ("/workspace", "/var/tmp", "/root", "/home")
+
+
+@dataclass(frozen=True)
+class MountLayout:
+    writable: list[str] | None       # writable paths (None: everything, the launcher's default layout)
+    implied: bool                    # writable is EXEC_DEFAULT_WRITABLE (the policy lists none)
+    noexec: bool                     # every writable layer is mounted noexec ...
+    exec_dirs: list[str]             # ... except these (exec.allow_written_under)
+
+
+def mount_layout(policy: Policy | None) -> MountLayout:
+    """What the launcher mounts for a policy (docs/enforcement.md "Exec").
+
+    Under an exec allowlist in enforce mode, nothing the sandbox writes may run
+    unless it is under exec.allow_written_under: every writable layer (/tmp,
+    /dev/shm, the writable paths) is mounted noexec and the image's own layers
+    are read-only (so a binary written under an allowed path cannot exist)."""
+    if policy is None:
+        return MountLayout(None, False, False, [])
+    enforce = policy.mode == "enforce"
+    w = writable_paths(policy) if enforce else None
+    x = policy.spec.exec
+    if not (enforce and x is not None):
+        return MountLayout(w, False, False, [])
+    implied = w is None
+    if implied:
+        w = list(EXEC_DEFAULT_WRITABLE)
+    return MountLayout(w, implied, True, sorted(set(x.allow_written_under)))
+
+
+def ebpf_concerns(policy: Policy | None) -> list[str]:
+    """The rule kinds of this policy that only eBPF enforces (or, in audit mode,
+    reports): "egress" (cgroup connect/sendmsg hooks) and "exec" (the exec
+    allowlist). A sandbox whose policy has any of them runs with the eBPF
+    enforcement sensor or not at all (agent/sandbox/launcher.py)."""
+    if policy is None or policy.mode == "learn":
+        return []
+    out = []
+    if egress_rules(policy) is not None:
+        out.append("egress")
+    if exec_rules(policy) is not None:
+        out.append("exec")
+    return out
+
+
+# ---------------------------------------------------------------- node protection
+
+# What `--network egress` refuses when the policy has no egress section (no
+# explicit rules): the node's metadata service, link-local, loopback, private,
+# shared (CGNAT), ULA, multicast and reserved ranges. The node's own addresses
+# are refused for every sandbox (the firewall's input chain). A policy opens any
+# of them with an explicit egress section.
+NODE_PROTECTED = tuple(ipaddress.ip_network(n) for n in (
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+    "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4",
+    "::/128", "::1/128", "::ffff:0:0/96", "64:ff9b:1::/48", "fc00::/7", "fe80::/10", "ff00::/8"))
+
+
+def node_protected(addr) -> bool:
+    """Is this destination one --network egress refuses by default? (The
+    sandbox's own loopback is not: it never leaves the sandbox.)"""
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return False
+    if ip.is_loopback:
+        return False
+    return any(ip.version == n.version and ip in n for n in NODE_PROTECTED)
+
+
+def implied_defaults(policy: Policy) -> list[str]:
+    """What the launcher adds to a policy that leaves a section out, in words
+    (`dsec policy show` prints them as comments)."""
+    out = []
+    if policy.spec.egress is None:
+        ranges = ", ".join(str(n) for n in NODE_PROTECTED)
+        out.append("egress: no egress section: with --network egress the node is protected: connections to "
+                   f"{ranges} and to the node's own addresses are refused (DNS to the node's resolvers stays "
+                   "open); an egress section opens them explicitly; IPv6 is disabled in the sandbox")
+    s = policy.spec.syscalls
+    if s is None or s.sockets is None:
+        out.append("syscalls.sockets: the default set: unix; inet and inet6 with stream or dgram and protocol "
+                   "default, tcp or udp; other families EAFNOSUPPORT, other types/protocols EPROTONOSUPPORT")
+    lay = mount_layout(policy)
+    if lay.noexec:
+        where = ", ".join(lay.exec_dirs) or "none"
+        out.append(f"exec: every writable layer is mounted noexec (exec.allow_written_under: {where}) and the "
+                   "image is read-only" + (f"; writable: {', '.join(lay.writable)} (no files section)"
+                                           if lay.implied else ""))
+    return out

@@ -23,7 +23,7 @@ import errno as _errno
 import json
 import posixpath
 
-from policies.compile import egress_rules, exec_allowed, writable_paths
+from policies.compile import egress_rules, exec_allowed, node_protected, writable_paths
 
 # always writable scratch mounts, whatever files.writable says (see policies/README.md)
 SCRATCH = ("/tmp", "/dev", "/proc/self/fd")
@@ -150,8 +150,20 @@ def _unresolved_write_let_through(policy, rec: dict) -> bool:
     return any(p and not p.startswith("/") for p in paths) or bool(raw and not raw.startswith("/"))
 
 
+def layout_refuses(policy, rec: dict) -> bool:
+    """Did the sandbox's layout (not a policy rule) refuse this, whatever the
+    mode? A connect to a node-protected range under a policy without an egress
+    section (the launcher's firewall refuses those: policies.compile.NODE_PROTECTED)."""
+    return (rec.get("kind") == "connect" and policy.spec.egress is None
+            and rec.get("family") in ("ipv4", "ipv6") and node_protected(rec.get("addr") or ""))
+
+
 def decision(policy, rec: dict, host_addrs: dict | None = None) -> str:
-    if policy is None or policy.mode == "learn":
+    if policy is None:
+        return "allowed"
+    if layout_refuses(policy, rec):
+        return "denied"
+    if policy.mode == "learn":
         return "allowed"
     if not forbids(policy, rec, host_addrs):
         return "allowed"

@@ -33,6 +33,9 @@ from pydantic_core import PydanticCustomError
 
 from policies.errors import PoliciesError, USAGE as EXIT_USAGE
 from policies import syscalls as sc
+from policies import sockets as sk
+from policies.sockets import (SOCKET_FAMILIES, SOCKET_FAMILY_MAX, SOCKET_PROTOCOL_MAX, SOCKET_PROTOCOLS,  # noqa: F401
+                              SOCKET_TYPES, number_name)
 
 API_VERSION = "dsec/v1"
 KIND = "SandboxPolicy"
@@ -237,6 +240,40 @@ def _check_writable(v: str) -> str:
     return v
 
 
+def _check_written_dir(v: str) -> str:
+    _check_path_common(v, "exec.allow_written_under path")
+    if any(c in v for c in "*?["):
+        raise _fail(f"exec.allow_written_under path {v!r}: patterns are not supported, name a directory")
+    if v != "/" and v.endswith("/"):
+        v = v.rstrip("/")
+    if v == "/":
+        raise _fail("exec.allow_written_under '/' would let anything written anywhere run: name the directories "
+                    "(e.g. /tmp, /workspace)")
+    if len(v.encode()) + 1 > EXEC_PATTERN_MAX:
+        raise _fail(f"exec.allow_written_under path is longer than {EXEC_PATTERN_MAX - 1} bytes "
+                    "(the kernel matcher's limit)")
+    return v
+
+
+def _check_family(v: Any) -> int:
+    return _sock(sk.family, v)
+
+
+def _check_socktype(v: Any) -> int:
+    return _sock(sk.socktype, v)
+
+
+def _check_sockproto(v: Any) -> int:
+    return _sock(sk.protocol, v)
+
+
+def _sock(fn, v):
+    try:
+        return fn(v)
+    except ValueError as e:
+        raise _fail(str(e)) from None
+
+
 def _check_annotation_key(v: str) -> str:
     if not v or len(v) > 253 or any(ord(c) < 33 for c in v):
         raise _fail(f"invalid annotation key {v!r}: 1-253 characters, no spaces")
@@ -265,6 +302,10 @@ IPAddr = Annotated[str, AfterValidator(_check_ip)]
 Host = Annotated[str, AfterValidator(_check_host)]
 ExecPattern = Annotated[str, AfterValidator(_check_exec_pattern)]
 WritablePath = Annotated[str, AfterValidator(_check_writable)]
+WrittenDir = Annotated[str, AfterValidator(_check_written_dir)]
+SocketFamily = Annotated[int, BeforeValidator(_check_family)]
+SocketType = Annotated[int, BeforeValidator(_check_socktype)]
+SocketProtocol = Annotated[int, BeforeValidator(_check_sockproto)]
 AnnotationKey = Annotated[str, AfterValidator(_check_annotation_key)]
 AnnotationValue = Annotated[str, AfterValidator(_check_annotation_value)]
 
@@ -280,6 +321,24 @@ class Metadata(_Base):
     annotations: dict[AnnotationKey, AnnotationValue] = Field(
         default_factory=dict, max_length=ANNOTATIONS_MAX,
         description="free-form notes (description, owner, ...); not part of the content hash")
+
+
+class SocketRule(_Base):
+    family: SocketFamily = Field(description="address family: unix, inet, inet6, netlink, packet, vsock ... "
+                                             "or a number")
+    types: list[SocketType] = Field(default_factory=list,
+                                    description="socket types (stream, dgram, raw, seqpacket ...); empty = any")
+    protocols: list[SocketProtocol] = Field(
+        default_factory=list, description="protocols (default = 0, tcp, udp, icmp, sctp ... or a number; "
+                                          "for netlink the netlink protocol number); empty = any")
+
+
+# the socket rules when a policy names none (docs/enforcement.md "Sockets")
+DEFAULT_SOCKETS = (
+    {"family": "unix"},
+    {"family": "inet", "types": ["stream", "dgram"], "protocols": ["default", "tcp", "udp"]},
+    {"family": "inet6", "types": ["stream", "dgram"], "protocols": ["default", "tcp", "udp"]},
+)
 
 
 class Syscalls(_Base):
@@ -298,6 +357,11 @@ class Syscalls(_Base):
     namespaces: Literal["allow", "deny"] = Field(
         "deny", description="deny: clone/unshare with CLONE_NEW* flags and setns are denied, clone3 "
                             "returns ENOSYS (so libc falls back to clone, whose flags seccomp can check)")
+    sockets: Optional[Union[Literal["any"], list[SocketRule]]] = Field(
+        None, description="which socket()/socketpair() calls are allowed, by their arguments: omitted = "
+                          "the default set (unix; inet and inet6 with stream or dgram and protocol 0, tcp or "
+                          "udp); 'any' = no argument rule; a list = exactly these (denied ones fail with "
+                          "EAFNOSUPPORT, or kill with action: kill)")
 
 
 class EgressRule(_Base):
@@ -325,11 +389,10 @@ class Egress(_Base):
 class Exec(_Base):
     allow: list[ExecPattern] = Field(
         description="absolute paths, or a prefix ending in a single '*' (/usr/bin/python3*)")
-    allow_written_under: list[WritablePath] = Field(
+    allow_written_under: list[WrittenDir] = Field(
         default_factory=list,
-        description="absolute directories (writable in the sandbox) under which any file may be "
-                    "executed: what the sandbox itself wrote there (scripts in a fresh temporary "
-                    "directory, a build's output); these directories are not mounted noexec")
+        description="writable directories whose files (the sandbox's own, written there) may be executed: "
+                    "exec under them is allowed by the exec allowlist and they are not mounted noexec")
 
 
 class Files(_Base):
@@ -579,6 +642,22 @@ def semantic_issues(p: Policy) -> list[Issue]:
                     out.append(Issue(("spec", "exec", "allow", i),
                                      f"{pat!r} is already matched by {x.allow[j]!r}", "warning"))
                     break
+        out += _dups(x.allow_written_under, ("spec", "exec", "allow_written_under"), "directory")
+        wr = spec.files.writable if spec.files is not None else None
+        for i, d in enumerate(x.allow_written_under):
+            if wr is not None and not any(w == "/" or d == w or d.startswith(w + "/") for w in wr) \
+                    and not any(d == t or d.startswith(t + "/") for t in ("/tmp", "/dev/shm")):
+                out.append(Issue(("spec", "exec", "allow_written_under", i),
+                                 f"{d!r} is not writable (files.writable): nothing can be written there to run",
+                                 "warning"))
+        if enforce and x.allow and spec.files is not None and "/" in spec.files.writable:
+            out.append(Issue(("spec", "files", "writable", spec.files.writable.index("/")),
+                             "'/' writable with an exec allowlist: a file written under an allowed path could be "
+                             "executed; list the writable directories (and exec.allow_written_under for those "
+                             "whose files may run)"))
+    if s is not None and isinstance(s.sockets, list):
+        out += _dups(s.sockets, S + ("sockets",), "socket rule",
+                     key=lambda r: (r.family, tuple(sorted(r.types)), tuple(sorted(r.protocols))))
     f = spec.files
     if f is not None:
         out += _dups(f.writable, ("spec", "files", "writable"), "path")
@@ -650,6 +729,9 @@ def canonical(p: Policy) -> dict:
         sd["deny"] = sorted(set(s.deny) - implied)
     if s.errnos:
         sd["errnos"] = dict(sorted(s.errnos.items()))
+    socks = canonical_sockets(s)
+    if socks is not None:
+        sd["sockets"] = socks
     spec: dict = {"mode": p.spec.mode, "syscalls": sd}
     e = p.spec.egress
     if e is not None:
@@ -666,6 +748,45 @@ def canonical(p: Policy) -> dict:
     if p.spec.files is not None:
         spec["files"] = {"writable": sorted(set(p.spec.files.writable))}
     return {"apiVersion": p.apiVersion, "kind": p.kind, "metadata": md, "spec": spec}
+
+
+def _socket_dict(r: SocketRule) -> dict:
+    d: dict = {"family": number_name(r.family, SOCKET_FAMILIES)}
+    if r.types:
+        d["types"] = [number_name(t, SOCKET_TYPES) for t in sorted(set(r.types))]
+    if r.protocols:
+        d["protocols"] = [number_name(x, SOCKET_PROTOCOLS) for x in sorted(set(r.protocols))]
+    return d
+
+
+def _default_socket_dicts() -> list[dict]:
+    return [_socket_dict(SocketRule.model_validate(r)) for r in DEFAULT_SOCKETS]
+
+
+def canonical_sockets(s: Syscalls):
+    """The socket rules as written in the canonical form: None when they are the
+    default set (omitted, so the content hash of a policy that names none does
+    not change), "any", or the sorted list."""
+    if s.sockets is None:
+        return None
+    if s.sockets == "any":
+        return "any"
+    rules = {json.dumps(d, sort_keys=True): d for d in map(_socket_dict, s.sockets)}
+    out = sorted(rules.values(), key=lambda d: (SOCKET_FAMILIES.get(d["family"], d["family"])
+                                                if isinstance(d["family"], str) else d["family"],
+                                                json.dumps(d, sort_keys=True)))
+    if out == sorted(_default_socket_dicts(), key=lambda d: SOCKET_FAMILIES[d["family"]]):
+        return None
+    return out
+
+
+def socket_rules(s: Syscalls | None) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]] | None:
+    """(family, types, protocols) the policy allows (empty tuple = any), or None for any socket."""
+    s = s or Syscalls(default="allow")
+    if s.sockets == "any":
+        return None
+    rules = s.sockets if s.sockets is not None else [SocketRule.model_validate(r) for r in DEFAULT_SOCKETS]
+    return [(r.family, tuple(sorted(set(r.types))), tuple(sorted(set(r.protocols)))) for r in rules]
 
 
 def normalize(p: Policy) -> Policy:

@@ -20,7 +20,8 @@ PKGS=(
   linux-headers-amd64                      # BCC compiles against these
   python3-seccomp                          # libseccomp's Python bindings
   clickhouse-server clickhouse-client      # the embedded audit store
-  bubblewrap                               # baseline for bench/launch.py
+  bubblewrap crun                          # baselines for bench/launch.py
+  build-essential                          # cc for the sandbox init (agent/sandbox/init)
   nftables iproute2                        # NAT for --network egress; test hosts
   strace                                   # strace-style learning input
   golang-github-containers-common          # containers-common default seccomp profile (policy import tests)
@@ -90,6 +91,14 @@ for spec in tornado==6.4.2 dill==0.3.9; do
     touch "$SUITES_DIR/$name/.dsec-$spec"
   fi
 done
+# --- the sandbox init ------------------------------------------------------------
+# dsec-init (agent/sandbox/init/dsec-init.c) is PID 1 of every sandbox: a small static
+# C program, rebuilt when its source is newer than the binary.
+INIT_BIN=agent/sandbox/init/build/dsec-init
+if [ ! -x "$INIT_BIN" ] || [ agent/sandbox/init/dsec-init.c -nt "$INIT_BIN" ] || [ agent/sandbox/init/proto.h -nt "$INIT_BIN" ]; then
+  say "building $INIT_BIN"
+  .venv/bin/python -c 'from agent.sandbox.plan import build_init; build_init()' || die "cannot build the sandbox init (agent/sandbox/init)"
+fi
 
 # --- generated code -------------------------------------------------------------
 # The agent's gRPC code is generated from agent/node/proto/*.proto (not kept in git);

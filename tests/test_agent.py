@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,105 +17,13 @@ import threading
 import time
 
 import pytest
-import yaml
 
 from conftest import DSEC, ROOT, dsec
 from hosts import NetHost, leftovers
 
 from agent.node.client import (AgentError, AsyncClient, Client, InvalidArgument, NotFound, PermissionDenied, TLS,
                           SandboxPreempted)
-
-PY = os.path.join(ROOT, ".venv", "bin", "python")
-
-REAPER = r"""
-import ctypes, os, signal, subprocess, sys
-ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)       # PR_SET_CHILD_SUBREAPER
-log = open(sys.argv[1], "ab")
-p = subprocess.Popen(sys.argv[2:], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-print(p.pid, flush=True)
-signal.signal(signal.SIGTERM, lambda *a: os.kill(p.pid, signal.SIGTERM))
-status = 0
-while True:
-    try:
-        pid, st = os.wait()
-    except ChildProcessError:
-        break
-    except InterruptedError:
-        continue
-    if pid == p.pid:
-        status = os.waitstatus_to_exitcode(st)
-sys.exit(status if status >= 0 else 128 - status)
-"""
-
-
-class AgentProc:
-    """One `dsec agent` process with its own socket, run dir and spool."""
-
-    def __init__(self, base, clickhouse_url, config: dict, name="agent"):
-        self.base = base
-        self.run_dir = os.path.join(base, "run")
-        self.socket = os.path.join(self.run_dir, "agent.sock")
-        self.spool = os.path.join(base, "spool")
-        self.log = os.path.join(base, f"{name}.log")
-        cfg = {"socket": self.socket, "log_level": "info"}
-        cfg.update(config)
-        self.config = os.path.join(base, f"{name}.yaml")
-        with open(self.config, "w") as f:
-            yaml.safe_dump(cfg, f)
-        self.env = dict(os.environ, DSEC_CLICKHOUSE_URL=clickhouse_url, DSEC_SPOOL_DIR=self.spool)
-        self.env.pop("DSEC_AGENT_SOCKET", None)
-        self.reaper = None
-        self.pid = 0
-
-    def start(self, timeout=90):
-        self.reaper = subprocess.Popen([PY, "-c", REAPER, self.log, DSEC, "agent", "--config", self.config],
-                                       env=self.env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
-        self.pid = int(self.reaper.stdout.readline())
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.reaper.poll() is not None:
-                raise AssertionError(f"agent exited {self.reaper.returncode}: {self.read_log()[-3000:]}")
-            if os.path.exists(self.socket):
-                try:
-                    with self.client(connect_timeout=2) as c:
-                        c.capabilities(timeout=5)
-                    return self
-                except AgentError:
-                    pass
-            time.sleep(0.2)
-        raise AssertionError(f"agent did not come up: {self.read_log()[-3000:]}")
-
-    def client(self, **kw) -> Client:
-        return Client(self.socket, **kw)
-
-    def read_log(self) -> str:
-        try:
-            with open(self.log, errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
-
-    def rss(self) -> int:
-        with open(f"/proc/{self.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        return 0
-
-    def stop(self, timeout=60):
-        if self.reaper is None or self.reaper.poll() is not None:
-            return self.reaper.returncode if self.reaper else None
-        self.reaper.send_signal(signal.SIGTERM)
-        try:
-            return self.reaper.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.kill(self.pid, signal.SIGKILL)
-            return self.reaper.wait(30)
-
-    def kill9(self):
-        os.kill(self.pid, signal.SIGKILL)
-        return self.reaper.wait(30)
-
+from agents import PY, AgentProc, make_pki  # noqa: F401 - PY is used by tests below
 
 def _events(clickhouse_url, sid, kinds=None, want=None, timeout=30):
     """The sandbox's events from ClickHouse, once `want(events)` holds (bounded wait)."""
@@ -675,26 +582,9 @@ def test_aging_lets_a_long_waiting_preemptible_go_first(sched_agent):
 
 # ---------------------------------------------------------------- TCP + mTLS, reachability
 
-def _openssl(*args, cwd):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("pki"))
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=dsec-test-ca",
-             cwd=d)
-    with open(os.path.join(d, "san.ext"), "w") as f:
-        f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name, ext in (("server", True), ("trainer-1", False), ("intruder", False)):
-        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "1", *(["-extfile", "san.ext"] if ext else []), cwd=d)
-    # a certificate from another CA
-    _openssl("req", "-x509", *ec, "-keyout", "rogue.key", "-out", "rogue.pem", "-days", "1", "-subj", "/CN=trainer-1",
-             cwd=d)
-    return d
+    return make_pki(str(tmp_path_factory.mktemp("pki")), ("trainer-1", "intruder"))
 
 
 @pytest.fixture(scope="module")
@@ -704,6 +594,7 @@ def tls_agent(tmp_path_factory, clickhouse_url, pki):
     a = AgentProc(str(tmp_path_factory.mktemp("tlsagent")), clickhouse_url, {
         "tcp": {"listen": f"0.0.0.0:{port}", "cert": f"{pki}/server.pem", "key": f"{pki}/server.key",
                 "client_ca": f"{pki}/ca.pem", "allowed_clients": ["trainer-1"]},
+        "authorization": {"identities": {"trainer-1": {"allow": ["root"]}}},
     }).start()
     a.port = port
     yield a

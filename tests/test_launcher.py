@@ -218,8 +218,10 @@ def test_network_none_cannot_reach_host_loopback():
 
 
 def test_network_egress_reaches_test_host_only_through_own_veth(sid):
-    with NetHost(subnet=11) as th:
-        url = th.serve_http()
+    # 198.51.100.11 (TEST-NET-2) is not a node-protected range (test_boundary.py covers those)
+    with NetHost(subnet=11, extra_addrs=["198.51.100.11"]) as th:
+        th.serve_http(addr="0.0.0.0")
+        url = "http://198.51.100.11:8080/"
         code = f"import urllib.request; print(urllib.request.urlopen('{url}', timeout=5).status)"
         r = dsec(*RUN, "--sandbox-id", sid, "--network", "egress", "--", "python3", "-c", code)
         assert r.returncode == 0, r.stderr

@@ -199,7 +199,9 @@ def _show(args) -> int:
     if args.json:
         sys.stdout.write(json.dumps(p.to_dict(), indent=2) + "\n")
     else:
-        sys.stdout.write(dump_yaml(p, [f"{p.name} ({p.source}), mode {p.mode}", f"sha256:{p.hash}"]))
+        from policies.compile import implied_defaults
+        sys.stdout.write(dump_yaml(p, [f"{p.name} ({p.source}), mode {p.mode}", f"sha256:{p.hash}"]
+                                   + implied_defaults(p)))
     return 0
 
 

@@ -82,6 +82,10 @@ class AgentServicer(pb_grpc.AgentServicer):
     def __init__(self, agent: Agent):
         self.agent = agent
 
+    def _caller(self, context):
+        """Who calls (agent/node/authz.py): the unix socket is admin, a TCP client its identity."""
+        return self.agent.authz.caller(context.peer() or "", _identities(context))
+
     # every handler: ApiError -> status; anything else -> INTERNAL with one line (logged in full)
     def _call(self, context, fn, *args):
         try:
@@ -108,11 +112,12 @@ class AgentServicer(pb_grpc.AgentServicer):
                    "image": request.image, "volumes": [(v.host_path, v.sandbox_path, v.read_write)
                                                        for v in request.volumes],
                    "from_snapshot": request.from_snapshot}
-            rec = self.agent.create(req)
+            caller = self._caller(context)
+            rec = self.agent.create(req, caller)
             if request.wait_running:
                 rem = context.time_remaining()
                 info, timed_out = self.agent.wait(rec.id, "running", rem if rem is not None else None,
-                                                  context.is_active)
+                                                  context.is_active, caller)
                 m = info_message(info)
                 m.timed_out = timed_out
                 return m
@@ -147,7 +152,8 @@ class AgentServicer(pb_grpc.AgentServicer):
                     if 0 < m.signal < 65:
                         yield ("signal", m.signal)
         try:
-            for item in self.agent.exec_step(start, inputs(), context.add_callback, _deadline(context)):
+            for item in self.agent.exec_step(start, inputs(), context.add_callback, _deadline(context),
+                                             self._caller(context)):
                 kind = item[0]
                 if kind == "started":
                     yield pb.ExecOutput(started=pb.StepStarted(step=item[1], ts_ns=item[2]))
@@ -176,7 +182,7 @@ class AgentServicer(pb_grpc.AgentServicer):
         def run():
             info, timed_out = self.agent.wait(request.sandbox_id, request.until,
                                               request.timeout_seconds or context.time_remaining(),
-                                              context.is_active)
+                                              context.is_active, self._caller(context))
             m = info_message(info)
             m.timed_out = timed_out
             return m
@@ -185,30 +191,34 @@ class AgentServicer(pb_grpc.AgentServicer):
     def Kill(self, request, context):
         return self._call(context, lambda: info_message(self.agent.kill(
             request.sandbox_id, request.grace_seconds if request.HasField("grace_seconds") else None,
-            request.reason, context.is_active)))
+            request.reason, context.is_active, self._caller(context))))
 
     def CloseSandbox(self, request, context):
-        return self._call(context, lambda: info_message(self.agent.close(request.sandbox_id, context.is_active)))
+        return self._call(context, lambda: info_message(self.agent.close(request.sandbox_id, context.is_active,
+                                                                         self._caller(context))))
 
     def Get(self, request, context):
-        return self._call(context, lambda: info_message(self.agent.info(self.agent.lookup(request.sandbox_id))))
+        return self._call(context, lambda: info_message(self.agent.info(
+            self.agent.lookup(request.sandbox_id, self._caller(context), "Get"))))
 
     def List(self, request, context):
         return self._call(context, lambda: pb.ListResponse(sandboxes=[
-            info_message(i) for i in self.agent.list(dict(request.labels), list(request.states), request.limit)]))
+            info_message(i) for i in self.agent.list(dict(request.labels), list(request.states), request.limit,
+                                                     self._caller(context))]))
 
     def UpdatePolicy(self, request, context):
         def run():
             if not request.HasField("policy"):
                 raise ApiError("INVALID_ARGUMENT", "policy: required (name or yaml)")
-            r = self.agent.update_policy(request.sandbox_id, _policy(request))
+            r = self.agent.update_policy(request.sandbox_id, _policy(request), self._caller(context))
             return pb.UpdatePolicyResponse(**r)
         return self._call(context, run)
 
     def StreamEvents(self, request, context):
         try:
             for item in self.agent.stream_events(list(request.sandbox_ids), list(request.kinds),
-                                                 list(request.decisions), dict(request.labels), context.is_active):
+                                                 list(request.decisions), dict(request.labels), context.is_active,
+                                                 self._caller(context)):
                 if item[0] == "lost":
                     yield pb.EventMessage(lost=pb.Lost(count=item[1], reason=item[2]))
                 else:
@@ -219,7 +229,7 @@ class AgentServicer(pb_grpc.AgentServicer):
     def QueryEvents(self, request, context):
         try:
             for ev in self.agent.query_events(request.sandbox_id, list(request.kinds), request.limit,
-                                              request.flush_timeout_seconds):
+                                              request.flush_timeout_seconds, self._caller(context)):
                 yield event_message(ev)
         except ApiError as e:
             _abort(context, e)

@@ -291,6 +291,39 @@ class AuditConfig(_Base):
     over_budget: Literal["summarise", "stop"] = "summarise"
 
 
+class IdentityConfig(_Base):
+    """What one API identity (a TCP client's certificate CN/SAN) may do."""
+    tenant: Optional[str] = Field(None, description="the tenant label its sandboxes carry and that scopes what it "
+                                                    "sees (default: the identity itself)")
+    admin: bool = Field(False, description="everything, every tenant (like the unix socket)")
+    allow: list[Literal["root", "keep", "rootfs", "no_audit", "policy_yaml"]] = Field(
+        default_factory=list, description="privileges: root (uid 0 inside), keep (upper layer kept on the node), "
+                                          "rootfs (a custom rootfs under rootfs_roots), no_audit, policy_yaml "
+                                          "(a policy sent inline)")
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant(cls, v):
+        if v is not None and (not v or len(v) > 256 or not v.isprintable()):
+            raise ValueError("1-256 printable characters")
+        return v
+
+
+class AuthorizationConfig(_Base):
+    """Per-identity authorisation of TCP clients (the unix socket is admin)."""
+    tenant_label: str = Field("tenant", description="label key naming a sandbox's tenant")
+    identities: dict[str, IdentityConfig] = Field(default_factory=dict)
+    default: IdentityConfig = Field(default_factory=IdentityConfig,
+                                    description="an allowed client that identities does not list")
+
+    @field_validator("tenant_label")
+    @classmethod
+    def _label(cls, v):
+        if not v or len(v) > 128 or not v.isprintable() or " " in v:
+            raise ValueError("1-128 printable characters without spaces")
+        return v
+
+
 class ExporterConfig(_Base):
     clickhouse: bool = Field(True, description="run the ClickHouse exporter thread "
                                                "(DSEC_CLICKHOUSE_URL or the private server)")
@@ -487,6 +520,13 @@ class AgentConfig(_Base):
                                                          "(docs/trainers.md); off unless set")
     policy_dirs: list[str] = Field(default_factory=list,
                                    description="directories searched for policy NAME.yaml before the built-ins")
+    authorization: AuthorizationConfig = Field(default_factory=AuthorizationConfig)
+    rootfs_roots: list[str] = Field(default_factory=list,
+                                    description="directories under which a TCP client's custom rootfs must lie "
+                                                "(the unix socket may name any directory but /, /proc, /sys, "
+                                                "/dev, /run and dsec's state)")
+    sandbox_uids: str = Field("1879048192-1879113727",
+                              description="host uids (FIRST-LAST) leased one per sandbox to its default user")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("socket")
@@ -647,6 +687,14 @@ def load_config(path: str | None = None, environ=None) -> AgentConfig:
     for d in cfg.volumes.allowed_roots:
         if not os.path.isdir(d):
             raise ConfigError(f"{source}: volumes.allowed_roots: {d}: no such directory")
+    for d in cfg.rootfs_roots:
+        if not d.startswith("/") or not os.path.isdir(d):
+            raise ConfigError(f"{source}: rootfs_roots: {d}: not an absolute path of a directory")
+    from agent.sandbox.uids import parse_range
+    try:
+        parse_range(cfg.sandbox_uids)
+    except DsecError as e:
+        raise ConfigError(f"{source}: sandbox_uids: {e.message}") from None
     return cfg
 
 

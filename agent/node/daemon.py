@@ -75,6 +75,7 @@ from agent.node.records import (CANCELLED, ENDED, EXITED, FAILED, KILLED, MAX_AR
 from agent.node.requests import PolicyCache, check_create
 from agent.node.streams import EventStreams, TapSpool
 from agent.node.warm import WarmPool, profile_key
+from agent.node.authz import ADMIN, Authorizer
 from agent.sensors.watch import SandboxWatch
 
 log = logging.getLogger("dsec.agent")
@@ -95,6 +96,7 @@ class Agent:
         self.warm = WarmPool(self)
         self.streams = EventStreams(cfg.limits.max_stream_subscribers, cfg.limits.stream_buffer, self.labels_of)
         self.policies = PolicyCache(cfg)
+        self.authz = Authorizer(cfg.authorization, cfg.rootfs_roots, self.audit_refusal)
         self._emitq: deque = deque()
         self._emit_lock = threading.Lock()
         self._emit_failures = 0
@@ -127,7 +129,8 @@ class Agent:
         cfg = self.cfg
         self.host = apply_host(cfg)
         launcher.preflight()
-        from agent.sandbox import cgroups
+        from agent.sandbox import cgroups, uids
+        uids.configure(cfg.sandbox_uids)
         self._layout = cgroups.detect()
         self.started_ns = time.time_ns()
         self.previous_agent = self.run_dir.take()
@@ -536,12 +539,15 @@ class Agent:
 
     # ================================================================ requests: create
 
-    def create(self, req: dict) -> SandboxRecord:
-        """Validate, load the policy, queue (or take a warm sandbox). `req` holds the
-        CreateSandboxRequest fields as Python values (see api.py)."""
+    def create(self, req: dict, caller=ADMIN) -> SandboxRecord:
+        """Validate, authorise (agent/node/authz.py), load the policy, queue (or take
+        a warm sandbox). `req` holds the CreateSandboxRequest fields as Python values
+        (see api.py)."""
         from agent.sandbox import launcher
         from agent.sandbox.launcher import SandboxSpec
+        from policies.compile import ebpf_concerns
         d = self.cfg.defaults
+        self.authz.check_create(caller, req)
         f = check_create(req, self.cfg)
         sid, cpus, memory, pids = f["sandbox_id"], f["cpus"], f["memory"], f["pids"]
         priority, network, rootfs, workdir, user = f["priority"], f["network"], f["rootfs"], f["workdir"], f["user"]
@@ -556,6 +562,16 @@ class Agent:
         lifetime = lifetime or d.lifetime_seconds
         grace = grace or d.grace_seconds
         audit = not req.get("no_audit")
+        need = ebpf_concerns(policy)
+        if need:
+            # one rule for every entry point: rules that live in eBPF are enforced by eBPF, or no sandbox
+            why = ("no_audit was asked" if not audit else "the agent runs without its eBPF audit" if self.rec is None
+                   else f"eBPF enforcement is unavailable ({self.rec.enforce_error})" if self.rec.enforcer is None
+                   else None)
+            if why:
+                raise ApiError("FAILED_PRECONDITION", f"policy {policy.name} ({policy.mode}) has "
+                                                      f"{' and '.join(need)} rules, which only eBPF enforces, and "
+                                                      f"{why}: refused")
         fields = {"priority": priority, "labels": labels, "lifetime": lifetime, "grace": grace}
         img, vols = self.node_images.check_request(req, rootfs)
         # with an image, its defaults apply where the request names none
@@ -574,7 +590,9 @@ class Agent:
                     return self._created(rec)
         spec = SandboxSpec(argv=[], sandbox_id=sid or launcher.new_sandbox_id(), cpus=quota, memory=memory,
                            pids=pids, grace=grace, rootfs=rootfs, network=network, env=env, workdir=workdir,
-                           user=user, keep=bool(req.get("keep")), policy=policy, volumes=vols)
+                           user=user, keep=bool(req.get("keep")), policy=policy, volumes=vols,
+                           rootfs_roots=None if caller.local else self.cfg.rootfs_roots)
+        spec.allow_root = caller.may("root")
         if req.get("from_snapshot"):
             if img is not None or rootfs:
                 raise _bad("from_snapshot: the snapshot names its own image or rootfs")
@@ -650,12 +668,15 @@ class Agent:
 
     # ================================================================ lookups
 
-    def lookup(self, sid: str) -> SandboxRecord:
+    def lookup(self, sid: str, caller=ADMIN, method: str = "Get") -> SandboxRecord:
         if not sid:
             raise _bad("sandbox_id: required")
         rec = self._records.get(sid) or self._ended.get(sid)
         if rec is None or rec.state == WARM:
+            if not caller.admin:
+                self.authz.check_sandbox(caller, {}, sid, method)
             raise ApiError("NOT_FOUND", f"no sandbox {sid[:80]!r} on this agent")
+        self.authz.check_sandbox(caller, rec.labels, sid, method)
         return rec
 
     def info(self, rec: SandboxRecord, summary: bool = True) -> dict:
@@ -679,7 +700,8 @@ class Agent:
                     out["reason"] = i["reason"]
             return out
 
-    def list(self, labels: dict, states: list, limit: int) -> list[dict]:
+    def list(self, labels: dict, states: list, limit: int, caller=ADMIN) -> list[dict]:
+        labels = self.authz.scope(caller, labels)
         for s in states:
             if s not in STATES:
                 raise _bad(f"states: {s[:40]!r} is not a state ({', '.join(STATES)})")
@@ -698,12 +720,13 @@ class Agent:
 
     # ================================================================ waiting
 
-    def wait(self, sid: str, until: str, timeout: float | None, is_active=lambda: True) -> tuple[dict, bool]:
+    def wait(self, sid: str, until: str, timeout: float | None, is_active=lambda: True,
+             caller=ADMIN) -> tuple[dict, bool]:
         if until not in ("", "ended", "running"):
             raise _bad(f"until {until[:40]!r}: expected running or ended")
         if timeout is not None and (math.isnan(timeout) or timeout < 0):
             raise _bad(f"timeout_seconds: must be >= 0, got {timeout}")
-        rec = self.lookup(sid)
+        rec = self.lookup(sid, caller, "Wait")
         want_running = until == "running"
         deadline = time.monotonic() + timeout if timeout else None
         with self._cond:
@@ -717,12 +740,12 @@ class Agent:
 
     # ================================================================ kill / close
 
-    def kill(self, sid: str, grace: float | None, reason: str, is_active=lambda: True) -> dict:
+    def kill(self, sid: str, grace: float | None, reason: str, is_active=lambda: True, caller=ADMIN) -> dict:
         if grace is not None and (math.isnan(grace) or grace < 0 or grace > MAX_GRACE):
             raise _bad(f"grace_seconds: between 0 and {MAX_GRACE:g}, got {grace}")
         if len(reason) > 1024:
             raise _bad("reason: at most 1024 characters")
-        rec = self.lookup(sid)
+        rec = self.lookup(sid, caller, "Kill")
         reason = reason or "killed on request"
         with self._lock:
             if rec.state == QUEUED:
@@ -733,8 +756,8 @@ class Agent:
         info, _ = self.wait(sid, "ended", None, is_active)
         return info
 
-    def close(self, sid: str, is_active=lambda: True) -> dict:
-        rec = self.lookup(sid)
+    def close(self, sid: str, is_active=lambda: True, caller=ADMIN) -> dict:
+        rec = self.lookup(sid, caller, "CloseSandbox")
         with self._lock:
             if rec.state == QUEUED:
                 self._cancel_locked(rec, "closed while queued")
@@ -760,15 +783,16 @@ class Agent:
 
     # ================================================================ exec
 
-    def exec_step(self, start: dict, inputs, register_cancel, time_remaining):
+    def exec_step(self, start: dict, inputs, register_cancel, time_remaining, caller=ADMIN):
         """One step; a generator of ("started", step, ts_ns) | ("stdout", bytes) |
         ("stderr", bytes) | ("exit", dict) (agent/node/steps.py)."""
-        return steps.exec_step(self, start, inputs, register_cancel, time_remaining)
+        return steps.exec_step(self, start, inputs, register_cancel, time_remaining, caller)
 
     # ================================================================ policy update
 
-    def update_policy(self, sid: str, pol: dict) -> dict:
-        rec = self.lookup(sid)
+    def update_policy(self, sid: str, pol: dict, caller=ADMIN) -> dict:
+        rec = self.lookup(sid, caller, "UpdatePolicy")
+        self.authz.check_policy_update(caller, pol)
         policy = self.policies.load(pol.get("name"), pol.get("yaml"), pol.get("mode") or None,
                                     pol.get("source_name") or "")
         with self._lock:
@@ -803,13 +827,19 @@ class Agent:
 
     # ================================================================ events
 
-    def stream_events(self, sandboxes, kinds, decisions, labels, is_active):
+    def stream_events(self, sandboxes, kinds, decisions, labels, is_active, caller=ADMIN):
+        labels = self.authz.scope(caller, labels)
+        if not caller.admin:
+            for sid in sandboxes:
+                self.lookup(sid, caller, "StreamEvents")
         return self.streams.subscribe(sandboxes, kinds, decisions, labels, is_active, self._stop.is_set)
 
-    def query_events(self, sid: str, kinds, limit: int, flush_timeout: float):
+    def query_events(self, sid: str, kinds, limit: int, flush_timeout: float, caller=ADMIN):
         from replay.store import AuditStore, check_kinds
         if not sid:
             raise _bad("sandbox_id: required")
+        if not caller.admin:
+            self.lookup(sid, caller, "QueryEvents")
         try:
             kinds = check_kinds(kinds)
         except ReportedError as e:
@@ -834,7 +864,8 @@ class Agent:
     # ================================================================ access audit
 
     def audit_refusal(self, peer: str, identities: list, method: str, reason: str):
-        """A caller the agent refused (TCP client outside the allowlist): an access_denied event."""
+        """A caller the agent refused (a TCP client outside the allowlist, or asking
+        for what its identity may not do): an access_denied event."""
         log.warning("refused %s (%s) calling %s: %s", peer, ", ".join(identities) or "no identity", method, reason)
         self._emit_record({"kind": "access_denied", "sandbox_id": "", "decision": "denied", "pid": os.getpid(),
                            "addr": peer[:256], "extra": _compact({"peer": peer, "identities": identities,

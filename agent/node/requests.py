@@ -122,10 +122,14 @@ def check_create(req: dict, cfg) -> dict:
         problems.append(f"network {network[:40]!r}: expected none or egress")
     rootfs = req.get("rootfs") or None
     if rootfs is not None:
+        from agent.sandbox.rootfs import check_rootfs
         if not rootfs.startswith("/") or not os.path.isdir(rootfs):
             problems.append(f"rootfs {rootfs[:200]!r}: not an absolute path of a directory on the agent's host")
-        elif any(c in rootfs for c in ",:\\"):
-            problems.append(f"rootfs {rootfs[:200]!r}: must not contain ',', ':' or '\\'")
+        else:
+            try:
+                check_rootfs(rootfs)
+            except ValueError as e:
+                problems.append(f"rootfs {rootfs[:200]!r}: {e}")
     workdir = req.get("workdir") or "/workspace"
     if not workdir.startswith("/") or "\0" in workdir or len(workdir) > 4096:
         problems.append(f"workdir {workdir[:200]!r}: must be an absolute path")

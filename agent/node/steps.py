@@ -26,13 +26,14 @@ from agent.node.requests import check_exec
 log = logging.getLogger("dsec.agent")
 
 
-def exec_step(agent, start: dict, inputs, register_cancel, time_remaining):
+def exec_step(agent, start: dict, inputs, register_cancel, time_remaining, caller=None):
     """One step; a generator of ("started", step, ts_ns) | ("stdout", bytes) |
     ("stderr", bytes) | ("exit", dict). Raises ApiError (also after "exit",
     when the sandbox was stopped under the step)."""
     argv = start.get("argv") or []
     env, workdir, timeout, grace = check_exec(start)
-    rec = agent.lookup(start["sandbox_id"])
+    rec = agent.lookup(start["sandbox_id"], caller, "Exec") if caller is not None else \
+        agent.lookup(start["sandbox_id"])
     run = StepRun(argv)
     close_after = bool(start.get("close_after"))
 

@@ -7,29 +7,44 @@
 
     result = launch(SandboxSpec(argv=["/bin/true"]))      # one-shot: start + exec + close
 
-start(): state dir (exclusive, locked for our lifetime) -> cgroups with limits
--> fork an intermediate child that joins the cgroups and unshares pid, mount,
-ipc, uts and net namespaces, then forks the supervisor (PID 1 inside; see
-agent/sandbox/supervisor.py) and exits; we are the child subreaper, so the supervisor
-becomes our child -> host side of the network -> "go".
-exec(): the step's stdin/stdout/stderr fds go to the supervisor (SCM_RIGHTS),
+start(): state dir (exclusive, locked for our lifetime, 0700) -> a host uid of
+its own for the sandbox's user (agent/sandbox/uids.py) -> cgroups with limits
+-> dsec-init (agent/sandbox/init/dsec-init.c), an exec'd minimal PID 1 that
+never held our memory, started by posix_spawn from a thread that unshared the
+pid, mount, ipc, uts and net namespaces -> it joins the cgroups -> CONFIG (the
+mount plan, credentials, sysctls and the policy's seccomp program, all
+computed here: agent/sandbox/plan.py) -> READY -> the host side of the network
+-> GO. The control channel is one SOCK_SEQPACKET socket (protocol:
+agent/sandbox/init/proto.h).
+exec(): the step's stdin/stdout/stderr fds go to dsec-init (SCM_RIGHTS),
 which forks and execs; on timeout the step's process group gets SIGTERM, the
 grace period, then SIGKILL.
 close(): everything left is killed; the cgroups, veth and state dir removed;
-the upper layer walked for the change manifest (kept with --keep).
+the upper layer walked for the change manifest (kept with --keep, 0700,
+setuid/setgid bits and file capabilities stripped).
+
+The boundary it holds (docs/launcher.md has the list): a policy whose rules
+only eBPF enforces (egress, exec) runs with the enforcement sensor or not at
+all; under an exec allowlist every writable layer is noexec and the image is
+read-only; IPv6 is off inside an egress sandbox unless the policy allows IPv6
+egress; a custom rootfs is checked (rootfs.check_rootfs) and read only with
+RESOLVE_IN_ROOT and O_NONBLOCK.
 
 Hooks let the audit pipeline watch: on_cgroup(sandbox_id, cgroup_id) before
-any sandbox process exists; on_started(sandbox_id, supervisor_pid);
-on_step(sandbox_id, step) before each step starts, on_step_info(sandbox_id,
-step, {argv, env, workdir, timeout, stdin}) right after it, on_step_end(sandbox_id,
-StepResult) when it has ended; on_workload_exit(sandbox_id)
-once every process but the supervisor is gone (the sandbox's mount namespace is
-held until it returns); on_exit(summary) after teardown.
+any sandbox process exists; on_started(sandbox_id, init_pid) once dsec-init is
+in the cgroups, before it does anything (it returns the rule kinds the eBPF
+sensor enforces for the sandbox); on_step(sandbox_id, step) before each step
+starts, on_step_info(sandbox_id, step, {argv, env, workdir, timeout, stdin})
+right after it, on_step_end(sandbox_id, StepResult) when it has ended;
+on_workload_exit(sandbox_id) once every process but dsec-init is gone (the
+sandbox's mount namespace is held until it returns); on_exit(summary) after
+teardown.
 """
 from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -41,25 +56,38 @@ import threading
 import time
 
 from agent.sandbox import cgroups
+from agent.sandbox import initproto as ip
+from agent.sandbox import plan as plans
 from agent.sandbox import rootfs
 from agent.sandbox import sysutil as su
+from agent.sandbox import uids
+from agent.sandbox.stdio import default_stdio, forward_signals, relay, restore_signals
 from agent.errors import DsecError, EXIT_DSEC, EXIT_USAGE, EXIT_NOEXEC, EXIT_NOTFOUND, EXIT_TIMEOUT, ReportedError
-# imported before any fork: a child must not import (another thread may hold the import lock)
-from agent.sandbox.supervisor import supervisor_main
 
 SANDBOX_DIR = os.path.join(rootfs.STATE_ROOT, "sandboxes")
 KEPT_DIR = os.path.join(rootfs.STATE_ROOT, "kept")
 NODE_NAME: str | None = None     # the node agent's host.node_name (default: the hostname)
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
+DEFAULT_USER = "sandbox"
+NS_FLAGS = su.CLONE_NEWPID | su.CLONE_NEWNS | su.CLONE_NEWIPC | su.CLONE_NEWUTS | su.CLONE_NEWNET
+CTL_BUFFER = 4 << 20
+MSG, T = ip.MSG, ip.T
 
 
 class SandboxSpec:
-    """What to run and how (plain class: dataclasses would cost `dsec run` ~6 ms of imports)."""
+    """What to run and how (plain class: dataclasses would cost `dsec run` ~6 ms of imports).
+
+    rootfs: a directory, the read-only lower layer of /; layers: several lower
+    layers, topmost first (an image's layers from the layer store, or a
+    snapshot's; rootfs is then ignored); volumes: agent/sandbox/volumes.Volume
+    (checked against the allowed roots) or {"source": host path, "target": path
+    inside, "readonly": bool}, bind-mounted (data, never baked into an image)."""
 
     def __init__(self, argv, sandbox_id=None, cpus=None, memory=1 << 30, pids=1024, timeout=None,
                  grace=3.0, rootfs=None, network="none", env=None, workdir="/workspace",
-                 user="sandbox", keep=False, tmp_size=None, policy=None, layers=None, image=None, volumes=None):
+                 user="sandbox", keep=False, tmp_size=None, policy=None, layers=None, image=None, volumes=None,
+                 rootfs_roots=None):
         self.argv: list[str] = list(argv)
         self.sandbox_id: str | None = sandbox_id
         self.cpus: float | None = cpus
@@ -68,6 +96,8 @@ class SandboxSpec:
         self.timeout: float | None = timeout
         self.grace: float = grace
         self.rootfs: str | None = rootfs
+        self.rootfs_roots = rootfs_roots  # None: any directory rootfs.check_rootfs accepts
+        self.allow_root = True            # False: uid/gid 0 inside is refused (an API caller without "root")
         self.network: str = network
         self.env: dict[str, str] = dict(env or {})
         self.workdir: str = workdir
@@ -80,6 +110,13 @@ class SandboxSpec:
         self.layers: list[str] = list(layers or ())
         self.image: dict | None = image
         self.volumes: list = list(volumes or ())
+
+
+def _volume(v) -> dict:
+    """A volume as the mount plan takes it (agent/sandbox/plan.py)."""
+    if isinstance(v, dict):
+        return v
+    return {"source": v.host, "target": v.sandbox, "readonly": bool(v.read_only)}
 
 
 class Result:
@@ -98,9 +135,26 @@ def validate_id(sid: str) -> str:
     return sid
 
 
+_preflight_ok = False
+_private_ok: set = set()
+
+
+def _private_dir(path: str):
+    """A directory of dsec's state that only root may enter (0700), made so once per process."""
+    if path in _private_ok:
+        return
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if os.stat(path).st_mode & 0o077:
+        os.chmod(path, 0o700)
+    _private_ok.add(path)
+
+
 def preflight():
+    global _preflight_ok
     if os.geteuid() != 0:
         raise DsecError("must run as root (sandboxes need namespaces, cgroups and mounts)", EXIT_DSEC)
+    if _preflight_ok:
+        return
     for ns in ("pid", "mnt", "ipc", "uts", "net"):
         if not os.path.exists(f"/proc/self/ns/{ns}"):
             raise DsecError(f"kernel lacks {ns} namespaces (/proc/self/ns/{ns} missing)", EXIT_DSEC)
@@ -110,28 +164,29 @@ def preflight():
                 raise DsecError("kernel lacks overlayfs (not in /proc/filesystems)", EXIT_DSEC)
     except OSError as e:
         raise DsecError(f"cannot read /proc/filesystems: {e.strerror}", EXIT_DSEC)
+    try:
+        os.close(su.openat2(-100, "/", os.O_PATH, su.RESOLVE_IN_ROOT))
+    except OSError as e:
+        raise DsecError(f"kernel lacks openat2 (Linux 5.6+), which dsec needs to resolve paths inside a rootfs: "
+                        f"{e.strerror}", EXIT_DSEC)
+    plans.init_path()
+    _preflight_ok = True
 
 
-def _passwd_lookup(lower: str, user: str) -> tuple[int, int, str]:
-    """Resolve NAME | UID | UID:GID against the sandbox's own /etc/passwd."""
+def _user_of(layers: list[str], user: str, lease) -> tuple[int, int, str]:
+    """NAME | UID | UID:GID against the sandbox's own /etc/passwd (read inside
+    the rootfs, never outside it); the default user gets the leased uid."""
+    if user == DEFAULT_USER and lease is not None:
+        return lease.uid, lease.gid, "/workspace"
     uid = gid = None
-    name = user
     home = "/"
     if re.match(r"^\d+(:\d+)?$", user):
         u, _, g = user.partition(":")
         uid, gid = int(u), (int(g) if g else None)
-    entries = []
-    try:
-        with open(os.path.join(lower, "etc/passwd"), errors="surrogateescape") as f:
-            for line in f:
-                p = line.rstrip("\n").split(":")
-                if len(p) >= 7 and p[2].isdigit() and p[3].isdigit():
-                    entries.append((p[0], int(p[2]), int(p[3]), p[5]))
-    except OSError:
-        pass
+    entries = rootfs.parse_passwd(rootfs.read_in_layers(layers, "etc/passwd"))
     for n, u, g, h in entries:
         if (uid is None and n == user) or (uid is not None and u == uid):
-            name, home = n, h
+            home = h
             uid = u if uid is None else uid
             gid = g if gid is None else gid
             break
@@ -149,6 +204,17 @@ def _owner_start_time() -> str:
         return f.read().rsplit(")", 1)[1].split()[19]
 
 
+def ipv6_allowed(policy) -> bool:
+    """Does the policy allow IPv6 egress (then the sandbox keeps IPv6; otherwise
+    an egress sandbox has it disabled: nothing reaches the host's link-local)?"""
+    if policy is None or policy.spec.egress is None:
+        return False
+    e = policy.spec.egress
+    if e.default == "allow":
+        return True
+    return any((r.cidr and ":" in r.cidr) or r.host for r in e.allow) or any(":" in a for a in e.dns)
+
+
 class StepResult:
     """How one step ended. `code` follows `dsec run`'s exit-status convention."""
 
@@ -159,6 +225,7 @@ class StepResult:
         self.exit_code = None       # CMD's exit status, or None when killed by a signal
         self.signal = None
         self.timed_out = False
+        self.oom_killed = False     # killed by the memory cgroup's OOM killer during the step
         self.error = None           # exec failure / setup failure text
         self.code = EXIT_DSEC
         self.cpu_ms = 0
@@ -169,8 +236,9 @@ class StepResult:
 
     def to_dict(self) -> dict:
         return {"step": self.step, "exit_code": self.exit_code, "signal": self.signal,
-                "timed_out": self.timed_out, "error": self.error, "code": self.code,
-                "cpu_ms": self.cpu_ms, "max_rss_bytes": self.max_rss_bytes, "wall_ms": self.wall_ms}
+                "timed_out": self.timed_out, "oom_killed": self.oom_killed, "error": self.error,
+                "code": self.code, "cpu_ms": self.cpu_ms, "max_rss_bytes": self.max_rss_bytes,
+                "wall_ms": self.wall_ms}
 
 
 class Sandbox:
@@ -186,14 +254,16 @@ class Sandbox:
         self.sid = None
         self.dir = None
         self.lock_fd = -1
+        self.lease = None
+        self.uid = self.gid = None
         self.cg: cgroups.SandboxCgroup | None = None
         self.cgroup_id = 0
-        self.sup_pid = 0
+        self.sup_pid = 0                  # dsec-init, PID 1 inside (host pid)
         self.pidfd = -1
         self.ctl: socket.socket | None = None
-        self.status_r = -1
         self.net = None
         self.created_mountpoints: list[str] = []
+        self.generated: dict[str, str | None] = {}   # sandbox path -> sha256 of what dsec wrote there
         self.layers: list[tuple[str, str, str]] = []
         self.env: dict = {}
         self.started_at = 0.0
@@ -201,7 +271,7 @@ class Sandbox:
         self.steps: dict[int, StepResult] = {}
         self.next_step = 1
         self.closed_msg: dict | None = None
-        self.supervisor_dead = False
+        self.supervisor_dead = False      # dsec-init has exited
         self.setup_error: str | None = None
         self._ready: dict | None = None
         self._cond = threading.Condition()
@@ -217,23 +287,29 @@ class Sandbox:
         if spec.network not in ("none", "egress"):
             raise DsecError(f"--network {spec.network}: expected none or egress", EXIT_DSEC)
         layout = cgroups.detect()
-        pw_root = None
         if spec.layers:                     # image layers, top first: one overlay over all of them
-            from agent.sandbox.images import passwd_root
-            lower, host_dirs, pw_root = ":".join(spec.layers), [], passwd_root(spec.layers)
+            lowers, host_dirs = [], []
+            for lw in spec.layers:
+                if not os.path.isdir(lw) or any(c in lw for c in ",:\\"):
+                    raise DsecError(f"lower layer {lw}: not a directory (or contains ',', ':', '\\')", EXIT_DSEC)
+                lowers.append(os.path.realpath(lw))
         elif spec.rootfs:
-            rf = os.path.abspath(spec.rootfs)
-            if not os.path.isdir(rf):
-                raise DsecError(f"--rootfs {spec.rootfs}: no such directory", EXIT_DSEC)
-            if any(c in rf for c in ",:\\"):
-                raise DsecError(f"--rootfs {spec.rootfs}: path must not contain ',', ':' or '\\'", EXIT_DSEC)
-            lower, host_dirs = rf, []
+            try:
+                lowers, host_dirs = [rootfs.check_rootfs(spec.rootfs, spec.rootfs_roots)], []
+            except ValueError as e:
+                raise DsecError(f"--rootfs {spec.rootfs}: {e}", EXIT_DSEC) from None
         else:
-            lower, host_dirs = rootfs.ensure_base()
-        uid, gid, home = _passwd_lookup(pw_root or lower, spec.user)
+            base, host_dirs = rootfs.ensure_base()
+            lowers = [base]
+        volumes = [_volume(v) for v in spec.volumes]
+        for v in volumes:
+            src, tgt = v.get("source") or "", v.get("target") or ""
+            if not os.path.exists(src) or not tgt.startswith("/"):
+                raise DsecError(f"volume {src!r} -> {tgt!r}: the source must exist on the host and the target "
+                                f"be an absolute path", EXIT_DSEC)
         self.started_at = time.time()
+        _private_dir(SANDBOX_DIR)
         self.dir = os.path.join(SANDBOX_DIR, self.sid)
-        os.makedirs(SANDBOX_DIR, exist_ok=True)
         from agent.sandbox import gc
         self._gc_guard = gc.start_guard()   # gc waits until this sandbox is visibly live (issue 13)
         try:
@@ -244,7 +320,13 @@ class Sandbox:
                             f"`dsec gc` removes stale ones)", EXIT_DSEC)
         self.state = "starting"
         try:
-            self._start(layout, lower, host_dirs, uid, gid, home)
+            if spec.user == DEFAULT_USER:
+                self.lease = uids.allocate(self.sid)
+            self.uid, self.gid, home = _user_of(lowers, spec.user, self.lease)
+            if not spec.allow_root and (self.uid == 0 or self.gid == 0):
+                raise DsecError(f"--user {spec.user}: uid/gid 0 inside the sandbox is not allowed for this caller",
+                                EXIT_DSEC)
+            self._start(layout, lowers, host_dirs, home)
         except BaseException:
             self._gc_guard.release()
             self._teardown()
@@ -253,12 +335,13 @@ class Sandbox:
         self.state = "running"
         return self
 
-    def _start(self, layout, lower, host_dirs, uid, gid, home):
+    def _start(self, layout, lowers, host_dirs, home):
         spec = self.spec
+        from policies.compile import ebpf_concerns, mount_layout
         self.lock_fd = os.open(os.path.join(self.dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(self.lock_fd, fcntl.LOCK_EX)
         self._write_state({"sandbox_id": self.sid, "owner_pid": os.getpid(), "owner_start": _owner_start_time(),
-                           "created": self.started_at, "network": spec.network})
+                           "created": self.started_at, "network": spec.network, "uid": self.uid})
         self.cg = cgroups.SandboxCgroup(layout, self.sid)
         try:
             self.cg.create(spec.cpus, spec.memory, spec.pids)
@@ -268,85 +351,106 @@ class Sandbox:
         self._hook("on_cgroup", self.sid, self.cgroup_id)
 
         self.env = {"PATH": DEFAULT_PATH, "HOME": home, "LANG": "C.UTF-8", "HOSTNAME": self.sid,
-                    "USER": spec.user if not spec.user[0].isdigit() else str(uid)}
+                    "USER": spec.user if not spec.user[0].isdigit() else str(self.uid)}
         self.env.update(spec.env)
         upper, work = os.path.join(self.dir, "upper"), os.path.join(self.dir, "work")
         root = os.path.join(self.dir, "root")
         for d in (root, upper, work):
-            os.mkdir(d)
-        self.layers = [("/", os.path.join(upper, "_root"), lower)] + \
+            os.mkdir(d, 0o700 if d != root else 0o755)
+        for d in ["_root"] + host_dirs:
+            os.mkdir(os.path.join(upper, d))
+            os.mkdir(os.path.join(work, d))
+        self._seed_upper(os.path.join(upper, "_root"), lowers)
+        self.layers = [("/", os.path.join(upper, "_root"), lowers[0])] + \
             [("/" + d, os.path.join(upper, d), "/" + d) for d in host_dirs]
-        cfg = {"root": root, "upper": upper, "work": work, "lower": lower, "host_dirs": host_dirs,
-               "hostname": self.sid, "argv": [], "env": self.env, "workdir": spec.workdir,
-               "uid": uid, "gid": gid, "tmp_size": spec.tmp_size or spec.memory or (512 << 20),
-               "seccomp": None, "writable": None, "volumes": [v.to_dict() for v in spec.volumes],
-               "hold_after_exit": bool(self.hooks["on_workload_exit"])}
-        if spec.policy is not None:
-            from policies.compile import seccomp_filter, writable_paths
-            try:
-                cfg["seccomp"] = seccomp_filter(spec.policy)   # built here, loaded by each step right before execve
-            except ReportedError as e:
-                raise DsecError(f"policy {spec.policy.name}: {e.message}", EXIT_DSEC)
-            if spec.policy.mode == "enforce":
-                cfg["writable"] = writable_paths(spec.policy)
-                bad = rootfs.writable_conflicts(cfg["writable"] or [], lower, host_dirs)
-                if bad:
-                    raise DsecError(f"policy {spec.policy.name}: files.writable {bad[0][1]!r}: {bad[0][2]} "
-                                    f"(dsec policy check names every such entry)", EXIT_USAGE)
+        policy = spec.policy
+        sysctls = []
+        if spec.network == "egress" and not ipv6_allowed(policy):
+            # before the veth arrives: it comes up without IPv6 (no link-local address to reach the host by)
+            sysctls.append(("/proc/sys/net/ipv6/conf/default/disable_ipv6", "1", True))
+        lay = mount_layout(policy)
+        if policy is not None and policy.mode == "enforce" and lay.writable:
+            bad = rootfs.writable_conflicts(lay.writable, lowers[0], host_dirs)
+            if bad:
+                raise DsecError(f"policy {policy.name}: files.writable {bad[0][1]!r}: {bad[0][2]} "
+                                f"(dsec policy check names every such entry)", EXIT_USAGE)
+        if lay.noexec:
+            # a memfd is a writable layer too: executable memfds refused (per pid namespace)
+            sysctls.append(("/proc/sys/vm/memfd_noexec", "2", True))
+        volumes = [_volume(v) for v in spec.volumes]
+        cfg = plans.Plan(root=root, upper=upper, work=work, lowers=lowers, host_dirs=host_dirs,
+                         hostname=self.sid, uid=self.uid, gid=self.gid,
+                         tmp_size=spec.tmp_size or spec.memory or (512 << 20), layout=lay, volumes=volumes,
+                         seccomp=plans.seccomp_program(policy), sysctls=sysctls,
+                         hold=bool(self.hooks["on_workload_exit"]))
+        config = ip.encode(MSG.CONFIG, plans.config_items(cfg))
 
         ctl_parent, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for sk in (ctl_parent,):
+            for opt in (getattr(socket, "SO_SNDBUFFORCE", 32), getattr(socket, "SO_RCVBUFFORCE", 33)):
+                try:
+                    sk.setsockopt(socket.SOL_SOCKET, opt, CTL_BUFFER)
+                except OSError:
+                    pass
         self.ctl = ctl_parent
-        self.status_r, status_w = os.pipe2(os.O_CLOEXEC)
-        pid_r, pid_w = os.pipe2(os.O_CLOEXEC)
-        su.prctl(su.PR_SET_CHILD_SUBREAPER, 1)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        mid = os.fork()
-        if mid == 0:  # intermediate: join cgroups, new namespaces, fork PID 1, exit
-            code = 125
-            try:
-                os.close(self.lock_fd)
-                devnull = os.open(os.devnull, os.O_RDWR)
-                for target in (0, 1, 2):     # the supervisor holds no terminal or caller pipe
-                    os.dup2(devnull, target)
-                self.cg.join(0)
-                su.unshare(su.CLONE_NEWPID | su.CLONE_NEWNS | su.CLONE_NEWIPC | su.CLONE_NEWUTS | su.CLONE_NEWNET)
-                pid = os.fork()
-                if pid == 0:
-                    supervisor_main(cfg, ctl_child.fileno(), status_w)   # never returns
-                os.write(pid_w, f"{pid}\n".encode())
-                code = 0
-            except OSError as e:
-                os.write(pid_w, f"error {e.strerror or e}\n".encode())
-            finally:
-                os._exit(code)
-        ctl_child.close()
-        os.close(status_w)
-        os.close(pid_w)
-        reply = b""
-        while not reply.endswith(b"\n"):
-            chunk = os.read(pid_r, 256)
-            if not chunk:
-                break
-            reply += chunk
-        os.close(pid_r)
-        os.waitpid(mid, 0)
-        text = reply.decode(errors="replace").strip()
-        if not text.isdigit():
-            raise DsecError(f"cannot create sandbox namespaces: {text.removeprefix('error ') or 'launcher child died'}",
-                            EXIT_DSEC)
-        self.sup_pid = int(text)
+        try:
+            self.sup_pid = su.spawn_in_namespaces(plans.init_path(), ["dsec-init"], NS_FLAGS, ctl_child.fileno())
+        except OSError as e:
+            raise DsecError(f"cannot create sandbox namespaces: {e.strerror or e}", EXIT_DSEC)
+        finally:
+            ctl_child.close()
         self.pidfd = os.pidfd_open(self.sup_pid)
-        self._write_state({"supervisor_pid": self.sup_pid})
-        self._hook("on_started", self.sid, self.sup_pid)
         self._reader = threading.Thread(target=self._read_status, name=f"dsec-sbx-{self.sid}", daemon=True)
         self._reader.start()
+        try:
+            self.cg.join(self.sup_pid)           # before it does anything: everything it does is the sandbox's
+        except OSError as e:
+            raise DsecError(f"cannot move the sandbox init into its cgroups: {e.strerror}", EXIT_DSEC)
+        self._write_state({"supervisor_pid": self.sup_pid})
+        enforced = self._hook("on_started", self.sid, self.sup_pid)
+        need = ebpf_concerns(policy)
+        missing = [c for c in need if c not in set(enforced or ())]
+        if missing:
+            # one rule for every entry point: rules that live in eBPF are enforced by eBPF, or no sandbox
+            raise DsecError(f"policy {policy.name} ({policy.mode}) has {' and '.join(missing)} rules, which only "
+                            f"eBPF enforces, and this sandbox has no eBPF enforcement (audit off, or the eBPF "
+                            f"programs could not load): refused", EXIT_DSEC)
+        self._send(config)
         ready = self._wait_for(lambda: self._ready, 30.0, "did not become ready")
-        self.created_mountpoints = ready.get("created", [])
+        self.created_mountpoints += ready.get("created", [])
         if spec.network == "egress":
             from agent.sandbox import netns
-            self.net = netns.setup_egress(self.sid, self.sup_pid)
-        self._send({"cmd": "go"})
+            self.net = netns.setup_egress(self.sid, self.sup_pid, policy_egress=bool(
+                policy is not None and policy.spec.egress is not None))
+        self._send(ip.encode(MSG.GO))
+
+    def _seed_upper(self, upper_root: str, lowers: list[str]):
+        """What dsec writes into the root's upper layer before it is mounted: the
+        default user's passwd/group entries (its leased uid) and /workspace
+        owned by it. Not changes of the workload: excluded from the manifest
+        unless the workload changes them."""
+        if self.lease is None:
+            return
+        lower_has = lambda rel: rootfs.read_in_layers(lowers, rel) is not None   # noqa: E731
+        etc = os.path.join(upper_root, "etc")
+        os.makedirs(etc, exist_ok=True)
+        if not os.path.isdir(os.path.join(lowers[0], "etc")):
+            self.created_mountpoints.append("/etc")
+        for name, group in (("passwd", False), ("group", True)):
+            old = rootfs.read_in_layers(lowers, f"etc/{name}")
+            data = rootfs.with_user(old, DEFAULT_USER, self.uid, self.gid, "/workspace", group=group)
+            with open(os.path.join(etc, name), "wb") as f:
+                f.write(data)
+            os.chmod(os.path.join(etc, name), 0o644)
+            if old is None:
+                self.created_mountpoints.append(f"/etc/{name}")
+            else:
+                self.generated[f"/etc/{name}"] = hashlib.sha256(data).hexdigest()
+        ws = os.path.join(upper_root, "workspace")
+        os.mkdir(ws, 0o755)
+        os.chown(ws, self.uid, self.gid)
+        if not lower_has("workspace") and not any(os.path.isdir(os.path.join(lw, "workspace")) for lw in lowers):
+            self.created_mountpoints.append("/workspace")
 
     def _write_state(self, update: dict):
         path = os.path.join(self.dir, "state.json")
@@ -363,79 +467,96 @@ class Sandbox:
     def _hook(self, name, *args):
         fn = self.hooks.get(name)
         if fn:
-            fn(*args)
+            return fn(*args)
+        return None
 
-    def _send(self, msg: dict, fds=()):
+    def _send(self, data: bytes, fds=()):
         with self._send_lock:
             if self.ctl is None:
                 raise DsecError(f"sandbox {self.sid} is closed", EXIT_DSEC)
             try:
-                socket.send_fds(self.ctl, [json.dumps(msg).encode()], list(fds))
+                socket.send_fds(self.ctl, [data], list(fds))
             except OSError as e:
-                raise DsecError(f"sandbox {self.sid}: supervisor is gone ({e.strerror})", EXIT_DSEC)
+                raise DsecError(f"sandbox {self.sid}: its init is gone ({e.strerror})", EXIT_DSEC)
 
     # -- the status reader -------------------------------------------------------
     def _read_status(self):
-        buf = b""
-        fds = [self.status_r, self.pidfd]
+        ctl, pidfd = self.ctl, self.pidfd
+        cfd = ctl.fileno()
+        poller = select.poll()
+        poller.register(cfd, select.POLLIN)
+        poller.register(pidfd, select.POLLIN)
+        ctl_open = True
         while True:
             try:
-                r, _, _ = select.select(fds, [], [])
+                events = dict(poller.poll())
             except InterruptedError:
                 continue
-            if self.status_r in r and self.pidfd not in r:
-                data = os.read(self.status_r, 65536)
-                if data:
-                    buf += data
-                    while b"\n" in buf:
-                        line, buf = buf.split(b"\n", 1)
-                        self._dispatch(line)
-                else:
-                    fds.remove(self.status_r)
-                continue
-            # the supervisor exited: drain what it wrote, then reap it
-            while True:
+            if ctl_open and cfd in events:
                 try:
-                    data = os.read(self.status_r, 65536)
+                    data = ctl.recv(1 << 20, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    data = None
                 except OSError:
-                    break
-                if not data:
-                    break
-                buf += data
-            for line in buf.split(b"\n"):
-                self._dispatch(line)
+                    data = b""
+                if data:
+                    self._dispatch(data)
+                    continue
+                if data is not None:          # EOF: init closed its end (it is exiting)
+                    poller.unregister(cfd)
+                    ctl_open = False
+            if pidfd in events:
+                break
+        # dsec-init exited: drain what it sent, then reap it
+        while ctl_open:
             try:
-                os.waitpid(self.sup_pid, 0)
-            except ChildProcessError:
-                pass
-            with self._cond:
-                self.supervisor_dead = True
-                self._cond.notify_all()
-            return
-
-    def _dispatch(self, line: bytes):
-        if not line.strip():
-            return
+                data = ctl.recv(1 << 20, socket.MSG_DONTWAIT)
+            except OSError:
+                break
+            if not data:
+                break
+            self._dispatch(data)
         try:
-            m = json.loads(line)
+            os.waitpid(self.sup_pid, 0)
+        except ChildProcessError:
+            pass
+        with self._cond:
+            self.supervisor_dead = True
+            self._cond.notify_all()
+
+    def _dispatch(self, data: bytes):
+        try:
+            mtype, items = ip.decode(data)
         except ValueError:
             return
-        ev = m.get("ev")
+        f = ip.fields(items)
+
+        def one(tag, conv=ip.u64, default=None):
+            v = f.get(tag)
+            return conv(v[0]) if v else default
+
         with self._cond:
-            if ev == "ready":
-                self._ready = m
-            elif ev == "error":
-                self.setup_error = m.get("msg")
-            elif ev == "started":
-                st = self.steps.get(m.get("step"))
+            if mtype == MSG.READY:
+                self._ready = {"created": [ip.text(c) for c in f.get(T.CREATED, [])]}
+            elif mtype == MSG.ERROR:
+                self.setup_error = one(T.MSG, ip.text, "unknown error")
+            elif mtype == MSG.STARTED:
+                st = self.steps.get(one(T.STEP, default=0))
                 if st:
-                    st.pid = m["pid"]
-            elif ev == "step_exit":
-                st = self.steps.get(m.get("step"))
+                    st.pid = one(T.PID, default=0)
+            elif mtype == MSG.STEP_EXIT:
+                st = self.steps.get(one(T.STEP, default=0))
                 if st and not st.done:
+                    m = {"status": one(T.STATUS, ip.i64), "cpu_ms": one(T.CPU_US, default=0) // 1000,
+                         "max_rss_bytes": one(T.MAXRSS_KB, default=0) * 1024}
+                    if T.EXEC_ERRNO in f:
+                        m.update(exec_errno=one(T.EXEC_ERRNO), exec_stage=one(T.STAGE, ip.text, "setup"),
+                                 exec_msg=one(T.MSG, ip.text, ""))
                     _finish_step(st, m)
-            elif ev == "closed":
-                self.closed_msg = m
+            elif mtype == MSG.CLOSED:
+                self.closed_msg = {"cpu_ms": one(T.CPU_US, default=0) // 1000,
+                                   "max_rss_bytes": one(T.MAXRSS_KB, default=0) * 1024,
+                                   "owner_gone": bool(one(T.OWNER_GONE, default=0))}
             self._cond.notify_all()
 
     def _wait_for(self, pred, timeout, what):
@@ -448,17 +569,17 @@ class Sandbox:
                 if self.setup_error:
                     raise DsecError(f"sandbox setup failed: {self.setup_error}", EXIT_DSEC)
                 if self.supervisor_dead:
-                    raise DsecError(f"sandbox {self.sid}: supervisor died ({what})", EXIT_DSEC)
+                    raise DsecError(f"sandbox {self.sid}: its init died ({what})", EXIT_DSEC)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise DsecError(f"sandbox {self.sid}: supervisor {what} within {timeout:.0f}s", EXIT_DSEC)
+                    raise DsecError(f"sandbox {self.sid}: its init {what} within {timeout:.0f}s", EXIT_DSEC)
                 self._cond.wait(min(left, 1.0))
 
     # -- steps ---------------------------------------------------------------------
     def exec(self, argv, *, env=None, workdir=None, stdin=None, stdout=None, stderr=None,
              timeout=None, grace=None, stdin_bytes: bytes | None = None) -> StepResult:
         """Run one step and wait for its main process to exit. stdin/stdout/stderr
-        are fds (None = /dev/null), passed to the supervisor. On timeout: SIGTERM to
+        are fds (None = /dev/null), passed to dsec-init. On timeout: SIGTERM to
         the step's process group, `grace` seconds, SIGKILL."""
         if not argv:
             raise DsecError("no command given", EXIT_DSEC)
@@ -471,21 +592,26 @@ class Sandbox:
         e = dict(self.env)
         if env:
             e.update(env)
+        wd = workdir or self.spec.workdir
         self._hook("on_step", self.sid, step)
-        self._hook("on_step_info", self.sid, step, {"argv": list(argv), "env": e,
-                                                    "workdir": workdir or self.spec.workdir,
+        self._hook("on_step_info", self.sid, step, {"argv": list(argv), "env": e, "workdir": wd,
                                                     "timeout": timeout, "stdin": stdin_bytes})
-        fds, opened = [], []
-        for fd, mode in ((stdin, os.O_RDONLY), (stdout, os.O_WRONLY), (stderr, os.O_WRONLY)):
-            if fd is None:
-                fd = os.open(os.devnull, mode | os.O_CLOEXEC)
-                opened.append(fd)
-            fds.append(fd)
+        items = [(T.STEP, step)] + [(T.ARG, a) for a in argv] + \
+            [(T.ENV, f"{k}={v}") for k, v in e.items()] + [(T.WORKDIR, wd), (T.PATHVAR, e.get("PATH", ""))]
+        msg = ip.encode(MSG.EXEC, items)
+        oom_before = self.cg.oom_kills() if self.cg else 0
         st.started_ns = time.time_ns()
         t0 = time.monotonic()
+        fds = [stdin, stdout, stderr]
+        while fds and fds[-1] is None:
+            fds.pop()
+        opened = []
+        if None in fds:
+            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+            opened.append(null)
+            fds = [null if fd is None else fd for fd in fds]
         try:
-            self._send({"cmd": "exec", "step": step, "argv": list(argv), "env": e,
-                        "workdir": workdir or self.spec.workdir}, fds)
+            self._send(msg, fds)
         finally:
             for fd in opened:
                 os.close(fd)
@@ -504,9 +630,12 @@ class Sandbox:
                     kill_at = now + 1.0
                 waits = [t for t in ((None if st.timed_out else deadline), kill_at) if t is not None]
                 self._cond.wait(min([1.0] + [max(0.0, t - now) for t in waits]))
-            if not st.done:      # the supervisor died under the step (OOM of PID 1, killed ...)
+            if not st.done:      # init died under the step (killed from outside)
                 _finish_step(st, {"status": signal.SIGKILL})
         st.wall_ms = int((time.monotonic() - t0) * 1000)
+        if st.signal == signal.SIGKILL and self.cg and self.cg.oom_kills() > oom_before:
+            st.oom_killed = True
+            st.error = st.error or "out of memory: killed by the sandbox's memory limit"
         if st.timed_out:
             st.code = EXIT_TIMEOUT
         self._hook("on_step_end", self.sid, st)
@@ -514,21 +643,21 @@ class Sandbox:
 
     def _signal_step(self, step, sig):
         try:
-            self._send({"cmd": "signal", "sig": int(sig), "step": step, "group": True})
+            self._send(ip.encode(MSG.SIGNAL, [(T.SIG, int(sig)), (T.STEP, step), (T.GROUP, True)]))
         except ReportedError:
             pass
 
     def signal(self, sig: int, step: int | None = None):
         """Forward a signal to the main process of a step (or of every running step)."""
         try:
-            self._send({"cmd": "signal", "sig": int(sig), "step": step, "group": False})
+            self._send(ip.encode(MSG.SIGNAL, [(T.SIG, int(sig)), (T.STEP, step or 0), (T.GROUP, False)]))
         except ReportedError:
             pass
 
     def terminate(self):
         """SIGTERM to every process of the sandbox (preemption, shutdown)."""
         try:
-            self._send({"cmd": "terminate"})
+            self._send(ip.encode(MSG.TERMINATE))
         except ReportedError:
             pass
 
@@ -547,7 +676,7 @@ class Sandbox:
         try:
             if not self.supervisor_dead:
                 try:
-                    self._send({"cmd": "close"})
+                    self._send(ip.encode(MSG.CLOSE))
                     self._wait_for(lambda: self.closed_msg, timeout, "did not close")
                 except ReportedError:
                     self.kill()
@@ -556,7 +685,7 @@ class Sandbox:
                         self._hook("on_workload_exit", self.sid)
                     finally:
                         try:
-                            self._send({"cmd": "release"})
+                            self._send(ip.encode(MSG.RELEASE))
                         except ReportedError:
                             pass
             with self._cond:
@@ -570,15 +699,19 @@ class Sandbox:
                 self.cg.kill_all()
             ch, total = rootfs.changes(self.layers)
             created = set(self.created_mountpoints)
-            summary["changes"] = [c for c in ch if c["path"] not in created]
-            summary["changes_total"] = total - (len(ch) - len(summary["changes"]))
+            keep = [c for c in ch if c["path"] not in created
+                    and not (c["path"] in self.generated and c.get("sha256") == self.generated[c["path"]])]
+            summary["changes"] = keep
+            summary["changes_total"] = total - (len(ch) - len(keep))
             summary["changes_truncated"] = total > len(ch)
             if self.spec.keep:
                 import shutil
-                os.makedirs(KEPT_DIR, exist_ok=True)
+                _private_dir(KEPT_DIR)
                 dest = os.path.join(KEPT_DIR, self.sid)
                 shutil.rmtree(dest, ignore_errors=True)
                 os.rename(os.path.join(self.dir, "upper"), dest)
+                os.chmod(dest, 0o700)
+                summary["kept_privileges_stripped"] = rootfs.strip_privileges(dest)
                 summary["kept_upper"] = dest
             self.summary = summary
         finally:
@@ -598,9 +731,8 @@ class Sandbox:
                 "wall_ms": int((time.time() - self.started_at) * 1000),
                 "cpu_ms": cm.get("cpu_ms", sum(s.cpu_ms for s in self.steps.values())),
                 # peak of the sandbox's memory cgroup: the honest figure for a whole sandbox
-                # (per-process ru_maxrss would count the forked supervisor's image).
                 "max_rss_bytes": self.cg.memory_peak() if self.cg else 0,
-                "cgroup_id": self.cgroup_id, "started_at": self.started_at,
+                "cgroup_id": self.cgroup_id, "started_at": self.started_at, "uid": self.uid,
                 "error": (last.error if last else None) or self.setup_error,
                 "steps": [s.to_dict() for s in self.steps.values()]}
 
@@ -618,13 +750,12 @@ class Sandbox:
                     pass
         if self._reader is not None:
             self._reader.join(timeout=5)
-        for fd in (self.pidfd, self.status_r):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self.pidfd = self.status_r = -1
+        if self.pidfd >= 0:
+            try:
+                os.close(self.pidfd)
+            except OSError:
+                pass
+        self.pidfd = -1
         with self._send_lock:
             if self.ctl is not None:
                 self.ctl.close()
@@ -634,13 +765,16 @@ class Sandbox:
             left = self.cg.remove()
         if self.net or self.spec.network == "egress":
             from agent.sandbox import netns
-            netns.teardown(self.sid)
+            pol = self.spec.policy
+            netns.teardown(self.sid, policy_egress=bool(self.net) and pol is not None and pol.spec.egress is not None)
         if self.dir and not left:
             import shutil
             shutil.rmtree(self.dir, ignore_errors=True)
         if self.lock_fd >= 0:
             os.close(self.lock_fd)
             self.lock_fd = -1
+        if self.lease is not None and not left:
+            self.lease.release()          # a uid whose processes may live on stays leased (until we exit)
         if left:
             sys.stderr.write(f"dsec: warning: could not remove cgroups {left}; run `dsec gc`\n")
 
@@ -682,19 +816,19 @@ def launch(spec: SandboxSpec, on_cgroup=None, on_exit=None, stdio=None, on_start
     sb.start()
     relay_threads = []
     try:
-        stdio = stdio or _default_stdio()
+        stdio = stdio or default_stdio()
         for r, w in stdio["relay"].items():
-            t = threading.Thread(target=_relay, args=(r, w), daemon=True)
+            t = threading.Thread(target=relay, args=(r, w), daemon=True)
             t.start()
             relay_threads.append(t)
-        forwarded = _forward_signals(sb)
+        forwarded = forward_signals(sb)
         try:
             child = stdio["child"]
             st = sb.exec(spec.argv, stdin=child[0], stdout=child[1], stderr=child[2], timeout=spec.timeout)
         finally:
             for fd in stdio["close_after_fork"]:
                 os.close(fd)
-            _restore_signals(forwarded)
+            restore_signals(forwarded)
     except BaseException:
         sb.close()
         raise
@@ -704,73 +838,3 @@ def launch(spec: SandboxSpec, on_cgroup=None, on_exit=None, stdio=None, on_start
     summary["wall_ms"] = st.wall_ms
     summary["timed_out"] = st.timed_out
     return Result(st.code, summary)
-
-
-def _forward_signals(sb: Sandbox) -> dict:
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    old = {}
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-        old[s] = signal.signal(s, lambda sig, _f: sb.signal(sig))
-    return old
-
-
-def _restore_signals(old: dict):
-    for s, h in old.items():
-        signal.signal(s, h)
-
-
-def _relay(rfd: int, wfd: int):
-    while True:
-        try:
-            data = os.read(rfd, 65536)
-        except OSError:
-            break
-        if not data:
-            break
-        _write_all(wfd, data)
-    os.close(rfd)
-
-
-def _default_stdio() -> dict:
-    """Wire the sandbox's stdin/stdout/stderr.
-
-    A terminal is never handed to untrusted code (TIOCSTI and friends): stdin
-    becomes /dev/null and output is relayed through pipes. Files and pipes are
-    passed through as they are."""
-    child, relay, close_after = [], {}, []
-    for fd in (0, 1, 2):
-        try:
-            tty = os.isatty(fd)
-            os.fstat(fd)
-            valid = True
-        except OSError:
-            tty, valid = False, False
-        if not valid:
-            n = os.open(os.devnull, os.O_RDWR)
-            child.append(n)
-            close_after.append(n)
-        elif tty and fd == 0:
-            n = os.open(os.devnull, os.O_RDONLY)
-            child.append(n)
-            close_after.append(n)
-        elif tty:
-            r, w = os.pipe()
-            child.append(w)
-            close_after.append(w)
-            relay[r] = fd
-        else:
-            child.append(fd)
-    return {"child": child, "relay": relay, "close_after_fork": close_after}
-
-
-def _write_all(fd, data):
-    while data:
-        try:
-            n = os.write(fd, data)
-        except BlockingIOError:
-            select.select([], [fd], [])
-            continue
-        except OSError:
-            return
-        data = data[n:]

@@ -7,16 +7,29 @@ end, and NAT on the host. Links and addresses are made with pyroute2; the NAT
 and isolation rules with nftables (the `nft` tool: pyroute2's nftables support
 cannot yet express NAT rules).
 
-The nftables table `ip dsec` (created once, kept; `dsec gc` removes it when
-no sandbox is left) masquerades sandbox traffic leaving through any other
-interface, drops traffic between sandboxes, and drops new connections from a
-sandbox to the host itself (the agent's sockets, host services).
+The nftables table `inet dsec` (IPv4 and IPv6 alike; created once, kept;
+`dsec gc` removes it when no sandbox is left):
+  postrouting  masquerades sandbox traffic leaving through any other interface;
+  forward      drops traffic between sandboxes and to the egress pool, drops
+               every IPv6 packet of a sandbox (no IPv6 is routed for them),
+               and refuses (ICMP admin-prohibited) the node-protected ranges
+               (policies.compile.NODE_PROTECTED: link-local and the metadata
+               service, private, CGNAT, ULA, loopback, multicast, reserved)
+               unless the sandbox's policy has an egress section (its
+               interface is then in the set policy_ifs, and the eBPF egress
+               rules decide); DNS (port 53) to the node's resolvers stays open;
+  input        drops new connections from a sandbox to the host itself, on
+               any of its addresses (the agent's sockets, sshd, a kubelet).
+Inside, IPv6 is disabled on eth0 unless the policy allows IPv6 egress
+(launcher.ipv6_allowed); the host end of each veth has IPv6 disabled.
 
 Several agents on one host (docs/cluster.md) each have their own pool
 (DSEC_EGRESS_POOL, or the agent config's host.egress_pool): a pool other than
-the default gets its own table, `ip dsec_<hash of the pool>`, so one agent
+the default gets its own table, `inet dsec_<hash of the pool>`, so one agent
 never rewrites or removes another's NAT, and gc removes only the host links
-whose address is in its own pool (or that have none yet).
+whose address is in its own pool (or that have none yet). The forward rules
+match every dsec host link (dsv*), so each agent's table also refuses the
+other agents' sandboxes the node-protected ranges (stricter, never looser).
 """
 from __future__ import annotations
 
@@ -24,6 +37,7 @@ import fcntl
 import hashlib
 import ipaddress
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -52,10 +66,28 @@ def nat_table() -> str:
     if POOL == ipaddress.ip_network(DEFAULT_POOL):
         return "dsec"
     return "dsec_" + hashlib.sha1(str(POOL).encode()).hexdigest()[:8]
+
+
+def table() -> tuple[str, str]:
+    """(family, name) of this pool's nftables table."""
+    return ("inet", nat_table())
+
+
 HOST_PREFIX = "dsv"
 PEER_PREFIX = "dsp"
 
-NFT_RULES = """table ip {table} {{
+NFT_RULES = """table inet {table} {{
+  set policy_ifs {{
+    type ifname
+{policy_elems}  }}
+  set protect4 {{
+    type ipv4_addr; flags interval
+    elements = {{ {protect4} }}
+  }}
+  set protect6 {{
+    type ipv6_addr; flags interval
+    elements = {{ {protect6} }}
+  }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
     ip saddr {pool} oifname != "{pfx}*" masquerade
@@ -64,6 +96,9 @@ NFT_RULES = """table ip {table} {{
     type filter hook forward priority filter; policy accept;
     iifname "{pfx}*" oifname "{pfx}*" drop
     iifname "{pfx}*" ip daddr {pool} drop
+    iifname "{pfx}*" meta nfproto ipv6 drop
+    iifname @policy_ifs accept
+{dns}    iifname "{pfx}*" ip daddr @protect4 reject with icmpx type admin-prohibited
   }}
   chain input {{
     type filter hook input priority filter; policy accept;
@@ -72,6 +107,24 @@ NFT_RULES = """table ip {table} {{
   }}
 }}
 """
+
+
+def _rules(policy_ifs=()) -> str:
+    from policies.compile import NODE_PROTECTED
+    from agent.sandbox.rootfs import _host_nameservers
+    v4 = ", ".join(str(n) for n in NODE_PROTECTED if n.version == 4)
+    v6 = ", ".join(str(n) for n in NODE_PROTECTED if n.version == 6)
+    dns = ""
+    for ns in _host_nameservers():
+        try:
+            a = ipaddress.ip_address(ns)
+        except ValueError:
+            continue
+        if a.version == 4:
+            for proto in ("udp", "tcp"):
+                dns += f'    iifname "{HOST_PREFIX}*" ip daddr {a} {proto} dport 53 accept\n'
+    elems = f"    elements = {{ {', '.join(chr(34) + i + chr(34) for i in sorted(policy_ifs))} }}\n" if policy_ifs else ""
+    return NFT_RULES.format(table=nat_table(), pool=POOL, pfx=HOST_PREFIX, protect4=v4, protect6=v6, dns=dns, policy_elems=elems)
 
 
 def ifnames(sandbox_id: str) -> tuple[str, str]:
@@ -90,28 +143,58 @@ class _Lock:
         os.close(self.fd)
 
 
+def _nft(args, text=None):
+    try:
+        return subprocess.run(["nft", *args], input=text, capture_output=True, text=True)
+    except OSError as e:
+        raise DsecError(f"cannot run nft ({e.strerror}): install nftables", EXIT_DSEC)
+
+
+def _live_policy_ifs() -> list[str]:
+    r = _nft(["list", "set", *table(), "policy_ifs"])
+    if r.returncode != 0:
+        return []
+    return [i for i in re.findall(r'"([^"]+)"', r.stdout) if i.startswith(HOST_PREFIX)]
+
+
 def _ensure_nat():
     with open("/proc/sys/net/ipv4/ip_forward") as f:
         if f.read().strip() != "1":
             with open("/proc/sys/net/ipv4/ip_forward", "w") as w:
                 w.write("1")
-    table = nat_table()
-    rules = NFT_RULES.format(pool=POOL, pfx=HOST_PREFIX, table=table)
-    marker = os.path.join(RUN_DIR, "nft-" + hashlib.sha1(rules.encode()).hexdigest()[:12])
-    if os.path.exists(marker) and \
-            subprocess.run(["nft", "list", "table", "ip", table], capture_output=True).returncode == 0:
+    want = _rules()
+    prefix = f"nft-{nat_table()}-"
+    marker = os.path.join(RUN_DIR, prefix + hashlib.sha1(want.encode()).hexdigest()[:12])
+    if os.path.exists(marker) and _nft(["list", "table", *table()]).returncode == 0:
         return
-    # replace the table atomically (one nft transaction)
-    r = subprocess.run(["nft", "-f", "-"], input=f"table ip {table} {{}}\ndelete table ip {table}\n" + rules,
-                       capture_output=True, text=True)
-    if r.returncode == 0:
-        open(marker, "w").close()
+    # replace the table atomically (one nft transaction), keeping the live sandboxes' entries; an
+    # older dsec's `table ip dsec` may still serve its sandboxes: it is left to `dsec gc`
+    text = "".join(f"table {f} {n} {{}}\ndelete table {f} {n}\n" for f, n in (table(),))
+    r = _nft(["-f", "-"], text + _rules(_live_policy_ifs()))
     if r.returncode != 0:
-        raise DsecError(f"cannot install NAT rules with nft: {r.stderr.strip().splitlines()[-1:]}", EXIT_DSEC)
+        raise DsecError(f"cannot install the sandbox firewall with nft: {r.stderr.strip().splitlines()[-1:]}",
+                        EXIT_DSEC)
+    for old in os.listdir(RUN_DIR):
+        if old.startswith(prefix):
+            try:
+                os.unlink(os.path.join(RUN_DIR, old))
+            except OSError:
+                pass
+    open(marker, "w").close()
 
 
-def setup_egress(sandbox_id: str, netns_pid: int) -> dict:
-    """Create the veth pair into the sandbox's netns; return the inside config."""
+def _disable_ipv6(ifname: str):
+    try:
+        with open(f"/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6", "w") as f:
+            f.write("1")
+    except OSError:
+        pass                                      # no IPv6 on this host: nothing to disable
+
+
+def setup_egress(sandbox_id: str, netns_pid: int, policy_egress: bool = False) -> dict:
+    """Create the veth pair into the sandbox's netns; return the inside config.
+    policy_egress: the policy has an egress section (its eBPF rules decide, the
+    node-protected ranges are not refused by the firewall for it)."""
     from pyroute2 import IPRoute
     from pyroute2.netlink.exceptions import NetlinkError
 
@@ -139,11 +222,16 @@ def setup_egress(sandbox_id: str, netns_pid: int) -> dict:
         try:
             ipr.link("add", ifname=host_if, kind="veth", peer={"ifname": peer_if, "net_ns_pid": netns_pid})
             idx = ipr.link_lookup(ifname=host_if)[0]
+            _disable_ipv6(host_if)
             ipr.addr("add", index=idx, address=host_addr, prefixlen=30)
             ipr.link("set", index=idx, state="up")
         except NetlinkError as e:
             raise DsecError(f"cannot create veth {host_if}: {e}", EXIT_DSEC)
         _ensure_nat()
+        if policy_egress:
+            r = _nft(["add", "element", *table(), "policy_ifs", "{", f'"{host_if}"', "}"])
+            if r.returncode != 0:
+                raise DsecError(f"cannot open the firewall for {host_if}: {r.stderr.strip()}", EXIT_DSEC)
     del subnets
     inside = {"peer": peer_if, "addr": peer_addr, "prefixlen": 30, "gateway": host_addr, "host_if": host_if}
     _configure_inside(netns_pid, inside)
@@ -188,9 +276,12 @@ def _configure_inside(netns_pid: int, net: dict):
         ipr.route("add", dst="0.0.0.0/0", gateway=net["gateway"])
 
 
-def teardown(sandbox_id: str):
-    """Delete the sandbox's host veth if it still exists (it normally dies with the netns)."""
+def teardown(sandbox_id: str, policy_egress: bool | None = None):
+    """Delete the sandbox's host veth if it still exists (it normally dies with the netns),
+    and its entry in the firewall's policy_ifs set (policy_egress None: look)."""
     host_if, _ = ifnames(sandbox_id)
+    if policy_egress or (policy_egress is None and host_if in _live_policy_ifs()):
+        _nft(["delete", "element", *table(), "policy_ifs", "{", f'"{host_if}"', "}"])
     if not os.path.exists(f"/sys/class/net/{host_if}"):
         return
     from pyroute2 import IPRoute
@@ -227,4 +318,5 @@ def list_host_links(own_pool_only: bool = False) -> list[str]:
 
 
 def remove_nat():
-    subprocess.run(["nft", "delete", "table", "ip", nat_table()], capture_output=True)
+    for fam, name in (table(), ("ip", nat_table())):
+        subprocess.run(["nft", "delete", "table", fam, name], capture_output=True)

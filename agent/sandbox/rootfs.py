@@ -208,6 +208,158 @@ def writable_conflicts(writable: list[str], lower: str | None = None,
                 out.append((i, w, f"{w} is a {_kind(st.st_mode)} in the sandbox's root filesystem "
                                   "(only directories and regular files can be made writable)"))
     return out
+# --- reading a rootfs safely ----------------------------------------------------
+
+READ_MAX = 1 << 20
+
+
+def read_in_root(root: str, rel: str, limit: int = READ_MAX) -> bytes | None:
+    """The bytes of `rel` inside the directory tree `root`, or None when it does
+    not exist or is not a regular file. Resolution never leaves `root`
+    (openat2 RESOLVE_IN_ROOT: absolute symlinks and ".." stop at it, /proc
+    magic links are refused), the file is opened non-blocking (a FIFO or a
+    device is never waited on, never read) and at most `limit` bytes are read."""
+    from agent.sandbox import sysutil as su
+    try:
+        dfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fd = su.openat2(dfd, rel, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY,
+                        su.RESOLVE_IN_ROOT | su.RESOLVE_NO_MAGICLINKS)
+    except OSError:
+        return None
+    finally:
+        os.close(dfd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        out = b""
+        while len(out) <= limit:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            out += chunk
+        return out[:limit]
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_in_layers(layers: list[str], rel: str) -> bytes | None:
+    """The file `rel` as the overlay of `layers` (topmost first) shows it (a
+    whiteout or a non-regular file in an upper layer hides it; opaque
+    directories are not followed: good enough for /etc/passwd)."""
+    from agent.sandbox import sysutil as su
+    for layer in layers:
+        data = read_in_root(layer, rel)
+        if data is not None:
+            return data
+        try:
+            dfd = os.open(layer, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fd = su.openat2(dfd, rel, os.O_PATH | os.O_NOFOLLOW, su.RESOLVE_IN_ROOT | su.RESOLVE_NO_MAGICLINKS)
+            os.close(fd)
+            return None                 # present but not a regular file: it hides the lower ones
+        except OSError:
+            pass
+        finally:
+            os.close(dfd)
+    return None
+
+
+def parse_passwd(data: bytes | None) -> list[tuple[str, int, int, str]]:
+    entries = []
+    for line in (data or b"").decode("utf-8", "surrogateescape").splitlines():
+        p = line.split(":")
+        if len(p) >= 7 and p[2].isdigit() and p[3].isdigit():
+            entries.append((p[0], int(p[2]), int(p[3]), p[5]))
+    return entries
+
+
+def with_user(data: bytes | None, name: str, uid: int, gid: int, home: str, group: bool = False) -> bytes:
+    """passwd (or group, group=True) text with `name` set to uid/gid: its line
+    replaced, or appended when it has none."""
+    lines = (data or b"").decode("utf-8", "surrogateescape").splitlines()
+    new = f"{name}:x:{gid}:" if group else f"{name}:x:{uid}:{gid}:{name}:{home}:/bin/sh"
+    out, done = [], False
+    for line in lines:
+        if line.split(":", 1)[0] == name:
+            if not done:
+                out.append(new)
+                done = True
+            continue
+        out.append(line)
+    if not done:
+        out.append(new)
+    return ("\n".join(out) + "\n").encode("utf-8", "surrogateescape")
+
+
+REFUSED_ROOTS = ("/proc", "/sys", "/dev", "/run")
+
+
+def check_rootfs(path: str, allowed_roots=None) -> str:
+    """A custom rootfs directory, resolved (realpath), or ValueError saying why
+    not: "/" and the kernel's and dsec's own trees are refused; with
+    `allowed_roots` (the agent's rootfs_roots) it must lie under one of them."""
+    ab = os.path.abspath(path)
+    for r in REFUSED_ROOTS:
+        if ab == r or ab.startswith(r + "/"):
+            raise ValueError(f"{r} is not a rootfs")
+    try:
+        rf = os.path.realpath(path, strict=True)
+    except OSError as e:
+        raise ValueError(e.strerror or "cannot resolve") from None
+    if not os.path.isdir(rf):
+        raise ValueError("no such directory")
+    if any(c in rf for c in ",:\\"):
+        raise ValueError("path must not contain ',', ':' or '\\'")
+    if rf == "/":
+        raise ValueError("the host's / is not a rootfs")
+    own = [os.path.realpath(STATE_ROOT)]
+    for r in list(REFUSED_ROOTS):
+        if rf == r or rf.startswith(r + "/"):
+            raise ValueError(f"{r} is not a rootfs")
+    for r in own:
+        if rf == r or rf.startswith(r + "/") and not rf.startswith(os.path.join(r, "images") + "/"):
+            raise ValueError(f"dsec's own state ({r}) is not a rootfs")
+    if allowed_roots is not None:
+        for a in allowed_roots:
+            a = os.path.realpath(a)
+            if rf == a or rf.startswith(a.rstrip("/") + "/"):
+                return rf
+        raise ValueError("not under an allowed rootfs root (agent config rootfs_roots: "
+                         f"{', '.join(allowed_roots) or 'none configured'})")
+    return rf
+
+
+def strip_privileges(tree: str) -> int:
+    """Clear setuid/setgid bits and file capabilities in a kept tree (it
+    outlives the sandbox on the host); returns how many files changed."""
+    n = 0
+    for dirpath, dirnames, filenames in os.walk(tree):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            changed = False
+            if st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                os.chmod(p, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
+                changed = True
+            try:
+                os.removexattr(p, "security.capability", follow_symlinks=False)
+                changed = True
+            except OSError:
+                pass
+            n += changed
+    return n
 
 
 # --- change manifest -----------------------------------------------------------

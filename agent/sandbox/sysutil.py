@@ -1,5 +1,7 @@
 """Thin ctypes wrappers for the Linux calls Python's os module lacks (3.11):
-mount, umount2, unshare, setns, pivot_root, sethostname, prctl, capset.
+mount, umount2, unshare, setns, pivot_root, sethostname, prctl, capset,
+openat2; and spawn_in_namespaces (posix_spawn from a thread that unshared
+its namespaces: the child is PID 1 of a new pid namespace).
 
 Each raises OSError with errno set, like the os module does.
 """
@@ -45,6 +47,14 @@ PR_CAP_AMBIENT_CLEAR_ALL = 4
 
 SYS_pivot_root = 155   # x86_64
 SYS_capset = 126
+SYS_openat2 = 437
+
+# openat2 resolve flags (linux/openat2.h)
+RESOLVE_NO_XDEV = 0x01
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+RESOLVE_IN_ROOT = 0x10
 
 
 def _check(ret, what):
@@ -134,3 +144,47 @@ def drop_bounding_set():
 def set_name(name: str):
     """Set this thread's comm (what /proc/PID/comm and ps show)."""
     _libc.prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def openat2(dirfd: int, path, flags: int, resolve: int, mode: int = 0) -> int:
+    """openat2(2): e.g. a path inside a rootfs that can never resolve outside it
+    (RESOLVE_IN_ROOT: absolute symlinks and ".." stop at dirfd)."""
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, resolve)
+    fd = _libc.syscall(SYS_openat2, ctypes.c_int(dirfd), _b(path), ctypes.byref(how), ctypes.c_size_t(24))
+    if fd < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), os.fsdecode(path))
+    return fd
+
+
+def spawn_in_namespaces(path: str, argv: list, flags: int, fd_as_3: int) -> int:
+    """Start `path` as the first process of new namespaces (`flags`, CLONE_NEW*).
+
+    A short-lived thread unshares them (a thread's namespaces for its children
+    are its own) and posix_spawns (vfork + exec) the program, which so becomes
+    PID 1 of the new pid namespace, a child of this process, and starts with
+    an empty environment, default signal dispositions, no blocked signals and
+    `fd_as_3` as its fd 3 (every other fd of ours is close-on-exec)."""
+    import signal
+    import threading
+    out = {}
+    sigdef = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP) and s < 32]
+
+    def work():
+        try:
+            unshare(flags)
+            out["pid"] = os.posix_spawn(path, argv, {}, file_actions=[(os.POSIX_SPAWN_DUP2, fd_as_3, 3)],
+                                        setsigmask=(), setsigdef=sigdef)
+        except OSError as e:
+            out["err"] = e
+
+    t = threading.Thread(target=work, name="dsec-spawn")
+    t.start()
+    t.join()
+    if "err" in out:
+        raise out["err"]
+    return out["pid"]

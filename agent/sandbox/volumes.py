@@ -3,19 +3,21 @@ read-only unless asked, and only from the roots the node allows.
 
     vols = parse(["/srv/data/set1:/data", "/srv/out/run7:/out:rw"], allowed_roots=["/srv"])
     # [Volume(host="/srv/data/set1", sandbox="/data", read_only=True), ...]
-    mount_all(root, vols, created)      # in the sandbox's mount namespace, before pivot_root
+    # mounted by dsec-init from the launcher's mount plan (agent/sandbox/plan.py)
 
 Allowed roots: the agent config's `volumes.allowed_roots`; for `dsec run`
 without an agent, DSEC_VOLUME_ROOTS (colon-separated), else the same key of
 /etc/dsec/agent.yaml. No roots configured: no volume is allowed.
 
 The host path is resolved (symlinks followed) and must lie inside an allowed
-root; the mount then uses exactly the object that was checked (opened with
-O_PATH and mounted through /proc/self/fd, so a symlink swapped in between is
-caught). The sandbox path must be absolute, without '..', not /, /proc, /sys,
-/dev or below them; inside the image it must not pass through a symlink
-(an image could otherwise aim the mount at a host path). Every volume is
-nosuid and nodev; read-only ones are remounted MS_RDONLY.
+root. The sandbox path must be absolute, without '..', not /, /proc, /sys,
+/dev or below them; dsec-init resolves it inside the sandbox's root
+(openat2 RESOLVE_IN_ROOT: a symlink of the image cannot aim the mount at a
+host path). Every volume is a non-recursive bind, nosuid and nodev;
+read-only ones are remounted MS_RDONLY. Known limitation: the host path is
+checked when the sandbox is created and mounted by path a moment later, so
+a host process that can write inside an allowed root could swap a symlink
+in between (keep allowed roots writable by dsec's callers only).
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ import os
 import stat
 
 from agent.errors import DsecError, EXIT_USAGE
-from agent.sandbox import sysutil as su
 
 MAX_VOLUMES = 64
 FORBIDDEN = ("/proc", "/sys", "/dev")
@@ -123,50 +124,3 @@ def parse(items, allowed_roots) -> list[Volume]:
             raise VolumeError(f"volume {v.sandbox}: mounted twice")
         seen.add(v.sandbox)
     return out
-
-
-# --- in the sandbox's mount namespace (the supervisor, before pivot_root) ---------------
-
-def _target(root: str, rel: str, is_dir: bool, created: list) -> str:
-    """root+rel, made if missing, never through a symlink of the image."""
-    p = root
-    parts = [x for x in rel.split("/") if x]
-    for i, part in enumerate(parts):
-        p = os.path.join(p, part)
-        last = i == len(parts) - 1
-        try:
-            st = os.lstat(p)
-        except FileNotFoundError:
-            if last and not is_dir:
-                os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
-            else:
-                os.mkdir(p, 0o755)
-            created.append("/" + "/".join(parts[:i + 1]))
-            continue
-        if stat.S_ISLNK(st.st_mode):
-            raise OSError(f"volume {rel}: {'/'.join(parts[:i + 1])} is a symlink in the sandbox's root")
-        if not last and not stat.S_ISDIR(st.st_mode):
-            raise OSError(f"volume {rel}: {'/'.join(parts[:i + 1])} is not a directory in the sandbox's root")
-        if last and stat.S_ISDIR(st.st_mode) != is_dir:
-            raise OSError(f"volume {rel}: the sandbox has a {'directory' if stat.S_ISDIR(st.st_mode) else 'file'} "
-                          f"there, the host path is not one")
-    return p
-
-
-def mount_all(root: str, vols, created: list):
-    """Bind-mount each volume (a dict from Volume.to_dict or a Volume) under root.
-    Raises OSError with a message naming the volume."""
-    for v in vols or ():
-        if isinstance(v, dict):
-            v = Volume(v["host"], v["sandbox"], v.get("mode", "ro") != "rw")
-        fd = os.open(v.host, os.O_PATH | os.O_CLOEXEC)
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") != v.host:
-                raise OSError(f"volume {v.host}: the path changed after it was checked")
-            is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
-            t = _target(root, v.sandbox, is_dir, created)
-            su.mount(f"/proc/self/fd/{fd}", t, None, su.MS_BIND)     # not recursive: no host submounts
-            ro = su.MS_RDONLY if v.read_only else 0
-            su.mount(None, t, None, su.MS_BIND | su.MS_REMOUNT | su.MS_NOSUID | su.MS_NODEV | ro)
-        finally:
-            os.close(fd)

@@ -555,9 +555,21 @@ class Decoder:
 
     def _exec_check(self, rec, extra, h, u, buf, decision):
         x = u.exec_check
-        self._path(rec, extra, h.pid, buf[: x.path_len], AT_FDCWD)
+        mmap = bool(x.status & self.consts.values["DSEC_ST_MMAP_NOEXEC"])
+        if mmap:
+            # a refused executable mapping (noexec layer): the kernel gave the fd only
+            extra["fd"] = x.fd
+            extra["refused"] = "mmap PROT_EXEC of a file on a noexec layer (EPERM)"
+            try:
+                target = os.readlink(f"/proc/{h.pid}/fd/{x.fd}")
+            except OSError:
+                target = ""
+                extra["path_unresolved"] = True
+            rec["path"] = target
+        else:
+            self._path(rec, extra, h.pid, buf[: x.path_len], AT_FDCWD)
         rec["decision"] = decision
-        if decision == "denied":
+        if decision == "denied" and not mmap:
             rec["signal"] = 9        # SIGKILL, sent before the new image ran
             if x.signal_ret:
                 extra["signal_ret"] = x.signal_ret
@@ -600,6 +612,11 @@ class Decoder:
     def _syscall(self, rec, extra, h, u, kind):
         s = u.syscall
         self.syscall_fields(rec, extra, h.cgroup_id, kind, s.nr, s.total, s.ret, s.status)
+        if s.status & self.consts.values["DSEC_ST_SOCKET"]:
+            from policies.sockets import SOCKET_FAMILIES, SOCKET_TYPES, number_name
+            extra["socket"] = {"family": number_name(s.sock_family & 0xFFFFFFFF, SOCKET_FAMILIES),
+                               "type": number_name(s.sock_type & 0xF, SOCKET_TYPES),
+                               "flags": s.sock_type & ~0xF & 0xFFFFFFFF, "protocol": s.sock_protocol}
 
     def _syscall_denied(self, rec, extra, h, u, buf, info):
         self._syscall(rec, extra, h, u, "syscall_denied")

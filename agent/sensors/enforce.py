@@ -86,7 +86,9 @@ EXEC_FN = b"tracepoint__sched__sched_process_exec"
 # audit mode, sys_exit for enforce mode (docs/enforcement.md, "Cost")
 SYS_HOOK_LINGER_S = 10.0
 SYS_HOOKS = {"enter": ("raw", b"sys_enter", b"raw_tracepoint__sys_enter"),
-             "exit": ("tp", b"raw_syscalls:sys_exit", b"tracepoint__raw_syscalls__sys_exit")}
+             "exit": ("tp", b"raw_syscalls:sys_exit", b"tracepoint__raw_syscalls__sys_exit"),
+             # enforce-mode socket rules: the arguments of socket() calls seccomp refused
+             "sock": ("raw", b"sys_exit", b"raw_tracepoint__sys_exit")}
 PROTO_BITS = {"tcp": 1, "udp": 2, "any": 1 | 2 | 4}
 MAPPED_V4 = ipaddress.ip_network("::ffff:0:0/96")
 
@@ -263,7 +265,8 @@ class _Sandbox:
     step: int = 0
     exempt: set = field(default_factory=set)
     adopted: int = 0                # programs of a previous agent detached from the cgroup
-    sys_hook: str | None = None     # "enter" | "exit": the syscall program this sandbox needs
+    sys_hooks: list = field(default_factory=list)   # "enter" | "exit" | "sock": syscall programs it needs
+    sock_keys: list = field(default_factory=list)   # (family, type) keys in sock_rules
 
 
 def _mode_name(policy_mode: str, present: bool, learn_when_absent: bool = False) -> str:
@@ -316,6 +319,7 @@ class EnforcementSensor(RingSensor):
         self._counts = b[b"sys_counts"]
         self._dest = b[b"egress_dest"]
         self._exempt = b[b"enf_exempt"]
+        self._sock = b[b"sock_rules"]
         self.max_sandboxes = self.consts.values["DSEC_MAX_SANDBOXES"]
         self._sbx: dict[int, _Sandbox] = {}
         self._free_idx: list[int] = []
@@ -335,10 +339,11 @@ class EnforcementSensor(RingSensor):
         # sensor's lock, never the other way): an idle detach (~80 ms of RCU grace
         # periods) runs without the sensor's lock
         self._hook_lock = threading.Lock()
-        self._sys_users = {"enter": 0, "exit": 0}
-        self._sys_attached = {"enter": False, "exit": False}
-        self._sys_idle_since = {"enter": 0.0, "exit": 0.0}
+        self._sys_users = {h: 0 for h in SYS_HOOKS}
+        self._sys_attached = {h: False for h in SYS_HOOKS}
+        self._sys_idle_since = {h: 0.0 for h in SYS_HOOKS}
         self.bpf.detach_raw_tracepoint(b"sys_enter")
+        self.bpf.detach_raw_tracepoint(b"sys_exit")
         self.bpf.detach_tracepoint(b"raw_syscalls:sys_exit")
         # exec: BCC attached it through a perf event owned by this process; re-attach
         # it through a BPF link pinned in bpffs, which outlives the process
@@ -401,7 +406,7 @@ class EnforcementSensor(RingSensor):
         they exec. adopt: detach the egress programs a previous (dead) agent left
         attached to this cgroup, after this sensor's are attached (no gap).
         Register the cgroup before the workload runs in it."""
-        from policies.compile import egress_rules, exec_rules, namespace_rules, syscall_bitmap
+        from policies.compile import egress_rules, exec_rules, namespace_rules, socket_rules, syscall_bitmap
         check_sandbox_ids(cgroup_id, sandbox_id)
         try:
             st = os.stat(cgroup_path)
@@ -442,6 +447,8 @@ class EnforcementSensor(RingSensor):
                 self._resolve_hosts(sb, initial=True, answers=answers)
                 self._apply_egress(sb)
                 self._apply_exec(sb, xrules or [])
+                srules = socket_rules(policy) if modes["sys"] in ("audit", "enforce") else None
+                self._apply_sockets(sb, srules)
                 if modes["sys"] == "learn":
                     self._counts[self._counts.Key(cgroup_id)] = self._counts.Leaf()
                 self._state_map[self._state_map.Key(cgroup_id)] = self._state_map.Leaf()
@@ -453,6 +460,8 @@ class EnforcementSensor(RingSensor):
                 ct.memmove(cfg.sys_allow, syscall_bitmap(policy), len(cfg.sys_allow))
                 cfg.ns_deny = 1 if namespace_rules(policy).deny else 0
                 self._sys_hook_get(sb, "enter" if modes["sys"] in ("learn", "audit") else "exit")
+                if srules is not None and modes["sys"] == "enforce":
+                    self._sys_hook_get(sb, "sock")
                 self._cfg[self._cfg.Key(cgroup_id)] = cfg
                 self._bump_gen()
                 if modes["egress"] != "off":
@@ -472,7 +481,7 @@ class EnforcementSensor(RingSensor):
         with those of `policy`, at once. Its other rules must be the same as
         the policy in force (they are applied by seccomp and at exec, and every
         record names one policy): otherwise DsecError."""
-        from policies.compile import egress_rules, exec_rules, namespace_rules, syscall_bitmap
+        from policies.compile import egress_rules, exec_rules, namespace_rules, socket_rules, syscall_bitmap
         erules = egress_rules(policy)
         answers = self._prefetch(h.host for h in (erules.allow_hosts + erules.deny_hosts)) if erules else {}
         with self._lock:
@@ -504,16 +513,20 @@ class EnforcementSensor(RingSensor):
                 # is checked against the old rules or the new ones, never a mix
                 self._apply_egress(new)
                 self._apply_exec(new, exec_rules(policy) or [])
+                self._apply_sockets(new, socket_rules(policy) if sb.modes["sys"] in ("audit", "enforce") else None)
                 key = self._cfg.Key(cgroup_id)
                 cfg = self._cfg[key]
                 cfg.idx = new.idx
                 self._set_modes(cfg, new)
                 self._cfg[key] = cfg
             except BaseException:
+                self._drop_sockets(new.idx, new.sock_keys)
                 self._drop_rules(new.idx, new.egress_entries, new.exec_keys)
                 raise
+            old_sock = sb.sock_keys
             sb.policy, sb.idx, sb.modes, sb.egress_rules, sb.hosts = policy, new.idx, new.modes, erules, hosts
-            sb.egress_entries, sb.exec_keys = new.egress_entries, new.exec_keys
+            sb.egress_entries, sb.exec_keys, sb.sock_keys = new.egress_entries, new.exec_keys, new.sock_keys
+            self._drop_sockets(old_idx, old_sock)
             self._drop_rules(old_idx, old_entries, old_exec)
             if sb.modes["egress"] != "off" and not sb.attached:
                 self._attach(sb, adopt=True)
@@ -774,6 +787,39 @@ class EnforcementSensor(RingSensor):
             self._exec[k] = ct.c_uint8(1)
             sb.exec_keys.append((k.prefixlen, data))
 
+    def _apply_sockets(self, sb: _Sandbox, rules) -> None:
+        """The policy's socket rules as (rule set, family, type) -> protocols
+        entries, plus the marker saying the rule set has socket rules."""
+        if rules is None:
+            return
+        v = self.consts.values
+        nmax = v["DSEC_SOCK_PROTOS"]
+        entries: dict = {}
+        for fam, types, protos in rules:
+            for t in (types or (v["DSEC_SOCK_ANY_TYPE"],)):
+                cur = entries.get((fam, t))
+                if cur == () or not protos:
+                    entries[(fam, t)] = ()          # any protocol wins
+                else:
+                    entries[(fam, t)] = tuple(sorted(set((cur or ()) + tuple(protos))))
+        entries[(v["DSEC_SOCK_RULES_ON"], v["DSEC_SOCK_ANY_TYPE"])] = ()
+        for (fam, t), protos in sorted(entries.items()):
+            if len(protos) > nmax:
+                raise DsecError(f"add_sandbox: socket rule for family {fam} lists {len(protos)} protocols; the "
+                                f"kernel side takes at most {nmax}")
+            k = self._sock.Key(sb.idx, fam, t)
+            leaf = self._sock.Leaf()
+            leaf.nproto = len(protos)
+            for i, pr in enumerate(protos):
+                leaf.proto[i] = pr
+            self._sock[k] = leaf
+            sb.sock_keys.append((fam, t))
+
+    def _drop_sockets(self, idx: int, keys: list) -> None:
+        for fam, t in keys:
+            map_discard(self._sock, self._sock.Key(idx, fam, t))
+        keys.clear()
+
     def _alloc_idx(self) -> int:
         if self._free_idx:
             return self._free_idx.pop()
@@ -814,12 +860,12 @@ class EnforcementSensor(RingSensor):
                 raise DsecError(f"cannot attach the syscall program ({tp.decode()}): {e}") from None
             self._sys_attached[hook] = True
         self._sys_users[hook] += 1
-        sb.sys_hook = hook
+        sb.sys_hooks.append(hook)
 
     def _sys_hook_put(self, sb: _Sandbox) -> None:
-        hook, sb.sys_hook = sb.sys_hook, None
-        if hook is not None:
-            with self._hook_lock:
+        hooks, sb.sys_hooks = sb.sys_hooks, []
+        with self._hook_lock:
+            for hook in hooks:
                 self._sys_users[hook] -= 1
                 if self._sys_users[hook] == 0:
                     self._sys_idle_since[hook] = time.monotonic()
@@ -928,6 +974,7 @@ class EnforcementSensor(RingSensor):
         for m in (self._cfg, self._counts):
             map_discard(m, m.Key(cgid))
         self._bump_gen()
+        self._drop_sockets(sb.idx, sb.sock_keys)
         self._drop_rules(sb.idx, sb.egress_entries, sb.exec_keys)
         for k, v in list(self._exempt.items()):     # the exempt processes and their children
             if v.value == cgid:

@@ -246,9 +246,10 @@ class Recorder:
         self._watched[cgroup_id] = {"sandbox_id": sandbox_id, "policy": policy, "path": cgroup_path,
                                     "enforced": False, "step": step}
 
-    def started(self, cgroup_id: int, pid: int):
-        """The supervisor exists: name it for enrichment and start enforcement
-        (the supervisor and its children until they exec are exempt)."""
+    def started(self, cgroup_id: int, pid: int) -> bool:
+        """The sandbox's init exists: name it for enrichment and start enforcement
+        (init and its children until they exec are exempt). True when the eBPF
+        enforcement sensor now enforces the sandbox's policy."""
         self.sensor.set_root_pid(cgroup_id, pid)
         w = self._watched.get(cgroup_id)
         if w and w["policy"] is not None and w["policy"].mode == "enforce":
@@ -257,10 +258,11 @@ class Recorder:
             if w and w["policy"] is not None and self.enforcer is None:
                 sys.stderr.write(f"dsec: warning: sandbox {w['sandbox_id']}: eBPF enforcement unavailable "
                                  f"({self.enforce_error}); {w['policy'].mode} mode runs without it\n")
-            return
+            return False
         self.enforcer.add_sandbox(cgroup_id, w["path"], w["sandbox_id"], w["policy"],
                                   step=w["step"], exempt_pids=[pid])
         w["enforced"] = True
+        return True
 
     def set_step(self, cgroup_id: int, step: int):
         self.sensor.set_step(cgroup_id, step)

@@ -185,8 +185,13 @@ class SandboxWatch:
             self._record_start()
 
     def on_started(self, sandbox_id, pid):
-        if self.watched:
-            self.rec.started(self.cgroup_id, pid)
+        """dsec-init exists: enforcement starts. Returns the rule kinds the eBPF
+        enforcement sensor now enforces for the sandbox (the launcher refuses a
+        policy whose eBPF rules nobody enforces)."""
+        if self.watched and self.rec.started(self.cgroup_id, pid):
+            from policies.compile import ebpf_concerns
+            return ebpf_concerns(self.spec.policy)
+        return []
 
     def on_step(self, sandbox_id, step):
         self.step = step
@@ -269,6 +274,7 @@ class SandboxWatch:
 
 def _chain(first, then):
     def both(*args):
-        first(*args)
+        r = first(*args)
         then(*args)
+        return r
     return both

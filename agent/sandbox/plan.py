@@ -1,0 +1,284 @@
+"""What dsec-init does for one sandbox, computed on the host: the mount plan,
+the sysctls, the credentials and the seccomp program (docs/launcher.md).
+
+    items = config_items(Plan(...))        # the CONFIG message for dsec-init
+    prog = seccomp_program(policy)         # struct sock_filter[] bytes, compiled once per policy
+    path = init_path()                     # the dsec-init binary (built by scripts/setup.sh)
+
+Every path of the plan that lies inside the sandbox is resolved by dsec-init
+with openat2(RESOLVE_IN_ROOT) from the new root: a symlink in a rootfs (or in
+the upper layer) never makes dsec create, chown or mount anything on the host.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import threading
+from collections import OrderedDict
+
+from agent.errors import DsecError, EXIT_DSEC
+from agent.sandbox import initproto as ip
+from agent.sandbox import sysutil as su
+
+T, OP = ip.T, ip.OP
+
+# OCI runtime defaults (runc/crun): paths masked and made read-only in /proc and /sys.
+MASKED = ("/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+          "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
+          "/proc/config.gz", "/proc/kallsyms", "/proc/modules",
+          "/sys/firmware", "/sys/devices/virtual/powercap", "/sys/kernel/debug",
+          "/sys/kernel/tracing", "/sys/kernel/security", "/sys/fs/bpf")
+READONLY = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
+DEVICES = (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8),
+           ("urandom", 1, 9), ("tty", 5, 0))
+DEV_LINKS = (("ptmx", "pts/ptmx"), ("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+             ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"), ("core", "/proc/kcore"))
+NSX = su.MS_NOSUID | su.MS_NODEV | su.MS_NOEXEC
+WORKLOAD_OOM_SCORE_ADJ = 1000       # the workload is the OOM victim, never PID 1
+INIT_OOM_SCORE_ADJ = -1000
+
+
+class Plan:
+    """Inputs of one sandbox's CONFIG (plain class; see launcher.Sandbox._start)."""
+
+    def __init__(self, *, root, upper, work, lowers, host_dirs, hostname, uid, gid, tmp_size,
+                 layout, volumes=(), seccomp=b"", sysctls=(), hold=False):
+        self.root = root                  # host dir the root overlay is mounted on
+        self.upper = upper                # upper layers: <upper>/_root, <upper>/<host dir>
+        self.work = work
+        self.lowers = list(lowers)        # root overlay lower layers, topmost first
+        self.host_dirs = list(host_dirs)  # default base: /usr, /lib... each its own overlay
+        self.hostname = hostname
+        self.uid, self.gid = uid, gid
+        self.tmp_size = tmp_size
+        self.layout = layout              # policies.compile.MountLayout
+        self.volumes = list(volumes)      # [{"source": host path, "target": path, "readonly": bool}]
+        self.seccomp = seccomp
+        self.sysctls = list(sysctls)      # [(path, value, if_exists)]
+        self.hold = hold
+
+
+def _op(kind, **kw) -> tuple[int, list]:
+    items = [(T.KIND, kind)]
+    for k, v in kw.items():
+        if v is None or v is False:
+            continue
+        tag = getattr(T, k.upper())
+        items.append((tag, b"" if v is True else v))
+    return (T.OP, items)
+
+
+def _mount(target, *, src=None, fstype=None, flags=0, data=None, host=False, what=None, **kw):
+    return _op(OP.MOUNT, target=target, src=src, fstype=fstype, flags=flags, data=data, target_host=host,
+               what=what or f"mount {fstype or 'bind'} on {target}", **kw)
+
+
+def _exec_ok(path: str, exec_dirs) -> bool:
+    return any(path == d or path.startswith(d.rstrip("/") + "/") for d in exec_dirs)
+
+
+def _check_data(data: str, what: str) -> str:
+    if len(data.encode()) > 4000:
+        raise DsecError(f"{what}: the overlay option string is {len(data)} bytes (the kernel takes one page): "
+                        "use fewer or shorter layer paths", EXIT_DSEC)
+    return data
+
+
+def mount_ops(p: Plan) -> list:
+    """The mount plan: overlays, /proc, /sys, /dev, /tmp, masks, volumes, the
+    writable layout (noexec under an exec allowlist), pivot_root."""
+    lay = p.layout
+    noexec = lay.noexec
+    ops = [_mount("/", flags=su.MS_REC | su.MS_PRIVATE, host=True, what="making / private")]
+    data = _check_data(f"lowerdir={':'.join(p.lowers)},upperdir={p.upper}/_root,workdir={p.work}/_root",
+                       "root overlay")
+    ops.append(_mount(p.root, src="overlay", fstype="overlay", flags=su.MS_NOSUID | su.MS_NODEV, data=data,
+                      host=True, what="mount overlay on /"))
+    ops.append(_op(OP.ROOT, target=p.root))
+    for d in p.host_dirs:
+        ops.append(_mount(d, src="overlay", fstype="overlay", flags=su.MS_NOSUID | su.MS_NODEV, dir=True,
+                          data=_check_data(f"lowerdir=/{d},upperdir={p.upper}/{d},workdir={p.work}/{d}", d),
+                          what=f"mount overlay on /{d}"))
+    ops.append(_mount("proc", src="proc", fstype="proc", flags=NSX, mkdir=0o555, record=True))
+    ops.append(_mount("sys", src="sysfs", fstype="sysfs", flags=NSX | su.MS_RDONLY, mkdir=0o555, record=True))
+    ops.append(_mount("dev", src="tmpfs", fstype="tmpfs", flags=su.MS_NOSUID | su.MS_STRICTATIME,
+                      data="mode=755,size=65536k", mkdir=0o755, record=True))
+    for name, major, minor in DEVICES:
+        ops.append(_op(OP.MKNOD, target=f"dev/{name}", mode=0o666 | stat.S_IFCHR, dev=os.makedev(major, minor),
+                       what=f"mknod /dev/{name}"))
+    ops.append(_op(OP.MKDIR, target="dev/pts", mode=0o755))
+    ops.append(_op(OP.MKDIR, target="dev/shm", mode=0o1777))
+    ops.append(_mount("dev/pts", src="devpts", fstype="devpts", flags=su.MS_NOSUID | su.MS_NOEXEC,
+                      data="newinstance,ptmxmode=0666,mode=0620,gid=5"))
+    shm_exec = _exec_ok("/dev/shm", lay.exec_dirs) and noexec
+    ops.append(_mount("dev/shm", src="shm", fstype="tmpfs", flags=NSX & ~(su.MS_NOEXEC if shm_exec else 0),
+                      data="mode=1777,size=65536k"))
+    for link, target in DEV_LINKS:
+        ops.append(_op(OP.SYMLINK, target=f"dev/{link}", value=target, what=f"symlink /dev/{link}"))
+    tmp_flags = su.MS_NOSUID | su.MS_NODEV | (su.MS_NOEXEC if noexec and not _exec_ok("/tmp", lay.exec_dirs) else 0)
+    ops.append(_mount("tmp", src="tmpfs", fstype="tmpfs", flags=tmp_flags, data=f"mode=1777,size={p.tmp_size}",
+                      mkdir=0o1777, record=True))
+    for m in MASKED:
+        ops.append(_op(OP.MASK, target=m))
+    for r in READONLY:
+        ops.append(_mount(r, src=r, src_in_root=True, flags=su.MS_BIND | su.MS_REC, if_exists=True,
+                          what=f"bind {r}"))
+        ops.append(_mount(r, flags=su.MS_BIND | su.MS_REMOUNT | su.MS_RDONLY | NSX, if_exists=True,
+                          what=f"read-only {r}"))
+    for v in p.volumes:
+        src, target, ro = v["source"], v["target"], bool(v.get("readonly"))
+        is_file = os.path.isfile(src)
+        # not recursive: no host submounts under the volume's source
+        ops.append(_mount(target, src=src, flags=su.MS_BIND,
+                          mkdir=None if is_file else 0o755, mkfile=is_file, record=True,
+                          what=f"volume {src} on {target}"))
+        flags = su.MS_BIND | su.MS_REMOUNT | su.MS_NOSUID | su.MS_NODEV
+        if ro:
+            flags |= su.MS_RDONLY
+        elif noexec and not _exec_ok(target, lay.exec_dirs):
+            flags |= su.MS_NOEXEC
+        ops.append(_mount(target, flags=flags, what=f"volume flags on {target}"))
+    ops += _writable_ops(p)
+    ops.append(_op(OP.PIVOT, target=p.root))
+    return ops
+
+
+def _writable_ops(p: Plan) -> list:
+    """files.writable (or, under an exec allowlist, the implied writable set):
+    each path becomes a bind mount of itself (created, owned by the workload's
+    user, when missing); then the image's layers are remounted read-only. Under
+    an exec allowlist every writable bind is noexec unless it lies under
+    exec.allow_written_under; a directory of that list inside a noexec mount
+    gets an exec-allowed bind of its own."""
+    lay = p.layout
+    w = lay.writable
+    if w is None or any(x.rstrip("/") in ("", "/") for x in w):
+        return []
+    ops = []
+    flags_base = su.MS_BIND | su.MS_REMOUNT | su.MS_NOSUID | su.MS_NODEV
+    binds = []
+    for path in sorted(set(w)):
+        if path in ("/tmp", "/dev/shm") or path.startswith(("/tmp/", "/dev/")):
+            continue                      # scratch tmpfs mounts: writable already
+        binds.append(path)
+        kw = {"if_exists": True} if lay.implied and path != "/workspace" else \
+            {"mkdir": 0o755, "owner": True, "record": lay.implied}
+        ops.append(_mount(path, src=path, src_in_root=True, flags=su.MS_BIND | su.MS_REC,
+                          what=f"files.writable {path}", **kw))
+        exec_ok = not lay.noexec or _exec_ok(path, lay.exec_dirs)
+        ops.append(_mount(path, flags=flags_base | (0 if exec_ok else su.MS_NOEXEC), if_exists=True,
+                          what=f"files.writable {path} flags"))
+    if lay.noexec:
+        for d in lay.exec_dirs:
+            inside = [m for m in binds + ["/tmp", "/dev/shm"] if d != m and d.startswith(m.rstrip("/") + "/")]
+            if inside:
+                ops.append(_mount(d, src=d, src_in_root=True, flags=su.MS_BIND | su.MS_REC, mkdir=0o755,
+                                  owner=True, what=f"exec.allow_written_under {d}"))
+                ops.append(_mount(d, flags=flags_base, what=f"exec.allow_written_under {d} flags"))
+    ro = su.MS_BIND | su.MS_REMOUNT | su.MS_RDONLY | su.MS_NOSUID | su.MS_NODEV
+    ops.append(_mount(p.root, flags=ro, host=True, what="read-only /"))
+    for d in p.host_dirs:
+        ops.append(_mount(d, flags=ro, what=f"read-only /{d}"))
+    return ops
+
+
+def config_items(p: Plan) -> list:
+    items = [(T.HOSTNAME, p.hostname), (T.UID, p.uid), (T.GID, p.gid), (T.HOLD, bool(p.hold)),
+             (T.OOM_ADJ, WORKLOAD_OOM_SCORE_ADJ), (T.SELF_OOM_ADJ, INIT_OOM_SCORE_ADJ)]
+    if p.seccomp:
+        items.append((T.SECCOMP, p.seccomp))
+    for path, value, if_exists in p.sysctls:
+        items.append((T.SYSCTL, [(T.PATH, path), (T.VALUE, value)] + ([(T.IF_EXISTS, b"")] if if_exists else [])))
+    return items + mount_ops(p)
+
+
+# ---------------------------------------------------------------- seccomp
+
+_SECCOMP_CACHE: OrderedDict = OrderedDict()
+_SECCOMP_LOCK = threading.Lock()
+
+
+def seccomp_program(policy) -> bytes:
+    """The policy's seccomp program (struct sock_filter[]), compiled by
+    libseccomp once per policy (content hash and mode) and handed to dsec-init
+    as bytes; b"" in learn mode (nothing to filter)."""
+    if policy is None or policy.mode == "learn":
+        return b""
+    key = (policy.hash, policy.mode)
+    with _SECCOMP_LOCK:
+        hit = _SECCOMP_CACHE.get(key)
+        if hit is not None:
+            _SECCOMP_CACHE.move_to_end(key)
+            return hit
+    from policies.compile import seccomp_filter
+    from audit_schema.errors import ReportedError
+    try:
+        filt = seccomp_filter(policy)
+    except ReportedError as e:
+        raise DsecError(f"policy {policy.name}: {e.message}", EXIT_DSEC)
+    r, w = os.pipe()
+    try:
+        with os.fdopen(w, "wb", closefd=True) as f:
+            filt.export_bpf(f)
+        data = b""
+        while chunk := os.read(r, 1 << 16):
+            data += chunk
+    finally:
+        os.close(r)
+    if not data or len(data) % 8:
+        raise DsecError(f"policy {policy.name}: libseccomp exported {len(data)} bytes, not a BPF program", EXIT_DSEC)
+    with _SECCOMP_LOCK:
+        _SECCOMP_CACHE[key] = data
+        while len(_SECCOMP_CACHE) > 256:
+            _SECCOMP_CACHE.popitem(last=False)
+    return data
+
+
+# ---------------------------------------------------------------- the init binary
+
+INIT_SOURCES = ("dsec-init.c", "proto.h")
+INIT_BUILD = os.path.join(ip.INIT_DIR, "build", "dsec-init")
+_init_checked: str | None = None
+_init_lock = threading.Lock()
+
+
+def build_init(out: str = INIT_BUILD) -> str:
+    """Compile dsec-init (static, -O2) from agent/sandbox/init; scripts/setup.sh calls this."""
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    cmd = ["cc", "-O2", "-Wall", "-Wextra", "-static", "-o", tmp, os.path.join(ip.INIT_DIR, "dsec-init.c")]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise DsecError(f"cannot build dsec-init ({' '.join(cmd)}): {e.strerror}", EXIT_DSEC)
+    if r.returncode != 0:
+        raise DsecError(f"cannot build dsec-init: {(r.stderr.strip().splitlines() or ['cc failed'])[-1]}", EXIT_DSEC)
+    os.rename(tmp, out)
+    return out
+
+
+def init_path() -> str:
+    """The dsec-init binary ($DSEC_INIT, or agent/sandbox/init/build/dsec-init),
+    checked once per process: present, executable, not older than its source."""
+    global _init_checked
+    if _init_checked:
+        return _init_checked
+    with _init_lock:
+        if _init_checked:
+            return _init_checked
+        path = os.environ.get("DSEC_INIT") or INIT_BUILD
+        try:
+            st = os.stat(path)
+        except OSError:
+            raise DsecError(f"the sandbox init {path} is missing: run `make setup` (scripts/setup.sh builds "
+                            f"agent/sandbox/init)", EXIT_DSEC) from None
+        if not os.environ.get("DSEC_INIT"):
+            newest = max(os.stat(os.path.join(ip.INIT_DIR, s)).st_mtime for s in INIT_SOURCES)
+            if st.st_mtime < newest:
+                raise DsecError(f"the sandbox init {path} is older than its source: run `make setup` "
+                                f"(scripts/setup.sh rebuilds it)", EXIT_DSEC)
+        if not os.access(path, os.X_OK):
+            raise DsecError(f"the sandbox init {path} is not executable", EXIT_DSEC)
+        _init_checked = path
+        return path
