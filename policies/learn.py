@@ -550,7 +550,8 @@ def observe(runs, layout_check=None) -> tuple[dict, dict]:
         e = execs.setdefault(path, _entry())
         _add(e["runs"], rid)
         if rel:
-            w = f"run by its relative name {_show(rel)} (resolved against the process's cwd)"
+            w = (f"run by its relative name {_show(rel)} (resolved against the process's cwd); under enforce "
+                 f"the kernel matches absolute names only: run it by this path, or the exec is refused")
             if w not in e.setdefault("why", []):
                 e["why"].append(w)
     prov["exec"] = dict(execs)

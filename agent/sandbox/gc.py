@@ -30,46 +30,9 @@ import json
 import os
 import shutil
 import time
-from contextlib import contextmanager
 
 
-def _lock_path() -> str:
-    from agent.sandbox import rootfs
-    return os.path.join(rootfs.STATE_ROOT, "gc.lock")
-
-
-@contextmanager
-def _gc_lock(mode: int):
-    os.makedirs(os.path.dirname(_lock_path()), exist_ok=True)
-    fd = os.open(_lock_path(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, mode)
-        yield
-    finally:
-        os.close(fd)
-
-
-class StartGuard:
-    """gc.lock held shared by a launcher while its sandbox comes into being (gc
-    waits); release() is idempotent."""
-
-    def __init__(self):
-        os.makedirs(os.path.dirname(_lock_path()), exist_ok=True)
-        self.fd = os.open(_lock_path(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_SH)
-        except BaseException:
-            os.close(self.fd)
-            raise
-
-    def release(self) -> None:
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
-
-
-def start_guard() -> StartGuard:
-    return StartGuard()
+from agent.sandbox.gclock import gc_lock as _gc_lock
 
 
 def _live_now() -> set:

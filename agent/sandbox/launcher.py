@@ -310,8 +310,8 @@ class Sandbox:
         self.started_at = time.time()
         _private_dir(SANDBOX_DIR)
         self.dir = os.path.join(SANDBOX_DIR, self.sid)
-        from agent.sandbox import gc
-        self._gc_guard = gc.start_guard()   # gc waits until this sandbox is visibly live (issue 13)
+        from agent.sandbox.gclock import start_guard
+        self._gc_guard = start_guard()   # gc waits until this sandbox is visibly live (issue 13)
         try:
             os.mkdir(self.dir, 0o700)
         except FileExistsError:
