@@ -466,6 +466,14 @@ def restore(store: "SnapshotStore", sb, snap: dict, image_store=None, *, force: 
     spec = sb.spec
     if sb.state != "running":
         raise SnapshotError(f"sandbox {sb.sid} is {sb.state}: only a running sandbox can be restored", EXIT_USAGE)
+    from policies.compile import mount_layout
+    lay = mount_layout(spec.policy)
+    if lay.writable is not None or lay.noexec:
+        # the read-only layout (files.writable binds, noexec layers, a read-only image) is
+        # built by dsec-init at start; a live restore would hand the sandbox a plain writable root
+        raise SnapshotError(f"sandbox {sb.sid}: its policy {spec.policy.name} (enforce) mounts a read-only "
+                            f"layout that a live restore cannot rebuild: fork from the snapshot instead "
+                            f"(client.fork, CreateSandbox from_snapshot)", EXIT_USAGE)
     running = [s for s in sb.steps.values() if not s.done]
     if running and not force:
         raise SnapshotError(f"sandbox {sb.sid}: step {running[0].step} is running; restore ends it only "
