@@ -236,7 +236,7 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     def Snapshot(self, request, context):
         def run():
-            s = self.agent.snapshots.take(request.sandbox_id)
+            s = self.agent.snapshots.take(request.sandbox_id, self._caller(context))
             return pb.SnapshotInfo(snapshot_id=s["id"], sandbox_id=s["sandbox_id"], step=s["step"], files=s["files"],
                                    bytes=s["bytes"], frozen_ms=s["frozen_ms"], total_ms=s["total_ms"],
                                    attempts=s["attempts"], json=json.dumps(s, default=str))
@@ -244,7 +244,8 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     def Restore(self, request, context):
         def run():
-            r = self.agent.snapshots.restore(request.sandbox_id, request.snapshot_id, request.force)
+            r = self.agent.snapshots.restore(request.sandbox_id, request.snapshot_id, request.force,
+                                             self._caller(context))
             return pb.RestoreResponse(sandbox_id=request.sandbox_id, snapshot_id=r["snapshot"], step=r["step"],
                                       total_ms=r["total_ms"])
         return self._call(context, run)

@@ -14,7 +14,9 @@ default`. Privileges: root (run as uid 0 inside), keep (keep the upper layer
 on the node), rootfs (a custom rootfs, also only under `rootfs_roots` for
 every TCP client, admins included),
 no_audit (a sandbox without the eBPF audit), policy_yaml (a policy sent
-inline rather than named). A tenant's sandboxes carry the label
+inline rather than named), volumes (host directories from volumes.allowed_roots).
+Snapshots are the tenant's whose sandbox they were taken of: Snapshot,
+Restore and CreateSandbox(from_snapshot) check the recorded labels. A tenant's sandboxes carry the label
 `authorization.tenant_label` = its tenant (set by the agent at creation; a
 request naming another tenant is refused); a tenant sees, execs in, kills,
 closes, streams and queries only those. Every refusal is an access_denied
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from agent.node.records import ApiError
 
-PRIVILEGES = ("root", "keep", "rootfs", "no_audit", "policy_yaml")
+PRIVILEGES = ("root", "keep", "rootfs", "no_audit", "policy_yaml", "volumes")
 
 
 class Caller:
@@ -100,6 +102,8 @@ class Authorizer:
             needs.append("no_audit")
         if (req.get("policy") or {}).get("yaml") is not None:
             needs.append("policy_yaml")
+        if req.get("volumes"):
+            needs.append("volumes")
         for n in needs:
             if not caller.may(n):
                 self.refuse(caller, method, f"identity {caller.name!r} may not use {n} "

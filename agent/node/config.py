@@ -296,10 +296,11 @@ class IdentityConfig(_Base):
     tenant: Optional[str] = Field(None, description="the tenant label its sandboxes carry and that scopes what it "
                                                     "sees (default: the identity itself)")
     admin: bool = Field(False, description="everything, every tenant (like the unix socket)")
-    allow: list[Literal["root", "keep", "rootfs", "no_audit", "policy_yaml"]] = Field(
+    allow: list[Literal["root", "keep", "rootfs", "no_audit", "policy_yaml", "volumes"]] = Field(
         default_factory=list, description="privileges: root (uid 0 inside), keep (upper layer kept on the node), "
                                           "rootfs (a custom rootfs under rootfs_roots), no_audit, policy_yaml "
-                                          "(a policy sent inline)")
+                                          "(a policy sent inline), volumes (host directories from "
+                                          "volumes.allowed_roots)")
 
     @field_validator("tenant")
     @classmethod

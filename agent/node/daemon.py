@@ -596,7 +596,7 @@ class Agent:
         if req.get("from_snapshot"):
             if img is not None or rootfs:
                 raise _bad("from_snapshot: the snapshot names its own image or rootfs")
-            self.snapshots.fork_spec(spec, req["from_snapshot"], req)
+            self.snapshots.fork_spec(spec, req["from_snapshot"], req, caller)
         try:
             if img is not None:
                 # unpacked before the request queues (outside the lock; concurrent requests for one

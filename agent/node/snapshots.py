@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 
 from audit_schema.errors import ReportedError
+from agent.node.authz import ADMIN
 from agent.node.records import RUNNING, ApiError, _bad
 
 
@@ -37,9 +38,22 @@ class NodeSnapshots:
         return {"store": self.store.root if self.store else None, "filesystem": True,
                 "processes": self.criu if self.store else None}
 
-    def take(self, sid: str) -> dict:
+    def _snapshot(self, ref: str, caller, method: str) -> dict:
+        """A snapshot the caller may use: of a sandbox of its own tenant (the labels
+        the snapshot recorded); unknown and foreign ones are refused alike."""
+        try:
+            snap = self.store.get(ref)
+        except ReportedError as e:
+            if not caller.admin:
+                self.agent.authz.check_sandbox(caller, {}, f"snapshot {ref}", method)
+            raise _bad(e.message) from None
+        labels = (snap.get("context") or {}).get("labels") or {}
+        self.agent.authz.check_sandbox(caller, labels, f"snapshot {ref}", method)
+        return snap
+
+    def take(self, sid: str, caller=ADMIN) -> dict:
         a = self.agent
-        rec = a.lookup(sid)
+        rec = a.lookup(sid, caller, "Snapshot")
         with a._lock:
             if rec.state != RUNNING or rec.sandbox is None:
                 raise ApiError("FAILED_PRECONDITION", f"sandbox {rec.id} is {rec.state}: only a running sandbox "
@@ -70,14 +84,11 @@ class NodeSnapshots:
         a._flush_emits()
         return snap
 
-    def restore(self, sid: str, ref: str, force: bool = False) -> dict:
+    def restore(self, sid: str, ref: str, force: bool = False, caller=ADMIN) -> dict:
         from agent.sandbox.snapshots import restore
         a = self.agent
-        rec = a.lookup(sid)
-        try:
-            snap = self.store.get(ref)
-        except ReportedError as e:
-            raise _bad(e.message) from None
+        rec = a.lookup(sid, caller, "Restore")
+        snap = self._snapshot(ref, caller, "Restore")
         with a._lock:
             if rec.state != RUNNING or rec.sandbox is None:
                 raise ApiError("FAILED_PRECONDITION", f"sandbox {rec.id} is {rec.state}: only a running sandbox "
@@ -103,11 +114,11 @@ class NodeSnapshots:
         a._flush_emits()
         return r
 
-    def fork_spec(self, spec, ref: str, req: dict):
+    def fork_spec(self, spec, ref: str, req: dict, caller=ADMIN):
         """The spec of a sandbox forked from snapshot `ref` (agent/sandbox/snapshots.py fork_spec)."""
         from agent.sandbox.snapshots import fork_spec
+        snap = self._snapshot(ref, caller, "CreateSandbox")
         try:
-            snap = self.store.get(ref)
             fork_spec(spec, snap, self.store, self.agent.images, user=req.get("user"), workdir=req.get("workdir"))
         except ReportedError as e:
             raise _bad(e.message) from None
