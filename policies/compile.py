@@ -403,12 +403,15 @@ def exec_rules(policy: Policy) -> list[tuple[bytes, bool]] | None:
     return sorted(out)
 
 
+EXEC_KEY_PATH = 252    # bpf/events.h DSEC_EXEC_KEY_PATH: longer names match no pattern in the kernel
+
+
 def canonical_exec_path(p: bytes) -> bool:
     """Is this the kind of name the exec allowlist matches: absolute, without
     '//', '/./', '/../' (or a trailing '/.', '/..'), and not a /dev/fd/N name
     (what the kernel reports for execveat with a dirfd or fexecve)? The kernel
     side (bpf/enforce.c) refuses every other name, whatever the patterns."""
-    if not p.startswith(b"/") or b"\0" in p:
+    if not p.startswith(b"/") or b"\0" in p or len(p) >= EXEC_KEY_PATH:
         return False
     if b"//" in p or b"/./" in p or b"/../" in p or p.endswith((b"/.", b"/..")):
         return False
@@ -515,12 +518,14 @@ def implied_defaults(policy: Policy) -> list[str]:
     if policy.spec.egress is None:
         ranges = ", ".join(str(n) for n in NODE_PROTECTED)
         out.append("egress: no egress section: with --network egress the node is protected: connections to "
-                   f"{ranges} and to the node's own addresses are refused (DNS to the node's resolvers stays "
-                   "open); an egress section opens them explicitly; IPv6 is disabled in the sandbox")
+                   f"{ranges} are refused (DNS to the node's resolvers stays open; an egress section opens "
+                   "these ranges explicitly); connections to the node's own addresses are always refused; IPv6 "
+                   "is disabled in the sandbox")
     s = policy.spec.syscalls
     if s is None or s.sockets is None:
         out.append("syscalls.sockets: the default set: unix; inet and inet6 with stream or dgram and protocol "
-                   "default, tcp or udp; other families EAFNOSUPPORT, other types/protocols EPROTONOSUPPORT")
+                   "default, tcp or udp; other families EAFNOSUPPORT, other types/protocols EPROTONOSUPPORT (under "
+                   "a default: deny syscall allowlist: the policy's errno)")
     lay = mount_layout(policy)
     if lay.noexec:
         where = ", ".join(lay.exec_dirs) or "none"

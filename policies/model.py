@@ -361,7 +361,7 @@ class Syscalls(_Base):
         None, description="which socket()/socketpair() calls are allowed, by their arguments: omitted = "
                           "the default set (unix; inet and inet6 with stream or dgram and protocol 0, tcp or "
                           "udp); 'any' = no argument rule; a list = exactly these (denied ones fail with "
-                          "EAFNOSUPPORT, or kill with action: kill)")
+                          "EAFNOSUPPORT -- the policy's errno under default: deny -- or kill with action: kill)")
 
 
 class EgressRule(_Base):
@@ -642,14 +642,6 @@ def semantic_issues(p: Policy) -> list[Issue]:
                     out.append(Issue(("spec", "exec", "allow", i),
                                      f"{pat!r} is already matched by {x.allow[j]!r}", "warning"))
                     break
-        out += _dups(x.allow_written_under, ("spec", "exec", "allow_written_under"), "directory")
-        wr = spec.files.writable if spec.files is not None else None
-        for i, d in enumerate(x.allow_written_under):
-            if wr is not None and not any(w == "/" or d == w or d.startswith(w + "/") for w in wr) \
-                    and not any(d == t or d.startswith(t + "/") for t in ("/tmp", "/dev/shm")):
-                out.append(Issue(("spec", "exec", "allow_written_under", i),
-                                 f"{d!r} is not writable (files.writable): nothing can be written there to run",
-                                 "warning"))
         if enforce and x.allow and spec.files is not None and "/" in spec.files.writable:
             out.append(Issue(("spec", "files", "writable", spec.files.writable.index("/")),
                              "'/' writable with an exec allowlist: a file written under an allowed path could be "

@@ -76,7 +76,7 @@ def register(p):
                    help="none: loopback only (default); egress: veth + NAT to the outside")
     p.add_argument("--env", action="append", default=[], metavar="K=V", help="set an environment variable (repeatable)")
     p.add_argument("--workdir", metavar="DIR", help="working directory inside (default: /workspace, or the image's)")
-    p.add_argument("--user", metavar="USER", help="NAME, UID or UID:GID (default: sandbox, uid 1000; an image's "
+    p.add_argument("--user", metavar="USER", help="NAME, UID or UID:GID (default: sandbox, a host uid leased for this sandbox; an image's "
                                                   "own user unless it is root)")
     p.add_argument("--keep", action="store_true", help="keep the upper layer after exit (path printed on stderr)")
     p.add_argument("--summary-json", metavar="FILE", help="write the run summary (exit, resources, changes) here")

@@ -16,7 +16,7 @@ http://NAME:TOKEN@host:port/run_code for clients that only take a URL) and
 its identity must be in `allowed_clients`; a refused caller gets 401/403 and
 an `access_denied` audit event. `unauthenticated: true` is allowed on a
 loopback address only, and is listed as degraded in Capabilities. Sandboxes
-never reach the port (the `ip dsec` nftables table drops their connections to
+never reach the port (the `inet dsec` nftables table drops their connections to
 the host).
 
 Load: at most `max_inflight` requests are served at once; the next one is
