@@ -103,6 +103,19 @@ def test_snapshot_fork_lineage_and_export(layout, store_dir, clickhouse_url, tmp
             with pytest.raises(AgentError, match="snapshots need a sandbox on an image or a --rootfs"):
                 c.snapshot(plain.id)
             plain.close()
+            # a fork's default user runs as a uid of its own and may change what its parent's user made
+            p = c.create(image="layout:app")
+            r = p.exec(["/bin/sh", "-c", "mkdir -p /workspace/proj/sub && echo one > /workspace/proj/f.txt; id -u"])
+            puid = r.stdout.strip()
+            psnap = c.snapshot(p.id)
+            p.close()
+            (k,) = c.fork(psnap["id"], 1)
+            r = k.exec(["/bin/sh", "-c", "echo two >> /workspace/proj/f.txt && touch /workspace/proj/sub/new && "
+                                         "cat /workspace/proj/f.txt; id -u"])
+            assert r.exit_code == 0, r.stderr
+            out = r.stdout.split()
+            assert out[:2] == [b"one", b"two"] and out[2] != puid, (out, puid)
+            k.close()
         # replay --rerun --from-step 2: from the snapshot taken after step 1, only steps 2.. re-run
         with agent.client(timeout=120) as c:
             t = c.create(image="layout:app", user="root")

@@ -66,7 +66,7 @@ class NodeSnapshots:
             self._busy.add(rec.id)
         sp = sb.spec
         ctx = {"step": step, "env": dict(sb.env), "workdir": sp.workdir, "user": sp.user,
-               "labels": dict(rec.labels)}
+               "uid": sb.uid, "gid": sb.gid, "labels": dict(rec.labels)}
         a._lifecycle(rec.id, "snapshotting", step=step)
         a._flush_emits()
         try:

@@ -361,6 +361,11 @@ class Sandbox:
             os.mkdir(os.path.join(upper, d))
             os.mkdir(os.path.join(work, d))
         self._seed_upper(os.path.join(upper, "_root"), lowers)
+        reown = getattr(spec, "reown", None)
+        if reown and self.lease is not None and (reown["uid"], reown["gid"]) != (self.uid, self.gid):
+            from agent.sandbox.snapshots import reown_into
+            self.generated.update(reown_into(os.path.join(upper, "_root"), reown["layers"], reown["uid"],
+                                             reown["gid"], self.uid, self.gid))
         self.layers = [("/", os.path.join(upper, "_root"), lowers[0])] + \
             [("/" + d, os.path.join(upper, d), "/" + d) for d in host_dirs]
         policy = spec.policy

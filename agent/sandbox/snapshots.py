@@ -289,6 +289,10 @@ def fork_spec(spec, snap: dict, store: "SnapshotStore", image_store=None, *, use
         base, spec.lease = image_store.prepare_lease(img, spec.sandbox_id)
         spec.layers = spec.layers[:own] + base
     spec.snapshot = snap
+    if ctx.get("uid") is not None and (user or ctx.get("user") or "sandbox") == "sandbox":
+        # the parent's default user ran as its own leased uid; this sandbox gets another
+        own = len(snap.get("chain", [])) + 1
+        spec.reown = {"uid": int(ctx["uid"]), "gid": int(ctx.get("gid", ctx["uid"])), "layers": spec.layers[:own]}
     spec.first_step = int(snap.get("step") or 0) + 1
     spec.lineage = {"parent_sandbox": snap["sandbox_id"], "snapshot": snap["id"], "step": snap["step"]}
     if not user and ctx.get("user"):
@@ -299,6 +303,79 @@ def fork_spec(spec, snap: dict, store: "SnapshotStore", image_store=None, *, use
     env.pop("HOSTNAME", None)
     env.update(spec.env)
     spec.env = env
+
+
+def reown_into(upper: str, layers: list[str], old_uid: int, old_gid: int, uid: int, gid: int) -> dict:
+    """A fork runs its default user as a uid of its own (agent/sandbox/uids.py), but
+    the snapshot's files belong to the parent's: copy every entry the parent's user
+    owned (as the overlay of `layers`, top first, shows it) into the fork's upper
+    layer `upper`, owned by the new uid/gid, so the fork's user can change what its
+    parent made. Files are copied (immutable snapshot layers are never chowned):
+    the cost grows with the size of what the parent's user wrote. Returns {sandbox
+    path: sha256} of the copies (not changes of the workload: launcher.generated)."""
+    seen: set[str] = set()
+    hidden: list[str] = []            # opaque directories of an upper layer: lower ones end there
+    out: dict[str, str] = {}
+
+    def new_owner(st):
+        return (uid if st.st_uid == old_uid else st.st_uid), (gid if st.st_gid == old_gid else st.st_gid)
+
+    def ensure_parents(rel: str, layer: str):
+        parts = rel.strip("/").split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            r = "/".join(parts[:i])
+            dst = os.path.join(upper, r)
+            if os.path.isdir(dst):
+                continue
+            st = os.lstat(os.path.join(layer, r))
+            os.mkdir(dst, stat.S_IMODE(st.st_mode))
+            os.chown(dst, *new_owner(st))
+            os.chmod(dst, stat.S_IMODE(st.st_mode))
+            os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    for li, layer in enumerate(layers):
+        for dp, dn, fn in os.walk(layer):
+            dn.sort()
+            rel_dir = os.path.relpath(dp, layer)
+            rel_dir = "" if rel_dir == "." else rel_dir
+            for name in dn + sorted(fn):
+                rel = os.path.join(rel_dir, name)
+                if rel in seen or any(rel == h or rel.startswith(h + "/") for h in hidden if li > 0):
+                    continue
+                seen.add(rel)
+                full = os.path.join(layer, rel)
+                st = os.lstat(full)
+                if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                    continue                          # a whiteout: deleted, nothing to own
+                if stat.S_ISDIR(st.st_mode):
+                    try:
+                        if os.getxattr(full, "trusted.overlay.opaque") == b"y":
+                            hidden.append(rel)
+                    except OSError:
+                        pass
+                if st.st_uid != old_uid and st.st_gid != old_gid:
+                    continue
+                ensure_parents(rel, layer)
+                dst = os.path.join(upper, rel)
+                if stat.S_ISDIR(st.st_mode):
+                    if not os.path.isdir(dst):
+                        os.mkdir(dst, 0o700)
+                elif stat.S_ISREG(st.st_mode):
+                    h = hashlib.sha256()
+                    with open(full, "rb") as src, open(dst, "wb") as w:
+                        while chunk := src.read(1 << 20):
+                            h.update(chunk)
+                            w.write(chunk)
+                    out["/" + rel] = h.hexdigest()
+                elif stat.S_ISLNK(st.st_mode):
+                    os.symlink(os.readlink(full), dst)
+                else:
+                    continue                          # fifos, sockets: left as they are
+                os.lchown(dst, *new_owner(st))
+                if not stat.S_ISLNK(st.st_mode):
+                    os.chmod(dst, stat.S_IMODE(st.st_mode))
+                    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return out
 
 
 # --- export as an OCI image ------------------------------------------------------------
