@@ -25,8 +25,10 @@ import posixpath
 
 from policies.compile import egress_rules, exec_allowed, node_protected, writable_paths
 
-# always writable scratch mounts, whatever files.writable says (see policies/README.md)
-SCRATCH = ("/tmp", "/dev", "/proc/self/fd")
+# always writable scratch mounts, whatever files.writable says (see policies/README.md); a
+# process's own /proc entries are its kernel state, not files (dsec-init itself writes
+# /proc/self/oom_score_adj of every step before it execs the command)
+SCRATCH = ("/tmp", "/dev", "/proc/self", "/proc/thread-self")
 
 
 def path_writable(policy, path: str) -> bool:

@@ -75,7 +75,7 @@ REFUSED = {_errno.EACCES, _errno.EPERM, _errno.EROFS}
 
 # Always writable in a sandbox whatever files.writable says (policies.evaluate.SCRATCH
 # has /tmp too; /tmp is listed explicitly when written, so reviewers see it).
-SCRATCH = ("/dev", "/proc/self/fd")
+SCRATCH = ("/dev", "/proc/self", "/proc/thread-self")
 # Trees where a written file stays an exact entry (no generalisation to its directory):
 # letting a sandbox write /etc/hosts must not let it write /etc/passwd.
 SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/proc", "/sys")

@@ -159,8 +159,8 @@ def _writable_ops(p: Plan) -> list:
     flags_base = su.MS_BIND | su.MS_REMOUNT | su.MS_NOSUID | su.MS_NODEV
     binds = []
     for path in sorted(set(w)):
-        if path in ("/tmp", "/dev/shm") or path.startswith(("/tmp/", "/dev/")):
-            continue                      # scratch tmpfs mounts: writable already
+        if path in ("/tmp", "/dev/shm", "/proc", "/sys") or path.startswith(("/tmp/", "/dev/", "/proc/", "/sys/")):
+            continue                      # scratch tmpfs mounts: writable already; kernel interfaces: their own rules
         binds.append(path)
         kw = {"if_exists": True} if lay.implied and path != "/workspace" else \
             {"mkdir": 0o755, "owner": True, "record": lay.implied}
