@@ -496,10 +496,21 @@ static __always_inline void enf_sock_violation(struct dsec_enf_sandbox *cfg, u64
     sk.nr = (u32)id;
     struct dsec_sys_viol *v = sys_viol.lookup(&sk);
     if (!v) {
+        /* the same per-sandbox counter bound as enf_sys_violation: userspace
+         * walks the counters of sandboxes that have some (st->sys_entries) */
+        u64 n = __sync_fetch_and_add(&st->sys_entries, 1);
+        if (n >= DSEC_SYSVIOL_PER_SANDBOX) {
+            __sync_fetch_and_add(&st->sys_entries, -1);
+            __sync_fetch_and_add(&st->sys_overflow, 1);
+            enf_count_lost(st, DSEC_LOST_TABLE_FULL, kind);
+            return;
+        }
         struct dsec_sys_viol nv = {};
-        sys_viol.insert(&sk, &nv);
+        if (sys_viol.insert(&sk, &nv) != 0)
+            __sync_fetch_and_add(&st->sys_entries, -1);
         v = sys_viol.lookup(&sk);
         if (!v) {
+            __sync_fetch_and_add(&st->sys_overflow, 1);
             enf_count_lost(st, DSEC_LOST_TABLE_FULL, kind);
             return;
         }
@@ -510,9 +521,11 @@ static __always_inline void enf_sock_violation(struct dsec_enf_sandbox *cfg, u64
     u64 now = bpf_ktime_get_ns();
     u64 last = *(volatile u64 *)&v->last_ns;
     if (last && now - last < cfg->report_ns)
-        return;
+        return;     /* counted; reported with a later record or by userspace */
     if (__sync_val_compare_and_swap(&v->last_ns, last, now) != last)
         return;
+    if (!enf_admit(cfg, st, kind))
+        return;     /* counted over_budget; the total still reaches userspace's summary */
     struct dsec_event_small *e = enf_reserve(cfg, st, kind, cgid);
     if (!e)
         return;

@@ -23,7 +23,7 @@ import errno as _errno
 import json
 import posixpath
 
-from policies.compile import egress_rules, exec_allowed, node_protected, writable_paths
+from policies.compile import egress_rules, exec_allowed, mount_layout, node_protected, writable_paths
 
 # always writable scratch mounts, whatever files.writable says (see policies/README.md); a
 # process's own /proc entries are its kernel state, not files (dsec-init itself writes
@@ -134,6 +134,11 @@ def failed_on_its_own(policy, rec: dict) -> bool:
         return False
     if rec.get("kind") != "exec" and policy.mode == "enforce" and -ret in LAYOUT_ERRNOS:
         return _refused_anyway(rec)
+    if rec.get("kind") == "exec" and -ret == _errno.EACCES and mount_layout(policy).noexec:
+        # under an exec allowlist every writable layer is noexec: the layout's (the policy's)
+        # refusal of a file the sandbox wrote (or could not have run anyway: mode bits say
+        # EACCES too; the policy forbids it in either case)
+        return False
     return True
 
 

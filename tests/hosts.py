@@ -51,14 +51,18 @@ def wait_clean(timeout=5.0, prefix: str = "") -> dict:
 
 class NetHost:
     """A host of the test's own: a network namespace joined to the host by a veth,
-    with address 10.200.N.2/24 (host side 10.200.N.1), optionally extra addresses."""
+    with address 10.200.N.2/24 (host side 10.200.N.1), optionally extra addresses.
+    `world` (198.51.100.N, TEST-NET-2: documentation, never routed beyond this
+    machine) is "the outside": --network egress refuses the private 10.200.N.2
+    by default (node protection), not it."""
 
     def __init__(self, subnet: int, extra_addrs=()):
         self.name = "dsectest-" + uuid.uuid4().hex[:6]
         self.host_if = "dtv" + uuid.uuid4().hex[:8]
         self.addr = f"10.200.{subnet}.2"
         self.gw = f"10.200.{subnet}.1"
-        self.extra = list(extra_addrs)
+        self.world = f"198.51.100.{subnet}"
+        self.extra = list(extra_addrs) + ([self.world] if self.world not in extra_addrs else [])
         self.procs = []
 
     def __enter__(self):

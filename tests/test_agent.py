@@ -296,7 +296,7 @@ CONNECT = ("import errno, socket, sys\n"
 def update_host():
     with NetHost(subnet=43) as th:          # 10.200.43.0/24: not used by any other test
         p = subprocess.Popen(["ip", "netns", "exec", th.name, "timeout", "600", "python3", "-m", "http.server",
-                              "--bind", th.addr, "8080"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              "--bind", "0.0.0.0", "8080"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
         th.procs.append(p)
         deadline = time.monotonic() + 15
@@ -311,7 +311,7 @@ def test_update_policy(client, update_host):
     """Issue 13 points 8-9: the update takes effect (a connect that worked is now
     refused) and the answer says what was applied, nothing more: exec rules are
     not changed by an update (one that changes them is refused)."""
-    addr = update_host.addr
+    addr = update_host.world            # the outside (the private link address is node-protected)
     with client.create(warm=False, network="egress", policy="default") as sb:
         r = sb.exec(["python3", "-I", "-c", CONNECT, addr], timeout=30)
         assert r.exit_code == 0 and r.stdout.strip() == b"ok", r.stderr

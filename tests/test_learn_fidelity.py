@@ -99,8 +99,8 @@ def env(tmp_path_factory, clickhouse_url):
 @pytest.fixture(scope="module")
 def testhost():
     with NetHost(subnet=SUBNET) as th:
-        th.serve_http(port=8080)
-        th.serve_http(port=8081)      # a second, reachable port: the connect variant's target
+        th.serve_http(addr="0.0.0.0", port=8080)
+        th.serve_http(addr="0.0.0.0", port=8081)      # a second, reachable port: the connect variant's target
         yield th
 
 
@@ -108,7 +108,7 @@ def testhost():
 def workloads(env, testhost):
     """name -> (argv, extra `dsec run` args, learned policy)."""
     tmp = env["TMP"]
-    url = f"http://{testhost.addr}:8080/"
+    url = f"http://{testhost.world}:8080/"
     w = {"python": (["python3", "-c", PY_WORKLOAD], []),
          "pipeline": (["sh", "-c", PIPELINE % "/workspace"], []),
          "fetch": (["python3", "-c", FETCH, url], ["--network", "egress"])}
@@ -131,7 +131,7 @@ def test_learned_workload_runs_clean_under_enforce(name, workloads, env):
     argv, extra, pol = workloads[name]
     text = open(pol).read()
     if name == "fetch":
-        assert f"10.200.{SUBNET}.2" in text and "8080" in text
+        assert f"198.51.100.{SUBNET}" in text and "8080" in text
     for i in range(RUNS):
         sid, r = _run(env, pol, argv, extra)
         assert r.returncode == 0, (i, r.stderr)
@@ -168,12 +168,12 @@ def test_connect_variant_blocked_and_reported(workloads, env, testhost):
     probe = (FETCH + "import errno, socket\n"
              "try:\n    socket.create_connection((sys.argv[2], 8081), timeout=5).close(); print('RESULT ok')\n"
              "except OSError as e:\n    print('RESULT', errno.errorcode.get(e.errno, e.errno))\n")
-    sid, r = _run(env, pol, ["python3", "-c", probe, argv[-1], testhost.addr], extra)
+    sid, r = _run(env, pol, ["python3", "-c", probe, argv[-1], testhost.world], extra)
     assert r.returncode == 0, r.stderr
     assert r.stdout.decode().splitlines() == ["200", "RESULT EPERM"]
     viol = _violations(sid, env)
     denied = [e for e in viol if e["kind"] == "egress_denied"]
-    assert [(e["addr"], e["port"]) for e in denied] == [(testhost.addr, 8081)], viol
+    assert [(e["addr"], e["port"]) for e in denied] == [(testhost.world, 8081)], viol
     assert {e["kind"] for e in viol} <= {"egress_denied", "connect"}, [(e["kind"], e.get("syscall")) for e in viol]
 
 

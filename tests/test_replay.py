@@ -3,10 +3,10 @@
 The incident is recorded for real: a multi-step sandbox (the launcher's
 Sandbox + the eBPF Recorder + flush to ClickHouse, as `dsec run` does) under
 the built-in audit policy `default-audit`, network egress to a test host of
-our own (a network namespace joined by a veth, 10.200.41.2, serving HTTP):
+our own (a network namespace joined by a veth, 198.51.100.41, serving HTTP):
   step 1  curl downloads payload.txt from the test host
   step 2  sh writes a script from stdin (env carries a secret) and chmods it
-  step 3  the script runs: tries an egress connection (10.200.41.2:9, closed),
+  step 3  the script runs: tries an egress connection (198.51.100.41:9, closed),
           appends to /etc/profile (outside the workspace: EACCES), calls keyctl
           (outside default-audit: a would-deny syscall), renames and deletes the
           download, exits 3
@@ -33,7 +33,7 @@ from replay import queries as Q
 from replay.trajectory import reconstruct
 
 SUBNET = 41
-HOST = f"10.200.{SUBNET}.2"
+HOST = f"198.51.100.{SUBNET}"     # the test host's "world" address (tests/hosts.py)
 SECRET = "s3cr3t-value-never-stored"
 SCRIPT = textwrap.dedent(f"""\
     #!/bin/sh
@@ -91,13 +91,13 @@ def testhost(tmp_path_factory):
     (root / "payload.txt").write_text("payload\n")
     with NetHost(subnet=SUBNET) as th:
         p = subprocess.Popen(["ip", "netns", "exec", th.name, "timeout", "900", "python3", "-m", "http.server",
-                              "--bind", th.addr, "8080"], cwd=root, stdout=subprocess.DEVNULL,
+                              "--bind", "0.0.0.0", "8080"], cwd=root, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
         th.procs.append(p)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             if subprocess.run(["ip", "netns", "exec", th.name, "python3", "-c",
-                               f"import socket; socket.create_connection(('{th.addr}', 8080), 1)"],
+                               f"import socket; socket.create_connection(('{HOST}', 8080), 1)"],
                               capture_output=True).returncode == 0:
                 break
             time.sleep(0.1)
@@ -323,7 +323,7 @@ def test_search_commands_find_the_incident(incident, trajectory):
         return {json.loads(x)["sandbox_id"] for x in r.stdout.decode().splitlines()}
     assert sid in ids("exec", "--sha256", curl_sha)
     assert sid in ids("exec", "--path", "/workspace/*.sh")
-    assert sid in ids("connect", "--cidr", f"10.200.{SUBNET}.0/24", "--port", "9")
+    assert sid in ids("connect", "--cidr", f"198.51.100.{SUBNET}/32", "--port", "9")
     assert sid not in ids("connect", "--cidr", "10.201.0.0/16")
     assert sid in ids("write", "--under", "/etc")
     r = search("denials", "--policy", "default-audit", "--since", since, "--format", "json", env=env)

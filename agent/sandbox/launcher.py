@@ -366,7 +366,7 @@ class Sandbox:
             from agent.sandbox.snapshots import reown_into
             self.generated.update(reown_into(os.path.join(upper, "_root"), reown["layers"], reown["uid"],
                                              reown["gid"], self.uid, self.gid))
-        self.layers = [("/", os.path.join(upper, "_root"), lowers[0])] + \
+        self.layers = [("/", os.path.join(upper, "_root"), ":".join(lowers))] + \
             [("/" + d, os.path.join(upper, d), "/" + d) for d in host_dirs]
         policy = spec.policy
         sysctls = []
@@ -439,7 +439,7 @@ class Sandbox:
         lower_has = lambda rel: rootfs.read_in_layers(lowers, rel) is not None   # noqa: E731
         etc = os.path.join(upper_root, "etc")
         os.makedirs(etc, exist_ok=True)
-        if not os.path.isdir(os.path.join(lowers[0], "etc")):
+        if not any(os.path.isdir(os.path.join(lw, "etc")) for lw in lowers):
             self.created_mountpoints.append("/etc")
         for name, group in (("passwd", False), ("group", True)):
             old = rootfs.read_in_layers(lowers, f"etc/{name}")

@@ -3,8 +3,10 @@ with dsec's secure defaults winning where they conflict (docs/images.md
 "The image's config"):
 
   User        the image's, unless it is root (uid 0, or none given): then dsec's
-              unprivileged default (uid:gid 1000:1000) -- root only with an explicit
-              --user root / user="root". An explicit user always wins.
+              unprivileged default user `sandbox` (a host uid leased for this sandbox,
+              agent/sandbox/uids.py) -- root only with an explicit --user root /
+              user="root". An explicit user always wins. An image's own non-root user
+              runs as its uid from the image (shared by sandboxes of that image).
   Env         the image's, then the caller's on top; HOSTNAME stays the sandbox id.
   WorkingDir  an explicit workdir, else the image's, else /workspace.
   Entrypoint  `dsec run --image X -- CMD` runs Entrypoint + CMD (Entrypoint + Cmd
@@ -24,7 +26,7 @@ import stat
 
 from agent.sandbox.images.errors import ImageError
 
-DEFAULT_UID = DEFAULT_GID = 1000
+DEFAULT_USER = "sandbox"          # the launcher's default user: a leased host uid
 DEFAULT_WORKDIR = "/workspace"
 
 
@@ -119,8 +121,9 @@ def apply(img, lowers: list[str], *, argv, user, workdir, env, entrypoint=None) 
         if uid == 0:
             if iu:
                 overridden.append(f"User {iu!r} (root): dsec runs images unprivileged unless asked")
-            uid, gid = DEFAULT_UID, DEFAULT_GID
-        user = f"{uid}:{gid}"
+            user = DEFAULT_USER
+        else:
+            user = f"{uid}:{gid}"
     out_env = {}
     for item in cfg.get("Env") or []:
         k, sep, v = str(item).partition("=")
