@@ -157,8 +157,12 @@ def cgroups_under(parent: str) -> list[str]:
 
 def ray_cluster(temp_dir: str | None = None):
     """A local Ray cluster (head only, no dsec resources), nodes fail fast; its
-    session files under `temp_dir` (short: Ray's unix sockets live there)."""
+    session files under `temp_dir` (short: Ray's unix sockets live there), and
+    so is Ray's "current cluster" address file (RAY_TMPDIR: else it is written
+    to /tmp/ray, which need not exist and would be left behind)."""
     from ray.cluster_utils import Cluster
+    if temp_dir:
+        os.environ["RAY_TMPDIR"] = temp_dir
     return Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False, "temp_dir": temp_dir,
         "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,

@@ -103,6 +103,7 @@ def cl(tmp_path_factory):
             c.shards.stop()
             c.zk.stop()
             shutil.rmtree(ray_tmp, ignore_errors=True)
+            os.environ.pop("RAY_TMPDIR", None)
     left = {n: cgroups_under(cfg["host"]["cgroup_parent"]) for n, cfg in c.cfg.items()}
     assert not any(left.values()), f"the cluster's agents left cgroups behind: {left}"
 
