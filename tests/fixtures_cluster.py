@@ -163,6 +163,7 @@ def ray_cluster(temp_dir: str | None = None):
     from ray.cluster_utils import Cluster
     if temp_dir:
         os.environ["RAY_TMPDIR"] = temp_dir
+        os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)    # where that file goes
     return Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False, "temp_dir": temp_dir,
         "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,

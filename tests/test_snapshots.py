@@ -104,9 +104,10 @@ def test_snapshot_fork_lineage_and_export(layout, store_dir, clickhouse_url, tmp
                 c.snapshot(plain.id)
             plain.close()
             # a fork's default user runs as a uid of its own and may change what its parent's user made
-            p = c.create(image="layout:app")
+            p = c.create(image="layout:app", user="sandbox")     # the leased default user, not the image's
             r = p.exec(["/bin/sh", "-c", "mkdir -p /workspace/proj/sub && echo one > /workspace/proj/f.txt; id -u"])
             puid = r.stdout.strip()
+            assert int(puid) >= 1879048192, (r.stdout, r.stderr)
             psnap = c.snapshot(p.id)
             p.close()
             (k,) = c.fork(psnap["id"], 1)

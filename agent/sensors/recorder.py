@@ -36,6 +36,8 @@ from agent.sensors.denials import DenialAggregator
 from agent.sensors.permcheck import SandboxRoots
 
 log = logging.getLogger("dsec.audit")
+# what dsec-init (PID 1) does on dsec's behalf and is not recorded as the sandbox's
+INIT_OWN_KINDS = ("open_write", "unlink", "rename")
 
 
 class Recorder:
@@ -55,6 +57,7 @@ class Recorder:
         self.stopped: dict[int, int] = {}               # cgroup id -> losses that stopped it (while watched)
         self.policies: dict[str, object] = {}      # sandbox id -> Policy (decision stamping)
         self.images: dict[str, str] = {}           # sandbox id -> image manifest digest (every row)
+        self.init_pids: dict[str, int] = {}        # sandbox id -> host pid of its dsec-init (PID 1)
         self._watched: dict[int, dict] = {}        # cgroup id -> {sandbox_id, policy, path, enforced}
         self._taps: list = []
         self.denials = DenialAggregator(self.new_event_id)    # identical denials: one record + a count
@@ -84,6 +87,12 @@ class Recorder:
 
     # -- records ----------------------------------------------------------------------
     def _on_record(self, rec: dict):
+        if rec.get("kind") in INIT_OWN_KINDS and rec.get("pid") and \
+                rec.get("pid") == self.init_pids.get(rec.get("sandbox_id")):
+            # the sandbox's PID 1 is dsec-init (it never runs workload code: every step is a
+            # forked child that execs): its sysctls and its own oom_score_adj are dsec's doing,
+            # not the workload's; recorded they would be learned and flagged as the workload's
+            return
         img = self.images.get(rec.get("sandbox_id"))
         if img and not rec.get("image_digest"):
             rec["image_digest"] = img
@@ -252,6 +261,8 @@ class Recorder:
         enforcement sensor now enforces the sandbox's policy."""
         self.sensor.set_root_pid(cgroup_id, pid)
         w = self._watched.get(cgroup_id)
+        if w:
+            self.init_pids[w["sandbox_id"]] = pid
         if w and w["policy"] is not None and w["policy"].mode == "enforce":
             self.roots.add(w["sandbox_id"], pid)
         if not w or w["policy"] is None or self.enforcer is None or not w["path"]:
@@ -304,6 +315,8 @@ class Recorder:
     def unwatch(self, cgroup_id: int) -> dict:
         w = self._watched.pop(cgroup_id, None)
         stats = self.sensor.remove_sandbox(cgroup_id)
+        if w:
+            self.init_pids.pop(w["sandbox_id"], None)
         if w and w["enforced"]:
             est = self.enforcer.remove_sandbox(cgroup_id)
             stats = dict(stats)
