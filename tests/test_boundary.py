@@ -514,7 +514,7 @@ def test_identities_have_privileges_and_see_only_their_tenant(agent, pki, clickh
     with _tls(agent, pki, "tenant-a") as a, _tls(agent, pki, "tenant-b") as b, _tls(agent, pki, "ops") as ops:
         for spec in ({"user": "root"}, {"user": "0"}, {"keep": True}, {"audit": False},
                      {"policy_yaml": "apiVersion: dsec/v1\nkind: SandboxPolicy\nmetadata: {name: x}\nspec: {}\n"},
-                     {"labels": {"tenant": "tenant-b"}}):
+                     {"labels": {"tenant": "tenant-b"}}, {"volumes": ["/srv/x:/x"]}):
             with pytest.raises(PermissionDenied):
                 a.create(warm=False, **spec)
         with a.create(warm=False, labels={"job": "j1"}) as sa:
@@ -522,7 +522,9 @@ def test_identities_have_privileges_and_see_only_their_tenant(agent, pki, clickh
             assert sa.exec(["id", "-un"]).stdout == b"sandbox\n"
             for call in (lambda: b.get(sa.id), lambda: b.sandbox(sa.id).exec(["true"]),
                          lambda: b.kill(sa.id), lambda: b.close_sandbox(sa.id),
-                         lambda: next(iter(b.events(sandbox=sa.id)))):
+                         lambda: next(iter(b.events(sandbox=sa.id))),
+                         lambda: b.snapshot(sa.id), lambda: b.restore(sa.id, "ab" * 8),
+                         lambda: b.create(warm=False, from_snapshot="ab" * 8)):
                 with pytest.raises(PermissionDenied):
                     call()
             assert sa.id not in [i.sandbox_id for i in b.list()]
