@@ -18,6 +18,7 @@ settings).
 from __future__ import annotations
 
 import os
+from xml.sax.saxutils import escape as xml_escape
 import shutil
 import signal
 import socket
@@ -89,8 +90,11 @@ class TwoShards:
         self.db = f"dsec_cluster_{uuid.uuid4().hex[:6]}"
 
     def _config(self) -> str:
-        shards = "".join(f"<shard><replica><host>127.0.0.1</host><port>{s.tcp_port}</port></replica></shard>"
-                         for s in self.servers)
+        # each server has only its own user dsec with a generated password (no default user):
+        # the Distributed table reaches every shard with that shard's credentials
+        shards = "".join(f"<shard><replica><host>127.0.0.1</host><port>{s.tcp_port}</port>"
+                         f"<user>dsec</user><password>{xml_escape(s.password(create=True))}</password>"
+                         f"</replica></shard>" for s in self.servers)
         return (f"<?xml version=\"1.0\"?>\n<yandex>\n"
                 f"  <remote_servers><{CLUSTER}>{shards}</{CLUSTER}></remote_servers>\n"
                 f"  <zookeeper><node><host>127.0.0.1</host><port>{self.zk.port}</port></node></zookeeper>\n"
