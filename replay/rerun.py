@@ -105,7 +105,8 @@ def snapshots_of(t: Trajectory) -> dict[int, str]:
         except ValueError:
             continue
         if x.get("state") == "snapshotted" and x.get("snapshot"):
-            out[int(x.get("step") or 0)] = x["snapshot"]
+            # the step the snapshot was taken after: the record's step (older agents: in extra)
+            out[int(x.get("step") or r.get("step") or 0)] = x["snapshot"]
     return out
 
 
