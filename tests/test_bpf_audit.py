@@ -671,7 +671,7 @@ def test_enrichment_never_holds_up_decoding(audit_sensor, audit_cgroups, tmp_pat
             f.truncate(size)
         os.chmod(p, 0o755)
         return str(p)
-    bigs = [elf(f"big{i}", 60 << 20) for i in range(20)]   # under the 64 MiB cap: hashed off the decode path
+    bigs = [elf(f"big{i}", 32 << 20) for i in range(20)]   # under the 64 MiB cap: hashed off the decode path
     huge = elf("huge", 1 << 30)                            # 1 GiB: over the cap
     digest = _sha256(bigs[0])                              # all the same content
     flooder, quiet = h.sandbox(audit_cgroups), h.sandbox(audit_cgroups)
@@ -702,6 +702,7 @@ def test_enrichment_never_holds_up_decoding(audit_sensor, audit_cgroups, tmp_pat
         q = quiet_exec()[0]
         assert q["sha256"] == _sha256("/usr/bin/true") and q["build_id"]
 
+        h.sensor.drain()                              # the flooder's queue read: room for the huge file
         fp.stdin.write(b"\n")
         fp.stdin.flush()
         assert fp.stdout.readline() == b"done\n"

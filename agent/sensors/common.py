@@ -16,6 +16,7 @@ bpf/process.c net.c files.c) and the enforcement sensor
 from __future__ import annotations
 
 import ctypes as ct
+import logging
 import os
 import re
 import socket
@@ -28,6 +29,8 @@ from collections import deque
 from agent.sensors import bpfsys
 from agent.sensors.decoder import Decoder
 from agent.errors import DsecError
+
+log = logging.getLogger("dsec.audit")
 
 BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf")
 TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
@@ -267,6 +270,7 @@ class RingSensor:
             self.enrich_worker = Enricher(enricher)
             self.decoder.enrich_async = True
         self._close_by = None           # monotonic deadline of close()'s waits for enrichment
+        self._enrich_warned: set[int] = set()   # cgroup ids whose skipped enrichment was logged
         self._lock = threading.RLock()
         self._raw: list[bytes] = []
         self._backlog: deque = deque()
@@ -318,6 +322,7 @@ class RingSensor:
         self.decoder.forget(cgroup_id)
         for d in (self._reported, self._last_flush_wall):
             d.pop(cgroup_id, None)
+        self._enrich_warned.discard(cgroup_id)
 
     # -- reading ----------------------------------------------------------------
 
@@ -384,8 +389,12 @@ class RingSensor:
                 if rec is not None:
                     self._accept(rec)
             elif not worker.submit(job):       # comes back through _take_enriched()
-                job.skip(worker.full_reason(job.cgroup_id))
+                why = worker.full_reason(job.cgroup_id)
+                job.skip(why)
                 self._accept(job.rec)
+                if job.cgroup_id not in self._enrich_warned:   # once per sandbox; each record says it
+                    self._enrich_warned.add(job.cgroup_id)
+                    log.warning("sandbox %s: exec records without sha256: %s", job.rec["sandbox_id"], why)
         self._take_enriched()
 
     def _take_enriched(self) -> None:

@@ -287,8 +287,7 @@ class ElfInfoCache:
         self.misses = 0
 
     def info_for_fd(self, fd: int, cached_only: bool = False) -> FileInfo:
-        """cached_only: raise _Miss instead of reading a file that is not cached
-        (a file over max_hash_bytes is read at once: headers only, bounded)."""
+        """cached_only: raise _Miss instead of reading a file that is not cached."""
         st = os.fstat(fd)
         key = _key(st)
         with self._mu:
@@ -297,7 +296,7 @@ class ElfInfoCache:
                 self._cache.move_to_end(key)
                 self.hits += 1
                 return hit
-            if cached_only and st.st_size <= self.max_hash_bytes:
+            if cached_only:
                 raise _Miss()
             self.misses += 1
         info = inspect_fd(fd, self.max_hash_bytes)
