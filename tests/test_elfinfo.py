@@ -285,7 +285,7 @@ def test_enricher_bounds_each_sandbox_and_returns_every_job(tmp_path):
     the one being read abandoned) and no fd left open after close()."""
     body = open("/bin/true", "rb").read()
     files = []
-    for i in range(6):
+    for i in range(8):
         p = tmp_path / f"f{i}"
         with open(p, "wb") as f:
             f.write(body)
@@ -319,5 +319,10 @@ def test_enricher_bounds_each_sandbox_and_returns_every_job(tmp_path):
     assert sorted(id(j) for j in back) == sorted(id(j) for j in c)
     for j in back:
         assert j.rec["sha256"] or json.loads(j.rec["extra"])["sha256_skipped"].startswith("gone"), j.rec
+    # drain(cgroup_id): that sandbox's files read first, waited for, nothing skipped
+    d, e = job(6, 40), job(7, 50)
+    assert w.submit(d) and w.submit(e)
+    assert w.wait_for(50, 60) and w.outstanding(50) == 0
+    assert w.wait_all(60) and all(j.rec["sha256"] for j in w.take_done())
     w.close()
     assert w.take_done() == [] and _fds() == n

@@ -287,10 +287,11 @@ class AuditSensor(RingSensor):
         Returns how many records were delivered."""
         return self._poll(timeout_ms)
 
-    def drain(self) -> int:
-        """Consume everything already in the ring buffer (no waiting), report
-        losses, deliver."""
-        return self._drain()
+    def drain(self, cgroup_id: int | None = None) -> int:
+        """Consume everything already in the ring buffer, report losses,
+        deliver. Exec records waiting for enrichment are waited for (at most
+        ENRICH_WAIT_S): those of `cgroup_id` (read first) when given, else all."""
+        return self._drain(cgroup_id)
 
     def stats(self, cgroup_id: int) -> dict:
         """Kernel counters of an audited sandbox (or the totals of a removed one)."""

@@ -343,14 +343,17 @@ class RingSensor:
             self._after_periodic()
         return n
 
-    def _drain(self) -> int:
+    def _drain(self, cgroup_id: int | None = None) -> int:
         with self._lock:
             self._check_open()
             self._consume()
             self._decode_raw()
         if self.enrich_worker is not None:
             # catch up on enrichment too: bounded, and without the lock (others' records keep flowing)
-            self.enrich_worker.wait_all(ENRICH_WAIT_S)
+            if cgroup_id is None:
+                self.enrich_worker.wait_all(ENRICH_WAIT_S)
+            else:
+                self.enrich_worker.wait_for(cgroup_id, ENRICH_WAIT_S)
         with self._lock:
             if self._closed:
                 return 0

@@ -512,35 +512,42 @@ class Enricher:
                 self._cond.wait(min(0.1, left))
             return not self._total
 
-    def finish(self, cgroup_id: int, timeout: float, why: str) -> int:
-        """The sandbox is being removed: its jobs go first; wait up to `timeout`
-        for them, then skip (`why`) what is still queued and abandon the one
-        being read. All of its jobs are in take_done() when this returns.
-        Returns how many were skipped."""
+    def wait_for(self, cgroup_id: int, timeout: float) -> bool:
+        """Wait up to `timeout` for the sandbox's jobs (served first meanwhile);
+        True when none is left. Nothing is skipped."""
         deadline = time.monotonic() + timeout
-        skipped = 0
         with self._cond:
             self._urgent.add(cgroup_id)
             self._cond.notify_all()
             try:
                 while self._busy.get(cgroup_id, 0) and (left := deadline - time.monotonic()) > 0:
                     self._cond.wait(min(0.1, left))
-                for job in self._queues.pop(cgroup_id, ()):
-                    job.skip(why)
-                    self._done.append(job)
-                    self._release(cgroup_id)
-                    skipped += 1
-                job = self._running
-                if job is not None and job.cgroup_id == cgroup_id:
-                    job.abandoned = True                      # the worker closes its fds
-                    job.apply({"extra": {"sha256_skipped": why + " (while its file was being read)"}})
-                    self._done.append(job)
-                    self._release(cgroup_id)
-                    skipped += 1
-                self.skipped += skipped
-                return skipped
+                return not self._busy.get(cgroup_id, 0)
             finally:
                 self._urgent.discard(cgroup_id)
+
+    def finish(self, cgroup_id: int, timeout: float, why: str) -> int:
+        """The sandbox is being removed: its jobs go first; wait up to `timeout`
+        for them, then skip (`why`) what is still queued and abandon the one
+        being read. All of its jobs are in take_done() when this returns.
+        Returns how many were skipped."""
+        skipped = 0
+        self.wait_for(cgroup_id, timeout)
+        with self._cond:
+            for job in self._queues.pop(cgroup_id, ()):
+                job.skip(why)
+                self._done.append(job)
+                self._release(cgroup_id)
+                skipped += 1
+            job = self._running
+            if job is not None and job.cgroup_id == cgroup_id and not job.abandoned:
+                job.abandoned = True                      # the worker closes its fds
+                job.apply({"extra": {"sha256_skipped": why + " (while its file was being read)"}})
+                self._done.append(job)
+                self._release(cgroup_id)
+                skipped += 1
+            self.skipped += skipped
+            return skipped
 
     def close(self, timeout: float = 5.0) -> None:
         """Skip what is queued (their records come out of take_done()), let
