@@ -15,6 +15,8 @@ import pytest
 
 from agent.sensors.audit import (_budget, build_cflags, check_features, compile_bpf, require_features,
                                tracepoints_used)
+from agent.sensors.common import ENDED
+from agent.sensors.elfinfo import QUEUE_FULL
 from agent.sensors.decoder import AT_FDCWD, decode_sockaddr, resolve_path, sandbox_view
 from agent.errors import DsecError
 from audit_schema.events import FIELD_NAMES, to_bytes
@@ -648,3 +650,88 @@ def test_byte_heavy_flood_leaves_quiet_neighbour_complete(audit_sensor, audit_cg
     reported = _lost_records(flooder, "over_bytes")
     assert sum(_extra(r)["kinds"].get("exec", 0) for r in reported) == over
     assert all(r["sandbox_id"] == flooder.sandbox_id for r in reported)
+
+
+def test_enrichment_never_holds_up_decoding(audit_sensor, audit_cgroups, tmp_path):
+    """Issue 13 point 3: sha256/build-id were computed on the decode path, so a
+    sandbox exec'ing large files nobody has read yet stalled every sandbox's
+    record. Now a neighbour's exec, emitted after the flooder's, is delivered
+    before the flooder's earlier ones that wait to be hashed (strict FIFO
+    before); the flooder's beyond its per-sandbox queue say why they were not
+    hashed; a file over the cap is not hashed and says so; and removing a
+    sandbox with files still queued returns every one of its exec records."""
+    h = audit_sensor
+    with open("/usr/bin/true", "rb") as f:
+        body = f.read()
+
+    def elf(name, size):                            # a valid ELF, sparse up to `size`: distinct inodes
+        p = tmp_path / name
+        with open(p, "wb") as f:
+            f.write(body)
+            f.truncate(size)
+        os.chmod(p, 0o755)
+        return str(p)
+    bigs = [elf(f"big{i}", 32 << 20) for i in range(20)]   # under the 64 MiB cap: hashed off the decode path
+    huge = elf("huge", 1 << 30)                            # 1 GiB: over the cap
+    digest = _sha256(bigs[0])                              # all the same content
+    flooder, quiet = h.sandbox(audit_cgroups), h.sandbox(audit_cgroups)
+    roots = [run_in_cgroup(sb.cg, ["sleep", "120"]) for sb in (flooder, quiet)]
+    order = []                                      # (sandbox id, record) in delivery order, all sandboxes
+    route = h.sensor.on_record
+
+    def spy(rec):
+        route(rec)
+        order.append(rec)
+    procs = []
+    h.sensor.on_record = spy
+    try:
+        h.sensor.drain()
+        for sb, r in zip((flooder, quiet), roots):
+            h.sensor.set_root_pid(sb.cg.id, r.pid)
+        script = "; ".join(bigs[:12]) + f"; echo go; read x; {huge}; echo done"
+        fp = run_in_cgroup(flooder.cg, ["/bin/sh", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        procs.append(fp)
+        assert fp.stdout.readline() == b"go\n"
+        qp = run_in_cgroup(quiet.cg, ["/usr/bin/true"])
+        procs.append(qp)
+        assert qp.wait(30) == 0
+
+        def quiet_exec():
+            return [r for r in quiet.of_kind("exec") if r["path"] == "/usr/bin/true"]
+        assert h.poll_until(quiet_exec, 60)
+        q = quiet_exec()[0]
+        assert q["sha256"] == _sha256("/usr/bin/true") and q["build_id"]
+
+        h.sensor.drain()                              # the flooder's queue read: room for the huge file
+        fp.stdin.write(b"\n")
+        fp.stdin.flush()
+        assert fp.stdout.readline() == b"done\n"
+        assert fp.wait(60) == 0
+        h.sensor.drain()
+        at = next(i for i, r in enumerate(order) if r is q)
+        earlier = [i for i, r in enumerate(order) if r["sandbox_id"] == flooder.sandbox_id
+                   and r["path"] in bigs and r["ts_ns"] < q["ts_ns"]]
+        # decoding did not wait for the flooder's files (before, every earlier record came first)
+        assert len(earlier) == 12 and max(earlier) > at, (earlier, at)
+        execs = [r for r in flooder.of_kind("exec") if r["path"] in bigs]
+        assert sorted(r["path"] for r in execs) == sorted(bigs[:12])      # every exec recorded, once
+        hashed = [r for r in execs if r["sha256"]]
+        skipped = [_extra(r)["sha256_skipped"] for r in execs if not r["sha256"]]
+        assert hashed and all(r["sha256"] == digest and r["build_id"] for r in hashed)
+        assert skipped and set(skipped) == {QUEUE_FULL}, skipped          # 8 queued, the rest not
+        (h1,) = [r for r in flooder.of_kind("exec") if r["path"] == huge]
+        assert h1["sha256"] == "" and "> cap" in _extra(h1)["sha256_skipped"] and _extra(h1)["file_type"] == "elf"
+
+        # removal with files still queued: bounded, and every record comes back
+        p2 = run_in_cgroup(flooder.cg, ["/bin/sh", "-c", "; ".join(bigs[12:])])
+        procs.append(p2)
+        assert p2.wait(30) == 0
+        totals = flooder.remove()
+        late = [r for r in flooder.of_kind("exec") if r["path"] in bigs[12:]]
+        assert sorted(r["path"] for r in late) == sorted(bigs[12:])
+        assert all(r["sha256"] == digest or _extra(r)["sha256_skipped"].startswith(ENDED) for r in late)
+        assert totals["lost_total"] == 0 and quiet.remove()["lost_total"] == 0
+    finally:
+        h.sensor.on_record = route
+        for p in roots + procs:
+            _kill(p)

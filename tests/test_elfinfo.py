@@ -3,6 +3,7 @@ built here byte by byte, scripts, and hostile inputs."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
 import subprocess
@@ -11,7 +12,8 @@ import time
 
 import pytest
 
-from agent.sensors.elfinfo import ElfInfoCache, inspect_fd, open_in_root
+from agent.sensors.elfinfo import (CHANGED, QUEUE_FULL, ElfInfoCache, Enricher, EnrichJob, Pending, inspect_fd,
+                                  open_in_root)
 from audit_schema.events import to_bytes
 
 PT_LOAD, PT_INTERP, PT_NOTE = 1, 3, 4
@@ -160,7 +162,7 @@ def test_huge_file_is_not_hashed(tmp_path):
     t = time.monotonic()
     i = info(str(big), max_hash_bytes=1 << 20)
     assert time.monotonic() - t < 5
-    assert i.sha256 == "" and "hash_error" in i.notes
+    assert i.sha256 == "" and i.notes["sha256_skipped"] == f"size {4 << 30} bytes > cap {1 << 20} (max_hash_bytes)"
 
 
 def test_cache_by_identity(tmp_path):
@@ -242,3 +244,85 @@ def test_for_exec_uses_exe_when_it_is_the_same_file():
     finally:
         p.kill()
         p.wait(10)
+
+
+# ---------------------------------------------------------------- off the decode path
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _sha(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_cached_only_defers_the_read_and_refuses_a_changed_file(tmp_path):
+    """The decoder's side (for_exec(cached_only=True)) opens but never reads an
+    uncached file: a Pending reads it later, and says so instead of vouching
+    for a file that changed since the exec (a touch between exec and read)."""
+    f = tmp_path / "prog"
+    f.write_bytes(open("/bin/true", "rb").read())
+    path = os.fsencode(str(f))
+    cache = ElfInfoCache()
+    n = _fds()
+    p = cache.for_exec(os.getpid(), path, use_exe=False, cached_only=True)
+    assert isinstance(p, Pending) and cache.misses == 0 and _fds() == n + 1
+    got = p.finish()
+    assert got["sha256"] == _sha(f) and got["build_id"] and _fds() == n
+    again = cache.for_exec(os.getpid(), path, use_exe=False, cached_only=True)
+    assert again["sha256"] == got["sha256"] and cache.hits == 1           # cached: answered at once
+    os.utime(f, ns=(time.time_ns(), time.time_ns() + 10**9))              # a touch: a new key
+    p = cache.for_exec(os.getpid(), path, use_exe=False, cached_only=True)
+    assert isinstance(p, Pending)
+    os.utime(f, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))          # changed after the "exec"
+    assert p.finish() == {"extra": {"sha256_skipped": CHANGED}} and _fds() == n
+
+
+def test_enricher_bounds_each_sandbox_and_returns_every_job(tmp_path):
+    """Per-sandbox bound (submit refuses, the job untouched), every submitted job
+    back exactly once from take_done(), finish() bounded (queued ones skipped,
+    the one being read abandoned) and no fd left open after close()."""
+    body = open("/bin/true", "rb").read()
+    files = []
+    for i in range(8):
+        p = tmp_path / f"f{i}"
+        with open(p, "wb") as f:
+            f.write(body)
+            f.truncate(40 << 20)                       # sparse: reading it takes a while
+        files.append(os.fsencode(str(p)))
+    cache = ElfInfoCache()
+    n = _fds()
+
+    def job(i, cg):
+        pending = cache.for_exec(os.getpid(), files[i], use_exe=False, cached_only=True)
+        assert isinstance(pending, Pending)
+        rec = {"sha256": "", "extra": "{}"}
+        return EnrichJob(rec, {"tid": i}, pending, cg)
+    w = Enricher(cache, per_sandbox=2)
+    a, b, extra = [job(0, 10), job(1, 10)], [job(2, 20)], job(3, 10)
+    assert all(w.submit(j) for j in a + b)
+    assert not w.submit(extra) and w.full_reason(10) == QUEUE_FULL and w.outstanding(10) == 2
+    extra.skip(w.full_reason(10))
+    assert extra.rec["sha256"] == "" and json.loads(extra.rec["extra"]) == {"sha256_skipped": QUEUE_FULL, "tid": 3}
+    assert w.wait_all(60)
+    done = w.take_done()
+    assert sorted(id(j) for j in done) == sorted(id(j) for j in a + b)
+    assert all(j.rec["sha256"] == _sha(files[0]) and json.loads(j.rec["extra"])["file_type"] == "elf" for j in done)
+    # removal at once: nothing waited for; every job back, read or skipped
+    c = [job(4, 30), job(5, 30)]
+    assert all(w.submit(j) for j in c)
+    t = time.monotonic()
+    w.finish(30, 0.0, "gone")
+    assert time.monotonic() - t < 1 and w.outstanding(30) == 0
+    back = w.take_done()
+    assert sorted(id(j) for j in back) == sorted(id(j) for j in c)
+    for j in back:
+        assert j.rec["sha256"] or json.loads(j.rec["extra"])["sha256_skipped"].startswith("gone"), j.rec
+    # drain(cgroup_id): that sandbox's files read first, waited for, nothing skipped
+    d, e = job(6, 40), job(7, 50)
+    assert w.submit(d) and w.submit(e)
+    assert w.wait_for(50, 60) and w.outstanding(50) == 0
+    assert w.wait_all(60) and all(j.rec["sha256"] for j in w.take_done())
+    w.close()
+    assert w.take_done() == [] and _fds() == n

@@ -164,6 +164,8 @@ class AuditSensor(RingSensor):
 
     def _teardown(self) -> None:
         from agent.sensors.bpfsys import fast_detach
+        if self.enrich_worker is not None:
+            self.enrich_worker.close()
         fast_detach(self.bpf)
 
     def _sandbox_ids(self) -> list[int]:
@@ -253,6 +255,15 @@ class AuditSensor(RingSensor):
             time.sleep(0.005)
             self._consume()
             self._decode_raw()
+        # its exec records waiting for enrichment: its files read first, bounded, and
+        # without the lock (unless the caller holds it: close()) so others keep decoding
+        self._finish_enrichment(cgroup_id)
+        with self._lock:
+            if self._closed or cgroup_id not in self.decoder.sandboxes:
+                return self._final(cgroup_id, "remove_sandbox")     # removed meanwhile (close())
+            self._consume()
+            self._decode_raw()
+            self._finish_enrichment_now(cgroup_id)
             state = self._read_state(cgroup_id)
             unfinished = max(0, state["inflight"]) if state else 0
             self._flush_losses(cgroup_id, state, unfinished=unfinished)
@@ -276,10 +287,11 @@ class AuditSensor(RingSensor):
         Returns how many records were delivered."""
         return self._poll(timeout_ms)
 
-    def drain(self) -> int:
-        """Consume everything already in the ring buffer (no waiting), report
-        losses, deliver."""
-        return self._drain()
+    def drain(self, cgroup_id: int | None = None) -> int:
+        """Consume everything already in the ring buffer, report losses,
+        deliver. Exec records waiting for enrichment are waited for (at most
+        ENRICH_WAIT_S): those of `cgroup_id` (read first) when given, else all."""
+        return self._drain(cgroup_id)
 
     def stats(self, cgroup_id: int) -> dict:
         """Kernel counters of an audited sandbox (or the totals of a removed one)."""

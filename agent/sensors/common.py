@@ -16,6 +16,7 @@ bpf/process.c net.c files.c) and the enforcement sensor
 from __future__ import annotations
 
 import ctypes as ct
+import logging
 import os
 import re
 import socket
@@ -28,6 +29,8 @@ from collections import deque
 from agent.sensors import bpfsys
 from agent.sensors.decoder import Decoder
 from agent.errors import DsecError
+
+log = logging.getLogger("dsec.audit")
 
 BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf")
 TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
@@ -240,6 +243,12 @@ def loss_totals(state: dict | None, unfinished: int = 0) -> dict:
 
 # ---------------------------------------------------------------- the sensors' plumbing
 
+# drain() and remove_sandbox() wait at most this long for exec enrichment (and close() in all);
+# what is not read by then goes out marked sha256_skipped (remove) or follows later (drain)
+ENRICH_WAIT_S = 5.0
+ENDED = "the sandbox ended before its file was read"
+
+
 class RingSensor:
     """Ring buffer -> Decoder -> backlog -> on_record, and loss reporting.
 
@@ -255,6 +264,13 @@ class RingSensor:
         self.instance = uuid.uuid4().hex
         self.decoder = Decoder(leaf_type, self.consts, node=node or socket.gethostname(), instance=self.instance,
                                enricher=enricher, cgroup2_root=cgroup2_mount())
+        self.enrich_worker = None       # reads exec'd files off the decode path (elfinfo.Enricher)
+        if enricher is not None:
+            from agent.sensors.elfinfo import Enricher
+            self.enrich_worker = Enricher(enricher)
+            self.decoder.enrich_async = True
+        self._close_by = None           # monotonic deadline of close()'s waits for enrichment
+        self._enrich_warned: set[int] = set()   # cgroup ids whose skipped enrichment was logged
         self._lock = threading.RLock()
         self._raw: list[bytes] = []
         self._backlog: deque = deque()
@@ -279,6 +295,7 @@ class RingSensor:
             if self._closed:
                 return
             try:
+                self._close_by = time.monotonic() + ENRICH_WAIT_S
                 for cgid in self._sandbox_ids():
                     self.remove_sandbox(cgid)
                 self._deliver()
@@ -305,6 +322,7 @@ class RingSensor:
         self.decoder.forget(cgroup_id)
         for d in (self._reported, self._last_flush_wall):
             d.pop(cgroup_id, None)
+        self._enrich_warned.discard(cgroup_id)
 
     # -- reading ----------------------------------------------------------------
 
@@ -325,11 +343,21 @@ class RingSensor:
             self._after_periodic()
         return n
 
-    def _drain(self) -> int:
+    def _drain(self, cgroup_id: int | None = None) -> int:
         with self._lock:
             self._check_open()
             self._consume()
             self._decode_raw()
+        if self.enrich_worker is not None:
+            # catch up on enrichment too: bounded, and without the lock (others' records keep flowing)
+            if cgroup_id is None:
+                self.enrich_worker.wait_all(ENRICH_WAIT_S)
+            else:
+                self.enrich_worker.wait_for(cgroup_id, ENRICH_WAIT_S)
+        with self._lock:
+            if self._closed:
+                return 0
+            self._take_enriched()
             self._flush_all(final=True)
             return self._deliver()
 
@@ -356,10 +384,46 @@ class RingSensor:
 
     def _decode_raw(self) -> None:
         raw, self._raw = self._raw, []
+        worker = self.enrich_worker
         for r in raw:
             rec = self.decoder.decode(r)
-            if rec is not None:
-                self._accept(rec)
+            job = self.decoder.take_job()
+            if job is None:
+                if rec is not None:
+                    self._accept(rec)
+            elif not worker.submit(job):       # comes back through _take_enriched()
+                why = worker.full_reason(job.cgroup_id)
+                job.skip(why)
+                self._accept(job.rec)
+                if job.cgroup_id not in self._enrich_warned:   # once per sandbox; each record says it
+                    self._enrich_warned.add(job.cgroup_id)
+                    log.warning("sandbox %s: exec records without sha256: %s", job.rec["sandbox_id"], why)
+        self._take_enriched()
+
+    def _take_enriched(self) -> None:
+        """Exec records whose files the Enricher has read (or skipped) since."""
+        if self.enrich_worker is not None:
+            for job in self.enrich_worker.take_done():
+                self._accept(job.rec)
+
+    def _enrich_timeout(self) -> float:
+        if self._close_by is None:
+            return ENRICH_WAIT_S
+        return max(0.0, self._close_by - time.monotonic())
+
+    def _finish_enrichment(self, cgroup_id: int) -> None:
+        """A sandbox is being removed: its records waiting for enrichment come
+        in (its files read first; a bounded wait, what is left then is marked
+        sha256_skipped). Called without the lock when the caller can."""
+        if self.enrich_worker is not None:
+            self.enrich_worker.finish(cgroup_id, self._enrich_timeout(), ENDED)
+
+    def _finish_enrichment_now(self, cgroup_id: int) -> None:
+        """With the lock, the removal's last step: whatever of the sandbox is
+        still not read (queued since) is skipped at once; all of its records in."""
+        if self.enrich_worker is not None:
+            self.enrich_worker.finish(cgroup_id, 0.0, ENDED)
+            self._take_enriched()
 
     def _accept(self, rec: dict) -> None:
         self._backlog.append(rec)

@@ -279,6 +279,11 @@ class Decoder:
         # carry the kernel's running total; `count` is the part not reported yet)
         self.sys_reported: dict[tuple[int, int], int] = {}
         self.max_parents = max_parents
+        # RingSensor with an Enricher: an exec whose file is not cached comes out of
+        # take_job() (its file to be read off the decode path) instead of being read here
+        self.enrich_async = False
+        self._pending = None        # (Pending, extra) of the exec being decoded
+        self._job = None            # the EnrichJob of the record decode() just returned
         self.seq = 0
         self.unattributed = 0       # records of a cgroup no longer registered
         self.undecodable = 0        # records that could not be decoded
@@ -368,10 +373,26 @@ class Decoder:
         A record that cannot be decoded is not dropped silently: it becomes an
         events_lost record (reason decode_error) of its sandbox, or counts in
         self.undecodable when even its header is unreadable."""
+        self._drop_job()
         try:
             return self._decode(raw)
         except Exception as e:
+            self._drop_job()
             return self._undecodable(raw, e)
+
+    def take_job(self):
+        """The EnrichJob of the record decode() just returned, if its file is to
+        be read off the decode path (enrich_async), else None. The record is
+        the job's: deliver it once the job is done (or skipped)."""
+        job, self._job = self._job, None
+        return job
+
+    def _drop_job(self) -> None:
+        """A job nobody took (or of a record that failed to decode): its fds closed."""
+        for p in (self._pending and self._pending[0], self._job and self._job.pending):
+            if p is not None:
+                p.discard()
+        self._pending = self._job = None
 
     def _undecodable(self, raw: bytes, err: Exception) -> dict | None:
         self.undecodable += 1
@@ -413,7 +434,12 @@ class Decoder:
             info.saw(h.pid)
         if extra:
             rec["extra"] = json.dumps(extra, sort_keys=True)
-        return normalize(rec)
+        rec = normalize(rec)
+        if self._pending is not None:
+            from agent.sensors.elfinfo import EnrichJob
+            (pending, ex), self._pending = self._pending, None
+            self._job = EnrichJob(rec, ex, pending, info.cgroup_id)
+        return rec
 
     def _status(self, bits: int) -> list:
         return [name for bit, name in sorted(self.consts.status.items()) if bits & bit]
@@ -460,15 +486,19 @@ class Decoder:
                     live.append(p)
                     if len(live) == 3:
                         break
+            lazy = self.enrich_async
             try:
                 if live and live[0] == h.pid:
-                    found = self.enricher.for_exec(h.pid, exe_path, live[1:])
+                    found = self.enricher.for_exec(h.pid, exe_path, live[1:], cached_only=lazy)
                 elif live:
-                    found = self.enricher.for_exec(live[0], exe_path, live[1:], use_exe=False)
+                    found = self.enricher.for_exec(live[0], exe_path, live[1:], use_exe=False, cached_only=lazy)
                 else:
                     found = {"extra": {"enrich_error": "no process of the sandbox left to read it through"}}
             except Exception as e:   # enrichment is best effort; the record is not
                 found = {"extra": {"enrich_error": f"{type(e).__name__}: {e}"[:200]}}
+            if not isinstance(found, dict):
+                self._pending = (found, extra)     # a Pending: read off the decode path (take_job)
+                return
             extra.update(found.pop("extra", {}))
             rec.update(found)
 

@@ -305,9 +305,10 @@ class Recorder:
             return {}
         return self.enforcer.syscall_counts(cgroup_id)
 
-    def catch_up(self):
-        """Decode (and enrich) everything the kernel has emitted so far."""
-        self.sensor.drain()
+    def catch_up(self, cgroup_id: int | None = None):
+        """Decode (and enrich) everything the kernel has emitted so far; the
+        wait for exec enrichment is for `cgroup_id`'s files only when given."""
+        self.sensor.drain(cgroup_id)
         if self.enforcer is not None:
             self.enforcer.drain()
         self._flush_pending()
