@@ -17,7 +17,7 @@ import sys
 
 from agent.errors import EXIT_USAGE, ReportedError, exit_code
 
-COMMANDS = ["run", "events", "replay", "search", "learn", "policy", "export", "agent", "clickhouse", "gc"]
+COMMANDS = ["run", "events", "replay", "search", "learn", "policy", "export", "agent", "resize", "clickhouse", "gc"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -58,10 +58,39 @@ def info_message(info: dict) -> "pb.SandboxInfo":
         queued_seconds=info.get("queued_seconds") or 0.0, steps=info.get("steps", 0), warm=info.get("warm", False),
         waiting=info.get("waiting") or "", queue_position=info.get("queue_position", -1),
         preempted_for=info.get("preempted_for") or "", node=info.get("node", ""),
-        cgroup_id=info.get("cgroup_id", 0), warm_profile=info.get("warm_profile") or "")
+        cgroup_id=info.get("cgroup_id", 0), warm_profile=info.get("warm_profile") or "",
+        frozen=bool(info.get("frozen")))
+    if info.get("window"):
+        w = info["window"]
+        m.phase = w.get("phase") or ""
+        m.window.CopyFrom(window_message(w))
     if info.get("summary") is not None:
         m.summary_json = json.dumps(info["summary"], ensure_ascii=True, default=str)
     return m
+
+
+# ---------------------------------------------------------------- live resources (issue 20)
+
+def _res_msg(r: dict) -> "pb.Resources":
+    return pb.Resources(cpus=r.get("cpus") or 0.0, memory_bytes=r.get("memory") or 0, pids=r.get("pids") or 0)
+
+
+def window_message(w: dict) -> "pb.ResourceWindow":
+    m = pb.ResourceWindow(base=_res_msg(w["base"]), peak=_res_msg(w["peak"]), phase=w.get("phase") or "")
+    for name, r in (w.get("phases") or {}).items():
+        m.phases[name].CopyFrom(_res_msg(r))
+    return m
+
+
+def _window(request) -> dict | None:
+    if not request.HasField("window"):
+        return None
+    w = request.window
+
+    def res(r):
+        return {"cpus": r.cpus, "memory_bytes": r.memory_bytes}
+    return {"base": res(w.base) if w.HasField("base") else None, "peak": res(w.peak) if w.HasField("peak") else None,
+            "phases": {k: res(v) for k, v in w.phases.items()}, "initial_phase": w.initial_phase}
 
 
 def event_message(r: dict) -> "pb.EventMessage":
@@ -103,7 +132,8 @@ class AgentServicer(pb_grpc.AgentServicer):
                    "env": [(e.name, e.value) for e in request.env], "workdir": request.workdir,
                    "user": request.user, "lifetime_seconds": request.lifetime_seconds,
                    "grace_seconds": request.grace_seconds, "keep": request.keep,
-                   "over_budget": request.over_budget, "no_audit": request.no_audit, "no_warm": request.no_warm}
+                   "over_budget": request.over_budget, "no_audit": request.no_audit, "no_warm": request.no_warm,
+                   "window": _window(request)}
             rec = self.agent.create(req)
             if request.wait_running:
                 rem = context.time_remaining()
@@ -219,6 +249,26 @@ class AgentServicer(pb_grpc.AgentServicer):
                 yield event_message(ev)
         except ApiError as e:
             _abort(context, e)
+
+    def UpdateResources(self, request, context):
+        from agent.node.resources import update_resources
+
+        def run():
+            r = request.resources
+            out = update_resources(self.agent, request.sandbox_id, cpus=r.cpus, memory=r.memory_bytes, pids=r.pids,
+                                   force=request.force, thaw=request.thaw, reason=request.reason)
+            return pb.UpdateResourcesResponse(sandbox_id=out["sandbox_id"], resources=_res_msg(out["resources"]),
+                                              previous=_res_msg(out["previous"]), thawed=out["thawed"])
+        return self._call(context, run)
+
+    def SetPhase(self, request, context):
+        from agent.node.resources import set_phase
+
+        def run():
+            out = set_phase(self.agent, request.sandbox_id, request.phase, request.wait_seconds, request.force)
+            return pb.SetPhaseResponse(sandbox_id=out["sandbox_id"], phase=out["phase"],
+                                       resources=_res_msg(out["resources"]), waited_seconds=out["waited_seconds"])
+        return self._call(context, run)
 
     def Capabilities(self, request, context):
         def run():

@@ -1,6 +1,10 @@
 """The node agent: one long-lived process per node that launches, schedules and
 audits sandboxes for many clients (docs/agent.md).
 
+Why this file is long: the Agent is one object whose transitions all happen
+under one lock; what could leave it has (the parts listed below), what is left
+is the state machine they share.
+
     agent = Agent(load_config(path))
     agent.start()          # eBPF programs once, exporter thread, cleanup of what a dead agent left
     ... agent.create(...), agent.exec_step(...), agent.kill(...) ...   (called by agent/node/api.py)
@@ -16,6 +20,7 @@ The agent in parts, each a file of agent/node/:
   streams.py   live event streams (StreamEvents) and the spool tap
   export.py    the continuous ClickHouse export and its barrier
   host.py      the run directory (lock, pid file), the eBPF sensors, clean-up after a dead agent
+  resources.py live limit changes, resource windows and phases, the circuit breaker
   api.py       gRPC <-> these Python values; client.py the SDK
 
 Pieces, and who owns what:
@@ -42,9 +47,9 @@ JSON holds {"state": ..., ...}: the scheduler's (queued, admitted, preempting,
 preempted, released, rejected, cancelled, warm_ready, warm_claimed,
 warm_draining, warm_released) and the agent's (started, step_started,
 step_ended, stopping, exited, killed, failed, cleaned, policy_updated,
-agent_started, agent_stopped, orphan_cleaned), resources_updated
-(agent/node/resources.py) and run_code (one /run_code request's outcome,
-agent/node/runcode.py).
+agent_started, agent_stopped, orphan_cleaned), resources.py's (resources_updated,
+phase_waiting, phase_switched, phase_refused, breaker_tripped, thawed) and
+runcode.py's run_code (one /run_code request's outcome).
 """
 from __future__ import annotations
 
@@ -65,6 +70,7 @@ from agent.node.records import (CANCELLED, ENDED, EXITED, FAILED, KILLED, MAX_AR
                                 STOPPING, STREAM_POLL, VERSION, WARM, ApiError, SandboxRecord, _bad, _compact, _fs,
                                 to_json)
 from agent.node.requests import PolicyCache, check_create
+from agent.node.resources import Breaker, on_actions, thaw_if_frozen, window_of
 from agent.node.streams import EventStreams, TapSpool
 from agent.node.warm import WarmPool, profile_key
 from agent.sensors.watch import SandboxWatch
@@ -135,7 +141,7 @@ class Agent:
             self.sched = Scheduler(total_cpus, total_mem, reserve_cpus=cfg.capacity.reserve_cpus,
                                    reserve_memory=cfg.capacity.reserve_memory,
                                    cpu_oversubscription=cfg.capacity.cpu_oversubscription,
-                                   max_pids=cfg.capacity.max_pids,
+                                   max_pids=cfg.capacity.max_pids, concurrent_peaks=cfg.scheduling.concurrent_peaks,
                                    aging_seconds=cfg.scheduling.aging_seconds, history=cfg.limits.history)
         except ReportedError as e:
             raise DsecError(f"capacity: {e.message}", 2)
@@ -155,6 +161,7 @@ class Agent:
         t = threading.Thread(target=self._tick_loop, name="dsec-agent-tick", daemon=True)
         t.start()
         self._threads.append(t)
+        self.breaker = Breaker(self).start()
         self._flush_emits()
         return self
 
@@ -180,6 +187,8 @@ class Agent:
             while any(r.state not in ENDED for r in self._records.values()) and time.monotonic() < deadline:
                 self._cond.wait(0.2)
         self._stop.set()
+        if getattr(self, "breaker", None) is not None:
+            self.breaker.stop()
         if self.executor:
             self.executor.shutdown(wait=True, cancel_futures=False)
         self.streams.close_all()
@@ -266,6 +275,7 @@ class Agent:
                 self._lifecycle("", "scheduler_" + t.state, ts_ns=int(t.at * 1e9), reason=t.reason)
         if not actions:
             return
+        on_actions(self, actions)                  # phase switches the scheduler granted
         now_ns = time.time_ns()
         for rid in actions.admitted:
             rec = self._records.get(rid)
@@ -440,6 +450,7 @@ class Agent:
                 return
             rec.stop_started = True
             rec.state = STOPPING
+            thaw_if_frozen(self, rec)              # the breaker froze it: its supervisor must run
             sb = rec.sandbox
             grace = getattr(rec, "stop_grace", self.cfg.defaults.grace_seconds)
             self._lifecycle(rec.id, "stopping", step=rec.steps, kind=rec.stop_kind, reason=rec.stop_reason,
@@ -528,6 +539,9 @@ class Agent:
         pol = req.get("policy") or {}
         policy = self.policies.load(pol.get("name"), pol.get("yaml"), pol.get("mode") or None,
                                     pol.get("source_name") or "")
+        win = window_of(req.get("window"), cpus, memory)       # a resource window, or None
+        if win is not None:
+            cpus, memory = win.phases[win.phase]
         quota = float(cpus) if cpus else None
         acc_cpus = quota or d.cpus
         memory = memory or d.memory
@@ -543,7 +557,7 @@ class Agent:
             if live >= self.cfg.limits.max_sandboxes:
                 raise ApiError("RESOURCE_EXHAUSTED", f"the agent already holds {live} sandboxes "
                                                      f"(limits.max_sandboxes)")
-            if not sid and not req.get("no_warm") and not req.get("keep") and audit \
+            if not sid and not req.get("no_warm") and not req.get("keep") and audit and win is None \
                     and over_budget == self.cfg.audit.over_budget and self.warm.profiles:
                 key = profile_key(cpus_quota=quota, memory=memory, pids=pids, policy=policy, network=network,
                                         rootfs=rootfs, user=user, workdir=workdir, env=env)
@@ -565,10 +579,11 @@ class Agent:
             rec = SandboxRecord(sid, spec, labels=labels, priority=priority, cpus=acc_cpus, memory=memory,
                                 pids=pids, audit=audit and self.rec is not None, over_budget=over_budget,
                                 lifetime=lifetime, grace=grace)
+            rec.window = win
             self._records[sid] = rec
             self._lifecycle(sid, "requested", **self._request_extra(rec))
             dec = self.sched.submit(Request(id=sid, cpus=acc_cpus, memory=memory, pids=pids, priority=priority,
-                                            labels=labels))
+                                            labels=labels, window=win.sched_window() if win else None))
             if dec.rejected:
                 del self._records[sid]
                 self._after_sched_locked(dec.actions)
@@ -583,7 +598,7 @@ class Agent:
     def _request_extra(rec: SandboxRecord) -> dict:
         sp = rec.spec
         return {"priority": rec.priority, "cpus": rec.cpus, "cpu_quota": sp.cpus, "memory": rec.memory,
-                "pids": rec.pids, "network": sp.network, "rootfs": sp.rootfs or "default", "user": sp.user,
+                "window": rec.window.to_dict() if rec.window else None, "pids": rec.pids, "network": sp.network, "rootfs": sp.rootfs or "default", "user": sp.user,
                 "workdir": sp.workdir, "lifetime_s": rec.lifetime, "audit": rec.audit}
 
     def _created(self, rec):
@@ -609,7 +624,8 @@ class Agent:
                    "started_ns": rec.started_ns, "ended_ns": rec.ended_ns, "queued_seconds": rec.queued_s,
                    "steps": rec.steps, "warm": rec.warm, "warm_profile": rec.warm_profile or "",
                    "preempted_for": rec.preempted_for or "", "node": self.node, "cgroup_id": rec.cgroup_id,
-                   "waiting": "", "queue_position": -1, "summary": rec.summary if summary else None}
+                   "waiting": "", "queue_position": -1, "summary": rec.summary if summary else None,
+                   "window": rec.window.to_dict() if rec.window else None, "frozen": rec.frozen}
             out.update(rec.policy_identity())
             if rec.state == QUEUED and self.sched is not None:
                 i = self.sched.info(rec.id) or {}
@@ -689,6 +705,7 @@ class Agent:
                 rec.stop_kind = "closed"
                 rec.stop_reason = "closed by the client"
                 rec.state = STOPPING
+                thaw_if_frozen(self, rec)
                 mine = True
         full = None
         if mine:
