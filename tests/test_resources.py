@@ -6,27 +6,41 @@ scope), real sandboxes, the session's ClickHouse."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
 import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import dsec
+from fixtures_clickhouse import free_ports
 from test_agent import AgentProc, _events, _states
 
 from agent.node.client import AgentError, InvalidArgument, ResourceExhausted
 from agent.sandbox.cgroups import SandboxCgroup, detect
 
 BUSY = ["sh", "-c", "while :; do :; done"]
+PROM_TOKEN = "tok-prometheus-" + "9a8b7c6d5e4f3a2b"
 
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory, clickhouse_url):
-    a = AgentProc(str(tmp_path_factory.mktemp("res")), clickhouse_url, {
+    base = str(tmp_path_factory.mktemp("res"))
+    tokens = os.path.join(base, "tokens")
+    with open(tokens, "w") as f:
+        f.write(f"prom {PROM_TOKEN}\n")
+    os.chmod(tokens, 0o600)
+    port = free_ports(1)[0]
+    a = AgentProc(base, clickhouse_url, {
         "capacity": {"cpus": 2, "memory": "2G", "reserve_memory": 0, "cpu_oversubscription": 1},
         "scheduling": {"tick_seconds": 0.1, "concurrent_peaks": 1},
         "breaker": {"oom": None, "cpu": None},
+        "metrics": {"listen": f"127.0.0.1:{port}", "tokens_file": tokens, "allowed_clients": ["prom"],
+                    "max_sandbox_series": 1},
     }).start()
+    a.metrics_url = f"http://127.0.0.1:{port}/metrics"
     yield a
     assert a.stop() == 0, a.read_log()[-3000:]
 
@@ -251,25 +265,46 @@ def breaker_agent(tmp_path_factory, clickhouse_url):
     a = AgentProc(str(tmp_path_factory.mktemp("breaker")), clickhouse_url, {
         "capacity": {"cpus": 2, "memory": "2G", "reserve_memory": 0, "cpu_oversubscription": 1},
         "scheduling": {"tick_seconds": 0.1},
-        "breaker": {"interval_seconds": 0.2, "oom": {"kills": 3, "window_seconds": 30, "action": "stop"},
+        "breaker": {"interval_seconds": 0.2, "oom": {"kills": 3, "window_seconds": 30, "action": "freeze"},
                     "cpu": {"throttled_percent": 80, "for_seconds": 1.0, "action": "cut_quota", "cut_to": 0.5}},
     }).start()
     yield a
     assert a.stop() == 0, a.read_log()[-3000:]
 
 
-def test_an_oom_loop_trips_the_breaker_and_the_sandbox_is_stopped(breaker_agent, clickhouse_url):
+def test_an_oom_loop_trips_the_breaker_freeze_thaw_and_stop(breaker_agent, clickhouse_url):
+    def frozen_within(c, sid, seconds=30):
+        deadline = time.monotonic() + seconds
+        while not c.get(sid).frozen and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return c.get(sid).frozen
+
     with breaker_agent.client() as c:
         sb = c.create(cpus=1, memory="256M", warm=False)
         hog = "while :; do python3 -c 'b = bytearray(1 << 30)'; sleep 0.1; done"
         t, out = _background(sb, ["sh", "-c", hog])
-        info = c.wait(sb.id, timeout=30)
+        cg = _cg(sb.id)
+        assert frozen_within(c, sb.id) and cg.frozen(), c.get(sb.id)
+        ooms = cg.oom_kills()
+        assert ooms >= 3 and c.get(sb.id).state == "running" and t.is_alive()
+        time.sleep(0.5)
+        assert cg.oom_kills() == ooms                       # frozen: the loop stands still
+        r = dsec("resize", sb.id, "--thaw", env={"DSEC_AGENT_SOCKET": breaker_agent.socket})
+        assert r.returncode == 0 and r.stdout.decode().strip() == f"{sb.id}: unchanged; thawed", r
+        assert not cg.frozen()
+        assert frozen_within(c, sb.id), c.get(sb.id)         # the loop goes on: tripped again
+        sb.kill(grace=0)                                    # a frozen sandbox is thawed to be stopped
+        info = c.wait(sb.id, timeout=20)
         t.join(10)
-        assert info.state == "killed" and "circuit breaker" in info.reason and "OOM kills" in info.reason, info
+        assert info.state == "killed" and not t.is_alive(), info
         sb.close()
-    evs = _events(clickhouse_url, sb.id, want=lambda e: "breaker_tripped" in _states(e) and "cleaned" in _states(e))
-    trip = _lifecycle(evs, "breaker_tripped")[0]
-    assert trip["trigger"] == "oom" and trip["action"] == "stop" and trip["oom_kills"] >= 3
+    evs = _events(clickhouse_url, sb.id, want=lambda e: len(_lifecycle(e, "breaker_tripped")) >= 2
+                  and "cleaned" in _states(e))
+    trips = _lifecycle(evs, "breaker_tripped")
+    assert [x["action"] for x in trips] == ["freeze", "freeze"] and trips[0]["trigger"] == "oom"
+    assert trips[0]["oom_kills"] >= 3 and "OOM kills within 30s" in trips[0]["reason"]
+    thawed = [x["reason"] for x in _lifecycle(evs, "thawed")]
+    assert thawed[0] == "thawed on request" and thawed[-1] == "thawed to be stopped", thawed
 
 
 def test_a_pinned_cpu_quota_is_cut_and_recorded(breaker_agent, clickhouse_url):
@@ -289,3 +324,65 @@ def test_a_pinned_cpu_quota_is_cut_and_recorded(breaker_agent, clickhouse_url):
     assert trip["resources"]["cpus"] == 0.1
     up = _lifecycle(evs, "resources_updated")[0]
     assert up["by"] == "breaker" and up["resources"]["cpus"] == 0.1
+
+
+# ---------------------------------------------------------------- /metrics
+
+def _scrape(agent) -> dict:
+    """{(sample name, sorted labels): value} of one authenticated scrape, parsed by prometheus_client."""
+    r = requests.get(agent.metrics_url, headers={"Authorization": f"Bearer {PROM_TOKEN}"}, timeout=30)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain; version=0.0.4"), r.text
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _v(m, name, **labels):
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_parse_as_prometheus_and_move_when_sandboxes_run(agent, client):
+    r = requests.get(agent.metrics_url, timeout=10)
+    assert r.status_code == 401 and "authentication required" in r.json()["detail"]
+    r = requests.get(agent.metrics_url, headers={"Authorization": "Bearer " + "x" * 20}, timeout=10)
+    assert r.status_code == 401
+    assert requests.get(agent.metrics_url.replace("/metrics", "/run_code"),
+                        headers={"Authorization": f"Bearer {PROM_TOKEN}"}, timeout=10).status_code == 404
+    before = _scrape(agent)
+    a = client.create(cpus=1, memory="256M", warm=False)
+    b = client.create(cpus=0.5, memory="128M", warm=False)
+    try:
+        assert a.exec(["sh", "-c", "head -c 50000000 /dev/urandom | md5sum >/dev/null"]).code == 0
+        assert b.exec(["false"]).code == 1
+        during = _scrape(agent)
+        per = {dict(k[1])["sandbox_id"]: v for k, v in during.items() if k[0] == "dsec_sandbox_memory_bytes"}
+        assert len(per) == 1 and set(per) <= {a.id, b.id}, per          # max_sandbox_series: 1
+        assert _v(during, "dsec_sandbox_series_dropped") == 1
+        assert _v(during, "dsec_sandbox_cpu_seconds_total", sandbox_id=a.id) > 0 or b.id in per
+        assert _v(during, "dsec_scheduler_running", **{"class": "standard"}) >= 2
+        assert _v(during, "dsec_scheduler_cpus", kind="used") >= 1.5
+        assert _v(during, "dsec_sandboxes", state="running") >= 2
+    finally:
+        a.close()
+        b.close()
+    deadline = time.monotonic() + 20
+    while True:
+        after = _scrape(agent)
+        moved = (_v(after, "dsec_steps_total", outcome="ok") - _v(before, "dsec_steps_total", outcome="ok") >= 1
+                 and _v(after, "dsec_steps_total", outcome="failed") - _v(before, "dsec_steps_total",
+                                                                          outcome="failed") >= 1)
+        if moved or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert moved
+    assert _v(after, "dsec_sandbox_launch_duration_seconds_count") >= \
+        _v(before, "dsec_sandbox_launch_duration_seconds_count") + 2
+    assert _v(after, "dsec_scheduler_wait_seconds_count") >= _v(before, "dsec_scheduler_wait_seconds_count") + 2
+    recv = sum(v for k, v in after.items() if k[0] == "dsec_events_received_total")
+    assert recv > sum(v for k, v in before.items() if k[0] == "dsec_events_received_total")
+    assert _v(after, "dsec_events_exported_total", sink="clickhouse") > 0
+    assert _v(after, "dsec_scheduler_decisions_total", kind="admitted") >= 2
+    assert not any(k[0] == "dsec_sandbox_memory_bytes" and dict(k[1])["sandbox_id"] in (a.id, b.id)
+                   for k in after)                                   # ended: its series is gone

@@ -429,6 +429,22 @@ def serve(agent: Agent, stop: threading.Event):
                 pass
             agent.release()
             raise
+    metrics = None
+    if agent.cfg.metrics is not None:              # Prometheus /metrics (agent/node/metrics_http.py)
+        from agent.node.metrics_http import MetricsService
+        try:
+            metrics = MetricsService(agent, agent.cfg.metrics).start()
+        except BaseException:
+            if http is not None:
+                http.stop_accepting()
+            server.stop(0)
+            agent.shutdown("could not start the metrics listener")
+            try:
+                os.unlink(agent.cfg.socket)
+            except OSError:
+                pass
+            agent.release()
+            raise
     log.info("dsec agent (pid %d) serving on %s", os.getpid(), ", ".join(agent.transports))
     try:
         while not stop.wait(0.5):
@@ -442,6 +458,8 @@ def serve(agent: Agent, stop: threading.Event):
         finally:
             if http is not None:
                 http.close()
+            if metrics is not None:
+                metrics.close(timeout=2)
             server.stop(grace=2).wait(5)
             try:
                 os.unlink(agent.cfg.socket)

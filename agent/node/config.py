@@ -347,7 +347,14 @@ class HTTPConfig(ListenerConfig):
         return n
 
 
-# ---------------------------------------------------------------- the circuit breaker (issue 20)
+# ---------------------------------------------------------------- metrics, breaker (issue 20)
+
+class MetricsConfig(ListenerConfig):
+    """The Prometheus text-format /metrics listener (off unless configured)."""
+    max_sandbox_series: int = Field(200, ge=0, le=10000, description="per-sandbox CPU/memory series at most "
+                                                                      "(the largest by memory)")
+    max_inflight: int = Field(8, ge=1, le=256, description="scrapes served at once")
+
 
 class BreakerOOM(_Base):
     kills: int = Field(3, ge=1, le=1000, description="OOM kills ...")
@@ -384,6 +391,7 @@ class AgentConfig(_Base):
     exporter: ExporterConfig = Field(default_factory=ExporterConfig)
     http: Optional[HTTPConfig] = Field(None, description="SandboxFusion-compatible /run_code API "
                                                          "(docs/trainers.md); off unless set")
+    metrics: Optional[MetricsConfig] = Field(None, description="Prometheus /metrics listener; off unless set")
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     policy_dirs: list[str] = Field(default_factory=list,
                                    description="directories searched for policy NAME.yaml before the built-ins")
@@ -531,6 +539,11 @@ def load_config(path: str | None = None, environ=None) -> AgentConfig:
                 raise ConfigError(f"{source}: tcp.{what}: {p}: no such file")
     if cfg.http is not None:
         _check_http_files(cfg.http, source)
+    if cfg.metrics is not None:
+        _check_http_files(cfg.metrics, source, "metrics")
+        if cfg.http is not None and cfg.metrics.listen == cfg.http.listen:
+            raise ConfigError(f"{source}: metrics.listen: {cfg.metrics.listen} is http.listen too; give /metrics "
+                              f"its own port")
     for d in cfg.policy_dirs:
         if not os.path.isdir(d):
             raise ConfigError(f"{source}: policy_dirs: {d}: no such directory")
