@@ -203,7 +203,7 @@ WINDOW = {"base": {"cpus": 0.25, "memory": "128M"}, "peak": {"cpus": 1.5, "memor
           "phases": {"rollout": {"cpus": 1.5, "memory": "256M"}, "verify": {"cpus": 0.25, "memory": "128M"}}}
 
 
-def test_two_windowed_sandboxes_whose_peaks_do_not_fit_are_staggered(client, clickhouse_url):
+def test_two_windowed_sandboxes_whose_peaks_do_not_fit_are_staggered(client, agent, clickhouse_url):
     a = client.create(window=WINDOW, warm=False)
     b = client.create(window=WINDOW, warm=False)           # bases 0.5 + one burst 1.25 fit 2 CPUs
     try:
@@ -221,7 +221,9 @@ def test_two_windowed_sandboxes_whose_peaks_do_not_fit_are_staggered(client, cli
         t.start()
         time.sleep(0.5)
         assert "r" not in done and _cg(b.id).limits()["cpus"] == 0.25     # b waits for a's peak to pass
-        a.set_phase("verify")
+        r = dsec("resize", a.id, "--phase", "verify", env={"DSEC_AGENT_SOCKET": agent.socket})
+        assert r.returncode == 0 and r.stdout.decode().startswith(
+            f"{a.id}: phase verify (cpus 0.25, memory 128M) after "), r
         t.join(20)
         assert done["r"]["phase"] == "rollout" and done["r"]["waited_seconds"] >= 0.4
         assert _cg(b.id).limits()["cpus"] == 1.5 and _cg(a.id).limits()["cpus"] == 0.25

@@ -415,30 +415,21 @@ def serve(agent: Agent, stop: threading.Event):
         agent.shutdown("could not start the API server")
         agent.release()
         raise
-    http = None
-    if agent.cfg.http is not None:                 # SandboxFusion-compatible /run_code (agent/node/httpapi.py)
-        from agent.node.httpapi import HTTPService
+    listeners = []                                 # the HTTP listeners (agent/node/httpapi.py, metrics_http.py)
+    for section, what in (("http", "the HTTP listener"), ("metrics", "the metrics listener")):
+        if getattr(agent.cfg, section) is None:
+            continue
+        if section == "http":                      # SandboxFusion-compatible /run_code
+            from agent.node.httpapi import HTTPService as Service
+        else:                                      # Prometheus /metrics
+            from agent.node.metrics_http import MetricsService as Service
         try:
-            http = HTTPService(agent, agent.cfg.http).start()
+            listeners.append(Service(agent, getattr(agent.cfg, section)).start())
         except BaseException:
+            for svc in listeners:
+                svc.stop_accepting()
             server.stop(0)
-            agent.shutdown("could not start the HTTP listener")
-            try:
-                os.unlink(agent.cfg.socket)
-            except OSError:
-                pass
-            agent.release()
-            raise
-    metrics = None
-    if agent.cfg.metrics is not None:              # Prometheus /metrics (agent/node/metrics_http.py)
-        from agent.node.metrics_http import MetricsService
-        try:
-            metrics = MetricsService(agent, agent.cfg.metrics).start()
-        except BaseException:
-            if http is not None:
-                http.stop_accepting()
-            server.stop(0)
-            agent.shutdown("could not start the metrics listener")
+            agent.shutdown(f"could not start {what}")
             try:
                 os.unlink(agent.cfg.socket)
             except OSError:
@@ -452,14 +443,12 @@ def serve(agent: Agent, stop: threading.Event):
     finally:
         log.info("shutting down: stopping sandboxes")
         try:
-            if http is not None:
-                http.stop_accepting()
+            for svc in listeners:
+                svc.stop_accepting()
             agent.shutdown()
         finally:
-            if http is not None:
-                http.close()
-            if metrics is not None:
-                metrics.close(timeout=2)
+            for svc in listeners:
+                svc.close()
             server.stop(grace=2).wait(5)
             try:
                 os.unlink(agent.cfg.socket)

@@ -598,7 +598,8 @@ class Agent:
     def _request_extra(rec: SandboxRecord) -> dict:
         sp = rec.spec
         return {"priority": rec.priority, "cpus": rec.cpus, "cpu_quota": sp.cpus, "memory": rec.memory,
-                "window": rec.window.to_dict() if rec.window else None, "pids": rec.pids, "network": sp.network, "rootfs": sp.rootfs or "default", "user": sp.user,
+                "window": rec.window.to_dict() if rec.window else None, "pids": rec.pids, "network": sp.network,
+                "rootfs": sp.rootfs or "default", "user": sp.user,
                 "workdir": sp.workdir, "lifetime_s": rec.lifetime, "audit": rec.audit}
 
     def _created(self, rec):

@@ -467,14 +467,17 @@ class Breaker:
         detail = {}
         if action == "freeze":
             cg = rec.sandbox.cg
-            if cg.can_freeze():
-                try:
-                    cg.freeze(True)
-                    rec.frozen = True
-                except OSError as e:
-                    done, detail["fallback"] = "stop", f"freeze failed ({e.strerror}): stopped instead"
-            else:
+            if not cg.can_freeze():
                 done, detail["fallback"] = "stop", "no cgroup2 freezer on this host: stopped instead"
+            else:
+                with a._lock:              # under the lock: a stop that begins after this sees it frozen
+                    if rec.state != RUNNING or rec.stop_kind is not None:
+                        return
+                    try:
+                        cg.freeze(True)
+                        rec.frozen = True
+                    except OSError as e:
+                        done, detail["fallback"] = "stop", f"freeze failed ({e.strerror}): stopped instead"
         elif action == "cut_quota":
             quota = rec.spec.cpus or rec.cpus
             new = max(0.01, round(quota * cut_to, 3))
