@@ -950,3 +950,62 @@ def test_resize_of_a_fixed_sandbox_is_re_admitted():
     with pytest.raises(SchedulerError):
         s.resize("nope", 1, GiB, 10)
     s.verify()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_windows_keep_room_for_the_peaks(seed):
+    """Windowed and fixed sandboxes arrive, switch phases (waiting or not), resize and
+    end at random: the books balance after every call, what is held never exceeds the
+    limit, the bases plus the largest burst always fit (so one peak is always possible),
+    and once everything ends nothing is left queued, held or waiting."""
+    rng = random.Random(seed)
+    s = node(cpu_oversubscription=1.0)                    # 4 CPUs, 8 GiB
+    limit = (4.0, 8 * GiB)
+    live, n = {}, 0
+
+    def check():
+        s.verify()
+        snap = s.snapshot()
+        assert snap["cpu"]["used"] <= limit[0] + 1e-9 and snap["memory"]["used"] <= limit[1]
+        w = snap["windows"]
+        assert w["bound_cpus"] <= limit[0] + 1e-9 and w["bound_memory"] <= limit[1], w
+
+    for step in range(400):
+        op = rng.random()
+        if op < 0.3 or not live:
+            n += 1
+            rid = f"r{n}"
+            if rng.random() < 0.6:
+                base = (rng.choice([0.25, 0.5]), rng.choice([0.5, 1]))
+                peak = (base[0] + rng.choice([0.5, 1, 2]), base[1] + rng.choice([0, 0.5, 1]))
+                live[rid] = ("w", base, peak)
+                s.submit(W(rid, base=base, peak=peak))
+            else:
+                live[rid] = ("f", None, None)
+                s.submit(R(rid, mem=rng.choice([0.5, 1, 2]), cpus=rng.choice([0.5, 1])))
+        else:
+            rid = rng.choice(sorted(live))
+            kind, base, peak = live[rid]
+            running = s.state(rid) == ADMITTED
+            if op < 0.55 and kind == "w" and running:
+                c, m = (peak if rng.random() < 0.5 else base)
+                s.set_phase(rid, c, int(m * GiB), wait=rng.random() < 0.5)
+            elif op < 0.65 and kind == "f" and running:
+                s.resize(rid, rng.choice([0.25, 0.5, 1, 2]), int(rng.choice([0.5, 1, 2]) * GiB), 10)
+            elif op < 0.95:
+                if running:
+                    s.release(rid)
+                else:
+                    s.cancel(rid)
+                del live[rid]
+        check()
+    for rid in sorted(live):
+        if s.state(rid) == ADMITTED:
+            s.release(rid)
+        else:
+            s.cancel(rid)
+        check()
+    snap = s.snapshot()
+    assert snap["cpu"]["used"] == 0 and snap["queue"]["length"] == 0 and not s.running()
+    assert snap["windows"]["phase_switches_waiting"] == 0
+    assert snap["counters"]["phase_switches"] > 0, snap["counters"]
