@@ -17,7 +17,7 @@ import sys
 
 from agent.errors import EXIT_USAGE, ReportedError, exit_code
 
-COMMANDS = ["run", "image", "snapshot", "events", "replay", "search", "learn", "policy", "export", "agent", "cluster", "clickhouse", "gc"]
+COMMANDS = ["run", "image", "snapshot", "events", "replay", "search", "learn", "policy", "export", "agent", "resize", "cluster", "clickhouse", "gc"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -34,6 +34,8 @@ Instruments (INSTRUMENTS below is the list; docs/exporters.md has the table):
                                       each delivered batch), by sink
   dsec.export.duration      histogram seconds one delivery call took, by sink
   dsec.sandbox.launch.duration histogram seconds from request (or sandbox_start) to running
+  dsec.scheduler.wait       histogram seconds an agent sandbox waited in the queue (on admission)
+  dsec.steps                counter   steps ended, by outcome (ok, failed, timed_out, oom_killed)
   dsec.sandboxes            gauge     live sandboxes, by state
   dsec.spool.usage          gauge     bytes of the spool's segments
   dsec.spool.backlog        gauge     bytes not yet delivered, by sink
@@ -62,6 +64,8 @@ INSTRUMENTS: dict[str, tuple[str, str, str]] = {
     "dsec.export.latency": (HISTOGRAM, "s", "time from the event to its delivery (oldest record of a batch)"),
     "dsec.export.duration": (HISTOGRAM, "s", "duration of one delivery call"),
     "dsec.sandbox.launch.duration": (HISTOGRAM, "s", "time from a sandbox's request to running"),
+    "dsec.scheduler.wait": (HISTOGRAM, "s", "time an agent sandbox waited in the scheduler's queue"),
+    "dsec.steps": (COUNTER, "{step}", "steps ended, by outcome"),
     "dsec.sandboxes": (GAUGE, "{sandbox}", "live sandboxes by state"),
     "dsec.spool.usage": (GAUGE, "By", "bytes of the spool's segment files"),
     "dsec.spool.backlog": (GAUGE, "By", "spool bytes not yet delivered, by sink"),
@@ -225,6 +229,12 @@ class AgentMetrics:
         sid = r.get("sandbox_id") or ""
         if not sid or state not in _STATE_OF:
             return
+        if state == "admitted" and isinstance(extra.get("waited_s"), (int, float)):
+            self.record("dsec.scheduler.wait", max(0.0, float(extra["waited_s"])))
+        elif state == "step_ended":
+            outcome = ("oom_killed" if extra.get("oom_killed") else "timed_out" if extra.get("timed_out")
+                       else "ok" if extra.get("code") == 0 else "failed")
+            self.add("dsec.steps", 1, outcome=outcome)
         if state == "started" and not extra.get("warm") and extra.get("launch_ms") is not None:
             try:
                 launches.append(float(extra["launch_ms"]) / 1000.0)

@@ -17,7 +17,7 @@ import pytest
 from agent.node.scheduler import (ADMITTED, CANCELLED, PREEMPTED, PREEMPTING, QUEUED, REJECTED,
                              RELEASED, TERMINAL, WAIT_CAPACITY, WAIT_HEAD_OF_LINE, WAIT_PENDING,
                              WARM_CLAIMED, WARM_DRAINING, WARM_READY, WARM_RELEASED, Actions,
-                             Request, Scheduler, SchedulerError)
+                             Request, Scheduler, SchedulerError, Window)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -891,3 +891,121 @@ def test_the_worked_example_in_docs():
     at(9)
     assert s.release("P1") == Actions() and s.state("P1") == PREEMPTED and held() == (5.5, 5)
     assert sorted(s.running()) == ["B", "C", "D", "S"]
+
+
+# ---- resource windows, phase switches, resize (issue 20) -----------------------------------
+
+def W(rid, base=(0.5, 1), peak=(3, 2), start=None, prio="standard"):
+    """A windowed request starting in its base phase (or `start`): (cpus, GiB) pairs."""
+    c, m = start or base
+    return Request(rid, c, int(m * GiB), pids=10, priority=prio,
+                   window=Window(base[0], int(base[1] * GiB), peak[0], int(peak[1] * GiB)))
+
+
+def test_windows_are_admitted_on_bases_plus_the_largest_peaks():
+    s = node(cpu_oversubscription=1.0)                    # 4 CPUs, 8 GiB
+    for i in range(3):                                    # bases 1.5 + one burst 2.5 = 4 CPUs
+        assert s.submit(W(f"w{i}")).outcome == ADMITTED
+    d = s.submit(W("w3"))                                 # bases 2 + 2.5 > 4: waits
+    assert d.outcome == QUEUED and s.info("w3")["waiting"] == WAIT_CAPACITY
+    assert "largest peak" in d.reason and "4 CPUs" in d.reason, d.reason
+    s.verify()
+    fixed = node(cpu_oversubscription=1.0)                # the same tasks with their peak locked
+    assert [fixed.submit(R(f"f{i}", mem=2, cpus=3)).outcome for i in range(2)] == [ADMITTED, QUEUED]
+    two = node(cpu_oversubscription=1.0, concurrent_peaks=2)
+    assert [two.submit(W(f"w{i}")).outcome for i in range(2)] == [ADMITTED, QUEUED]
+
+
+def test_a_phase_switch_up_that_does_not_fit_waits_reserves_and_is_granted_in_order():
+    s = node(cpu_oversubscription=1.0)
+    for i in range(3):
+        s.submit(W(f"w{i}"))
+    assert s.set_phase("w0", 3, 2 * GiB).outcome == "applied"          # 4 of 4 CPUs held now
+    d = s.set_phase("w1", 3, 2 * GiB, wait=False)
+    assert d.outcome == REJECTED and "needs 2.5 CPUs" in d.reason, d.reason
+    d = s.set_phase("w1", 3, 2 * GiB, wait=True)
+    assert d.outcome == QUEUED and s.phase_waiting("w1")
+    assert s.submit(R("small", mem=0.5, cpus=0.25)).outcome == QUEUED  # cannot take the reserved room
+    s.verify()
+    acts = s.set_phase("w0", 0.5, 1 * GiB).actions                     # w0's peak passes
+    assert acts.phases == ("w1",) and not s.phase_waiting("w1")
+    assert s.snapshot()["cpu"]["used"] == 4.0
+    assert s.set_phase("w2", 3.5, 1 * GiB).outcome == REJECTED          # outside the window
+    s.verify()
+    s.release("w1")
+    assert "small" in s.running()
+    s.verify()
+
+
+def test_resize_of_a_fixed_sandbox_is_re_admitted():
+    s = node(cpu_oversubscription=1.0)
+    s.submit(R("a", mem=2, cpus=1))
+    s.submit(R("b", mem=2, cpus=2))
+    assert s.resize("a", 2, 2 * GiB, 10).outcome == "applied"
+    d = s.resize("a", 3, 2 * GiB, 10)
+    assert d.outcome == REJECTED and "short of 1 CPUs" in d.reason, d.reason
+    assert s.submit(R("q", mem=1, cpus=1)).outcome == QUEUED
+    acts = s.resize("b", 1, 2 * GiB, 10).actions                       # shrinking admits the queue
+    assert acts.admitted == ("q",)
+    with pytest.raises(SchedulerError):
+        s.resize("nope", 1, GiB, 10)
+    s.verify()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_windows_keep_room_for_the_peaks(seed):
+    """Windowed and fixed sandboxes arrive, switch phases (waiting or not), resize and
+    end at random: the books balance after every call, what is held never exceeds the
+    limit, the bases plus the largest burst always fit (so one peak is always possible),
+    and once everything ends nothing is left queued, held or waiting."""
+    rng = random.Random(seed)
+    s = node(cpu_oversubscription=1.0)                    # 4 CPUs, 8 GiB
+    limit = (4.0, 8 * GiB)
+    live, n = {}, 0
+
+    def check():
+        s.verify()
+        snap = s.snapshot()
+        assert snap["cpu"]["used"] <= limit[0] + 1e-9 and snap["memory"]["used"] <= limit[1]
+        w = snap["windows"]
+        assert w["bound_cpus"] <= limit[0] + 1e-9 and w["bound_memory"] <= limit[1], w
+
+    for step in range(400):
+        op = rng.random()
+        if op < 0.3 or not live:
+            n += 1
+            rid = f"r{n}"
+            if rng.random() < 0.6:
+                base = (rng.choice([0.25, 0.5]), rng.choice([0.5, 1]))
+                peak = (base[0] + rng.choice([0.5, 1, 2]), base[1] + rng.choice([0, 0.5, 1]))
+                live[rid] = ("w", base, peak)
+                s.submit(W(rid, base=base, peak=peak))
+            else:
+                live[rid] = ("f", None, None)
+                s.submit(R(rid, mem=rng.choice([0.5, 1, 2]), cpus=rng.choice([0.5, 1])))
+        else:
+            rid = rng.choice(sorted(live))
+            kind, base, peak = live[rid]
+            running = s.state(rid) == ADMITTED
+            if op < 0.55 and kind == "w" and running:
+                c, m = (peak if rng.random() < 0.5 else base)
+                s.set_phase(rid, c, int(m * GiB), wait=rng.random() < 0.5)
+            elif op < 0.65 and kind == "f" and running:
+                s.resize(rid, rng.choice([0.25, 0.5, 1, 2]), int(rng.choice([0.5, 1, 2]) * GiB), 10)
+            elif op < 0.95:
+                if running:
+                    s.release(rid)
+                else:
+                    s.cancel(rid)
+                del live[rid]
+        check()
+    for rid in sorted(live):
+        if s.state(rid) == ADMITTED:
+            s.release(rid)
+        else:
+            s.cancel(rid)
+        check()
+    snap = s.snapshot()
+    assert snap["cpu"]["used"] == 0 and snap["queue"]["length"] == 0 and not s.running()
+    assert snap["windows"]["phase_switches_waiting"] == 0
+    assert snap["counters"]["phase_switches"] > 0, snap["counters"]

@@ -59,10 +59,39 @@ def info_message(info: dict) -> "pb.SandboxInfo":
         waiting=info.get("waiting") or "", queue_position=info.get("queue_position", -1),
         preempted_for=info.get("preempted_for") or "", node=info.get("node", ""),
         cgroup_id=info.get("cgroup_id", 0), warm_profile=info.get("warm_profile") or "",
-        image=info.get("image") or "", image_digest=info.get("image_digest") or "")
+        image=info.get("image") or "", image_digest=info.get("image_digest") or "",
+        frozen=bool(info.get("frozen")))
+    if info.get("window"):
+        w = info["window"]
+        m.phase = w.get("phase") or ""
+        m.window.CopyFrom(window_message(w))
     if info.get("summary") is not None:
         m.summary_json = json.dumps(info["summary"], ensure_ascii=True, default=str)
     return m
+
+
+# ---------------------------------------------------------------- live resources (issue 20)
+
+def _res_msg(r: dict) -> "pb.Resources":
+    return pb.Resources(cpus=r.get("cpus") or 0.0, memory_bytes=r.get("memory") or 0, pids=r.get("pids") or 0)
+
+
+def window_message(w: dict) -> "pb.ResourceWindow":
+    m = pb.ResourceWindow(base=_res_msg(w["base"]), peak=_res_msg(w["peak"]), phase=w.get("phase") or "")
+    for name, r in (w.get("phases") or {}).items():
+        m.phases[name].CopyFrom(_res_msg(r))
+    return m
+
+
+def _window(request) -> dict | None:
+    if not request.HasField("window"):
+        return None
+    w = request.window
+
+    def res(r):
+        return {"cpus": r.cpus, "memory_bytes": r.memory_bytes}
+    return {"base": res(w.base) if w.HasField("base") else None, "peak": res(w.peak) if w.HasField("peak") else None,
+            "phases": {k: res(v) for k, v in w.phases.items()}, "initial_phase": w.initial_phase}
 
 
 def event_message(r: dict) -> "pb.EventMessage":
@@ -111,7 +140,7 @@ class AgentServicer(pb_grpc.AgentServicer):
                    "over_budget": request.over_budget, "no_audit": request.no_audit, "no_warm": request.no_warm,
                    "image": request.image, "volumes": [(v.host_path, v.sandbox_path, v.read_write)
                                                        for v in request.volumes],
-                   "from_snapshot": request.from_snapshot}
+                   "from_snapshot": request.from_snapshot, "window": _window(request)}
             caller = self._caller(context)
             rec = self.agent.create(req, caller)
             if request.wait_running:
@@ -248,6 +277,28 @@ class AgentServicer(pb_grpc.AgentServicer):
                                              self._caller(context))
             return pb.RestoreResponse(sandbox_id=request.sandbox_id, snapshot_id=r["snapshot"], step=r["step"],
                                       total_ms=r["total_ms"])
+        return self._call(context, run)
+
+    def UpdateResources(self, request, context):
+        from agent.node.resources import update_resources
+
+        def run():
+            r = request.resources
+            out = update_resources(self.agent, request.sandbox_id, cpus=r.cpus, memory=r.memory_bytes, pids=r.pids,
+                                   force=request.force, thaw=request.thaw, reason=request.reason,
+                                   caller=self._caller(context))
+            return pb.UpdateResourcesResponse(sandbox_id=out["sandbox_id"], resources=_res_msg(out["resources"]),
+                                              previous=_res_msg(out["previous"]), thawed=out["thawed"])
+        return self._call(context, run)
+
+    def SetPhase(self, request, context):
+        from agent.node.resources import set_phase
+
+        def run():
+            out = set_phase(self.agent, request.sandbox_id, request.phase, request.wait_seconds, request.force,
+                            caller=self._caller(context))
+            return pb.SetPhaseResponse(sandbox_id=out["sandbox_id"], phase=out["phase"],
+                                       resources=_res_msg(out["resources"]), waited_seconds=out["waited_seconds"])
         return self._call(context, run)
 
     def Capabilities(self, request, context):
@@ -396,14 +447,21 @@ def serve(agent: Agent, stop: threading.Event):
         agent.shutdown("could not start the API server")
         agent.release()
         raise
-    http = None
-    if agent.cfg.http is not None:                 # SandboxFusion-compatible /run_code (agent/node/httpapi.py)
-        from agent.node.httpapi import HTTPService
+    listeners = []                                 # the HTTP listeners (agent/node/httpapi.py, metrics_http.py)
+    for section, what in (("http", "the HTTP listener"), ("metrics", "the metrics listener")):
+        if getattr(agent.cfg, section) is None:
+            continue
+        if section == "http":                      # SandboxFusion-compatible /run_code
+            from agent.node.httpapi import HTTPService as Service
+        else:                                      # Prometheus /metrics
+            from agent.node.metrics_http import MetricsService as Service
         try:
-            http = HTTPService(agent, agent.cfg.http).start()
+            listeners.append(Service(agent, getattr(agent.cfg, section)).start())
         except BaseException:
+            for svc in listeners:
+                svc.stop_accepting()
             server.stop(0)
-            agent.shutdown("could not start the HTTP listener")
+            agent.shutdown(f"could not start {what}")
             try:
                 os.unlink(agent.cfg.socket)
             except OSError:
@@ -417,12 +475,12 @@ def serve(agent: Agent, stop: threading.Event):
     finally:
         log.info("shutting down: stopping sandboxes")
         try:
-            if http is not None:
-                http.stop_accepting()
+            for svc in listeners:
+                svc.stop_accepting()
             agent.shutdown()
         finally:
-            if http is not None:
-                http.close()
+            for svc in listeners:
+                svc.close()
             server.stop(grace=2).wait(5)
             try:
                 os.unlink(agent.cfg.socket)

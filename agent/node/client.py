@@ -71,6 +71,10 @@ class AgentUnavailable(AgentError):
     pass
 
 
+class ResourceExhausted(AgentError):
+    """The node has no room: a resize or phase that does not fit, too many sandboxes."""
+
+
 class SandboxFailed(AgentError):
     """The sandbox could not start; `.reason` is the agent's reason."""
 
@@ -92,7 +96,8 @@ class SandboxPreempted(SandboxStopped):
 
 
 _BY_STATUS = {"INVALID_ARGUMENT": InvalidArgument, "NOT_FOUND": NotFound, "PERMISSION_DENIED": PermissionDenied,
-              "UNAVAILABLE": AgentUnavailable, "UNAUTHENTICATED": PermissionDenied}
+              "UNAVAILABLE": AgentUnavailable, "UNAUTHENTICATED": PermissionDenied,
+              "RESOURCE_EXHAUSTED": ResourceExhausted}
 
 
 def _convert(e, result=None) -> AgentError:
@@ -177,6 +182,9 @@ class SandboxInfo:
     timed_out: bool = False
     image: str = ""
     image_digest: str = ""
+    window: dict | None = None            # a resource window: {"base", "peak", "phases": {name: {cpus, memory}}}
+    phase: str = ""
+    frozen: bool = False
 
     @property
     def ended(self) -> bool:
@@ -192,7 +200,52 @@ def _info(m) -> SandboxInfo:
         steps=m.steps, warm=m.warm, warm_profile=m.warm_profile, waiting=m.waiting,
         queue_position=m.queue_position, preempted_for=m.preempted_for, node=m.node, cgroup_id=m.cgroup_id,
         summary=json.loads(m.summary_json) if m.summary_json else None, timed_out=m.timed_out,
-        image=m.image, image_digest=m.image_digest)
+        image=m.image, image_digest=m.image_digest,
+        window=_window_dict(m.window) if m.HasField("window") else None, phase=m.phase, frozen=m.frozen)
+
+
+def _window_dict(w) -> dict:
+    def r(x):
+        return {"cpus": x.cpus, "memory": x.memory_bytes}
+    return {"base": r(w.base), "peak": r(w.peak), "phases": {k: r(v) for k, v in w.phases.items()}}
+
+
+def _window_msg(window: dict):
+    """create(window={"base": {"cpus": 0.5, "memory": "512M"}, "peak": {...},
+    "phases": {"rollout": {...}}, "initial_phase": "rollout"})."""
+    from agent.node.proto import pb
+    if not isinstance(window, dict):
+        raise InvalidArgument("INVALID_ARGUMENT", "window: a dict with base, peak, phases, initial_phase")
+
+    def res(what, r):
+        if not isinstance(r, dict):
+            raise InvalidArgument("INVALID_ARGUMENT", f"window.{what}: a dict with cpus and memory")
+        return pb.Resources(cpus=float(r.get("cpus") or 0.0), memory_bytes=_size(r.get("memory")))
+    m = pb.ResourceWindow(initial_phase=window.get("initial_phase") or "")
+    for what in ("base", "peak"):
+        if window.get(what) is not None:
+            getattr(m, what).CopyFrom(res(what, window[what]))
+    for name, r in (window.get("phases") or {}).items():
+        m.phases[name].CopyFrom(res(f"phases.{name}", r))
+    return m
+
+
+def _resources_request(sandbox_id, cpus=None, memory=None, pids=None, force=False, thaw=False, reason=""):
+    from agent.node.proto import pb
+    return pb.UpdateResourcesRequest(sandbox_id=sandbox_id, resources=pb.Resources(
+        cpus=float(cpus or 0.0), memory_bytes=_size(memory), pids=int(pids or 0)), force=force, thaw=thaw,
+        reason=reason)
+
+
+def _resources_reply(r) -> dict:
+    def d(x):
+        return {"cpus": x.cpus, "memory": x.memory_bytes, "pids": x.pids}
+    return {"sandbox_id": r.sandbox_id, "resources": d(r.resources), "previous": d(r.previous), "thawed": r.thawed}
+
+
+def _phase_reply(r) -> dict:
+    return {"sandbox_id": r.sandbox_id, "phase": r.phase, "waited_seconds": r.waited_seconds,
+            "resources": {"cpus": r.resources.cpus, "memory": r.resources.memory_bytes, "pids": r.resources.pids}}
 
 
 def _b(v) -> bytes:
@@ -237,7 +290,7 @@ def _policy_ref(policy=None, policy_yaml=None, mode=None, source_name=None):
 def _create_request(*, sandbox_id=None, cpus=None, memory=None, pids=None, priority=None, policy=None,
                     policy_yaml=None, mode=None, policy_source=None, rootfs=None, network=None, labels=None,
                     env=None, workdir=None, user=None, lifetime=None, grace=None, keep=False, over_budget=None,
-                    audit=True, warm=True, wait=True, image=None, volumes=None, from_snapshot=None):
+                    audit=True, warm=True, wait=True, image=None, volumes=None, from_snapshot=None, window=None):
     from agent.node.proto import pb
     req = pb.CreateSandboxRequest(
         sandbox_id=sandbox_id or "", resources=pb.Resources(cpus=float(cpus or 0.0), memory_bytes=_size(memory),
@@ -250,6 +303,8 @@ def _create_request(*, sandbox_id=None, cpus=None, memory=None, pids=None, prior
     ref = _policy_ref(policy, policy_yaml, mode, policy_source)
     if ref is not None:
         req.policy.CopyFrom(ref)
+    if window is not None:
+        req.window.CopyFrom(_window_msg(window))
     return req
 
 
@@ -433,8 +488,10 @@ class Client:
         (reserved|standard|preemptible), policy (name), policy_yaml (text), mode, rootfs,
         network (none|egress), labels, env, workdir, user, lifetime, grace, keep, over_budget,
         audit (bool), warm (bool), image (NAME[:TAG] or a digest of the agent's image store),
-        volumes (['HOST:SANDBOX[:ro|rw]', ...], from the agent's volumes.allowed_roots). wait=True returns once it runs (a queued request waits its
-        turn, up to `timeout` seconds); SandboxFailed if it could not start."""
+        volumes (['HOST:SANDBOX[:ro|rw]', ...], from the agent's volumes.allowed_roots), window (a
+        resource window instead of cpus/memory: {"base": {"cpus", "memory"}, "peak": {...},
+        "phases": {name: {...}}, "initial_phase"}). wait=True returns once it runs (a queued request
+        waits its turn, up to `timeout` seconds); SandboxFailed if it could not start."""
         req = _create_request(wait=wait, **spec)
         m = self._unary("CreateSandbox", req, timeout=timeout if wait else None)
         info = _info(m)
@@ -507,6 +564,22 @@ class Client:
         from agent.node.proto import pb
         m = self._unary("Capabilities", pb.CapabilitiesRequest(), timeout=timeout)
         return _caps(m)
+
+    def update_resources(self, sandbox_id: str, cpus=None, memory=None, pids=None, *, force: bool = False,
+                         thaw: bool = False, reason: str = "") -> dict:
+        """New limits for a running sandbox (None = unchanged): ResourceExhausted when the node
+        has no room for the growth; AgentError FAILED_PRECONDITION for memory below its usage
+        (unless force). Returns {"resources", "previous", "thawed"}."""
+        return _resources_reply(self._unary("UpdateResources", _resources_request(
+            sandbox_id, cpus, memory, pids, force, thaw, reason), timeout=None))
+
+    def set_phase(self, sandbox_id: str, phase: str, *, wait: float = 0.0, force: bool = False) -> dict:
+        """Switch a windowed sandbox to `phase`, waiting up to `wait` seconds for room
+        (ResourceExhausted after that, with the reason)."""
+        from agent.node.proto import pb
+        return _phase_reply(self._unary("SetPhase", pb.SetPhaseRequest(sandbox_id=sandbox_id, phase=phase,
+                                                                       wait_seconds=float(wait), force=force),
+                                        timeout=wait + 30))
 
     # -- steps
     def exec_stream(self, sandbox_id: str, argv, *, stdin=None, stdin_stream=None, env=None, workdir=None,
@@ -652,6 +725,12 @@ class Sandbox:
     def update_policy(self, policy: str | None = None, policy_yaml: str | None = None, mode: str | None = None):
         return self.client.update_policy(self.id, policy, policy_yaml, mode)
 
+    def update_resources(self, cpus=None, memory=None, pids=None, **kw) -> dict:
+        return self.client.update_resources(self.id, cpus, memory, pids, **kw)
+
+    def set_phase(self, phase: str, **kw) -> dict:
+        return self.client.set_phase(self.id, phase, **kw)
+
     def events(self, kinds=None, decisions=None):
         return self.client.events(self.id, kinds, decisions)
 
@@ -777,6 +856,16 @@ class AsyncClient:
     async def capabilities(self, timeout: float | None = None) -> dict:
         from agent.node.proto import pb
         return _caps(await self._unary("Capabilities", pb.CapabilitiesRequest(), timeout=timeout))
+
+    async def update_resources(self, sandbox_id: str, cpus=None, memory=None, pids=None, *, force: bool = False,
+                               thaw: bool = False, reason: str = "") -> dict:
+        return _resources_reply(await self._unary("UpdateResources", _resources_request(
+            sandbox_id, cpus, memory, pids, force, thaw, reason), timeout=None))
+
+    async def set_phase(self, sandbox_id: str, phase: str, *, wait: float = 0.0, force: bool = False) -> dict:
+        from agent.node.proto import pb
+        return _phase_reply(await self._unary("SetPhase", pb.SetPhaseRequest(
+            sandbox_id=sandbox_id, phase=phase, wait_seconds=float(wait), force=force), timeout=wait + 30))
 
     # -- steps
     async def exec_stream(self, sandbox_id: str, argv, *, stdin=None, stdin_stream=None, env=None, workdir=None,
@@ -912,6 +1001,12 @@ class AsyncSandbox:
     async def update_policy(self, policy=None, policy_yaml=None, mode=None):
         return await self.client.update_policy(self.id, policy, policy_yaml, mode)
 
+    async def update_resources(self, cpus=None, memory=None, pids=None, **kw) -> dict:
+        return await self.client.update_resources(self.id, cpus, memory, pids, **kw)
+
+    async def set_phase(self, phase: str, **kw) -> dict:
+        return await self.client.set_phase(self.id, phase, **kw)
+
     def events(self, kinds=None, decisions=None):
         return self.client.events(self.id, kinds, decisions)
 
@@ -931,5 +1026,6 @@ class AsyncSandbox:
 
 
 __all__ = ["Client", "AsyncClient", "Sandbox", "AsyncSandbox", "TLS", "ExecResult", "SandboxInfo", "AgentError",
-           "InvalidArgument", "NotFound", "PermissionDenied", "AgentUnavailable", "SandboxFailed", "SandboxStopped",
+           "InvalidArgument", "NotFound", "PermissionDenied", "AgentUnavailable", "ResourceExhausted", "SandboxFailed",
+           "SandboxStopped",
            "SandboxPreempted", "agent_available", "default_target"]

@@ -160,6 +160,8 @@ class SchedulingConfig(_Base):
     preemption_grace: float = Field(5.0, ge=0, le=600, description="SIGTERM -> SIGKILL for preempted sandboxes")
     tick_seconds: float = Field(0.5, gt=0, le=10, description="how often the queue, aging and the warm pool are served")
     max_parallel_starts: int = Field(8, ge=1, le=256, description="sandbox starts/teardowns in flight")
+    concurrent_peaks: int = Field(1, ge=0, le=4096, description="resource windows: the admission keeps room "
+                                                                "for this many peaks at once")
 
 
 class DefaultsConfig(_Base):
@@ -444,8 +446,8 @@ class HTTPTLSConfig(_Base):
                                                         "(mutual TLS, as the tcp listener)")
 
 
-class HTTPConfig(_Base):
-    """The SandboxFusion-compatible /run_code listener (off unless configured)."""
+class ListenerConfig(_Base):
+    """An HTTP listener of the agent and its access control (the http and metrics sections)."""
     listen: str = Field(description="HOST:PORT, e.g. 127.0.0.1:8080")
     tls: Optional[HTTPTLSConfig] = None
     tokens_file: Optional[str] = Field(None, description="'NAME TOKEN' lines: callers authenticate with "
@@ -455,36 +457,14 @@ class HTTPConfig(_Base):
                                        description="identities allowed (certificate CN/SAN, token NAME); "
                                                    "'*' = any authenticated caller")
     unauthenticated: bool = Field(False, description="no authentication at all (loopback listen only)")
-    profile: Optional[str] = Field(None, description="warm_pool profile every language runs on (default: a "
-                                                     "profile 'http' is added: 2 x 1G)")
-    languages: dict[str, str] = Field(default_factory=dict, description="language -> warm_pool profile")
-    labels: dict[str, str] = Field(default_factory=dict, description="labels added to every request's sandbox")
-    max_inflight: int = Field(64, ge=1, le=4096, description="requests served at once; more get 429 at once")
-    queue_timeout_seconds: float = Field(5.0, ge=0, le=600, description="how long a request waits for node "
-                                                                        "capacity before 429")
-    max_body_bytes: Union[int, str] = Field("64M", description="largest request body (413 above)")
-    max_code_bytes: Union[int, str] = Field("1M", description="largest `code` (400 above)")
-    max_files_bytes: Union[int, str] = Field("32M", description="sum of the decoded `files` and `stdin` (400 above)")
-    max_files: int = Field(256, ge=0, le=65536, description="entries in `files` / `fetch_files`")
-    max_output_bytes: Union[int, str] = Field("8M", description="stdout/stderr kept per stream (truncated above)")
-    max_fetch_bytes: Union[int, str] = Field("32M", description="sum of the files returned by `fetch_files`")
-    max_timeout_seconds: float = Field(600.0, gt=0, le=86400, description="largest compile/run timeout")
-    max_memory_mb: int = Field(16384, ge=4, description="largest memory_limit_MB a request may ask for")
     client_timeout_seconds: float = Field(30.0, gt=0, le=3600, description="idle/slow client connections "
                                                                            "are closed after this")
+    max_inflight: int = Field(64, ge=1, le=4096, description="requests served at once; more get 429 at once")
 
     @field_validator("listen")
     @classmethod
     def _listen(cls, v: str) -> str:
         return _check_listen(v)
-
-    @field_validator("max_body_bytes", "max_code_bytes", "max_files_bytes", "max_output_bytes", "max_fetch_bytes")
-    @classmethod
-    def _sizes(cls, v):
-        n = parse_size(v)
-        if n < 1024:
-            raise ValueError(f"{v!r} is less than 1K")
-        return n
 
     @model_validator(mode="after")
     def _access(self):
@@ -499,6 +479,62 @@ class HTTPConfig(_Base):
         if not self.allowed_clients:
             raise ValueError("allowed_clients: list at least one identity (or '*')")
         return self
+
+
+class HTTPConfig(ListenerConfig):
+    """The SandboxFusion-compatible /run_code listener (off unless configured)."""
+    profile: Optional[str] = Field(None, description="warm_pool profile every language runs on (default: a "
+                                                     "profile 'http' is added: 2 x 1G)")
+    languages: dict[str, str] = Field(default_factory=dict, description="language -> warm_pool profile")
+    labels: dict[str, str] = Field(default_factory=dict, description="labels added to every request's sandbox")
+    queue_timeout_seconds: float = Field(5.0, ge=0, le=600, description="how long a request waits for node "
+                                                                        "capacity before 429")
+    max_body_bytes: Union[int, str] = Field("64M", description="largest request body (413 above)")
+    max_code_bytes: Union[int, str] = Field("1M", description="largest `code` (400 above)")
+    max_files_bytes: Union[int, str] = Field("32M", description="sum of the decoded `files` and `stdin` (400 above)")
+    max_files: int = Field(256, ge=0, le=65536, description="entries in `files` / `fetch_files`")
+    max_output_bytes: Union[int, str] = Field("8M", description="stdout/stderr kept per stream (truncated above)")
+    max_fetch_bytes: Union[int, str] = Field("32M", description="sum of the files returned by `fetch_files`")
+    max_timeout_seconds: float = Field(600.0, gt=0, le=86400, description="largest compile/run timeout")
+    max_memory_mb: int = Field(16384, ge=4, description="largest memory_limit_MB a request may ask for")
+
+    @field_validator("max_body_bytes", "max_code_bytes", "max_files_bytes", "max_output_bytes", "max_fetch_bytes")
+    @classmethod
+    def _sizes(cls, v):
+        n = parse_size(v)
+        if n < 1024:
+            raise ValueError(f"{v!r} is less than 1K")
+        return n
+
+
+# ---------------------------------------------------------------- metrics, breaker (issue 20)
+
+class MetricsConfig(ListenerConfig):
+    """The Prometheus text-format /metrics listener (off unless configured)."""
+    max_sandbox_series: int = Field(200, ge=0, le=10000, description="per-sandbox CPU/memory series at most "
+                                                                      "(the largest by memory)")
+    max_inflight: int = Field(8, ge=1, le=256, description="scrapes served at once")
+
+
+class BreakerOOM(_Base):
+    kills: int = Field(3, ge=1, le=1000, description="OOM kills ...")
+    window_seconds: float = Field(60.0, gt=0, le=86400, description="... within this long")
+    action: Literal["freeze", "stop"] = "stop"
+
+
+class BreakerCPU(_Base):
+    throttled_percent: float = Field(90.0, gt=0, le=100, description="throttled in more than this share of "
+                                                                     "its quota's periods ...")
+    for_seconds: float = Field(60.0, gt=0, le=86400, description="... for this long")
+    action: Literal["cut_quota", "freeze", "stop"] = "cut_quota"
+    cut_to: float = Field(0.5, gt=0, lt=1, description="cut_quota: the new quota as a share of the old")
+
+
+class BreakerConfig(_Base):
+    """Per-sandbox circuit breaker (docs/agent.md "Live resources"); null disables a trigger."""
+    interval_seconds: float = Field(1.0, gt=0, le=60, description="how often sandboxes are sampled")
+    oom: Optional[BreakerOOM] = Field(default_factory=BreakerOOM)
+    cpu: Optional[BreakerCPU] = None
 
 
 class AgentConfig(_Base):
@@ -519,6 +555,8 @@ class AgentConfig(_Base):
     host: HostConfig = Field(default_factory=HostConfig)
     http: Optional[HTTPConfig] = Field(None, description="SandboxFusion-compatible /run_code API "
                                                          "(docs/trainers.md); off unless set")
+    metrics: Optional[MetricsConfig] = Field(None, description="Prometheus /metrics listener; off unless set")
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     policy_dirs: list[str] = Field(default_factory=list,
                                    description="directories searched for policy NAME.yaml before the built-ins")
     authorization: AuthorizationConfig = Field(default_factory=AuthorizationConfig)
@@ -682,6 +720,11 @@ def load_config(path: str | None = None, environ=None) -> AgentConfig:
                 raise ConfigError(f"{source}: tcp.{what}: {p}: no such file")
     if cfg.http is not None:
         _check_http_files(cfg.http, source)
+    if cfg.metrics is not None:
+        _check_http_files(cfg.metrics, source, "metrics")
+        if cfg.http is not None and cfg.metrics.listen == cfg.http.listen:
+            raise ConfigError(f"{source}: metrics.listen: {cfg.metrics.listen} is http.listen too; give /metrics "
+                              f"its own port")
     for d in cfg.policy_dirs:
         if not os.path.isdir(d):
             raise ConfigError(f"{source}: policy_dirs: {d}: no such directory")
@@ -699,19 +742,19 @@ def load_config(path: str | None = None, environ=None) -> AgentConfig:
     return cfg
 
 
-def _check_http_files(h: HTTPConfig, source: str):
+def _check_http_files(h: ListenerConfig, source: str, section: str = "http"):
     if h.tls is not None:
         for what in ("cert", "key", "client_ca"):
             p = getattr(h.tls, what)
             if p and not os.path.isfile(p):
-                raise ConfigError(f"{source}: http.tls.{what}: {p}: no such file")
+                raise ConfigError(f"{source}: {section}.tls.{what}: {p}: no such file")
     if h.tokens_file:
         try:
             st = os.stat(h.tokens_file)
         except OSError as e:
-            raise ConfigError(f"{source}: http.tokens_file: {h.tokens_file}: {e.strerror}") from None
+            raise ConfigError(f"{source}: {section}.tokens_file: {h.tokens_file}: {e.strerror}") from None
         if st.st_mode & 0o077:
-            raise ConfigError(f"{source}: http.tokens_file: {h.tokens_file}: readable by group or others "
+            raise ConfigError(f"{source}: {section}.tokens_file: {h.tokens_file}: readable by group or others "
                               f"(mode {oct(st.st_mode & 0o777)}); chmod 600 it")
         load_tokens(h.tokens_file)
 

@@ -1,6 +1,10 @@
 """The node agent: one long-lived process per node that launches, schedules and
 audits sandboxes for many clients (docs/agent.md).
 
+Why this file is long: the Agent is one object whose transitions all happen
+under one lock; what could leave it has (the parts listed below), what is left
+is the state machine they share.
+
     agent = Agent(load_config(path))
     agent.start()          # eBPF programs once, exporter thread, cleanup of what a dead agent left
     ... agent.create(...), agent.exec_step(...), agent.kill(...) ...   (called by agent/node/api.py)
@@ -22,6 +26,7 @@ The agent in parts, each a file of agent/node/:
   streams.py   live event streams (StreamEvents) and the spool tap
   export.py    the continuous ClickHouse export and its barrier
   host.py      the run directory (lock, pid file), the eBPF sensors, clean-up after a dead agent
+  resources.py live limit changes, resource windows and phases, the circuit breaker
   api.py       gRPC <-> these Python values; client.py the SDK
 
 Pieces, and who owns what:
@@ -48,9 +53,9 @@ JSON holds {"state": ..., ...}: the scheduler's (queued, admitted, preempting,
 preempted, released, rejected, cancelled, warm_ready, warm_claimed,
 warm_draining, warm_released) and the agent's (started, step_started,
 step_ended, stopping, exited, killed, failed, cleaned, policy_updated,
-agent_started, agent_stopped, orphan_cleaned), resources_updated
-(agent/node/resources.py) and run_code (one /run_code request's outcome,
-agent/node/runcode.py).
+agent_started, agent_stopped, orphan_cleaned), resources.py's (resources_updated,
+phase_waiting, phase_switched, phase_refused, breaker_tripped, thawed) and
+runcode.py's run_code (one /run_code request's outcome).
 """
 from __future__ import annotations
 
@@ -73,6 +78,7 @@ from agent.node.records import (CANCELLED, ENDED, EXITED, FAILED, KILLED, MAX_AR
                                 STOPPING, STREAM_POLL, VERSION, WARM, ApiError, SandboxRecord, _bad, _compact, _fs,
                                 to_json)
 from agent.node.requests import PolicyCache, check_create
+from agent.node.resources import Breaker, on_actions, thaw_if_frozen, window_of
 from agent.node.streams import EventStreams, TapSpool
 from agent.node.warm import WarmPool, profile_key
 from agent.node.authz import ADMIN, Authorizer
@@ -152,7 +158,7 @@ class Agent:
             self.sched = Scheduler(total_cpus, total_mem, reserve_cpus=cfg.capacity.reserve_cpus,
                                    reserve_memory=cfg.capacity.reserve_memory,
                                    cpu_oversubscription=cfg.capacity.cpu_oversubscription,
-                                   max_pids=cfg.capacity.max_pids,
+                                   max_pids=cfg.capacity.max_pids, concurrent_peaks=cfg.scheduling.concurrent_peaks,
                                    aging_seconds=cfg.scheduling.aging_seconds, history=cfg.limits.history)
         except ReportedError as e:
             raise DsecError(f"capacity: {e.message}", 2)
@@ -177,6 +183,7 @@ class Agent:
         self._threads.append(t)
         if cfg.images.prewarm:
             self._submit_work(self.node_images.prewarm, list(cfg.images.prewarm))
+        self.breaker = Breaker(self).start()
         self._flush_emits()
         return self
 
@@ -202,6 +209,8 @@ class Agent:
             while any(r.state not in ENDED for r in self._records.values()) and time.monotonic() < deadline:
                 self._cond.wait(0.2)
         self._stop.set()
+        if getattr(self, "breaker", None) is not None:
+            self.breaker.stop()
         if self.executor:
             self.executor.shutdown(wait=True, cancel_futures=False)
         self.streams.close_all()
@@ -288,6 +297,7 @@ class Agent:
                 self._lifecycle("", "scheduler_" + t.state, ts_ns=int(t.at * 1e9), reason=t.reason)
         if not actions:
             return
+        on_actions(self, actions)                  # phase switches the scheduler granted
         now_ns = time.time_ns()
         for rid in actions.admitted:
             rec = self._records.get(rid)
@@ -465,6 +475,7 @@ class Agent:
                 return
             rec.stop_started = True
             rec.state = STOPPING
+            thaw_if_frozen(self, rec)              # the breaker froze it: its supervisor must run
             sb = rec.sandbox
             grace = getattr(rec, "stop_grace", self.cfg.defaults.grace_seconds)
             self._lifecycle(rec.id, "stopping", step=rec.steps, kind=rec.stop_kind, reason=rec.stop_reason,
@@ -555,6 +566,9 @@ class Agent:
         pol = req.get("policy") or {}
         policy = self.policies.load(pol.get("name"), pol.get("yaml"), pol.get("mode") or None,
                                     pol.get("source_name") or "")
+        win = window_of(req.get("window"), cpus, memory)       # a resource window, or None
+        if win is not None:
+            cpus, memory = win.phases[win.phase]
         quota = float(cpus) if cpus else None
         acc_cpus = quota or d.cpus
         memory = memory or d.memory
@@ -581,7 +595,7 @@ class Agent:
                           workdir=req.get("workdir") or None if img else workdir)
         with self._lock:
             self._check_room_locked()
-            if not sid and not req.get("no_warm") and not req.get("keep") and audit and not vols \
+            if not sid and not req.get("no_warm") and not req.get("keep") and audit and not vols and win is None \
                     and not req.get("from_snapshot") \
                     and over_budget == self.cfg.audit.over_budget and self.warm.profiles:
                 rec = self.warm.try_claim_locked(key, fields)
@@ -607,7 +621,7 @@ class Agent:
                 except ReportedError as e:
                     raise _bad(e.message) from None
             return self._submit_created(spec, sid, labels, priority, acc_cpus, memory, pids, audit,
-                                        over_budget, lifetime, grace)
+                                        over_budget, lifetime, grace, win)
         except BaseException:
             if getattr(spec, "lease", None) and os.path.exists(spec.lease):
                 os.unlink(spec.lease)        # never created: its layers are not held
@@ -622,7 +636,7 @@ class Agent:
                                                  f"(limits.max_sandboxes)")
 
     def _submit_created(self, spec, sid, labels, priority, acc_cpus, memory, pids, audit, over_budget,
-                        lifetime, grace):
+                        lifetime, grace, win=None):
         from agent.sandbox import launcher
         from agent.node.scheduler import Request
         with self._lock:
@@ -638,10 +652,11 @@ class Agent:
             rec = SandboxRecord(sid, spec, labels=labels, priority=priority, cpus=acc_cpus, memory=memory,
                                 pids=pids, audit=audit and self.rec is not None, over_budget=over_budget,
                                 lifetime=lifetime, grace=grace)
+            rec.window = win
             self._records[sid] = rec
             self._lifecycle(sid, "requested", **self._request_extra(rec))
             dec = self.sched.submit(Request(id=sid, cpus=acc_cpus, memory=memory, pids=pids, priority=priority,
-                                            labels=labels))
+                                            labels=labels, window=win.sched_window() if win else None))
             if dec.rejected:
                 del self._records[sid]
                 self._after_sched_locked(dec.actions)
@@ -660,7 +675,8 @@ class Agent:
                 "pids": rec.pids, "network": sp.network, "rootfs": sp.rootfs or "default", "user": sp.user,
                 "workdir": sp.workdir, "lifetime_s": rec.lifetime, "audit": rec.audit,
                 "image": img.get("name"), "image_digest": img.get("digest"),
-                "volumes": [v.to_dict() for v in sp.volumes] or None}
+                "volumes": [v.to_dict() for v in sp.volumes] or None,
+                "window": rec.window.to_dict() if rec.window else None}
 
     def _created(self, rec):
         self._flush_emits()
@@ -689,7 +705,8 @@ class Agent:
                    "steps": rec.steps, "warm": rec.warm, "warm_profile": rec.warm_profile or "",
                    "preempted_for": rec.preempted_for or "", "node": self.node, "cgroup_id": rec.cgroup_id,
                    "waiting": "", "queue_position": -1, "summary": rec.summary if summary else None,
-                   "image": (rec.spec.image or {}).get("name", ""), "image_digest": (rec.spec.image or {}).get("digest", "")}
+                   "image": (rec.spec.image or {}).get("name", ""), "image_digest": (rec.spec.image or {}).get("digest", ""),
+                   "window": rec.window.to_dict() if rec.window else None, "frozen": rec.frozen}
             out.update(rec.policy_identity())
             if rec.state == QUEUED and self.sched is not None:
                 i = self.sched.info(rec.id) or {}
@@ -771,6 +788,7 @@ class Agent:
                 rec.stop_kind = "closed"
                 rec.stop_reason = "closed by the client"
                 rec.state = STOPPING
+                thaw_if_frozen(self, rec)
                 mine = True
         full = None
         if mine:

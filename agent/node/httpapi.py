@@ -67,12 +67,17 @@ def _cert_identities(cert: dict | None) -> list[str]:
 
 
 class HTTPService:
+    """One HTTP listener of the agent with its access control (config section `section`);
+    agent/node/metrics_http.py's /metrics is one too, with its own routes."""
+    section = "http"
+    what = "SandboxFusion /run_code"
+
     def __init__(self, agent, hcfg):
         from agent.node.config import load_tokens
         self.agent = agent
         self.cfg = hcfg
         self.tokens = load_tokens(hcfg.tokens_file) if hcfg.tokens_file else {}
-        self.langs = languages(agent.cfg)
+        self.langs = languages(agent.cfg) if self.section == "http" else {}
         self.allowed = set(hcfg.allowed_clients)
         self._slots = threading.BoundedSemaphore(hcfg.max_inflight)
         self._lock = threading.Lock()
@@ -89,8 +94,11 @@ class HTTPService:
         from concurrent.futures import ThreadPoolExecutor
         self._closer = ThreadPoolExecutor(max_workers=min(64, hcfg.max_inflight), thread_name_prefix="dsec-http-close")
         self.scheme = "http"
-        self.routes = {("POST", "/run_code"): self._run_code, ("GET", "/v1/ping"): self._ping,
-                       ("GET", "/"): self._root, ("GET", "/dsec/v1/languages"): self._languages}
+        self.routes = self.make_routes()
+
+    def make_routes(self) -> dict:
+        return {("POST", "/run_code"): self._run_code, ("GET", "/v1/ping"): self._ping,
+                ("GET", "/"): self._root, ("GET", "/dsec/v1/languages"): self._languages}
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> "HTTPService":
@@ -108,7 +116,7 @@ class HTTPService:
                     ctx.verify_mode = ssl.CERT_REQUIRED
                     ctx.load_verify_locations(c.tls.client_ca)
             except (ssl.SSLError, OSError) as e:
-                raise DsecError(f"http.tls: {e}", 2) from None
+                raise DsecError(f"{self.section}.tls: {e}", 2) from None
             self.scheme = "https+mtls" if c.tls.client_ca else "https"
         service = self
 
@@ -138,21 +146,21 @@ class HTTPService:
         try:
             self.server = Server((host, int(port)), _handler(self))
         except OSError as e:
-            raise DsecError(f"http.listen {c.listen}: cannot listen: {e.strerror}") from None
+            raise DsecError(f"{self.section}.listen {c.listen}: cannot listen: {e.strerror}") from None
         if ctx is not None:
             self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True,
                                                  do_handshake_on_connect=False)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
-                                       name="dsec-http", daemon=True)
+                                       name=f"dsec-{self.section}", daemon=True)
         self.thread.start()
         self.agent.transports.append(f"{self.scheme}:{c.listen}")
         if c.unauthenticated:
-            self.agent.degraded.append(f"http {c.listen}: unauthenticated (loopback): any local user can run "
-                                       f"code through /run_code")
+            self.agent.degraded.append(f"{self.section} {c.listen}: unauthenticated (loopback): any local user "
+                                       f"can reach {self.what}")
         avail = [k for k, v in self.langs.items() if v["available"]]
-        log.info("http: SandboxFusion /run_code on %s://%s (languages: %s)", self.scheme.split("+")[0],
-                 c.listen, ", ".join(avail) or "none")
+        log.info("%s: %s on %s://%s%s", self.section, self.what, self.scheme.split("+")[0], c.listen,
+                 f" (languages: {', '.join(avail) or 'none'})" if self.section == "http" else "")
         return self
 
     def stop_accepting(self):
@@ -219,12 +227,12 @@ class HTTPService:
             if self.cfg.unauthenticated and not ids:
                 return "anonymous"
         if bad is not None or not ids:
-            reason = bad or ("authentication required: a client certificate (http.tls.client_ca) or a token "
-                             "(Authorization: Bearer TOKEN, or http://NAME:TOKEN@host/...)")
+            reason = bad or (f"authentication required: a client certificate ({self.section}.tls.client_ca) or a "
+                             f"token (Authorization: Bearer TOKEN, or http://NAME:TOKEN@host/...)")
             status = 401
         else:
             reason = (f"identity {', '.join(repr(i) for i in ids)} is not in the agent's allowlist "
-                      f"(http.allowed_clients)")
+                      f"({self.section}.allowed_clients)")
             status = 403
         self.count("refused")
         h.close_connection = True
@@ -405,15 +413,18 @@ def _handler(service: HTTPService):
                 self.close_connection = True
 
         def reply(self, status: int, body, headers: dict | None = None):
-            self.drain()
             data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace")
+            self.reply_raw(status, data, "application/json", headers)
+
+        def reply_raw(self, status: int, data: bytes, content_type: str, headers: dict | None = None):
+            self.drain()
             if 400 <= status < 500 and status != 429:
                 service.count("answered_4xx")
             elif status >= 500:
                 service.count("answered_5xx")
             try:
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(data)))
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)

@@ -142,6 +142,8 @@ class SandboxRecord:
         self.start_done = threading.Event()
         self.stop_started = False
         self.oom_seen = 0
+        self.window = None                     # resources.WindowSpec: a resource window and its phase
+        self.frozen = False                    # the circuit breaker froze it (cgroup2 freezer)
 
     @property
     def policy(self):

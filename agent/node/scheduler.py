@@ -30,6 +30,12 @@ The rules, with a worked example, are in docs/scheduler.md. In short:
 - a reserved or standard request that does not fit first drains warm
   sandboxes, then preempts preemptible sandboxes it outranks (youngest first),
   only if that makes it fit, and only an irreducible set
+- resource windows (Request.window): a sandbox holds its current phase's
+  resources; admission also needs the sum of every holder's base plus the
+  `concurrent_peaks` largest (peak - base) bursts to fit the limit, so that many
+  peaks are always possible at once; a phase switch up (set_phase) that does not
+  fit waits in a FIFO ahead of the queue (it reserves its delta: new admissions
+  cannot take it) or is refused; resize() changes a fixed sandbox's size
 """
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ from typing import Callable, Iterable, Mapping
 from agent.errors import DsecError, EXIT_USAGE
 
 __all__ = [
-    "CLASSES", "Request", "Decision", "Actions", "Transition", "Scheduler", "SchedulerError",
+    "CLASSES", "Request", "Window", "Decision", "Actions", "Transition", "Scheduler", "SchedulerError",
     "QUEUED", "ADMITTED", "PREEMPTING", "RELEASED", "PREEMPTED", "REJECTED", "CANCELLED",
     "TERMINAL", "WARM_READY", "WARM_DRAINING", "WARM_CLAIMED", "WARM_RELEASED",
     "WAIT_PENDING", "WAIT_CAPACITY", "WAIT_HEAD_OF_LINE",
@@ -55,6 +61,7 @@ PREEMPTIBLE_RANK = RANK["preemptible"]
 
 # request states
 QUEUED, ADMITTED, PREEMPTING = "queued", "admitted", "preempting"
+APPLIED = "applied"                   # set_phase() / resize() outcome: in force now
 RELEASED, PREEMPTED, REJECTED, CANCELLED = "released", "preempted", "rejected", "cancelled"
 LIVE = frozenset({QUEUED, ADMITTED, PREEMPTING})
 TERMINAL = frozenset({RELEASED, PREEMPTED, REJECTED, CANCELLED})
@@ -94,19 +101,33 @@ class Request:
     priority: str = "standard"
     submitted: float | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
+    window: "Window | None" = None
+
+
+@dataclass(frozen=True)
+class Window:
+    """A resource window: `base` is held for the whole life, `peak` is the most any
+    phase may ask for; the Request's cpus/memory are the phase it starts in (between
+    the two). pids are the Request's, in every phase."""
+    base_cpus: float
+    base_memory: int
+    peak_cpus: float
+    peak_memory: int
 
 
 @dataclass(frozen=True)
 class Actions:
     """What the agent must do after a call: launch `admitted` (in this order),
     stop `preempt` (SIGTERM, grace, SIGKILL, then release(id)), destroy the warm
-    sandboxes in `drain_warm` (then release_warm(slot))."""
+    sandboxes in `drain_warm` (then release_warm(slot)), apply the phase switches
+    granted to `phases` (set_phase() that had to wait)."""
     admitted: tuple[str, ...] = ()
     preempt: tuple[str, ...] = ()
     drain_warm: tuple[str, ...] = ()
+    phases: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.admitted or self.preempt or self.drain_warm)
+        return bool(self.admitted or self.preempt or self.drain_warm or self.phases)
 
 
 @dataclass(frozen=True)
@@ -160,7 +181,7 @@ class _Entry:
     """A request's record (internal)."""
     __slots__ = ("id", "priority", "rank", "res", "labels", "submitted", "seq", "vkey", "key",
                  "state", "admitted_at", "ended_at", "reason", "waiting", "cause",
-                 "warm_slot")
+                 "warm_slot", "base", "peak")
 
     def __init__(self, rid, priority, res, labels, submitted, seq, aging):
         self.id = rid
@@ -182,6 +203,19 @@ class _Entry:
         self.waiting = None
         self.cause = None
         self.warm_slot = None
+        self.base = res                           # resource window (fixed size: base = peak = res)
+        self.peak = res
+
+
+class _Switch:
+    """A phase switch waiting for room (internal): FIFO, ahead of the queue."""
+    __slots__ = ("entry", "new", "asked", "seq")
+
+    def __init__(self, entry, new, asked, seq):
+        self.entry = entry
+        self.new = new
+        self.asked = asked
+        self.seq = seq
 
 
 class _Slot:
@@ -220,6 +254,18 @@ def _short(need, have):
     return (max(0, need[0] - have[0]), max(0, need[1] - have[1]), max(0, need[2] - have[2]))
 
 
+def _pos(v):
+    return (max(0, v[0]), max(0, v[1]), max(0, v[2]))
+
+
+def _topk(vectors, k: int):
+    """Per dimension, the sum of the k largest values."""
+    if k <= 0:
+        return _ZERO
+    cols = list(zip(*vectors)) if vectors else [(), (), ()]
+    return tuple(sum(sorted(c, reverse=True)[:k]) for c in cols)
+
+
 def _fmt_cpus(m) -> str:
     return f"{m / MILLI:g}"
 
@@ -246,6 +292,18 @@ def _describe_short(short) -> str:
     if short[2] > 0:
         parts.append(f"{_fmt_pids(short[2])} pids")
     return ", ".join(parts)
+
+
+def _describe_free(have, need) -> str:
+    """What is free, in the dimensions `need` asks for."""
+    parts = []
+    if need[0] > 0:
+        parts.append(f"{_fmt_cpus(have[0])} CPUs")
+    if need[1] > 0:
+        parts.append(f"{_fmt_bytes(have[1])} memory")
+    if need[2] > 0:
+        parts.append(f"{_fmt_pids(have[2])} pids")
+    return ", ".join(parts) or "nothing needed"
 
 
 def _is_number(v) -> bool:
@@ -277,8 +335,10 @@ class Scheduler:
                  reserve_memory: int = 0, cpu_oversubscription: float = 1.0,
                  max_pids: int | None = None, *, aging_seconds: float | None = 60.0,
                  clock: Callable[[], float] = time.time, history: int = 10_000,
-                 max_transitions: int = 100_000):
+                 max_transitions: int = 100_000, concurrent_peaks: int = 1):
         problems = []
+        if not _is_int(concurrent_peaks) or concurrent_peaks < 0:
+            problems.append(f"concurrent_peaks={concurrent_peaks!r} must be an integer >= 0")
         if not _is_number(total_cpus) or not math.isfinite(total_cpus) or total_cpus <= 0:
             problems.append(f"total_cpus={total_cpus!r} must be a positive number")
         if not _is_number(reserve_cpus) or not math.isfinite(reserve_cpus) or reserve_cpus < 0:
@@ -324,6 +384,7 @@ class Scheduler:
         self._clock = clock
         self._history = history
         self._max_transitions = max_transitions
+        self.concurrent_peaks = concurrent_peaks
 
         # allocatable: what one request may at most ask for
         self._alloc = (round(total_cpus * MILLI) - round(reserve_cpus * MILLI),
@@ -351,11 +412,14 @@ class Scheduler:
         self._dropped = 0
         self._dropped_reported = 0
         self._scratch: list[dict] = []
-        self._acts: dict[str, list[str]] = {"admitted": [], "preempt": [], "drain": []}
+        self._acts: dict[str, list[str]] = {"admitted": [], "preempt": [], "drain": [], "phases": []}
+        self._burst = _ZERO                           # sum over holders of (res - base): phases above base
+        self._switches: list[_Switch] = []            # phase switches waiting for room, FIFO
         self._counters = {k: 0 for k in ("submitted", "admitted", "queued", "rejected",
                                          "cancelled", "preempted", "released", "adopted",
                                          "warm_reserved", "warm_claimed", "warm_drained",
-                                         "warm_released")}
+                                         "warm_released", "phase_switches", "phase_waits",
+                                         "phase_refused", "resized", "resize_refused")}
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -442,6 +506,8 @@ class Scheduler:
                 raise SchedulerError(f"release({rid!r}): the request is queued, not running;"
                                      " use cancel()")
             self._used = _sub(self._used, e.res)
+            self._burst = _sub(self._burst, _sub(e.res, e.base))
+            self._switches = [w for w in self._switches if w.entry is not e]
             if e.state == PREEMPTING:
                 self._pending = _sub(self._pending, e.res)
                 self._counters["preempted"] += 1
@@ -533,6 +599,105 @@ class Scheduler:
             self._schedule(t)
             return self._end(None)
 
+    def set_phase(self, rid: str, cpus: float, memory: int, wait: bool = True,
+                  now: float | None = None) -> Decision:
+        """Switch a windowed sandbox to a phase asking for cpus/memory (between its
+        window's base and peak). Down (or equal): applied at once. Up: applied if the
+        increase fits what is free and no earlier switch waits; else, with `wait`,
+        queued (outcome "queued": it reserves its increase, nothing new is admitted
+        into it, and it is granted in FIFO order: actions.phases of a later call),
+        without `wait` refused. A new switch replaces a waiting one of the same sandbox."""
+        with self._lock:
+            t = self._now(now)
+            self._begin()
+            e = self._held_entry(rid, "set_phase")
+            problems = []
+            if e.base == e.peak:
+                problems.append("it has no resource window (a fixed size: use resize())")
+            else:
+                problems = self._check_resources(cpus, memory, e.res[2])
+            if not problems:
+                new = (round(cpus * MILLI), memory, e.res[2])
+                if not (_fits(e.base, new) and _fits(new, e.peak)):
+                    problems.append(f"cpus={cpus:g}, memory={_fmt_bytes(memory)} is outside its window "
+                                    f"(base {_fmt_cpus(e.base[0])} CPUs / {_fmt_bytes(e.base[1])}, peak "
+                                    f"{_fmt_cpus(e.peak[0])} CPUs / {_fmt_bytes(e.peak[1])})")
+            if problems:
+                self._counters["phase_refused"] += 1
+                return self._end(Decision(rid, REJECTED, f"set_phase({rid!r}): " + "; ".join(problems)))
+            self._switches = [w for w in self._switches if w.entry is not e]
+            delta = _pos(_sub(new, e.res))
+            free = self._free_after_switches()
+            if delta == _ZERO or (not self._switches and _fits(delta, free)):
+                self._apply(e, new)
+                self._counters["phase_switches"] += 1
+                self._schedule(t)
+                return self._end(Decision(rid, APPLIED))
+            have = _pos(free)
+            why = (f"it needs {_describe_short(delta)} more, {_describe_free(have, delta)} free"
+                   + (f", {len(self._switches)} earlier phase switch(es) waiting" if self._switches else "")
+                   + " (other sandboxes' phases hold the rest)")
+            if not wait:
+                self._counters["phase_refused"] += 1
+                self._schedule(t)
+                return self._end(Decision(rid, REJECTED, f"set_phase({rid!r}): {why}"))
+            self._seq += 1
+            self._switches.append(_Switch(e, new, t, self._seq))
+            self._counters["phase_waits"] += 1
+            self._schedule(t)
+            if not any(w.entry is e for w in self._switches):      # granted by the pass itself
+                return self._end(Decision(rid, APPLIED))
+            return self._end(Decision(rid, QUEUED, f"waiting: {why}"))
+
+    def cancel_phase(self, rid: str, now: float | None = None) -> Actions:
+        """Withdraw rid's waiting phase switch (no-op if none): its reservation goes back."""
+        with self._lock:
+            t = self._now(now)
+            self._begin()
+            self._switches = [w for w in self._switches if w.entry.id != rid]
+            self._schedule(t)
+            return self._end(None)
+
+    def phase_waiting(self, rid: str) -> bool:
+        with self._lock:
+            return any(w.entry.id == rid for w in self._switches)
+
+    def resize(self, rid: str, cpus: float, memory: int, pids: int, now: float | None = None) -> Decision:
+        """A running fixed-size sandbox's new size (UpdateResources). Smaller: applied
+        (what it frees may admit queued requests). Larger: re-admitted, i.e. applied only
+        if the increase fits what is free (after waiting phase switches) and no queued
+        request waits for capacity; else refused with the reason."""
+        with self._lock:
+            t = self._now(now)
+            self._begin()
+            e = self._held_entry(rid, "resize")
+            problems = []
+            if e.base != e.peak:
+                problems.append("it has a resource window: switch phases with set_phase()")
+            problems += self._check_resources(cpus, memory, pids)
+            if problems:
+                self._counters["resize_refused"] += 1
+                return self._end(Decision(rid, REJECTED, f"resize({rid!r}): " + "; ".join(problems)))
+            new = (round(cpus * MILLI), memory, pids)
+            delta = _pos(_sub(new, e.res))
+            if delta != _ZERO:
+                free = self._free_after_switches()
+                why = None
+                if self._blocker is not None:
+                    why = f"request {self._blocker.id!r} waits for capacity ahead of it"
+                elif not _fits(delta, free):
+                    why = f"the node is short of {_describe_short(_short(delta, free))}"
+                elif not self._window_ok(None, _sub(new, e.res)):
+                    why = "it would take the room kept for resource windows' peaks"
+                if why:
+                    self._counters["resize_refused"] += 1
+                    return self._end(Decision(rid, REJECTED, f"resize({rid!r}) to {cpus:g} CPUs, "
+                                                             f"{_fmt_bytes(memory)}, {pids} pids: {why}"))
+            self._apply(e, new, base_too=True)
+            self._counters["resized"] += 1
+            self._schedule(t)
+            return self._end(Decision(rid, APPLIED))
+
     def state(self, rid: str) -> str | None:
         """The state of a request (or warm slot), None if unknown or forgotten."""
         if not isinstance(rid, str):
@@ -567,6 +732,10 @@ class Scheduler:
                            position=self._queue.index(e))
             if e.state in (PREEMPTING, PREEMPTED):
                 out["preempted_for"] = e.cause
+            if e.base != e.peak:
+                out["window"] = {"base": {"cpus": e.base[0] / MILLI, "memory": e.base[1]},
+                                 "peak": {"cpus": e.peak[0] / MILLI, "memory": e.peak[1]}}
+                out["phase_waiting"] = any(w.entry is e for w in self._switches)
             return out
 
     def queue(self) -> list[str]:
@@ -647,6 +816,10 @@ class Scheduler:
                          "by_profile": by_profile},
                 "counters": dict(self._counters),
                 "transitions": {"buffered": len(self._events), "dropped": self._dropped},
+                "windows": {"concurrent_peaks": self.concurrent_peaks,
+                            "burst_cpus": self._burst[0] / MILLI, "burst_memory": self._burst[1],
+                            "bound_cpus": self._bound()[0] / MILLI, "bound_memory": self._bound()[1],
+                            "phase_switches_waiting": len(self._switches)},
             }
 
     def verify(self) -> None:
@@ -655,9 +828,11 @@ class Scheduler:
         with self._lock:
             used = pending = _ZERO
             held = {}
+            burst = _ZERO
             for e in self._live.values():
                 if e.state in (ADMITTED, PREEMPTING):
                     used = _add(used, e.res)
+                    burst = _add(burst, _sub(e.res, e.base))
                     held[e.id] = e
                 if e.state == PREEMPTING:
                     pending = _add(pending, e.res)
@@ -672,6 +847,10 @@ class Scheduler:
                 problems.append(f"pending {self._pending} != sum of those being freed {pending}")
             if held != self._held:
                 problems.append("held set out of sync")
+            if burst != self._burst:
+                problems.append(f"burst {self._burst} != sum of phases above base {burst}")
+            if any(w.entry.id not in held or held[w.entry.id].state != ADMITTED for w in self._switches):
+                problems.append("a waiting phase switch belongs to a sandbox that is not running")
             if not _fits(used, self._limit):
                 problems.append(f"used {used} exceeds the limit {self._limit}")
             q = [e for e in self._live.values() if e.state == QUEUED]
@@ -701,11 +880,11 @@ class Scheduler:
 
     def _begin(self):
         self._scratch = []
-        self._acts = {"admitted": [], "preempt": [], "drain": []}
+        self._acts = {"admitted": [], "preempt": [], "drain": [], "phases": []}
 
     def _end(self, d):
         acts = Actions(tuple(self._acts["admitted"]), tuple(self._acts["preempt"]),
-                       tuple(self._acts["drain"]))
+                       tuple(self._acts["drain"]), tuple(self._acts["phases"]))
         for ev in self._scratch:
             self._tseq += 1
             self._events.append(Transition(seq=self._tseq, **ev))
@@ -757,6 +936,7 @@ class Scheduler:
         elif rid in self._live:
             p.append(f"id {rid!r} is already {self._live[rid].state}")
         p += self._check_resources(req.cpus, req.memory, req.pids)
+        p += self._check_window(req)
         if not isinstance(req.priority, str) or req.priority not in RANK:
             p.append(f"priority class {req.priority!r} is unknown (expected one of"
                      f" {', '.join(CLASSES)})")
@@ -787,8 +967,70 @@ class Scheduler:
     def _make_entry(self, req: Request, t: float) -> _Entry:
         self._seq += 1
         submitted = float(req.submitted) if req.submitted is not None else t
-        return _Entry(req.id, req.priority, self._res(req), req.labels, submitted, self._seq,
-                      self.aging_seconds)
+        e = _Entry(req.id, req.priority, self._res(req), req.labels, submitted, self._seq, self.aging_seconds)
+        w = req.window
+        if w is not None:
+            e.base = (round(w.base_cpus * MILLI), w.base_memory, req.pids)
+            e.peak = (round(w.peak_cpus * MILLI), w.peak_memory, req.pids)
+        return e
+
+    def _check_window(self, req) -> list[str]:
+        w = req.window
+        if w is None:
+            return []
+        if not isinstance(w, Window):
+            return [f"window must be a Window, got {type(w).__name__}"]
+        p = []
+        for what, c, m in (("base", w.base_cpus, w.base_memory), ("peak", w.peak_cpus, w.peak_memory)):
+            for problem in self._check_resources(c, m, 1):
+                p.append(f"window {what}: {problem}")
+        if p:
+            return p
+        base, peak = (round(w.base_cpus * MILLI), w.base_memory), (round(w.peak_cpus * MILLI), w.peak_memory)
+        cur = (round(req.cpus * MILLI), req.memory) if _is_number(req.cpus) and _is_int(req.memory) else None
+        if not (base[0] <= peak[0] and base[1] <= peak[1]):
+            p.append(f"window base ({w.base_cpus:g} CPUs, {_fmt_bytes(w.base_memory)}) is above its peak "
+                     f"({w.peak_cpus:g} CPUs, {_fmt_bytes(w.peak_memory)})")
+        elif cur is not None and not (base[0] <= cur[0] <= peak[0] and base[1] <= cur[1] <= peak[1]):
+            p.append(f"the starting phase ({req.cpus:g} CPUs, {_fmt_bytes(req.memory)}) is outside the window")
+        return p
+
+    def _held_entry(self, rid, what) -> _Entry:
+        e = self._live.get(rid) if isinstance(rid, str) else None
+        if e is None or e.state != ADMITTED:
+            self._end(None)
+            state = e.state if e is not None else ("ended" if isinstance(rid, str) and rid in self._done
+                                                    else "unknown")
+            raise SchedulerError(f"{what}({rid!r}): the request is {state}, not running")
+        return e
+
+    def _apply(self, e: _Entry, new, base_too: bool = False):
+        """e holds `new` from now on (a phase switch, or a resize: base_too)."""
+        self._used = _add(_sub(self._used, e.res), new)
+        self._burst = _sub(self._burst, _sub(e.res, e.base))
+        e.res = new
+        if base_too:
+            e.base = e.peak = new
+        self._burst = _add(self._burst, _sub(e.res, e.base))
+
+    def _free_after_switches(self):
+        free = _sub(self._limit, self._used)
+        for w in self._switches:
+            free = _sub(free, _pos(_sub(w.new, w.entry.res)))
+        return free
+
+    def _bound(self, extra=None, grow=_ZERO):
+        """Bases of every holder (+ `extra`, a candidate entry; + `grow` on the bases)
+        plus the concurrent_peaks largest bursts."""
+        bases = _add(_sub(self._used, self._burst), grow)
+        bursts = [_sub(h.peak, h.base) for h in self._held.values()]
+        if extra is not None:
+            bases = _add(bases, extra.base)
+            bursts.append(_sub(extra.peak, extra.base))
+        return _add(bases, _topk(bursts, self.concurrent_peaks))
+
+    def _window_ok(self, e, grow=_ZERO) -> bool:
+        return _fits(self._bound(e, grow), self._limit)
 
     def _reject(self, req, t, problems) -> Decision:
         rid = getattr(req, "id", None)
@@ -805,6 +1047,7 @@ class Scheduler:
             e.labels, e.submitted, e.seq = {}, t, self._seq
             e.vkey, e.key, e.admitted_at, e.waiting = 0.0, (0.0, t, e.seq), None, None
             e.cause = e.warm_slot = None
+            e.base = e.peak = _ZERO
             e.state = REJECTED
             e.ended_at, e.reason = t, reason
             self._remember(e)
@@ -856,6 +1099,7 @@ class Scheduler:
         e.waiting = None
         e.reason = None
         self._used = _add(self._used, e.res)
+        self._burst = _add(self._burst, _sub(e.res, e.base))
         self._held[e.id] = e
         self._counters["admitted"] += 1
         self._acts["admitted"].append(e.id)
@@ -917,7 +1161,19 @@ class Scheduler:
     def _schedule(self, t: float):
         """One pass over the queue in order, up to the first request that must
         wait for capacity (see docs/scheduler.md, "The pass")."""
-        avail = _sub(self._limit, self._used)                  # free right now
+        # waiting phase switches first, in FIFO order: granted when their increase fits
+        # what is free; the first that does not (and every one after it) reserves its increase
+        waiting = False
+        for w in list(self._switches):
+            delta = _pos(_sub(w.new, w.entry.res))
+            if not waiting and _fits(delta, _sub(self._limit, self._used)):
+                self._apply(w.entry, w.new)
+                self._switches.remove(w)
+                self._counters["phase_switches"] += 1
+                self._acts["phases"].append(w.entry.id)
+            else:
+                waiting = True
+        avail = self._free_after_switches()                    # free right now (switches' reservations out)
         proj = _add(avail, self._pending)                      # free once those being freed are gone
         warm = prey = None                                     # reclaim candidates, youngest first
         self._blocker = None
@@ -927,6 +1183,15 @@ class Scheduler:
             e = q[i]
             need = e.res
             if _fits(need, avail) and _fits(need, proj):
+                if not self._window_ok(e):
+                    e.waiting = WAIT_CAPACITY
+                    b = self._bound(e)
+                    e.reason = (f"waiting for capacity: with it, the bases plus the {self.concurrent_peaks} "
+                                f"largest peak(s) of the resource windows would need {_fmt_cpus(b[0])} CPUs "
+                                f"and {_fmt_bytes(b[1])}; the limit is {_fmt_cpus(self._limit[0])} CPUs and "
+                                f"{_fmt_bytes(self._limit[1])}")
+                    self._blocker = e
+                    return
                 q.pop(i)
                 self._admit(e, t)
                 avail, proj = _sub(avail, need), _sub(proj, need)

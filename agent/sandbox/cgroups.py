@@ -255,6 +255,51 @@ class SandboxCgroup:
             v = _read(f"{self.v1_paths.get('memory', '/nonexistent')}/memory.max_usage_in_bytes").strip()
         return int(v) if v.isdigit() else 0
 
+    def memory_current(self) -> int:
+        """Bytes charged to the sandbox now (memory.current / memory.usage_in_bytes)."""
+        if self.layout.mode == "v2":
+            v = _read(f"{self.v2_path}/memory.current").strip()
+        else:
+            v = _read(f"{self.v1_paths.get('memory', '/nonexistent')}/memory.usage_in_bytes").strip()
+        return int(v) if v.isdigit() else 0
+
+    def cpu_stat(self) -> dict:
+        """{"usage_usec", "nr_periods", "nr_throttled", "throttled_usec"} (0 where unknown):
+        usage from cgroup2's cpu.stat (core accounting, present without the cpu controller),
+        throttling from the cpu controller (cgroup2, or v1 cpu.stat on hybrid hosts)."""
+        out = {"usage_usec": 0, "nr_periods": 0, "nr_throttled": 0, "throttled_usec": 0}
+        if self.v2_path:
+            for line in _read(f"{self.v2_path}/cpu.stat").splitlines():
+                k, _, v = line.partition(" ")
+                if k in out and v.strip().isdigit():
+                    out[k] = int(v)
+        if self.layout.mode != "v2" and "cpu" in self.v1_paths:
+            for line in _read(f"{self.v1_paths['cpu']}/cpu.stat").splitlines():
+                k, _, v = line.partition(" ")
+                if not v.strip().isdigit():
+                    continue
+                if k in ("nr_periods", "nr_throttled"):
+                    out[k] = int(v)
+                elif k == "throttled_time":
+                    out["throttled_usec"] = int(v) // 1000
+        return out
+
+    def can_freeze(self) -> bool:
+        return bool(self.v2_path) and os.path.exists(f"{self.v2_path}/cgroup.freeze")
+
+    def freeze(self, frozen: bool = True):
+        """cgroup2's freezer (also on hybrid hosts: the unified hierarchy has it without
+        controllers). Raises OSError where it is missing."""
+        _write(f"{self.v2_path}/cgroup.freeze", "1" if frozen else "0")
+
+    def frozen(self) -> bool:
+        if not self.v2_path:
+            return False
+        for line in _read(f"{self.v2_path}/cgroup.events").splitlines():
+            if line.startswith("frozen "):
+                return line.split()[1] == "1"
+        return False
+
     def pids(self) -> list[int]:
         out = set()
         for p in self.paths:
