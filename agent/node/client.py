@@ -862,6 +862,26 @@ class AsyncClient:
         return _resources_reply(await self._unary("UpdateResources", _resources_request(
             sandbox_id, cpus, memory, pids, force, thaw, reason), timeout=None))
 
+    async def snapshot(self, sandbox_id: str, timeout: float | None = None) -> dict:
+        """As Client.snapshot: the snapshot's record."""
+        from agent.node.proto import pb
+        m = await self._unary("Snapshot", pb.SnapshotRequest(sandbox_id=sandbox_id), timeout=timeout)
+        return json.loads(m.json)
+
+    async def restore(self, sandbox_id: str, snapshot_id: str, force: bool = False,
+                      timeout: float | None = None) -> dict:
+        """As Client.restore."""
+        from agent.node.proto import pb
+        m = await self._unary("Restore", pb.RestoreRequest(sandbox_id=sandbox_id, snapshot_id=snapshot_id,
+                                                           force=force), timeout=timeout)
+        return {"sandbox_id": m.sandbox_id, "snapshot": m.snapshot_id, "step": m.step, "total_ms": m.total_ms}
+
+    async def fork(self, snapshot_id: str, n: int, **spec) -> list["AsyncSandbox"]:
+        """n new sandboxes from one snapshot, created concurrently (as Client.fork)."""
+        import asyncio
+        return list(await asyncio.gather(*(self.create(from_snapshot=snapshot_id, warm=False, **spec)
+                                           for _ in range(int(n)))))
+
     async def set_phase(self, sandbox_id: str, phase: str, *, wait: float = 0.0, force: bool = False) -> dict:
         from agent.node.proto import pb
         return _phase_reply(await self._unary("SetPhase", pb.SetPhaseRequest(
@@ -997,6 +1017,12 @@ class AsyncSandbox:
         info = await self.client.close_sandbox(self.id)
         self.summary = info.summary
         return info
+
+    async def snapshot(self, timeout: float | None = None) -> dict:
+        return await self.client.snapshot(self.id, timeout)
+
+    async def restore(self, snapshot_id: str, force: bool = False) -> dict:
+        return await self.client.restore(self.id, snapshot_id, force)
 
     async def update_policy(self, policy=None, policy_yaml=None, mode=None):
         return await self.client.update_policy(self.id, policy, policy_yaml, mode)
