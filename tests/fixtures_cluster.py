@@ -102,6 +102,15 @@ class TwoShards:
                 f"</yandex>\n")
 
     def start(self):
+        # one dsec user and password on every shard, as a deployment has (host-by-host DDL and
+        # the Distributed table reach each shard with the same credentials)
+        pw = self.servers[0].password(create=True)
+        for s in self.servers[1:]:
+            if s.password() != pw:
+                os.makedirs(s.home, mode=0o700, exist_ok=True)
+                fd = os.open(s.password_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(pw + "\n")
         for s in self.servers:
             os.makedirs(os.path.join(s.home, "config.d"), exist_ok=True)
             with open(os.path.join(s.home, "config.d", "cluster.xml"), "w") as f:

@@ -66,6 +66,14 @@ class NetHost:
         self.procs = []
 
     def __enter__(self):
+        try:
+            self._setup()
+        except BaseException:
+            self.__exit__(None, None, None)          # nothing half-made left behind
+            raise
+        return self
+
+    def _setup(self):
         sh = lambda *a: subprocess.run(a, check=True, capture_output=True)  # noqa: E731
         sh("ip", "netns", "add", self.name)
         sh("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", "eth0", "netns", self.name)
@@ -75,11 +83,10 @@ class NetHost:
         sh(*n, "addr", "add", f"{self.addr}/24", "dev", "eth0")
         for a in self.extra:
             sh(*n, "addr", "add", f"{a}/32", "dev", "eth0")
-            sh("ip", "route", "add", f"{a}/32", "via", self.addr)
+            sh("ip", "route", "replace", f"{a}/32", "via", self.addr)   # another module's host of this subnet
         sh(*n, "link", "set", "eth0", "up")
         sh(*n, "link", "set", "lo", "up")
         sh(*n, "route", "add", "default", "via", self.gw)
-        return self
 
     def serve_http(self, addr=None, port=8080):
         """Start a bounded HTTP server inside the test host; returns the URL."""
