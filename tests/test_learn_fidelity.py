@@ -132,8 +132,10 @@ def test_learned_workload_runs_clean_under_enforce(name, workloads, env):
     text = open(pol).read()
     if name == "fetch":
         assert f"198.51.100.{SUBNET}" in text and "8080" in text
-    for i in range(RUNS):
-        sid, r = _run(env, pol, argv, extra)
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(RUNS) as ex:               # independent sandboxes: run side by side
+        runs = list(ex.map(lambda _: _run(env, pol, argv, extra), range(RUNS)))
+    for i, (sid, r) in enumerate(runs):
         assert r.returncode == 0, (i, r.stderr)
         assert _violations(sid, env) == [], (i, sid)
     if name == "fetch":

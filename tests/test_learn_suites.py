@@ -100,8 +100,10 @@ def learned(env):
 @pytest.mark.parametrize("name", NAMES)
 def test_learned_suite_runs_clean_under_enforce(name, learned, env):
     ln = learned[name]
-    for i in range(ENFORCED_RUNS):
-        sid, r = _run(env, name, ln["policy"])
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(ENFORCED_RUNS) as ex:      # independent sandboxes: run side by side
+        runs = list(ex.map(lambda _: _run(env, name, ln["policy"]), range(ENFORCED_RUNS)))
+    for i, (sid, r) in enumerate(runs):
         assert r.returncode not in (125, 137), (i, r.stderr[-2000:])          # it started, nothing killed
         got = result_of(r.returncode, _out(r), name)
         assert got == ln["verdict"], (i, sid, got, ln["verdict"], r.stderr[-3000:])
