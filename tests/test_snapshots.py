@@ -180,6 +180,8 @@ def test_auto_snapshots_retention_budget_and_leases(layout, store_dir, clickhous
         return {s["step"]: s["id"] for s in store.list() if s["sandbox_id"] == sid and s["auto"]}
     try:
         with agent.client(timeout=120) as c:
+            caps = c.capabilities()["snapshots"]
+            assert caps["auto"] == {"every_steps": 2, "retention": 2} and caps["disk_budget"] == 1 << 20
             sb = c.create(image="layout:app", user="root")
             for i in range(1, 7):
                 r = sb.exec(["/bin/sh", "-c", f"echo {i} > /opt/app/s{i}"])

@@ -46,8 +46,10 @@ class NodeSnapshots:
 
     def report(self) -> dict:
         """For Capabilities: where snapshots live, and whether they can hold processes."""
+        c = self.agent.cfg.snapshots
         return {"store": self.store.root if self.store else None, "filesystem": True,
-                "processes": self.criu if self.store else None}
+                "processes": self.criu if self.store else None,
+                "auto": {"every_steps": c.every_steps, "retention": c.retention}, "disk_budget": c.disk_budget}
 
     def _snapshot(self, ref: str, caller, method: str) -> dict:
         """A snapshot the caller may use: of a sandbox of its own tenant (the labels
