@@ -16,6 +16,7 @@ from images import layout, store_dir  # noqa: F401 - fixtures
 from conftest import dsec
 from test_agent import AgentProc
 from agent.sandbox import images
+from agent.sandbox.snapshots import SnapshotStore
 from agent.node.client import AgentError
 
 
@@ -156,3 +157,97 @@ def test_snapshot_fork_lineage_and_export(layout, store_dir, clickhouse_url, tmp
         subprocess.run(["rm", "-rf", other])
     finally:
         assert agent.stop() == 0, agent.read_log()[-2000:]
+
+
+def test_auto_snapshots_retention_budget_and_leases(layout, store_dir, clickhouse_url, tmp_path):
+    """Automatic snapshots by policy (every 2 steps, keep 2, a 1 MiB disk budget); a snapshot
+    a fork or a restored sandbox stands on is neither removed by retention nor by `dsec
+    snapshot rm` (naming the sandbox), and is released when that sandbox ends."""
+    from test_agent import _events
+    st = images.ImageStore(store_dir)
+    st.import_image(f"{layout}:app")
+    snaps = str(tmp_path / "snaps")
+    os.makedirs(tmp_path / "agent")
+    agent = AgentProc(str(tmp_path / "agent"), clickhouse_url,
+                      {"images": {"store": store_dir}, "capacity": {"cpus": 8, "memory": "8G"},
+                       "snapshots": {"every_steps": 2, "retention": 2, "disk_budget": "1M"}})
+    agent.env["DSEC_SNAPSHOT_STORE"] = snaps
+    agent.start()
+    e = {"DSEC_SNAPSHOT_STORE": snaps, "DSEC_IMAGE_STORE": store_dir, "DSEC_CLICKHOUSE_URL": clickhouse_url}
+    store = SnapshotStore(snaps)
+
+    def autos(sid):
+        return {s["step"]: s["id"] for s in store.list() if s["sandbox_id"] == sid and s["auto"]}
+    try:
+        with agent.client(timeout=120) as c:
+            caps = c.capabilities()["snapshots"]
+            assert caps["auto"] == {"every_steps": 2, "retention": 2} and caps["disk_budget"] == 1 << 20
+            sb = c.create(image="layout:app", user="root")
+            for i in range(1, 7):
+                r = sb.exec(["/bin/sh", "-c", f"echo {i} > /opt/app/s{i}"])
+                assert r.exit_code == 0, r.stderr
+            # taken after steps 2, 4, 6 (the state each step left); retention 2 removed step 2's
+            got = autos(sb.id)
+            assert sorted(got) == [4, 6], got
+            man = {x["path"] for x in store.get(got[4])["changes"]}
+            assert "/opt/app/s4" in man and "/opt/app/s5" not in man
+            # a fork of step 4's snapshot leases it: retention keeps it, rm refuses naming the fork
+            (kid,) = c.fork(got[4], 1)
+            assert kid.exec(["/bin/cat", "/opt/app/s4"]).stdout == b"4\n"
+            for i in (7, 8):
+                sb.exec(["/bin/sh", "-c", f"echo {i} > /opt/app/s{i}"])
+            assert sorted(autos(sb.id)) == [4, 6, 8]
+            r = dsec("snapshot", "rm", got[4], env=e)
+            assert r.returncode == 2 and f"in use by sandbox {kid.id} (a fork" in r.stderr.decode(), r.stderr
+            kid.close()                               # released when the fork ends
+            r = dsec("snapshot", "rm", got[4], env=e)
+            assert r.returncode == 0, r.stderr
+            # a restored sandbox leases its snapshot until it ends
+            c.restore(sb.id, got[6])
+            r = dsec("snapshot", "rm", got[6], env=e)
+            assert r.returncode == 2 and f"in use by sandbox {sb.id} (restored" in r.stderr.decode(), r.stderr
+            # past the disk budget: refused before anything is copied, the step's result stands
+            r = sb.exec(["/bin/sh", "-c", "head -c 2097152 /dev/zero > /opt/app/big"])      # step 9
+            assert r.exit_code == 0
+            r = sb.exec(["/bin/true"])                                                       # step 10: auto
+            assert r.exit_code == 0
+            with pytest.raises(AgentError, match="disk budget is 1048576 bytes"):
+                c.snapshot(sb.id)
+            assert 10 not in autos(sb.id)
+            assert not [d for d in os.listdir(os.path.join(snaps, "layers")) if d.startswith(".tmp")]
+            # a request's own policy: every step, keep 1; and refused on the default root
+            s2 = c.create(image="layout:app", user="root", auto_snapshot={"every_steps": 1, "retention": 1})
+            for i in (1, 2):
+                s2.exec(["/bin/sh", "-c", f"echo {i} > /opt/app/x"])
+            assert list(autos(s2.id)) == [2]
+            s2.close()
+            with pytest.raises(AgentError, match="auto_snapshot: snapshots need a sandbox on an image"):
+                c.create(auto_snapshot={"every_steps": 1})
+            sb.close()
+        assert os.listdir(os.path.join(snaps, "leases")) == []
+        r = dsec("snapshot", "rm", got[6], env=e)
+        assert r.returncode == 0, r.stderr
+        evs = _events(clickhouse_url, sb.id, ["lifecycle"],
+                      want=lambda evs: any(json.loads(x["extra"])["state"] == "snapshot_failed" for x in evs))
+        lc = [json.loads(x["extra"]) for x in evs]
+        assert [x["step"] for x in evs if json.loads(x["extra"])["state"] == "snapshotted"] == [2, 4, 6, 8]
+        removed = [x for x in lc if x["state"] == "snapshot_removed"]
+        assert [x["snapshot_step"] for x in removed] == [2] and removed[0]["reason"] == "retention 2"
+        failed = [x for x in lc if x["state"] == "snapshot_failed"]
+        assert len(failed) == 2 and "disk budget" in failed[0]["reason"]
+        assert [x for x in lc if x["state"] == "snapshotting" and x.get("auto")]
+    finally:
+        assert agent.stop() == 0, agent.read_log()[-2000:]
+
+
+def test_snapshot_config_names_file_line_and_field(tmp_path):
+    from agent.node.config import ConfigError, load_config
+    p = tmp_path / "a.yaml"
+    p.write_text("snapshots:\n  every_steps: 5\n  retention: 3\n  disk_budget: 20G\n")
+    c = load_config(str(p), environ={}).snapshots
+    assert (c.every_steps, c.retention, c.disk_budget) == (5, 3, 20 << 30)
+    p.write_text("snapshots:\n  every_steps: 2\n  disk_budget: lots\n")
+    with pytest.raises(ConfigError, match=r"a\.yaml:3: snapshots\.disk_budget: expected a size"):
+        load_config(str(p), environ={})
+    with pytest.raises(ConfigError, match="snapshots.retention"):
+        load_config(None, environ={"DSEC_AGENT__SNAPSHOTS__RETENTION": "-1"})

@@ -3,7 +3,7 @@
 examples:
   dsec snapshot create sbx-1a2b3c          # freeze, copy the writable layer, thaw; prints the snapshot id
   dsec snapshot ls
-  dsec snapshot inspect 3f2a9c01b2d4       # JSON: step context, base image, ordered changes
+  dsec snapshot inspect 3f2a9c01b2d4       # JSON: step context, base image, ordered changes, in_use_by
   dsec snapshot export 3f2a9c01b2d4 -o ./snap-layout     # an OCI image layout: `dsec image import` it elsewhere
   dsec snapshot restore sbx-1a2b3c 3f2a9c01b2d4  # roll the live sandbox back (--force: also mid-step)
   dsec snapshot rm 3f2a9c01b2d4
@@ -14,7 +14,8 @@ Fork: the SDK's client.fork(snapshot_id, n), or CreateSandbox(from_snapshot=...)
 See docs/snapshots.md.
 
 exit status: 0 ok; 1 failure; 2 bad input (unknown snapshot, a sandbox that
-cannot be snapshotted).
+cannot be snapshotted, the store's disk budget exceeded, `rm` of a snapshot a
+running fork or restored sandbox uses).
 """
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ def run(args) -> int:
                   f"{(s['chain'][0][:12] if s['chain'] else '-'):14} {img}")
         return 0
     if args.action == "inspect":
-        print(json.dumps(st.get(args.snapshot), indent=2))
+        snap = st.get(args.snapshot)
+        print(json.dumps(dict(snap, in_use_by=st.users(snap["id"])), indent=2))
         return 0
     if args.action == "export":
         from agent.commands.image import store

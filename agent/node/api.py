@@ -140,7 +140,10 @@ class AgentServicer(pb_grpc.AgentServicer):
                    "over_budget": request.over_budget, "no_audit": request.no_audit, "no_warm": request.no_warm,
                    "image": request.image, "volumes": [(v.host_path, v.sandbox_path, v.read_write)
                                                        for v in request.volumes],
-                   "from_snapshot": request.from_snapshot, "window": _window(request)}
+                   "from_snapshot": request.from_snapshot, "window": _window(request),
+                   "auto_snapshot": ({"every_steps": request.auto_snapshot.every_steps,
+                                      "retention": request.auto_snapshot.retention}
+                                     if request.HasField("auto_snapshot") else None)}
             caller = self._caller(context)
             rec = self.agent.create(req, caller)
             if request.wait_running:

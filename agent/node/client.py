@@ -290,7 +290,8 @@ def _policy_ref(policy=None, policy_yaml=None, mode=None, source_name=None):
 def _create_request(*, sandbox_id=None, cpus=None, memory=None, pids=None, priority=None, policy=None,
                     policy_yaml=None, mode=None, policy_source=None, rootfs=None, network=None, labels=None,
                     env=None, workdir=None, user=None, lifetime=None, grace=None, keep=False, over_budget=None,
-                    audit=True, warm=True, wait=True, image=None, volumes=None, from_snapshot=None, window=None):
+                    audit=True, warm=True, wait=True, image=None, volumes=None, from_snapshot=None, window=None,
+                    auto_snapshot=None):
     from agent.node.proto import pb
     req = pb.CreateSandboxRequest(
         sandbox_id=sandbox_id or "", resources=pb.Resources(cpus=float(cpus or 0.0), memory_bytes=_size(memory),
@@ -305,6 +306,17 @@ def _create_request(*, sandbox_id=None, cpus=None, memory=None, pids=None, prior
         req.policy.CopyFrom(ref)
     if window is not None:
         req.window.CopyFrom(_window_msg(window))
+    if auto_snapshot is not None:
+        a = dict(auto_snapshot)
+        unknown = set(a) - {"every_steps", "retention"}
+        if unknown:
+            raise InvalidArgument("INVALID_ARGUMENT", f"auto_snapshot: unknown key(s) {', '.join(sorted(unknown))} "
+                                                      f"(every_steps, retention)")
+        try:
+            req.auto_snapshot.CopyFrom(pb.AutoSnapshot(every_steps=int(a.get("every_steps") or 0),
+                                                       retention=int(a.get("retention") or 0)))
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument("INVALID_ARGUMENT", f"auto_snapshot: {e}") from None
     return req
 
 
@@ -490,7 +502,9 @@ class Client:
         audit (bool), warm (bool), image (NAME[:TAG] or a digest of the agent's image store),
         volumes (['HOST:SANDBOX[:ro|rw]', ...], from the agent's volumes.allowed_roots), window (a
         resource window instead of cpus/memory: {"base": {"cpus", "memory"}, "peak": {...},
-        "phases": {name: {...}}, "initial_phase"}). wait=True returns once it runs (a queued request
+        "phases": {name: {...}}, "initial_phase"}), auto_snapshot ({"every_steps": k, "retention": n}:
+        this sandbox's automatic snapshots instead of the agent's `snapshots` config; every_steps 0 =
+        none). wait=True returns once it runs (a queued request
         waits its turn, up to `timeout` seconds); SandboxFailed if it could not start."""
         req = _create_request(wait=wait, **spec)
         m = self._unary("CreateSandbox", req, timeout=timeout if wait else None)

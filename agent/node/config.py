@@ -1,6 +1,9 @@
 """The node agent's configuration: a YAML file validated with pydantic, then
 environment overrides.
 
+Why this file is long: it is the one schema of the agent's config file, a
+section per subsystem, each field with its bounds and description.
+
     cfg = load_config("/etc/dsec/agent.yaml")    # None: defaults + environment only
     cfg.socket, cfg.capacity.cpu_oversubscription, cfg.warm_pool[0].count ...
 
@@ -253,6 +256,21 @@ class ImagesConfig(_Base):
         if v is not None and not v.startswith("/"):
             raise ValueError("must be an absolute path")
         return v
+
+
+class SnapshotsConfig(_Base):
+    """Automatic snapshots and the store's disk budget (docs/snapshots.md "Automatic snapshots")."""
+    every_steps: int = Field(0, ge=0, le=1 << 20, description="snapshot a sandbox on an image or rootfs after "
+                                                              "every k-th step (0: only on request)")
+    retention: int = Field(0, ge=0, le=1 << 20, description="automatic snapshots kept per sandbox, newest first "
+                                                            "(0: all); older ones are removed unless in use")
+    disk_budget: Optional[Union[int, str]] = Field(None, description="bytes of files the snapshot store may hold "
+                                                                     "(e.g. 20G); a snapshot past it is refused")
+
+    @field_validator("disk_budget")
+    @classmethod
+    def _budget(cls, v):
+        return None if v is None else parse_size(v)
 
 
 class VolumesConfig(_Base):
@@ -548,6 +566,7 @@ class AgentConfig(_Base):
     warm_pool: list[WarmProfile] = Field(default_factory=list)
     images: ImagesConfig = Field(default_factory=ImagesConfig)
     volumes: VolumesConfig = Field(default_factory=VolumesConfig)
+    snapshots: SnapshotsConfig = Field(default_factory=SnapshotsConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     exporter: ExporterConfig = Field(default_factory=ExporterConfig)

@@ -437,7 +437,8 @@ class Agent:
         self._flush_emits()
 
     def _retire(self, rec: SandboxRecord):
-        """Move an ended record to the bounded history."""
+        """Move an ended record to the bounded history (its snapshot lease released)."""
+        self.snapshots.release(rec.spec)
         with self._lock:
             if self._records.get(rec.id) is rec:
                 del self._records[rec.id]
@@ -596,7 +597,7 @@ class Agent:
         with self._lock:
             self._check_room_locked()
             if not sid and not req.get("no_warm") and not req.get("keep") and audit and not vols and win is None \
-                    and not req.get("from_snapshot") \
+                    and not req.get("from_snapshot") and req.get("auto_snapshot") is None \
                     and over_budget == self.cfg.audit.over_budget and self.warm.profiles:
                 rec = self.warm.try_claim_locked(key, fields)
                 if rec is not None:
@@ -607,6 +608,12 @@ class Agent:
                            user=user, keep=bool(req.get("keep")), policy=policy, volumes=vols,
                            rootfs_roots=None if caller.local else self.cfg.rootfs_roots)
         spec.allow_root = caller.may("root")
+        auto = req.get("auto_snapshot")
+        if auto is not None:
+            if auto.get("every_steps") and img is None and not rootfs and not req.get("from_snapshot"):
+                raise _bad("auto_snapshot: snapshots need a sandbox on an image, a rootfs or a snapshot "
+                           "(the default root is several overlays over host directories)")
+            spec.auto_snapshot = dict(auto)
         if req.get("from_snapshot"):
             if img is not None or rootfs:
                 raise _bad("from_snapshot: the snapshot names its own image or rootfs")
@@ -625,6 +632,7 @@ class Agent:
         except BaseException:
             if getattr(spec, "lease", None) and os.path.exists(spec.lease):
                 os.unlink(spec.lease)        # never created: its layers are not held
+            self.snapshots.release(spec)
             raise
 
     def _check_room_locked(self):

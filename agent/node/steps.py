@@ -300,6 +300,8 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
     elif run.error:
         agent._lifecycle(rec.id, "step_ended", step=run.step, error=run.error)
     agent._flush_emits()
+    if st is not None and not run.cancelled:
+        agent.snapshots.after_step(rec)      # automatic snapshots: the state this step left, before its reply
 
 
 def _exit_status(agent, rec: SandboxRecord, run: StepRun) -> dict:

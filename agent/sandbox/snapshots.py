@@ -19,11 +19,20 @@ failure the sandbox is always thawed and nothing is left in the store.
 
 Layout:
     snapshots/<id>.json        sandbox, node, step context, base (image digest + layer digests, or
-                               rootfs), parent snapshot, the manifest, sizes, timings
+                               rootfs), parent snapshot, the manifest, sizes, timings, auto
     layers/<id>/root/          the frozen writable layer (overlayfs format)
+    leases/<sandbox>.<r>.json  the snapshots a running fork or restored sandbox stands on (remove()
+                               refuses them; live while the lease's sandbox's state dir exists on its node)
+
+A disk budget (take(budget=...)) bounds the bytes of files held by the store
+(the records' `bytes`): a snapshot that would exceed it is refused before the
+copy (estimated from the writable layer) and again before it is committed
+(exact), leaving nothing behind.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -38,6 +47,8 @@ from agent.sandbox import rootfs
 
 FREEZE_TIMEOUT_S = 5.0
 RETRIES = 3
+LEASE_GRACE_S = 300.0         # a lease younger than this is live even before its sandbox's state dir exists
+SANDBOX_DIR = os.path.join(rootfs.STATE_ROOT, "sandboxes")     # the launcher's (a lease lives while it does)
 ID_RE = re.compile(r"^[0-9a-f]{12,64}$")
 
 
@@ -153,8 +164,78 @@ def manifest(root: str) -> list[dict]:
 class SnapshotStore:
     def __init__(self, root: str | None = None):
         self.root = os.path.abspath(root or default_root())
-        for d in ("layers", "snapshots"):
+        for d in ("layers", "snapshots", "leases"):
             os.makedirs(os.path.join(self.root, d), mode=0o700, exist_ok=True)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """The store's lock (flock; never nested): budget checks and commits, leases, removals."""
+        fd = os.open(os.path.join(self.root, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def usage(self, exclude=()) -> int:
+        """Bytes of files the store holds (the records' `bytes`), but those of `exclude`."""
+        return sum(s["bytes"] for s in self.list() if s["id"] not in exclude)
+
+    # -- leases ---------------------------------------------------------------------------
+    def lease(self, sandbox_id: str, snaps: list[dict], kind: str) -> str:
+        """Sandbox `sandbox_id` (a fork, or restored) stands on these snapshots (and their
+        chains); the lease's path (release() it when the sandbox ends)."""
+        ids = []
+        for snap in snaps:
+            for s in [snap["id"]] + snap.get("chain", []):
+                if s not in ids:
+                    ids.append(s)
+        rec = {"sandbox_id": sandbox_id, "node": os.uname().nodename, "kind": kind, "snapshots": ids,
+               "created_ns": time.time_ns()}
+        path = os.path.join(self.root, "leases", f"{os.path.basename(sandbox_id)}.{os.urandom(4).hex()}.json")
+        with self._locked():
+            with open(path + ".tmp", "w") as f:
+                json.dump(rec, f)
+            os.rename(path + ".tmp", path)
+        return path
+
+    def release(self, path: str | None) -> None:
+        if not path:
+            return
+        with self._locked():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def leases(self) -> list[dict]:
+        """The live leases; stale ones (their sandbox gone from this node) are removed."""
+        out, node, now = [], os.uname().nodename, time.time()
+        d = os.path.join(self.root, "leases")
+        for fn in sorted(os.listdir(d)):
+            if not fn.endswith(".json"):
+                continue
+            p = os.path.join(d, fn)
+            try:
+                st = os.stat(p)
+                with open(p) as f:
+                    lease = json.load(f)
+            except (OSError, ValueError):
+                continue
+            sid = str(lease.get("sandbox_id") or "")
+            if lease.get("node") == node and now - st.st_mtime > LEASE_GRACE_S and \
+                    not os.path.isdir(os.path.join(SANDBOX_DIR, os.path.basename(sid))):
+                try:
+                    os.unlink(p)                         # its sandbox ended without releasing it
+                except OSError:
+                    pass
+                continue
+            out.append(lease)
+        return out
+
+    def users(self, snap_id: str) -> list[dict]:
+        """The live leases on snapshot `snap_id`."""
+        return [x for x in self.leases() if snap_id in x.get("snapshots", [])]
 
     def _meta(self, sid: str) -> str:
         return os.path.join(self.root, "snapshots", sid + ".json")
@@ -192,9 +273,11 @@ class SnapshotStore:
         return own + list(snap["base"]["lowers"])
 
     def take(self, sb, context: dict | None = None, *, timeout: float = FREEZE_TIMEOUT_S,
-             retries: int = RETRIES) -> dict:
+             retries: int = RETRIES, budget: int | None = None, freed=(), auto: bool = False) -> dict:
         """Freeze, copy the writable layer, thaw; record the snapshot. `sb` is a running
-        launcher.Sandbox whose root is an image or a --rootfs (one overlay)."""
+        launcher.Sandbox whose root is an image or a --rootfs (one overlay). `budget`:
+        the store's bytes at most, counting the snapshots of `freed` (to be removed after
+        this one) as gone; `auto`: taken by policy (retention may remove it later)."""
         spec = sb.spec
         if not spec.layers and not spec.rootfs:
             raise SnapshotError(f"sandbox {sb.sid}: snapshots need a sandbox on an image or a --rootfs "
@@ -202,11 +285,14 @@ class SnapshotStore:
         if sb.state != "running" or sb.cg is None:
             raise SnapshotError(f"sandbox {sb.sid} is {sb.state}: only a running sandbox can be snapshotted",
                                 EXIT_USAGE)
-        upper = os.path.join(sb.dir, "upper", "_root")
+        # the root's writable layer (after a restore: the fresh one the restore mounted)
+        upper = sb.layers[0][1] if sb.layers else os.path.join(sb.dir, "upper", "_root")
         lowers = list(spec.layers) if spec.layers else [os.path.abspath(spec.rootfs)]
         parent = getattr(spec, "snapshot", None) or {}
         chain = ([parent["id"]] + parent.get("chain", [])) if parent else []
         base_lowers = lowers[len(chain):] if parent else lowers
+        if budget is not None:
+            self._check_budget(sb.sid, _tree_bytes(upper), budget, freed, "the writable layer holds")
         tmp = os.path.join(self.root, "layers", f".tmp-{os.getpid()}-{os.urandom(4).hex()}")
         attempts, last, ok = 0, None, False
         t0 = time.monotonic()
@@ -240,21 +326,44 @@ class SnapshotStore:
             key = json.dumps({"manifest": [{k: v for k, v in e.items() if k != "ctime_ns"} for e in man],
                               "chain": chain, "base": base_lowers}, sort_keys=True)
             sid = hashlib.sha256(key.encode()).hexdigest()
-            final = os.path.join(self.root, "layers", sid)
-            if os.path.isdir(final):
-                shutil.rmtree(tmp, ignore_errors=True)        # the same state: one layer
-            else:
-                os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            with self._locked():
+                return self._commit(sb, spec, tmp, sid, man, chain, base_lowers, context, attempts, frozen_ms,
+                                    copy_ms, t0, budget, freed, auto)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)         # moved in place, or nothing half-made
+
+    def _check_budget(self, sandbox_id, nbytes: int, budget: int, freed, what: str):
+        used = self.usage(exclude=freed)
+        if used + nbytes > budget:
+            raise SnapshotError(f"sandbox {sandbox_id}: snapshot refused: the snapshot store's disk budget is "
+                                f"{budget} bytes, it holds {used} and {what} {nbytes} (snapshots.disk_budget; "
+                                f"remove snapshots with `dsec snapshot rm` or lower snapshots.retention)",
+                                EXIT_USAGE)
+
+    def _commit(self, sb, spec, tmp, sid, man, chain, base_lowers, context, attempts, frozen_ms, copy_ms,
+                t0, budget, freed, auto) -> dict:
+        """Under the store's lock: the budget (exact), the layer moved in place, the record."""
+        nbytes = sum(e.get("size", 0) for e in man)
+        final = os.path.join(self.root, "layers", sid)
+        old = None
+        if os.path.isdir(final):                              # the same state: one layer
+            try:
+                with open(self._meta(sid)) as f:
+                    old = json.load(f)
+            except (OSError, ValueError):
+                old = None
+        else:
+            if budget is not None:
+                self._check_budget(sb.sid, nbytes, budget, freed, "this snapshot would add")
+            os.rename(tmp, final)
         ctx = dict(context or {})
         snap = {"id": sid, "sandbox_id": sb.sid, "node": os.uname().nodename, "created_ns": time.time_ns(),
                 "step": ctx.get("step", 0), "context": ctx, "chain": chain,
                 "base": {"image": spec.image, "rootfs": None if spec.layers else os.path.abspath(spec.rootfs),
                          "lowers": base_lowers},
                 "changes": man, "files": sum(1 for e in man if e["kind"] == "file"),
-                "bytes": sum(e.get("size", 0) for e in man), "attempts": attempts,
+                "bytes": nbytes, "attempts": attempts,
+                "auto": bool(auto and (old is None or old.get("auto"))),   # taken on request once: kept
                 "frozen_ms": round(frozen_ms, 3), "copy_ms": round(copy_ms, 3),
                 "total_ms": round((time.monotonic() - t0) * 1000, 3)}
         tmpm = self._meta(sid) + f".{os.getpid()}.tmp"
@@ -264,14 +373,36 @@ class SnapshotStore:
         return snap
 
     def remove(self, ref: str) -> dict:
+        """Remove a snapshot no other snapshot chains to and no running sandbox stands on."""
         snap = self.get(ref)
-        users = [s["id"] for s in self.list() if snap["id"] in s.get("chain", [])]
-        if users:
-            raise SnapshotError(f"snapshot {snap['id'][:12]} is the parent of {len(users)} other snapshot(s) "
-                                f"({', '.join(u[:12] for u in users[:4])})", EXIT_USAGE)
-        os.unlink(self._meta(snap["id"]))
-        shutil.rmtree(os.path.join(self.root, "layers", snap["id"]), ignore_errors=True)
+        with self._locked():
+            users = [s["id"] for s in self.list() if snap["id"] in s.get("chain", [])]
+            if users:
+                raise SnapshotError(f"snapshot {snap['id'][:12]} is the parent of {len(users)} other snapshot(s) "
+                                    f"({', '.join(u[:12] for u in users[:4])})", EXIT_USAGE)
+            held = self.users(snap["id"])
+            if held:
+                who = ", ".join(f"{x['sandbox_id']} ({'a fork' if x.get('kind') == 'fork' else 'restored'} on "
+                                f"{x.get('node')})" for x in held[:4])
+                raise SnapshotError(f"snapshot {snap['id'][:12]} is in use by sandbox {who}: it is released when "
+                                    f"that sandbox ends", EXIT_USAGE)
+            os.unlink(self._meta(snap["id"]))
+            shutil.rmtree(os.path.join(self.root, "layers", snap["id"]), ignore_errors=True)
         return snap
+
+
+def _tree_bytes(root: str) -> int:
+    """Bytes of the regular files under `root` (the estimate of a snapshot's size)."""
+    n = 0
+    for dp, _dn, fn in os.walk(root):
+        for name in fn:
+            try:
+                st = os.lstat(os.path.join(dp, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                n += st.st_size
+    return n
 
 
 def fork_spec(spec, snap: dict, store: "SnapshotStore", image_store=None, *, user=None, workdir=None) -> None:
