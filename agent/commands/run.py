@@ -174,6 +174,8 @@ def prepare_image(spec):
 
 def run(args) -> int:
     from agent.sandbox.launcher import launch, new_sandbox_id
+    from agent.sandbox.sysutil import raise_nofile
+    raise_nofile()          # the sandbox itself keeps the limit dsec was started with
     spec = spec_from_args(args)
     if args.summary_json:
         d = os.path.dirname(os.path.abspath(args.summary_json))

@@ -85,6 +85,8 @@ from agent.node.authz import ADMIN, Authorizer
 from agent.sensors.watch import SandboxWatch
 
 log = logging.getLogger("dsec.agent")
+# below this open-file limit the agent runs out of fds before limits.max_sandboxes (reported as degraded)
+NOFILE_WANTED = 8192
 
 
 # ---------------------------------------------------------------- the agent
@@ -114,6 +116,7 @@ class Agent:
         self.export: ClickHouseExport | None = None
         self.sched = None
         self.degraded: list[str] = []
+        self.nofile = {"soft": 0, "hard": 0, "was": 0, "error": ""}
         self.audit_feature = {"available": False, "detail": "", "missing": []}
         self.enforce_feature = {"available": False, "detail": "", "missing": []}
         self.started_ns = 0
@@ -133,6 +136,16 @@ class Agent:
         from agent.node.scheduler import Scheduler
         from exporters.spool import Spool
         cfg = self.cfg
+        from agent.sandbox import sysutil
+        self.nofile = sysutil.raise_nofile()
+        log.info("open-file limit (RLIMIT_NOFILE): %d (hard %d, was %d)", self.nofile["soft"], self.nofile["hard"],
+                 self.nofile["was"])
+        if self.nofile["error"]:
+            log.warning("open-file limit not raised: %s", self.nofile["error"])
+        if self.nofile["soft"] < NOFILE_WANTED:
+            self.degraded.append(f"open-file limit (RLIMIT_NOFILE) is {self.nofile['soft']}: the agent holds a few "
+                                 f"fds per sandbox and stops starting sandboxes when it runs out (raise the hard "
+                                 f"limit, e.g. LimitNOFILE= in the systemd unit)")
         self.host = apply_host(cfg)
         launcher.preflight()
         from agent.sandbox import cgroups, uids
@@ -171,7 +184,8 @@ class Agent:
                          "reserve_memory": cfg.capacity.reserve_memory,
                          "cpu_oversubscription": cfg.capacity.cpu_oversubscription},
             "warm_pool": {p.name: p.count for p in cfg.warm_pool}, "host": self.host,
-            "clickhouse": {"cluster": cfg.clickhouse.cluster, "insert": cfg.clickhouse.insert}},
+            "clickhouse": {"cluster": cfg.clickhouse.cluster, "insert": cfg.clickhouse.insert},
+            "open_files": self.nofile},
             degraded=self.degraded, previous_agent=self.previous_agent)
         self.cleaned = clean_up_after(self.previous_agent, self._lifecycle)
         self.run_dir.write_pidfile(self.instance, self.started_ns)
@@ -925,7 +939,8 @@ class Agent:
                   "max_exec_bytes": MAX_EXEC_BYTES, "max_argv_items": MAX_ARGV_ITEMS,
                   "max_labels": MAX_LABELS, "max_sandboxes": self.cfg.limits.max_sandboxes,
                   "max_lifetime_seconds": self.cfg.limits.max_lifetime_seconds,
-                  "max_stream_subscribers": self.cfg.limits.max_stream_subscribers}
+                  "max_stream_subscribers": self.cfg.limits.max_stream_subscribers,
+                  "open_files": self.nofile["soft"], "open_files_hard": self.nofile["hard"]}
         return {"node": self.node, "agent_version": VERSION, "kernel": os.uname().release, "cgroup_mode": mode,
                 "images": self.node_images.report(warm), "snapshots": self.snapshots.report(),
                 "audit": self.audit_feature, "enforcement": self.enforce_feature, "degraded": degraded,

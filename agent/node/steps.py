@@ -224,12 +224,8 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
             if in_w >= 0 and (run.done or run.cancelled or (run.stdin_eof and not run.stdin_buf)):
                 os.close(in_w)
                 in_w = -1
-            wfds = [in_w] if in_w >= 0 and run.stdin_buf else []
             tmo = STREAM_POLL if done_at is None else 0.05
-            try:
-                r, w, _ = select.select(list(readers) + [wake_r], wfds, [], tmo)
-            except InterruptedError:
-                continue
+            r, w = _wait(readers, wake_r, in_w if in_w >= 0 and run.stdin_buf else -1, tmo)
             got = False
             if wake_r in r:
                 try:
@@ -302,6 +298,23 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
     agent._flush_emits()
     if st is not None and not run.cancelled:
         agent.snapshots.after_step(rec)      # automatic snapshots: the state this step left, before its reply
+
+
+def _wait(readers, wake_r: int, in_w: int, timeout: float) -> tuple[list[int], bool]:
+    """poll(2), not select(2): an agent holding many sandboxes has fds past 1023,
+    which select() cannot watch. Returns (readable fds, whether in_w is writable);
+    a hung-up or errored fd counts as readable (its read returns EOF or the error)."""
+    p = select.poll()
+    for fd in list(readers) + [wake_r]:
+        p.register(fd, select.POLLIN)
+    if in_w >= 0:
+        p.register(in_w, select.POLLOUT)
+    try:
+        ready = p.poll(int(timeout * 1000))
+    except InterruptedError:
+        return [], False
+    r = [fd for fd, ev in ready if fd != in_w]
+    return r, any(fd == in_w for fd, _ in ready)
 
 
 def _exit_status(agent, rec: SandboxRecord, run: StepRun) -> dict:

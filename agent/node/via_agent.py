@@ -132,7 +132,9 @@ def run(spec, args):
                 n = os.write(fd, view)
             except BlockingIOError:
                 import select
-                select.select([], [fd], [])
+                p = select.poll()           # poll, not select: works for any fd number
+                p.register(fd, select.POLLOUT)
+                p.poll()
                 continue
             except OSError:
                 broken.add(fd)

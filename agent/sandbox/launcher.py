@@ -405,6 +405,10 @@ class Sandbox:
         finally:
             ctl_child.close()
         self.pidfd = os.pidfd_open(self.sup_pid)
+        try:
+            su.restore_nofile(self.sup_pid)      # the agent's raised fd limit is not the workload's
+        except OSError as e:
+            raise DsecError(f"sandbox {self.sid}: cannot set its open-file limit: {e.strerror or e}", EXIT_DSEC)
         self._reader = threading.Thread(target=self._read_status, name=f"dsec-sbx-{self.sid}", daemon=True)
         self._reader.start()
         try:

@@ -188,3 +188,39 @@ def spawn_in_namespaces(path: str, argv: list, flags: int, fd_as_3: int) -> int:
     if "err" in out:
         raise out["err"]
     return out["pid"]
+
+
+# -- open-file limit ---------------------------------------------------------------
+# An agent holds a few fds per live sandbox (its control socket, pidfd, cgroup and
+# step pipes); the usual soft limit of 1024 stops it near 200 sandboxes. The agent
+# and `dsec run` raise the soft limit to the hard one at start (as Go programs and
+# systemd services do); sandboxes keep the limit the agent was started with
+# (restore_nofile on their PID 1), so the raise never reaches workload code.
+_NOFILE_ORIG: tuple[int, int] | None = None
+
+
+def raise_nofile() -> dict:
+    """Raise RLIMIT_NOFILE's soft limit to the hard one (once per process).
+    Returns {"soft", "hard", "was", "error"}: error is "" or why it could not be raised."""
+    import resource
+    global _NOFILE_ORIG
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if _NOFILE_ORIG is None:
+        _NOFILE_ORIG = (soft, hard)
+    err = ""
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError) as e:
+            err = f"setrlimit(RLIMIT_NOFILE, {hard}): {e}"
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return {"soft": soft, "hard": hard, "was": _NOFILE_ORIG[0], "error": err}
+
+
+def restore_nofile(pid: int) -> None:
+    """Give process `pid` (a sandbox's PID 1, before it runs anything) the open-file
+    limit this process started with, if raise_nofile() changed it."""
+    import resource
+    if _NOFILE_ORIG is None or _NOFILE_ORIG == resource.getrlimit(resource.RLIMIT_NOFILE):
+        return
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, _NOFILE_ORIG)

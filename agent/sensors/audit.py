@@ -269,7 +269,7 @@ class AuditSensor(RingSensor):
             self._flush_losses(cgroup_id, state, unfinished=unfinished)
             map_discard(self._state_map, self._state_map.Key(cgroup_id))
             totals = self._totals(state, unfinished)
-            self._finals[cgroup_id] = totals
+            self._keep_final(cgroup_id, totals)
             self._untrack(cgroup_id)
             self._stop_notified.discard(cgroup_id)
             self._deliver()

@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 
 from agent.sensors import bpfsys
 from agent.sensors.decoder import Decoder
@@ -246,6 +246,10 @@ def loss_totals(state: dict | None, unfinished: int = 0) -> dict:
 # drain() and remove_sandbox() wait at most this long for exec enrichment (and close() in all);
 # what is not read by then goes out marked sha256_skipped (remove) or follows later (drain)
 ENRICH_WAIT_S = 5.0
+# totals of removed sandboxes kept for a late stats()/remove_sandbox() (the caller
+# normally takes them from remove_sandbox's return): the most recent ones only, so
+# a long-lived agent's memory does not grow with every sandbox it ever ran
+FINALS_KEPT = 256
 ENDED = "the sandbox ended before its file was read"
 
 
@@ -276,7 +280,7 @@ class RingSensor:
         self._backlog: deque = deque()
         self._reported: dict[int, dict] = {}    # cgroup id -> {reason: {kind: count}} already reported
         self._last_flush_wall: dict[int, int] = {}
-        self._finals: dict[int, dict] = {}      # totals of removed sandboxes
+        self._finals: OrderedDict[int, dict] = OrderedDict()    # totals of the last FINALS_KEPT removed
         self._next_flush = 0.0
         self._closed = False
         ring.open_ring_buffer(self._on_raw)
@@ -312,6 +316,12 @@ class RingSensor:
         if cgroup_id in self._finals:
             return self._finals[cgroup_id]
         raise DsecError(f"{what}: cgroup {cgroup_id} is not {self.VERB}")
+
+    def _keep_final(self, cgroup_id: int, totals: dict) -> None:
+        self._finals[cgroup_id] = totals
+        self._finals.move_to_end(cgroup_id)
+        while len(self._finals) > FINALS_KEPT:
+            self._finals.popitem(last=False)
 
     def _track(self, cgroup_id: int) -> None:
         self._reported[cgroup_id] = {}

@@ -569,7 +569,7 @@ class EnforcementSensor(RingSensor):
             if sb.modes["egress"] == "learn":
                 totals["destinations"] = self.egress_destinations(cgroup_id)
             self._forget(sb)
-            self._finals[cgroup_id] = totals
+            self._keep_final(cgroup_id, totals)
             self._deliver()
             return totals
 

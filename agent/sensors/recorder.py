@@ -108,8 +108,10 @@ class Recorder:
     def _on_over_budget(self, cgroup_id, sandbox_id, lost):
         """over_budget="stop": the kernel killed the process that overflowed; stop the
         rest of the sandbox too, so its record ends instead of having holes."""
-        self.stopped[cgroup_id] = lost
         w = self._watched.get(cgroup_id)
+        if w is None:
+            return              # unwatched meanwhile: nothing to stop, nothing to keep
+        self.stopped[cgroup_id] = lost
         path = w and w.get("path")
         if path:
             try:

@@ -170,7 +170,9 @@ class NodeActor:
             fd = self._pidfd
             if fd >= 0:
                 try:
-                    ready, _, _ = select.select([fd], [], [], 0.25)
+                    p = select.poll()       # poll, not select: the fd may be past 1023
+                    p.register(fd, select.POLLIN)
+                    ready = p.poll(250)
                 except (OSError, ValueError):
                     ready = []
                 if ready and self._pidfd == fd:
