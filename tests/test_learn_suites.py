@@ -84,12 +84,18 @@ def env(tmp_path_factory, clickhouse_url):
 @pytest.fixture(scope="module")
 def learned(env):
     """name -> {policy file, its text, the verdict without dsec, dsec learn's stderr}."""
-    out = {}
-    for name in NAMES:
+    def one(name):
         _, base = _run(env, name, extra=["--audit", "off"])
         pol = os.path.join(env["TMP"], f"{name}.yaml")
         r = dsec("learn", "--runs", "2", *env_args(name), "-o", pol, "--", *SUITES[name]["argv"],
                  env=env, timeout=300)
+        return name, base, pol, r
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(len(NAMES)) as ex:           # the three suites learn side by side
+        done = list(ex.map(one, NAMES))
+    out = {}
+    for name, base, pol, r in done:
         assert r.returncode == 0, (name, r.stderr[-2000:])
         out[name] = {"policy": pol, "text": open(pol).read(), "learn_stderr": r.stderr.decode(),
                      "verdict": result_of(base.returncode, _out(base), name)}
