@@ -485,34 +485,41 @@ static __always_inline int enf_sock_ok(u32 idx, u64 family, u64 type, u64 proto)
     return r && enf_sock_proto_ok(r, proto);
 }
 
-static __always_inline void enf_sock_violation(struct dsec_enf_sandbox *cfg, u64 cgid, u32 kind, long id,
-                                               long ret, u64 family, u64 type, u64 proto)
+/* One violation of syscall number `nr` (already mapped: every number >=
+ * DSEC_SYSCALL_NR_MAX is DSEC_SYSCALL_NR_OTHER): counted in sys_viol under
+ * (sandbox, nr), at most DSEC_SYSVIOL_PER_SANDBOX keys per sandbox (the rest is
+ * counted in the sandbox's sys_overflow and as table_full): one sandbox cannot
+ * fill the table for the others, and userspace walks the counters only of
+ * sandboxes that have some (st->sys_entries). Reported at most once per
+ * report_ns per key, through the sandbox's event and byte budgets: the reserved
+ * record (total, ret, nr filled; *stp its sandbox's state, for enf_submit), or
+ * NULL when this one is only counted. */
+static __always_inline struct dsec_event_small *enf_sys_record(struct dsec_enf_sandbox *cfg, u64 cgid, u32 kind,
+                                                               u32 nr, long ret, struct dsec_enf_state **stp)
 {
     struct dsec_enf_state *st = enf_state.lookup(&cgid);
     if (!st)
-        return;
-    struct dsec_sys_key sk = {};
-    sk.cgroup_id = cgid;
-    sk.nr = (u32)id;
-    struct dsec_sys_viol *v = sys_viol.lookup(&sk);
+        return NULL;
+    struct dsec_sys_key k = {};
+    k.cgroup_id = cgid;
+    k.nr = nr;
+    struct dsec_sys_viol *v = sys_viol.lookup(&k);
     if (!v) {
-        /* the same per-sandbox counter bound as enf_sys_violation: userspace
-         * walks the counters of sandboxes that have some (st->sys_entries) */
         u64 n = __sync_fetch_and_add(&st->sys_entries, 1);
         if (n >= DSEC_SYSVIOL_PER_SANDBOX) {
             __sync_fetch_and_add(&st->sys_entries, -1);
             __sync_fetch_and_add(&st->sys_overflow, 1);
             enf_count_lost(st, DSEC_LOST_TABLE_FULL, kind);
-            return;
+            return NULL;
         }
         struct dsec_sys_viol nv = {};
-        if (sys_viol.insert(&sk, &nv) != 0)
-            __sync_fetch_and_add(&st->sys_entries, -1);
-        v = sys_viol.lookup(&sk);
+        if (sys_viol.insert(&k, &nv) != 0)
+            __sync_fetch_and_add(&st->sys_entries, -1);   /* another CPU's, or no room */
+        v = sys_viol.lookup(&k);
         if (!v) {
             __sync_fetch_and_add(&st->sys_overflow, 1);
             enf_count_lost(st, DSEC_LOST_TABLE_FULL, kind);
-            return;
+            return NULL;
         }
     }
     u64 total = __sync_fetch_and_add(&v->count, 1) + 1;
@@ -521,17 +528,28 @@ static __always_inline void enf_sock_violation(struct dsec_enf_sandbox *cfg, u64
     u64 now = bpf_ktime_get_ns();
     u64 last = *(volatile u64 *)&v->last_ns;
     if (last && now - last < cfg->report_ns)
-        return;     /* counted; reported with a later record or by userspace */
+        return NULL;     /* counted; reported with a later record or by userspace */
     if (__sync_val_compare_and_swap(&v->last_ns, last, now) != last)
-        return;
+        return NULL;     /* another CPU reports it */
     if (!enf_admit(cfg, st, kind))
-        return;     /* counted over_budget; the total still reaches userspace's summary */
+        return NULL;     /* counted over_budget; the total still reaches userspace's summary */
     struct dsec_event_small *e = enf_reserve(cfg, st, kind, cgid);
     if (!e)
-        return;
+        return NULL;
     e->u.syscall.total = total;
     e->u.syscall.ret = ret;
-    e->u.syscall.nr = (u32)id;
+    e->u.syscall.nr = nr;
+    *stp = st;
+    return e;
+}
+
+static __always_inline void enf_sock_violation(struct dsec_enf_sandbox *cfg, u64 cgid, u32 kind, long id,
+                                               long ret, u64 family, u64 type, u64 proto)
+{
+    struct dsec_enf_state *st = NULL;
+    struct dsec_event_small *e = enf_sys_record(cfg, cgid, kind, (u32)id, ret, &st);
+    if (!e || !st)
+        return;
     e->u.syscall.status = DSEC_ST_SOCKET;
     e->u.syscall.sock_family = family;
     e->u.syscall.sock_type = type;
@@ -634,58 +652,15 @@ static __always_inline int enf_sys_allowed(struct dsec_enf_sandbox *cfg, long id
     return (byte >> (i & 7)) & 1;
 }
 
-/* One violation of syscall `id`: counted in sys_viol under (sandbox, number),
- * every number >= DSEC_SYSCALL_NR_MAX under the one key DSEC_SYSCALL_NR_OTHER,
- * and at most DSEC_SYSVIOL_PER_SANDBOX keys per sandbox (the rest is counted in
- * the sandbox's sys_overflow and as table_full): one sandbox cannot fill the
- * table for the others. Reported at most once per report_ns per key, through
- * the sandbox's event and byte budgets like every other record. */
+/* One violation of syscall `id` (enf_sys_record counts and reports it). */
 static __always_inline void enf_sys_violation(struct dsec_enf_sandbox *cfg, u64 cgid, u32 kind,
                                               long id, long ret, u32 status)
 {
-    struct dsec_enf_state *st = enf_state.lookup(&cgid);
-    if (!st)
+    u32 nr = (id >= 0 && id < DSEC_SYSCALL_NR_MAX) ? (u32)id : DSEC_SYSCALL_NR_OTHER;
+    struct dsec_enf_state *st = NULL;
+    struct dsec_event_small *e = enf_sys_record(cfg, cgid, kind, nr, ret, &st);
+    if (!e || !st)
         return;
-    struct dsec_sys_key k = {};
-    k.cgroup_id = cgid;
-    k.nr = (id >= 0 && id < DSEC_SYSCALL_NR_MAX) ? (u32)id : DSEC_SYSCALL_NR_OTHER;
-    struct dsec_sys_viol *v = sys_viol.lookup(&k);
-    if (!v) {
-        u64 n = __sync_fetch_and_add(&st->sys_entries, 1);
-        if (n >= DSEC_SYSVIOL_PER_SANDBOX) {
-            __sync_fetch_and_add(&st->sys_entries, -1);
-            __sync_fetch_and_add(&st->sys_overflow, 1);
-            enf_count_lost(st, DSEC_LOST_TABLE_FULL, kind);
-            return;
-        }
-        struct dsec_sys_viol nv = {};
-        if (sys_viol.insert(&k, &nv) != 0)
-            __sync_fetch_and_add(&st->sys_entries, -1);   /* another CPU's, or no room */
-        v = sys_viol.lookup(&k);
-        if (!v) {
-            __sync_fetch_and_add(&st->sys_overflow, 1);
-            enf_count_lost(st, DSEC_LOST_TABLE_FULL, kind);
-            return;
-        }
-    }
-    u64 total = __sync_fetch_and_add(&v->count, 1) + 1;
-    u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    v->last_pid = tgid;
-    v->last_ret = ret;
-    u64 now = bpf_ktime_get_ns();
-    u64 last = *(volatile u64 *)&v->last_ns;
-    if (last && now - last < cfg->report_ns)
-        return;     /* counted; reported with a later record or by userspace */
-    if (__sync_val_compare_and_swap(&v->last_ns, last, now) != last)
-        return;     /* another CPU reports it */
-    if (!enf_admit(cfg, st, kind))
-        return;     /* counted over_budget; the total still reaches userspace's summary */
-    struct dsec_event_small *e = enf_reserve(cfg, st, kind, cgid);
-    if (!e)
-        return;
-    e->u.syscall.total = total;
-    e->u.syscall.ret = ret;
-    e->u.syscall.nr = k.nr;        /* the counter's key: >= 512 are one */
     e->u.syscall.status = status;
     enf_submit(e, st, kind);
 }
