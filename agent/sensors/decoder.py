@@ -35,7 +35,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 
-from audit_schema.events import KINDS, from_bytes, normalize
+from audit_schema.events import FIELDS, KINDS, default, from_bytes, normalize
 
 log = logging.getLogger("dsec.audit")
 
@@ -43,6 +43,8 @@ AT_FDCWD = -100
 AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
 PROTOCOLS = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmpv6", 136: "udplite", 132: "sctp"}
 SOCK_TYPES = {1: "stream", 2: "dgram", 3: "raw", 5: "seqpacket"}
+_TEMPLATE = {f.name: default(f) for f in FIELDS}
+_NFIELDS = len(_TEMPLATE)
 EVENTS_H = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf", "events.h")
 
 
@@ -404,14 +406,13 @@ class Decoder:
         self.parents[child] = parent
 
     def _base(self, info: SandboxInfo, kind: str, ts_mono: int, step: int) -> dict:
-        rec = {
-            "event_id": self.next_event_id(),
-            "ts_ns": self.wall_ns(ts_mono),
-            "node": self.node,
-            "sandbox_id": info.sandbox_id,
-            "step": step,
-            "kind": kind,
-        }
+        rec = _TEMPLATE.copy()          # every field, defaults, in FIELDS order (what normalize gives)
+        rec["event_id"] = self.next_event_id()
+        rec["ts_ns"] = self.wall_ns(ts_mono)
+        rec["node"] = self.node
+        rec["sandbox_id"] = info.sandbox_id
+        rec["step"] = step
+        rec["kind"] = kind
         for k in ("policy_name", "policy_hash", "mode"):
             if k in info.labels:
                 rec[k] = info.labels[k]
@@ -506,7 +507,8 @@ class Decoder:
             info.saw(h.pid)
         if extra:
             rec["extra"] = self._dump_extra(extra)
-        rec = normalize(rec)
+        if kind == "exec" or len(rec) != _NFIELDS:
+            rec = normalize(rec)        # enrichment may set None; a field not in the schema raises
         if self._pending is not None:
             from agent.sensors.elfinfo import EnrichJob
             (pending, ex), self._pending = self._pending, None
