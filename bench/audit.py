@@ -522,12 +522,7 @@ class Pipeline:
             self.stop.set()
             self.thread.join(timeout=30)
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_process(self.proc, 30)
         if self.rec is not None:
             t = time.perf_counter()
             self.rec.close()
@@ -535,6 +530,16 @@ class Pipeline:
         if self.exporter is not None:
             self.exporter.close()
         self.spool.close()
+
+
+def stop_process(p, timeout):
+    """SIGTERM, then SIGKILL after `timeout` seconds; reaped either way."""
+    p.terminate()
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
 
 
 def kill_cgroup(path):
@@ -751,11 +756,7 @@ class SinkBench:
             self.spool.drop_sink(self.sink.sink)
             self.sink = None
         if self.rx is not None:
-            self.rx.terminate()
-            try:
-                self.rx.wait(10)
-            except subprocess.TimeoutExpired:
-                self.rx.kill()
+            stop_process(self.rx, 10)
             self.rx = None
 
     # -- one probe

@@ -225,26 +225,14 @@ def _columns_valid(records: list) -> bool:
             if classes != {int} or min(vals) < check[0] or max(vals) > check[1]:
                 return False
         elif check == "String":
-            if classes != {str}:
+            if classes != {str} or not _encodable("".join(vals)):
                 return False
-            joined = "".join(vals)
-            if not joined.isascii():
-                try:
-                    joined.encode("utf-8", "surrogateescape")
-                except UnicodeEncodeError:
-                    return False
         elif check == "Array(String)":
             if not classes <= {list, tuple}:
                 return False
             items = [x for v in vals for x in v]
-            if set(map(type, items)) - {str}:
+            if set(map(type, items)) - {str} or not _encodable("".join(items)):
                 return False
-            joined = "".join(items)
-            if not joined.isascii():
-                try:
-                    joined.encode("utf-8", "surrogateescape")
-                except UnicodeEncodeError:
-                    return False
         else:
             return False
     for r in records:
