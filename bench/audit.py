@@ -6,8 +6,8 @@ event rate and each sink against baselines of the same run; the three parts
 share the pipeline harness.
 
 usage:
-  .venv/bin/python bench/audit.py              # full run (about 3.5-4 min on 2 cores)
-  .venv/bin/python bench/audit.py --quick      # short run (about 1.5-2 min)
+  .venv/bin/python bench/audit.py              # full run (about 8 min on 2 cores)
+  .venv/bin/python bench/audit.py --quick      # short run (about 3 min)
   .venv/bin/python bench/audit.py --reps 5     # more repetitions of part 1
   .venv/bin/python bench/audit.py --skip-rate  # part 1 only (--skip-overhead: part 2 only)
   .venv/bin/python bench/audit.py --exporter process   # part 2 with the exporter in its own process only
