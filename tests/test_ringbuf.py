@@ -179,3 +179,33 @@ def test_walk_refuses_a_length_past_the_ring():
     data, end = _hand_ring([(4000, 0, b"")])
     with pytest.raises(ValueError, match="exceeds the ring"):
         ringbuf.walk(data, 255, 0, 8)
+
+
+def _field_values(obj, ctype) -> dict:
+    """Field name -> value of a ctypes struct, byte arrays as bytes (as the struct views give them)."""
+    out = {}
+    for fd in ctype._fields_:
+        v = getattr(obj, fd[0])
+        out[fd[0]] = bytes(v) if not isinstance(v, (int, bytes)) else v
+    return out
+
+
+def test_struct_views_read_what_ctypes_reads(audit_sensor):
+    """The decoder's struct views (decoder.fast_view, built from BCC's ctypes
+    layout of struct dsec_event) give every field of the header and of each
+    union member exactly as ctypes does, over random bytes."""
+    dec = audit_sensor.sensor.decoder
+    assert dec._hdr_view is not None and dec._body_views is not None     # the fast path is the one in use
+    raw = os.urandom(dec.fixed + 64)
+    st, nt = dec._hdr_view
+    h_fast = nt._make(st.unpack_from(raw, dec.hdr_off))._asdict()
+    h_ct = _field_values(dec.hdr_t.from_buffer_copy(raw, dec.hdr_off), dec.hdr_t)
+    h_ct["comm"] = raw[dec.hdr_off + dec.hdr_t.comm.offset:][:dec.hdr_t.comm.size]   # ctypes stops at a NUL
+    assert h_fast == h_ct
+    body = dec.body_t.from_buffer_copy(raw, dec.body_off)
+    for name, t in dec.body_t._fields_:
+        st, nt = dec._body_views[name]
+        fast = st.unpack_from(raw, dec.body_off)           # (a view names _pad fields _N: compare in order)
+        assert list(fast) == list(_field_values(getattr(body, name), t).values()), name
+        assert [n for n in nt._fields if not n.startswith("_")] == \
+               [fd[0] for fd in t._fields_ if not fd[0].startswith("_")], name
