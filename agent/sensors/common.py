@@ -289,8 +289,12 @@ class RingSensor:
         self._closed = False
         self._reader = None             # ringbuf.RingReader, or None: BCC's callback reader
         if ringbuf.supported() and os.environ.get("DSEC_RING_READER", "bulk") != "bcc":
-            self._reader = ringbuf.RingReader(ring.map_fd, int(ring.max_entries))
-        else:
+            try:
+                self._reader = ringbuf.RingReader(ring.map_fd, int(ring.max_entries))
+            except (OSError, ValueError) as e:      # e.g. a kernel that refuses to mmap the ring
+                log.warning("eBPF %s: bulk ring buffer reader unavailable (%s); using BCC's callback reader "
+                            "(slower: may lose events past ~40k/s, counted as ringbuf_full)", self.WHAT, e)
+        if self._reader is None:
             ring.open_ring_buffer(self._on_raw)
 
     # -- lifecycle --------------------------------------------------------------
