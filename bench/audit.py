@@ -6,10 +6,11 @@ event rate and each sink against baselines of the same run; the three parts
 share the pipeline harness.
 
 usage:
-  .venv/bin/python bench/audit.py              # full run (about 3.5-4 min on 2 cores)
-  .venv/bin/python bench/audit.py --quick      # short run (about 1.5-2 min)
+  .venv/bin/python bench/audit.py              # full run (about 8 min on 2 cores)
+  .venv/bin/python bench/audit.py --quick      # short run (about 3 min)
   .venv/bin/python bench/audit.py --reps 5     # more repetitions of part 1
   .venv/bin/python bench/audit.py --skip-rate  # part 1 only (--skip-overhead: part 2 only)
+  .venv/bin/python bench/audit.py --exporter process   # part 2 with the exporter in its own process only
   .venv/bin/python bench/audit.py --skip-overhead --skip-rate   # part 3 only (--skip-sinks: not part 3)
 
 Part 1, overhead. Three workloads in a real sandbox, each run with
@@ -39,6 +40,13 @@ slow decoder for a few seconds, so only the long hold is conclusive), and
 emitted. A hold that fails is retried lower (at most 3 holds). Prints the
 wall time of each agent stage per event, the CPU of each party during the
 hold, and the sensor's fixed costs (compile, detach).
+
+Part 2 runs twice by default (--exporter): with the ClickHouse exporter in a
+thread of this process (the node agent's shape: the recorder and the
+exporter share one interpreter lock) and in a process of its own on the same
+spool (the shape of `dsec export --follow`; its CPU is counted as the
+agent's). The stage table gives each stage's thread CPU time and its wall
+time (with two busy threads, wall time is mostly waiting for the GIL).
 
 Part 3, each sink. The same kind of pipeline (Recorder -> spool -> ONE sink
 in a thread of this process, the sink's own run() loop) for each sink in turn:
@@ -232,10 +240,14 @@ print(n, mono() - t0, flush=True)
 
 
 class Stages:
-    """Wall time spent inside the agent's stages (wrapped instance methods)."""
+    """Time spent inside the agent's stages (wrapped instance methods): wall
+    time, and the CPU time of the calling thread (time.thread_time), which
+    leaves out the waits for the GIL the agent's other thread holds (with two
+    busy Python threads the wall time of a stage is mostly that wait)."""
 
     def __init__(self):
         self.t: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
         self.n: dict[str, int] = {}
         self.lock = threading.Lock()
 
@@ -243,19 +255,21 @@ class Stages:
         orig = getattr(obj, attr)
 
         def timed(*a, **k):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 return orig(*a, **k)
             finally:
-                dt = time.perf_counter() - t
+                dt, dc = time.perf_counter() - t, time.thread_time() - c
                 with self.lock:
                     self.t[name] = self.t.get(name, 0.0) + dt
+                    self.cpu[name] = self.cpu.get(name, 0.0) + dc
                     self.n[name] = self.n.get(name, 0) + (count(a) if count else 1)
         setattr(obj, attr, timed)
 
     def reset(self):
         with self.lock:
             self.t.clear()
+            self.cpu.clear()
             self.n.clear()
 
 
@@ -277,22 +291,50 @@ def proc_cpu(path):
         return 0.0
 
 
+EXPORTER_PY = r'''
+import signal, sys, threading
+sys.path.insert(0, sys.argv[3])
+from exporters.spool import Spool
+from exporters.clickhouse import ClickHouseExporter
+stop = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: stop.set())
+exp = ClickHouseExporter(Spool(sys.argv[1]), sys.argv[2])
+print("ready", flush=True)
+exp.run(stop)
+exp.close()
+'''
+
+
 class Pipeline:
-    def __init__(self, url, spool_dir, gen_dir, cg_root):
+    """Recorder -> spool -> ClickHouse exporter. exporter="thread": the
+    exporter's run() in a thread of this process (the node agent's shape,
+    agent/node/export.py); "process": the same exporter in a process of its
+    own on the same spool (the shape of `dsec export --follow`), so the two
+    halves of the pipeline do not share one interpreter's lock."""
+
+    def __init__(self, url, spool_dir, gen_dir, cg_root, exporter="thread"):
         from agent.sensors.recorder import Recorder
         from exporters.spool import Spool
-        from exporters.clickhouse import ClickHouseExporter
+        from exporters.clickhouse import ClickHouseExporter, SINK
         self.gen_dir, self.cg_root = gen_dir, cg_root
+        self.mode = exporter
         self.stages = Stages()
         self.spool = Spool(spool_dir)
         self.spooled = 0
-        orig_append = self.spool.append_many
+        self.spooled_bytes = 0
+        self.sink = SINK
+        orig_append, orig_write = self.spool.append_many, self.spool._write
 
         def counting_append(records):
             n = orig_append(records)
             self.spooled += n
             return n
+
+        def counting_write(data):
+            orig_write(data)
+            self.spooled_bytes += len(data)
         self.spool.append_many = counting_append
+        self.spool._write = counting_write
         self.stages.wrap(self.spool, "append_many", "spool append (validate, JSON, write, fdatasync)",
                          lambda a: len(a[0]))
         self.rec = None
@@ -304,16 +346,40 @@ class Pipeline:
         self.rec = Recorder(node="bench", spool=self.spool)
         self.compile_s = time.perf_counter() - t
         self.stages.wrap(self.rec.sensor.decoder, "decode", "decode (+ path resolution)")
+        if getattr(self.rec.sensor, "_reader", None) is not None:
+            self.stages.wrap(self.rec.sensor, "_take", "ring read (bulk copy, record walk)", lambda a: 0)
+        self.stages.wrap(self.rec.sensor, "on_record", "recorder (policy stamps, denials)")
+        self.stop = threading.Event()
+        self.proc = self.thread = None
+        if exporter == "process":
+            self.proc = subprocess.Popen([sys.executable, "-c", EXPORTER_PY, spool_dir, url, ROOT],
+                                         stdout=subprocess.PIPE, text=True)
+            if self.proc.stdout.readline().strip() != "ready":
+                raise RuntimeError("the exporter process did not start")
+            return
         self.exporter = ClickHouseExporter(self.spool, url)
         self.stages.wrap(self.exporter.reader, "read", "spool read (parse, CRC, JSON, validate)",
                          lambda a: 0)
         self.stages.wrap(self.exporter, "insert", "ClickHouse insert (columns + native INSERT)",
                          lambda a: len(a[0]))
         self.stages.wrap(self.exporter.reader, "commit", "cursor commit (atomic write, fsync)", lambda a: 0)
-        self.stop = threading.Event()
         self.thread = threading.Thread(target=self.exporter.run, args=(self.stop,), name="bench-exporter",
                                        daemon=True)
         self.thread.start()
+
+    def sent(self) -> int:
+        """Records the exporter has delivered (its cursor's committed position)."""
+        if self.exporter is not None:
+            return self.exporter.total_sent
+        pos = self.spool.load_cursor(self.sink)
+        behind = self.spool.bytes_behind(pos) if pos else self.spooled_bytes
+        if behind <= 0:
+            return self.spooled
+        avg = self.spooled_bytes / max(1, self.spooled)
+        return max(0, self.spooled - int(behind / max(1.0, avg) + 0.999))
+
+    def exporter_cpu(self) -> float:
+        return proc_cpu(f"/proc/{self.proc.pid}/stat") if self.proc is not None else 0.0
 
     def threads_cpu(self):
         out = {}
@@ -349,11 +415,11 @@ class Pipeline:
         path, cgid = self.new_cgroup()
         sid = f"rate-{int(rate)}-{uuid.uuid4().hex[:6]}"
         self.rec.watch(sid, cgid, rate=0)           # the sandbox's budget: unlimited
-        base_spooled, base_sent = self.spooled, self.exporter.total_sent
+        base_spooled, base_sent = self.spooled, self.sent()
         self.stages.reset()
         ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu0 = (os.times(), self.threads_cpu(), proc_cpu(f"/proc/{ch_pid}/stat") if ch_pid else 0.0,
-                system_busy())
+                system_busy(), self.exporter_cpu())
         gen = subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0" || exit 125; exec "$@"',
                                 os.path.join(path, "cgroup.procs"), PYTHON, "-I", "-S", "-B", "-c", GEN_PY,
                                 str(rate), str(duration), self.gen_dir],
@@ -369,7 +435,7 @@ class Pipeline:
             emitted = sum(st["emitted"].values())
             lost = st["lost_total"]
             spooled = self.spooled - base_spooled
-            sent = self.exporter.total_sent - base_sent
+            sent = self.sent() - base_sent
             max_dec = max(max_dec, emitted - spooled)
             max_exp = max(max_exp, spooled - sent)
             max_lag = max(max_lag, emitted - sent)
@@ -399,18 +465,18 @@ class Pipeline:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             st = self.rec.sensor.stats(cgid)
-            if self.exporter.total_sent - base_sent >= sum(st["emitted"].values()):
+            if self.sent() - base_sent >= sum(st["emitted"].values()):
                 break
             time.sleep(0.05)
         drain_s = time.monotonic() - gen_done
         totals = self.rec.unwatch(cgid)            # drains the ring, reports losses as events_lost
         cpu1 = (os.times(), self.threads_cpu(), proc_cpu(f"/proc/{ch_pid}/stat") if ch_pid else 0.0,
-                system_busy())
+                system_busy(), self.exporter_cpu())
         elapsed = time.monotonic() - t0
         emitted = sum(totals["emitted"].values())
         lost = totals["lost_total"]
         deadline = time.monotonic() + 30
-        while self.exporter.total_sent < self.spooled and time.monotonic() < deadline:
+        while self.sent() < self.spooled and time.monotonic() < deadline:
             time.sleep(0.05)
         ch = client.execute(f"SELECT countIf(kind != 'events_lost'), countIf(kind = 'events_lost') "
                             f"FROM {db}.events FINAL WHERE sandbox_id = %(s)s", {"s": sid})[0]
@@ -426,8 +492,11 @@ class Pipeline:
             verdict = "falling behind"
         elif ch[0] != emitted or ch[1]:
             verdict = "ClickHouse count mismatch"
+        exp_cpu = cpu1[4] - cpu0[4]
+        if exp_cpu:
+            cpu1[1]["exporter process"] = exp_cpu
         cpu = {"wall": elapsed,
-               "agent": (cpu1[0].user + cpu1[0].system) - (cpu0[0].user + cpu0[0].system),
+               "agent": (cpu1[0].user + cpu1[0].system) - (cpu0[0].user + cpu0[0].system) + exp_cpu,
                "clickhouse": cpu1[2] - cpu0[2], "system": [b - a for a, b in zip(cpu0[3], cpu1[3])],
                "threads": {k: cpu1[1].get(k, 0.0) - cpu0[1].get(k, 0.0) for k in cpu1[1]}}
         through = emitted / max(1e-3, gen_done - t0 + drain_s)
@@ -435,7 +504,7 @@ class Pipeline:
                 "gen_cpu": gen_cpu, "emitted": emitted, "lost": lost,
                 "lost_detail": totals["lost"], "max_lag": max_lag, "max_dec": max_dec, "max_exp": max_exp,
                 "drain": drain_s, "ch": ch[0], "verdict": verdict, "cpu": cpu,
-                "stages": (dict(self.stages.t), dict(self.stages.n))}
+                "stages": (dict(self.stages.t), dict(self.stages.n), dict(self.stages.cpu))}
 
     def close(self):
         for g in self.gens:
@@ -449,9 +518,11 @@ class Pipeline:
                 self.remove_cgroup(p)
             except OSError as e:
                 print(f"warning: cgroup {p} not removed: {e}", file=sys.stderr)
-        if self.exporter is not None:
+        if self.thread is not None:
             self.stop.set()
             self.thread.join(timeout=30)
+        if self.proc is not None:
+            stop_process(self.proc, 30)
         if self.rec is not None:
             t = time.perf_counter()
             self.rec.close()
@@ -459,6 +530,16 @@ class Pipeline:
         if self.exporter is not None:
             self.exporter.close()
         self.spool.close()
+
+
+def stop_process(p, timeout):
+    """SIGTERM, then SIGKILL after `timeout` seconds; reaped either way."""
+    p.terminate()
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
 
 
 def kill_cgroup(path):
@@ -493,29 +574,39 @@ def print_breakdown(r):
     cpu = r["cpu"]
     w = cpu["wall"]
     th = cpu["threads"]
-    print(f"CPU during that run ({w:.1f}s wall incl. drain; 2 cores = 200%): agent process {cpu['agent'] / w:.0%} "
-          f"(poll/decode/spool thread {th.get('dsec-audit-poll', 0) / w:.0%}, exporter thread "
-          f"{th.get('bench-exporter', 0) / w:.0%}), clickhouse-server {cpu['clickhouse'] / w:.0%}, "
+    exp = (f"exporter process {th['exporter process'] / w:.0%}" if "exporter process" in th
+           else f"exporter thread {th.get('bench-exporter', 0) / w:.0%}")
+    print(f"CPU during that run ({w:.1f}s wall incl. drain; 2 cores = 200%): agent {cpu['agent'] / w:.0%} "
+          f"(poll/decode/spool thread {th.get('dsec-audit-poll', 0) / w:.0%}, {exp}), "
+          f"clickhouse-server {cpu['clickhouse'] / w:.0%}, "
           f"generator {r['gen_cpu'] / w:.0%}; rest of the machine: other tasks and kernel threads "
           f"{max(0.0, cpu['system'][0] - cpu['agent'] - cpu['clickhouse'] - r['gen_cpu']) / w:.0%}, "
           f"irq+softirq {cpu['system'][1] / w:.0%}, steal {cpu['system'][2] / w:.0%}")
-    t, _ = r["stages"]
+    t, _, c = r["stages"]
     ev = max(1, r["emitted"])
-    print(f"agent wall time per event, by stage ({ev} events):")
-    for k in sorted(t, key=lambda k: -t[k]):
-        print(f"   {k:50} {t[k] / ev * 1e6:6.1f} us/event  ({t[k] / w:4.0%} of the run)")
+    print(f"agent time per event, by stage ({ev} events; CPU = the stage's own thread CPU time, wall "
+          f"includes waiting for the GIL):")
+    for k in sorted(t, key=lambda k: -c.get(k, 0.0)):
+        print(f"   {k:50} {c.get(k, 0.0) / ev * 1e6:6.1f} us CPU/event {t[k] / ev * 1e6:6.1f} us wall/event "
+              f"({t[k] / w:4.0%} of the run)")
+    print(f"   {'all stages measured':50} {sum(c.values()) / ev * 1e6:6.1f} us CPU/event "
+          f"= {sum(c.values()) / ev * 1e4:.3f} s CPU per 10,000 events")
+    print(f"agent CPU per 10,000 events (process{'es' if 'exporter process' in th else ''}, all threads): "
+          f"{cpu['agent'] / ev * 1e4:.3f} s")
 
 
-def part_rate(url, tmp, quick, max_lag_s, client, db, ch_pid, cg_root):
+def part_rate(url, tmp, quick, max_lag_s, client, db, ch_pid, cg_root, exporter="thread"):
     probe = 2.0 if quick else 4.0
     hold = 10.0 if quick else 30.0
     gen_dir = tempfile.mkdtemp(prefix="dsec-bench-gen-", dir="/dev/shm")
-    print(f"== part 2: highest sustained kernel -> ClickHouse rate with zero loss (open_write events; "
-          f"probes {probe:.0f}s, then {hold:.0f}s at the best rate; pass = no loss, all in ClickHouse "
+    where = ("the exporter in a thread of the agent's process" if exporter == "thread"
+             else "the exporter in a process of its own on the same spool")
+    print(f"== part 2 ({where}): highest sustained kernel -> ClickHouse rate with zero loss (open_write "
+          f"events; probes {probe:.0f}s, then {hold:.0f}s at the best rate; pass = no loss, all in ClickHouse "
           f"<= {max_lag_s:g}s after the generator stops)", flush=True)
     pipe = None
     try:
-        pipe = Pipeline(url, os.path.join(tmp, "spool-rate"), gen_dir, cg_root)
+        pipe = Pipeline(url, os.path.join(tmp, f"spool-rate-{exporter}"), gen_dir, cg_root, exporter=exporter)
         print(f"   sensor compiled and attached in {pipe.compile_s:.2f}s", flush=True)
         print(STEP_HEADER)
 
@@ -665,11 +756,7 @@ class SinkBench:
             self.spool.drop_sink(self.sink.sink)
             self.sink = None
         if self.rx is not None:
-            self.rx.terminate()
-            try:
-                self.rx.wait(10)
-            except subprocess.TimeoutExpired:
-                self.rx.kill()
+            stop_process(self.rx, 10)
             self.rx = None
 
     # -- one probe
@@ -844,8 +931,15 @@ def main():
     ap.add_argument("--skip-overhead", action="store_true", help="skip part 1")
     ap.add_argument("--skip-rate", action="store_true", help="skip part 2")
     ap.add_argument("--skip-sinks", action="store_true", help="skip part 3 (each sink)")
+    ap.add_argument("--exporter", default="thread,process", metavar="thread,process",
+                    help="part 2: where the ClickHouse exporter runs, one run each (default both: a thread of the "
+                         "agent's process, as the node agent does, and a process of its own, as `dsec export "
+                         "--follow`)")
     a = ap.parse_args()
     reps = a.reps or 3
+    modes = [m.strip() for m in a.exporter.split(",") if m.strip()]
+    if not modes or set(modes) - {"thread", "process"}:
+        ap.error("--exporter: thread, process or thread,process")
     if not 1 <= reps <= 20:
         ap.error("--reps: 1..20")
     if os.geteuid() != 0:
@@ -880,8 +974,9 @@ def main():
             _, good = part_overhead(env, tmp, reps, a.quick, client, db)
             ok &= good
         if not a.skip_rate:
-            _, good = part_rate(url, tmp, a.quick, a.max_lag, client, db, server.pid(), cg_root)
-            ok &= good
+            for mode in modes:
+                _, good = part_rate(url, tmp, a.quick, a.max_lag, client, db, server.pid(), cg_root, mode)
+                ok &= good
         if not a.skip_sinks:
             _, good = part_sinks(url, tmp, a.quick, a.max_lag, client, db, cg_root)
             ok &= good

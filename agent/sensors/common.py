@@ -12,6 +12,10 @@ bpf/process.c net.c files.c) and the enforcement sensor
   - compiling with the compiler/verifier log captured, reported as one line;
   - RingSensor: the ring buffer -> decoder -> backlog -> on_record plumbing and
     the per-sandbox loss reporting (events_lost records) both sensors run.
+    The ring buffer is read in bulk by agent/sensors/ringbuf.py (mmap of the
+    map, the committed records copied out per call); BCC's per-record
+    callback reader remains where that is unsupported (not x86-64) or asked
+    for (DSEC_RING_READER=bcc).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 
-from agent.sensors import bpfsys
+from agent.sensors import bpfsys, ringbuf
 from agent.sensors.decoder import Decoder
 from agent.errors import DsecError
 
@@ -283,7 +287,15 @@ class RingSensor:
         self._finals: OrderedDict[int, dict] = OrderedDict()    # totals of the last FINALS_KEPT removed
         self._next_flush = 0.0
         self._closed = False
-        ring.open_ring_buffer(self._on_raw)
+        self._reader = None             # ringbuf.RingReader, or None: BCC's callback reader
+        if ringbuf.supported() and os.environ.get("DSEC_RING_READER", "bulk") != "bcc":
+            try:
+                self._reader = ringbuf.RingReader(ring.map_fd, int(ring.max_entries))
+            except (OSError, ValueError) as e:      # e.g. a kernel that refuses to mmap the ring
+                log.warning("eBPF %s: bulk ring buffer reader unavailable (%s); using BCC's callback reader "
+                            "(slower: may lose events past ~40k/s, counted as ringbuf_full)", self.WHAT, e)
+        if self._reader is None:
+            ring.open_ring_buffer(self._on_raw)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -305,7 +317,11 @@ class RingSensor:
                 self._deliver()
             finally:
                 self._closed = True
-                self._teardown()
+                try:
+                    self._teardown()
+                finally:
+                    if self._reader is not None:
+                        self._reader.close()
 
     def _check_open(self):
         if self._closed:
@@ -339,7 +355,7 @@ class RingSensor:
     def _poll(self, timeout_ms: int) -> int:
         with self._lock:
             self._check_open()
-            self.bpf.ring_buffer_poll(int(timeout_ms))
+            self._ring_poll(int(timeout_ms))
             self._decode_raw()
             now = time.monotonic()
             periodic = now >= self._next_flush
@@ -385,7 +401,35 @@ class RingSensor:
         self._raw.append(ct.string_at(data, size))
         return 0
 
+    def _ring_poll(self, timeout_ms: int) -> None:
+        """Wait up to timeout_ms for records, then take what the ring holds
+        (at most about one ring's worth per call: bounded memory and latency)."""
+        r = self._reader
+        if r is None:
+            self.bpf.ring_buffer_poll(timeout_ms)
+            return
+        if not r.wait(timeout_ms):
+            return
+        taken = 0
+        while taken < r.size:
+            if not self._take(r):
+                return
+            taken += r.max_bytes
+
+    def _take(self, r) -> bool:
+        """One bulk read of the ring into self._raw; False when it was empty."""
+        blob, spans = r.read()
+        if not blob:
+            return False
+        self._raw.extend([blob[o:o + n] for o, n in spans])
+        return True
+
     def _consume(self) -> None:
+        if self._reader is not None:
+            for _ in range(1000):    # bounded; each round takes what is there
+                if not self._take(self._reader):
+                    return
+            return
         for _ in range(1000):        # bounded; each round empties what is there
             before = len(self._raw)
             self.bpf.ring_buffer_consume()

@@ -6,8 +6,10 @@ numeric constants (kinds, syscalls, status bits, loss reasons) are read from
 the #defines of events.h. Nothing here mirrors the C layout by hand.
 
 What the decoder adds to the kernel's facts:
-  event_id   blake2b(node, boot id, sensor instance, sequence), 32 hex chars:
-             assigned once here, so a spool that retries re-sends the same id;
+  event_id   16 hex chars of blake2b(node, boot id, sensor instance) then the
+             sequence number as 16 hex chars (32 in all): assigned once here,
+             so a spool that retries re-sends the same id; one hash per sensor,
+             not per event, and ids of one sensor sort (and compress) by time;
   ts_ns      wall clock: the kernel's CLOCK_MONOTONIC stamp plus an offset
              measured here (and re-measured periodically, see sync_clock);
   node, sandbox_id, policy labels (from add_sandbox), step (from the kernel,
@@ -33,7 +35,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 
-from audit_schema.events import KINDS, from_bytes, normalize
+from audit_schema.events import FIELDS, KINDS, default, from_bytes, normalize
 
 log = logging.getLogger("dsec.audit")
 
@@ -41,6 +43,8 @@ AT_FDCWD = -100
 AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
 PROTOCOLS = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmpv6", 136: "udplite", 132: "sctp"}
 SOCK_TYPES = {1: "stream", 2: "dgram", 3: "raw", 5: "seqpacket"}
+_TEMPLATE = {f.name: default(f) for f in FIELDS}
+_NFIELDS = len(_TEMPLATE)
 EVENTS_H = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf", "events.h")
 
 
@@ -258,6 +262,63 @@ def decode_sockaddr(raw: bytes, addrlen: int) -> tuple[str, str, int, dict]:
     return "other", "", 0, {"af": af}
 
 
+# ---------------------------------------------------------------- fast views of the C structs
+
+def _code(t) -> str | None:
+    """The struct-module code (standard sizes, little endian) of a ctypes field type."""
+    if isinstance(t, type) and issubclass(t, ct.Array):
+        if t._type_ in (ct.c_char, ct.c_ubyte, ct.c_byte, ct.c_uint8, ct.c_int8):
+            return f"{t._length_}s"              # bytes; c_char arrays keep their NULs (callers strip)
+        return None
+    if isinstance(t, type) and issubclass(t, (ct.Structure, ct.Union)):
+        return None
+    letter = getattr(t, "_type_", None)
+    size = ct.sizeof(t)
+    if not isinstance(letter, str) or letter not in "bBhHiIlLqQ" or size not in (1, 2, 4, 8):
+        return None
+    code = {1: "b", 2: "h", 4: "i", 8: "q"}[size]
+    return code.upper() if letter.isupper() else code
+
+
+def fast_view(ctype):
+    """(struct.Struct, namedtuple class) reading a ctypes Structure of simple
+    fields and byte arrays at an offset, about twice as fast as
+    from_buffer_copy plus attribute reads; None when a field is of another
+    kind (nested struct, array of wider ints): the caller keeps ctypes.
+    Built from the ctypes layout BCC gives, so nothing mirrors events.h."""
+    from collections import namedtuple
+    fmt, names, at = ["<"], [], 0
+    for fd in ctype._fields_:
+        name, t = fd[0], fd[1]
+        if len(fd) > 2:
+            return None                           # bit fields
+        code = _code(t)
+        off = getattr(ctype, name).offset
+        if code is None or off < at:
+            return None
+        if off > at:
+            fmt.append(f"{off - at}x")
+        fmt.append(code)
+        names.append(name)
+        at = off + ct.sizeof(t)
+    st = struct.Struct("".join(fmt))
+    if st.size != at or at > ct.sizeof(ctype):
+        return None
+    return st, namedtuple(ctype.__name__ or "view", names, rename=True)
+
+
+class _Body:
+    """The union of a record, each member read (struct.unpack_from) when asked for."""
+    __slots__ = ("_raw", "_off", "_views")
+
+    def __init__(self, raw, off, views):
+        self._raw, self._off, self._views = raw, off, views
+
+    def __getattr__(self, name):
+        st, nt = self._views[name]
+        return nt._make(st.unpack_from(self._raw, self._off))
+
+
 # ---------------------------------------------------------------- decoder
 
 class Decoder:
@@ -289,6 +350,8 @@ class Decoder:
         self.undecodable = 0        # records that could not be decoded
         self.last_error = ""
         self.offset_ns = clock_offset_ns()
+        self._id_prefix = hashlib.blake2b(f"{node}\0{self.boot_id}\0{instance}".encode(),
+                                          digest_size=8).hexdigest()
         fields = dict(event_type._fields_)
         self.hdr_t = fields["h"]
         self.body_t = fields["u"]
@@ -296,6 +359,11 @@ class Decoder:
         self.body_off = event_type.u.offset
         self.buf_off = event_type.buf.offset
         self.fixed = self.buf_off
+        # struct views of the header and of each union member (ctypes when a layout has no such view)
+        self._hdr_view = fast_view(self.hdr_t)
+        views = {name: fast_view(t) for name, t in self.body_t._fields_}
+        self._body_views = views if all(views.values()) else None
+        self._extra_json: dict = {}        # extra's JSON by its items (the usual few shapes repeat)
         v = consts.values
         self._st_argv_incomplete = v["DSEC_ST_ARGV_TRUNC"] | v["DSEC_ST_ARGV_FAULT"] | v["DSEC_ST_NO_ARGV"]
 
@@ -309,8 +377,7 @@ class Decoder:
 
     def next_event_id(self) -> str:
         self.seq += 1
-        key = f"{self.node}\0{self.boot_id}\0{self.instance}\0{self.seq}".encode()
-        return hashlib.blake2b(key, digest_size=16).hexdigest()
+        return f"{self._id_prefix}{self.seq:016x}"
 
     def register(self, info: SandboxInfo) -> None:
         self.sandboxes[info.cgroup_id] = info
@@ -339,14 +406,13 @@ class Decoder:
         self.parents[child] = parent
 
     def _base(self, info: SandboxInfo, kind: str, ts_mono: int, step: int) -> dict:
-        rec = {
-            "event_id": self.next_event_id(),
-            "ts_ns": self.wall_ns(ts_mono),
-            "node": self.node,
-            "sandbox_id": info.sandbox_id,
-            "step": step,
-            "kind": kind,
-        }
+        rec = _TEMPLATE.copy()          # every field, defaults, in FIELDS order (what normalize gives)
+        rec["event_id"] = self.next_event_id()
+        rec["ts_ns"] = self.wall_ns(ts_mono)
+        rec["node"] = self.node
+        rec["sandbox_id"] = info.sandbox_id
+        rec["step"] = step
+        rec["kind"] = kind
         for k in ("policy_name", "policy_hash", "mode"):
             if k in info.labels:
                 rec[k] = info.labels[k]
@@ -411,8 +477,15 @@ class Decoder:
     def _decode(self, raw: bytes) -> dict | None:
         if len(raw) < self.fixed:
             raise ValueError(f"ring record of {len(raw)} bytes is shorter than the fixed part ({self.fixed})")
-        h = self.hdr_t.from_buffer_copy(raw, self.hdr_off)
-        u = self.body_t.from_buffer_copy(raw, self.body_off)
+        if self._hdr_view is not None:
+            st, nt = self._hdr_view
+            h = nt._make(st.unpack_from(raw, self.hdr_off))
+        else:
+            h = self.hdr_t.from_buffer_copy(raw, self.hdr_off)
+        if self._body_views is not None:
+            u = _Body(raw, self.body_off, self._body_views)
+        else:
+            u = self.body_t.from_buffer_copy(raw, self.body_off)
         buf = raw[self.buf_off:]
         info = self.sandboxes.get(h.cgroup_id)
         if info is None:
@@ -423,7 +496,7 @@ class Decoder:
             raise ValueError(f"ring record with unknown kind {h.kind}")
         rec = self._base(info, kind, h.ts_ns, h.step)
         rec.update(pid=h.pid, ppid=self._ppid(h.pid, h.ppid), uid=h.uid,
-                   comm=from_bytes(bytes(h.comm)))
+                   comm=from_bytes(bytes(h.comm).split(b"\0", 1)[0]))
         extra = {}
         if h.tid != h.pid:
             extra["tid"] = h.tid
@@ -433,15 +506,33 @@ class Decoder:
         if kind != "exit":
             info.saw(h.pid)
         if extra:
-            rec["extra"] = json.dumps(extra, sort_keys=True)
-        rec = normalize(rec)
+            rec["extra"] = self._dump_extra(extra)
+        if kind == "exec" or len(rec) != _NFIELDS:
+            rec = normalize(rec)        # enrichment may set None; a field not in the schema raises
         if self._pending is not None:
             from agent.sensors.elfinfo import EnrichJob
             (pending, ex), self._pending = self._pending, None
             self._job = EnrichJob(rec, ex, pending, info.cgroup_id)
         return rec
 
+    def _dump_extra(self, extra: dict) -> str:
+        """json.dumps(extra, sort_keys=True), remembered for extras of scalar
+        values (most records of a workload share a few: syscall, mode, dirfd)."""
+        try:
+            key = tuple((k, v, v.__class__) for k, v in extra.items())    # the class: True != 1 here
+            hit = self._extra_json.get(key)
+        except TypeError:                       # a list or dict value: not hashable
+            return json.dumps(extra, sort_keys=True)
+        if hit is None:
+            hit = json.dumps(extra, sort_keys=True)
+            if len(self._extra_json) >= 4096:
+                self._extra_json.clear()
+            self._extra_json[key] = hit
+        return hit
+
     def _status(self, bits: int) -> list:
+        if not bits:
+            return []
         return [name for bit, name in sorted(self.consts.status.items()) if bits & bit]
 
     def _path(self, rec: dict, extra: dict, pid: int, raw: bytes, dirfd: int,
