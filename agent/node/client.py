@@ -477,6 +477,12 @@ class Client:
                                                   f"(is `dsec agent` running?)") from None
         self._ready = True
 
+    def wait_ready(self, timeout: float | None = None):
+        """Connect (no call): AgentUnavailable when nothing answers within timeout."""
+        if timeout is not None:
+            self.connect_timeout = timeout
+        self._connect()
+
     def _unary(self, method, req, timeout=None):
         self._connect()
         try:
