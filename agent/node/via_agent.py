@@ -142,15 +142,8 @@ def start_agent(who: str) -> str | None:
 
 def _is_socket(path: str) -> bool:
     """A unix socket that something listens on (a stale one left by a dead agent: False, at once)."""
-    import socket
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
+    from agent.node.client import _accepts
+    return _accepts(path)
 
 
 def _last_line(path: str) -> str:
