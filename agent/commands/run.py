@@ -107,8 +107,9 @@ def _env(items):
 
 
 def _check_args(args):
-    if args.cmd and args.cmd[0] == "--":
+    if args.cmd and args.cmd[0] == "--" and not getattr(args, "_cmd_split", False):
         args.cmd = args.cmd[1:]
+    args._cmd_split = True              # once: `dsec run -- -- x` runs `-- x`
     if not args.cmd and not args.image:
         raise DsecError("no command given (usage: dsec run [options] -- CMD [ARGS...])", EXIT_DSEC)
 
