@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Sandbox launch latency: dsec vs bubblewrap vs plain fork+exec, in one run;
+"""Sandbox launch latency: dsec vs bubblewrap, crun and plain fork+exec, in one run;
 then sandboxes per second sustained through the node agent.
 
 usage:
@@ -11,6 +11,14 @@ Measures, N times each, interleaved so that machine noise hits all alike:
   fork+exec     posix_spawn of /bin/true, waited (the floor)
   bwrap         bubblewrap with the same namespaces (pid, mount, ipc, uts, net),
                 read-only /usr with the merged-usr symlinks, /proc, /dev, tmpfs /tmp
+  crun          Debian's crun with a config.json generated for the same namespaces, a read-only
+                root with /usr bound read-only, /proc, /dev, tmpfs /tmp, no cgroup manager
+                (`crun run`: create + start + wait + delete). On a hybrid-cgroup host crun 1.8
+                refuses ("cgroups in hybrid mode not supported"): it then runs in a private mount
+                namespace of this benchmark's own with cgroup2 mounted at /sys/fs/cgroup (the
+                host's layout unchanged), or is printed as unavailable with the reason
+  py-start      the CLI's interpreter start-up alone (`python -c pass`, the same venv)
+  py-imports    start-up + what `dsec run` imports on its way to the agent (argparse, gRPC, the proto)
   dsec-cli      `dsec run -- /bin/true` (a new Python process each time, in-process: DSEC_AGENT=off)
   dsec-inproc   launcher.launch() called from this process: the sandbox cost
                 without the interpreter start-up of the CLI
@@ -19,8 +27,12 @@ Measures, N times each, interleaved so that machine noise hits all alike:
                 Exec /bin/true + CloseSandbox, from the Python SDK
   agent-warm    the same, the request matching the agent's warm-pool profile (4 sandboxes kept
                 ready, refilled in the background); the share of requests served warm is printed
+  agent-step    one more step (Exec /bin/true) in a live sandbox of that agent, from the SDK
   dsec-cli-agent `dsec run -- /bin/true` with the agent running (the CLI's start-up + the agent;
-                it returns once the run's audit record is in ClickHouse)
+                it returns once the run's audit record is durable in the agent's spool); this is
+                also `dsec run` with no agent of the user's (DSEC_AGENT=auto starts one on first use
+                and later runs reuse it)
+  dsec-cli-agent-export  the same with --wait-export (returns once ClickHouse has the record)
 Prints min / median / p90 / p99 in ms and the ratios against bwrap and fork+exec.
 
 Then sandboxes per second through the agent (create + exec /bin/true + close,
@@ -52,6 +64,99 @@ def bwrap_cmd():
             cmd += ["--ro-bind", p, p]
     cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--", "/bin/true"]
     return cmd
+
+
+class Crun:
+    """crun with a generated bundle (see the module doc). .why is set when it cannot run."""
+
+    def __init__(self):
+        import json
+        import shutil
+        import tempfile
+        self.why, self.note, self._ns, self._holder, self.n = "", "", -1, None, 0
+        if not shutil.which("crun"):
+            self.why = "crun is not installed (Debian package crun)"
+            return
+        self.dir = tempfile.mkdtemp(prefix="dsec-bench-crun-")
+        root = os.path.join(self.dir, "rootfs")
+        for d in ("usr", "proc", "dev", "tmp"):
+            os.makedirs(os.path.join(root, d))
+        for d in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            if os.path.islink("/" + d):
+                os.symlink(os.readlink("/" + d), os.path.join(root, d))
+        r = subprocess.run(["crun", "spec"], cwd=self.dir, capture_output=True, text=True)
+        if r.returncode != 0:
+            self.why = f"crun spec failed: {r.stderr.strip()}"
+            return
+        path = os.path.join(self.dir, "config.json")
+        with open(path) as f:
+            c = json.load(f)
+        c["process"].update(args=["/bin/true"], terminal=False)
+        c["root"] = {"path": "rootfs", "readonly": True}
+        c["mounts"] = [m for m in c["mounts"] if m["destination"] in ("/proc", "/dev")] + [
+            {"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro", "nosuid", "nodev"]},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=1777"]}]
+        c["linux"].pop("resources", None)
+        c["linux"]["namespaces"] = [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")]
+        with open(path, "w") as f:
+            json.dump(c, f)
+        err = self._try()
+        if err and "hybrid mode" in err:
+            first = err
+            err = self._private_cgroup2()
+            if err:
+                self.why = f"{first} (and in a private mount namespace with its own cgroup2 mount: {err})"
+            else:
+                self.note = ("crun runs in a private mount namespace with cgroup2 mounted at /sys/fs/cgroup: "
+                             f"on this hybrid-cgroup host it refuses otherwise ({first})")
+        elif err:
+            self.why = err
+
+    def _try(self) -> str:
+        self.n += 1
+        r = subprocess.run(["crun", "--cgroup-manager=disabled", "run", "-b", self.dir, f"dsec-bench-{os.getpid()}-"
+                            f"{self.n}"], capture_output=True, text=True, preexec_fn=self._enter)
+        return "" if r.returncode == 0 else (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+
+    def _enter(self):
+        if self._ns >= 0:
+            import ctypes
+            if ctypes.CDLL(None, use_errno=True).setns(self._ns, 0x00020000) != 0:   # CLONE_NEWNS
+                os._exit(121)
+
+    def _private_cgroup2(self) -> str:
+        """A child that holds a mount namespace of its own: / private, cgroup2 at /sys/fs/cgroup."""
+        script = ("import ctypes,os,sys\n"
+                  "libc=ctypes.CDLL(None,use_errno=True)\n"
+                  "assert libc.unshare(0x00020000)==0, 'unshare'\n"
+                  "assert libc.mount(b'none',b'/',None,(1<<18)|(1<<14),None)==0, 'make-rprivate'\n"
+                  "assert libc.mount(b'cgroup2',b'/sys/fs/cgroup',b'cgroup2',0,None)==0, 'mount cgroup2'\n"
+                  "print('ok',flush=True)\nsys.stdin.read()\n")
+        self._holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = self._holder.stdout.readline().strip()
+        if line != "ok":
+            err = self._holder.stderr.read().strip().splitlines()
+            self._holder.wait()
+            self._holder = None
+            return f"cannot set it up: {err[-1] if err else 'exited'}"
+        self._ns = os.open(f"/proc/{self._holder.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        return self._try()
+
+    def run(self):
+        err = self._try()
+        if err:
+            raise RuntimeError(f"crun: {err}")
+
+    def close(self):
+        import shutil
+        if self._ns >= 0:
+            os.close(self._ns)
+        if self._holder is not None:
+            self._holder.stdin.close()
+            self._holder.wait(10)
+        if getattr(self, "dir", None):
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class BenchAgent:
@@ -172,8 +277,23 @@ def main():
                    stdio={"child": [0, 1, 2], "relay": {}, "close_after_fork": []})
         assert r.exit_code == 0
 
-    cases = {"fork+exec": fork_exec, "bwrap": bwrap, "dsec-cli": dsec_cli, "dsec-inproc": dsec_inproc}
+    crun = Crun()
+    py = os.path.join(os.path.dirname(DSEC), "python")
+    fast_imports = ("import agent.cli; agent.cli.build_parser('run'); import agent.commands.run, "
+                    "agent.node.via_agent, agent.node.client; from agent.node.proto import pb, pb_grpc")
+
+    def py_start():
+        subprocess.run([py, "-c", "pass"], check=True)
+
+    def py_imports():
+        subprocess.run([py, "-c", fast_imports], check=True)
+
+    cases = {"fork+exec": fork_exec, "bwrap": bwrap}
+    if not crun.why:
+        cases["crun"] = crun.run
+    cases.update({"py-start": py_start, "py-imports": py_imports, "dsec-cli": dsec_cli, "dsec-inproc": dsec_inproc})
     agent = None
+    live = []
     warm_hits = [0, 0]
     if not a.no_agent:
         agent = BenchAgent(warm_count=4)
@@ -192,10 +312,20 @@ def main():
             assert sb.exec(["/bin/true"]).code == 0
             sb.close()
 
+        def agent_step():
+            if not live:
+                live.append(agent.client.create(memory="128M", pids=256, warm=False))
+            assert live[0].exec(["/bin/true"]).code == 0
+
         def dsec_cli_agent():
             subprocess.run([DSEC, "run", "--", "/bin/true"], check=True, stdout=devnull, stderr=devnull,
                            env=agent_env)
-        cases.update({"agent-cold": agent_cold, "agent-warm": agent_warm, "dsec-cli-agent": dsec_cli_agent})
+
+        def dsec_cli_agent_export():
+            subprocess.run([DSEC, "run", "--wait-export", "--", "/bin/true"], check=True, stdout=devnull,
+                           stderr=devnull, env=agent_env)
+        cases.update({"agent-cold": agent_cold, "agent-warm": agent_warm, "agent-step": agent_step,
+                      "dsec-cli-agent": dsec_cli_agent, "dsec-cli-agent-export": dsec_cli_agent_export})
     try:
         for fn in cases.values():   # warm caches (base rootfs, page cache)
             fn()
@@ -205,15 +335,26 @@ def main():
             for k, fn in cases.items():
                 res[k].append(timed(fn) * 1000)
         print(f"launch latency of /bin/true, {a.runs} runs each (ms)")
-        print(f"{'':15} {'min':>8} {'median':>8} {'p90':>8} {'p99':>8}")
+        print(f"{'':22} {'min':>8} {'median':>8} {'p90':>8} {'p99':>8}")
         for k, xs in res.items():
-            print(f"{k:15} {min(xs):8.2f} {statistics.median(xs):8.2f} {pct(xs, 90):8.2f} {pct(xs, 99):8.2f}")
+            print(f"{k:22} {min(xs):8.2f} {statistics.median(xs):8.2f} {pct(xs, 90):8.2f} {pct(xs, 99):8.2f}")
+        if crun.why:
+            print(f"crun: unavailable: {crun.why}")
+        elif crun.note:
+            print(f"crun: {crun.note}")
         med = {k: statistics.median(v) for k, v in res.items()}
         print("ratios of medians:")
-        for k in ("dsec-cli", "dsec-inproc", "agent-cold", "agent-warm", "dsec-cli-agent"):
+        anchors = [b for b in ("bwrap", "crun", "fork+exec") if b in med]
+        for k in ("dsec-cli", "dsec-inproc", "agent-cold", "agent-warm", "agent-step", "dsec-cli-agent",
+                  "dsec-cli-agent-export"):
             if k in med:
-                print(f"  {(k + '/bwrap'):26} {med[k] / med['bwrap']:8.2f}")
-                print(f"  {(k + '/fork+exec'):26} {med[k] / med['fork+exec']:8.2f}")
+                print(f"  {k:22} " + "  ".join(f"{med[k] / med[b]:7.2f}x {b}" for b in anchors))
+        if "agent-step" in med:
+            print(f"  agent-step - fork+exec: {med['agent-step'] - med['fork+exec']:.2f} ms "
+                  f"(target <= 1 ms); p99 {pct(res['agent-step'], 99):.2f} ms (target <= 5 ms)")
+        if "dsec-cli-agent" in med:
+            print(f"  dsec-cli-agent {med['dsec-cli-agent']:.1f} ms, of which interpreter start-up "
+                  f"{med['py-start']:.1f} ms and imports {med['py-imports'] - med['py-start']:.1f} ms")
         if agent is not None:
             print(f"agent-warm: {warm_hits[0]} of {warm_hits[1]} requests took a warm sandbox "
                   f"(the pool of 4 refills in the background)")
@@ -226,8 +367,11 @@ def main():
                 print(f"  concurrency {conc:2d}: {rate:6.1f}/s ({n} sandboxes, {failed} failed, "
                       f"{rate / base:4.2f}x concurrency 1)")
     finally:
+        for sb in live:
+            sb.close()
         if agent is not None:
             agent.stop()
+        crun.close()
 
 
 if __name__ == "__main__":

@@ -104,4 +104,9 @@ fi
 # The agent's gRPC code is generated from agent/node/proto/*.proto (not kept in git);
 # regenerated only when the .proto changed.
 .venv/bin/python -m agent.node.proto.generate || die "cannot generate the agent's gRPC code (agent/node/proto)"
+# byte-code for dsec's own modules: a CLI start (`dsec run`) then does not compile them from
+# source, also where PYTHONDONTWRITEBYTECODE keeps Python from caching them (a stale .pyc is
+# detected by its source's mtime and ignored)
+.venv/bin/python -m compileall -q -j 0 agent audit_schema exporters policies replay >/dev/null \
+  || die "python -m compileall failed"
 say "ready: $ROOT/.venv/bin/dsec"

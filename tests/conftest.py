@@ -12,6 +12,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DSEC = os.path.join(ROOT, ".venv", "bin", "dsec")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the suite's `dsec run`s work in-process unless a test gives them an agent: none starts a node
+# agent on first use (the CLI's default, DSEC_AGENT=auto), which would outlive the test;
+# tests/test_run_agent.py tests that path with its own socket
+os.environ.setdefault("DSEC_AGENT", "reuse")
 
 from hosts import leftovers  # noqa: E402
 from fixtures_clickhouse import *  # noqa: E402,F401,F403 - clickhouse_server, clickhouse_url, ...

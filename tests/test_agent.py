@@ -410,9 +410,14 @@ def test_dsec_run_and_events_through_the_agent(agent, tmp_path):
     assert r.returncode == 5, r.stderr
     assert r.stdout == b"piped in\n" and b"to-err\n" in r.stderr
     s = json.loads(out.read_text())
-    assert s["agent"] == agent.socket and s["exit_code"] == 5 and s["audit"]["exported"] is True
+    # it returned once the record was durable in the agent's spool (not waiting for ClickHouse) ...
+    assert s["agent"] == agent.socket and s["exit_code"] == 5 and "exported" not in s["audit"]
     sid = s["sandbox_id"]
     assert f"dsec: sandbox {sid}".encode() in r.stderr
+    # ... and with --wait-export once ClickHouse has it
+    r = dsec("run", "--wait-export", "--summary-json", str(out), "--", "true", env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["audit"]["exported"] is True
     assert dsec("run", "--timeout", "0.5", "--", "sleep", "10", env=env).returncode == 124
     r = dsec("run", "--", "no-such-cmd", env=env)
     assert r.returncode == 127 and b"no-such-cmd" in r.stderr

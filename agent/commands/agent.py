@@ -7,6 +7,11 @@ examples:
   dsec agent status                            # capabilities, capacity, warm pool of the running agent
   dsec agent ls --label job=rl-7 --state running
   dsec agent tail --kind exec,connect --decision denied     # live audit events (tail -f)
+  dsec agent --idle-exit 600                   # exit after 10 minutes with no sandbox and no call
+  dsec agent stop                              # stop the running agent (its sandboxes are killed)
+
+`dsec run` starts an agent like `dsec agent --idle-exit 600` on first use when
+none answers (DSEC_AGENT=auto, the default; docs/agent.md "Started on first use").
 
 The agent loads the eBPF programs once, exports the audit to ClickHouse
 continuously, schedules sandboxes on this node (capacity, priorities with
@@ -14,8 +19,9 @@ aging, preemption, warm pool) and serves the gRPC API (docs/agent.md).
 Sandboxes die with the agent; a restarted agent cleans up what the previous
 one left and records it.
 
-exit status: 0 after a clean shutdown; 1 the agent failed (one line on
-stderr); 2 bad usage or configuration.
+exit status: 0 after a clean shutdown (also an idle exit, and `stop` when no
+agent answers); 1 the agent failed or did not stop (one line on stderr); 2 bad
+usage or configuration.
 """
 from __future__ import annotations
 
@@ -36,8 +42,10 @@ def register(p):
     p.add_argument("--check-config", action="store_true", help="validate the configuration and exit")
     p.add_argument("--socket", metavar="PATH", help="agent socket for status/ls/tail (default: "
                                                     "$DSEC_AGENT_SOCKET or /run/dsec/agent.sock)")
-    p.add_argument("action", nargs="?", choices=("serve", "status", "ls", "tail"), default="serve",
-                   help="serve (default), status, ls, tail")
+    p.add_argument("action", nargs="?", choices=("serve", "status", "ls", "tail", "stop"), default="serve",
+                   help="serve (default), status, ls, tail, stop")
+    p.add_argument("--idle-exit", metavar="SECONDS", type=_seconds,
+                   help="serve: exit after SECONDS with no live sandbox and no API call (default: never)")
     p.add_argument("--label", action="append", default=[], metavar="K=V", help="ls/tail: only sandboxes with this label")
     p.add_argument("--state", action="append", default=[], metavar="STATE", help="ls: only these states")
     p.add_argument("--sandbox", action="append", default=[], metavar="ID", help="tail: only these sandboxes")
@@ -45,6 +53,17 @@ def register(p):
     p.add_argument("--decision", action="append", default=[], metavar="D",
                    help="tail: only these decisions (allowed, denied, would-deny)")
     p.add_argument("--format", choices=("table", "json"), default="table", help="ls/tail output")
+
+
+def _seconds(text):
+    import argparse
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number of seconds") from None
+    if not v > 0 or v != v:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number of seconds")
+    return v
 
 
 def _split(items):
@@ -67,6 +86,9 @@ def _labels(items):
 def run(args) -> int:
     if args.action == "serve":
         return _serve(args)
+    if args.action == "stop":
+        from agent.node.via_agent import stop_agent
+        return stop_agent(args.socket)
     from agent.node.client import Client
     target = args.socket
     with Client(target, connect_timeout=3.0) as c:
@@ -148,5 +170,5 @@ def _serve(args) -> int:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    serve(Agent(cfg), stop)
+    serve(Agent(cfg), stop, idle_exit=args.idle_exit)
     return 0

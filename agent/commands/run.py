@@ -90,6 +90,9 @@ def register(p):
     p.add_argument("--over-budget", choices=("summarise", "stop"), default="summarise",
                    help="when the sandbox exceeds its audit event budget: count the loss (summarise) "
                         "or kill the sandbox so its record has no holes (stop)")
+    p.add_argument("--wait-export", action="store_true",
+                   help="through the agent: return once the run's audit record is in ClickHouse (default: "
+                        "once it is durable in the agent's spool, which then delivers it)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
 
 
@@ -103,12 +106,38 @@ def _env(items):
     return env
 
 
-def spec_from_args(args):
-    from agent.sandbox.launcher import SandboxSpec
-    if args.cmd and args.cmd[0] == "--":
+def _check_args(args):
+    if args.cmd and args.cmd[0] == "--" and not getattr(args, "_cmd_split", False):
         args.cmd = args.cmd[1:]
+    args._cmd_split = True              # once: `dsec run -- -- x` runs `-- x`
     if not args.cmd and not args.image:
         raise DsecError("no command given (usage: dsec run [options] -- CMD [ARGS...])", EXIT_DSEC)
+
+
+class AgentSpec:
+    """What `dsec run` sends the node agent, checked here without importing the
+    launcher or the policy model (the agent loads the policy and checks the rest):
+    the fast path of `dsec run` through an agent imports little beyond gRPC."""
+
+    def __init__(self, args):
+        _check_args(args)
+        if args.network not in ("none", "egress"):
+            raise DsecError(f"--network {args.network!r}: expected none or egress", EXIT_DSEC)
+        if args.workdir and not args.workdir.startswith("/"):
+            raise DsecError(f"--workdir {args.workdir!r}: must be an absolute path", EXIT_DSEC)
+        self.argv, self.sandbox_id, self.rootfs, self.network = list(args.cmd), args.sandbox_id, args.rootfs, \
+            args.network
+        self.cpus = _positive(float, "--cpus")(args.cpus) if args.cpus else None
+        self.memory, self.pids = parse_size(args.memory), _positive(int, "--pids")(args.pids)
+        self.timeout = _positive(float, "--timeout")(args.timeout) if args.timeout else None
+        self.grace = float(_positive(float, "--grace")(args.grace))
+        self.env, self.workdir = _env(args.env), args.workdir or "/workspace"
+        self.user, self.keep = args.user or "sandbox", args.keep
+
+
+def spec_from_args(args):
+    from agent.sandbox.launcher import SandboxSpec
+    _check_args(args)
     if args.image and args.rootfs:
         raise DsecError("--image and --rootfs: give one of them", EXIT_DSEC)
     if args.entrypoint is not None and not args.image:
@@ -173,23 +202,36 @@ def prepare_image(spec):
 
 
 def run(args) -> int:
-    from agent.sandbox.launcher import launch, new_sandbox_id
-    from agent.sandbox.sysutil import raise_nofile
-    raise_nofile()          # the sandbox itself keeps the limit dsec was started with
-    spec = spec_from_args(args)
     if args.summary_json:
         d = os.path.dirname(os.path.abspath(args.summary_json))
         if not os.path.isdir(d):
             raise DsecError(f"--summary-json {args.summary_json}: directory {d} does not exist", EXIT_DSEC)
+    # the node agent does the work when one is running or `dsec run` starts one (docs/agent.md);
+    # else in-process. Without --image the request is checked here with light imports only.
+    from agent.node import via_agent
+    result = None
+    if via_agent.mode() != "off" and not args.image:
+        spec = AgentSpec(args)
+        result = via_agent.run(spec, args)
+    if result is None:
+        result, spec = _run_local(args)
+    return _report(result, spec, args)
+
+
+def _run_local(args):
+    """`dsec run` in this process (no agent), or an image run (resolved here first)."""
+    from agent.sandbox.launcher import launch, new_sandbox_id
+    from agent.sandbox.sysutil import raise_nofile
+    raise_nofile()          # the sandbox itself keeps the limit dsec was started with
+    spec = spec_from_args(args)
     if args.audit == "off" and spec.policy is not None and spec.policy.mode != "learn":
         from policies.compile import egress_rules, exec_rules
         if egress_rules(spec.policy) is not None or exec_rules(spec.policy) is not None:
             # fail closed: these rules live in eBPF, loaded with the recorder
             raise DsecError(f"policy {spec.policy.name} has egress/exec rules, enforced by eBPF: "
                             f"--audit off would leave them unenforced (use --audit on)", EXIT_DSEC)
-    # the node agent does the work when one is running (docs/agent.md); else in-process
     from agent.node import via_agent
-    result = via_agent.run(spec, args)
+    result = via_agent.run(spec, args) if args.image else None
     if result is None:
         from agent.sandbox import volumes
         try:
@@ -207,6 +249,10 @@ def run(args) -> int:
             result = run_audited(spec, over_budget=args.over_budget)
         else:
             result = launch(spec)
+    return result, spec
+
+
+def _report(result, spec, args) -> int:
     s = result.summary
     if s.get("error") and result.exit_code == EXIT_DSEC:
         sys.stderr.write(f"dsec run: error: {s['error']}\n")

@@ -363,18 +363,27 @@ class AccessControl(grpc.ServerInterceptor):
             return None
         method = handler_call_details.method
         check = self._check
+        calls = self.agent.calls          # in-flight calls: an agent with --idle-exit waits for them
 
         def wrap(fn, streaming_response):
             if fn is None:
                 return None
             if streaming_response:
                 def w(req, context):
-                    check(context, method)
-                    yield from fn(req, context)
+                    calls.begin()
+                    try:
+                        check(context, method)
+                        yield from fn(req, context)
+                    finally:
+                        calls.end()
             else:
                 def w(req, context):
-                    check(context, method)
-                    return fn(req, context)
+                    calls.begin()
+                    try:
+                        check(context, method)
+                        return fn(req, context)
+                    finally:
+                        calls.end()
             return w
 
         if handler.unary_unary:
@@ -441,8 +450,9 @@ def build_server(agent: Agent):
     return server
 
 
-def serve(agent: Agent, stop: threading.Event):
-    """Start the agent and its server; block until `stop`; shut down."""
+def serve(agent: Agent, stop: threading.Event, idle_exit: float | None = None):
+    """Start the agent and its server; block until `stop` (or, with idle_exit,
+    until it has had no sandbox and no call for that many seconds); shut down."""
     agent.start()
     try:
         server = build_server(agent)
@@ -474,7 +484,10 @@ def serve(agent: Agent, stop: threading.Event):
     log.info("dsec agent (pid %d) serving on %s", os.getpid(), ", ".join(agent.transports))
     try:
         while not stop.wait(0.5):
-            pass
+            if idle_exit is not None and agent.idle_seconds() >= idle_exit:
+                log.warning("idle for %.0f s (no sandbox, no call; --idle-exit): exiting", idle_exit)
+                agent.idle_exited = True
+                break
     finally:
         log.info("shutting down: stopping sandboxes")
         try:

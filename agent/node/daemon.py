@@ -89,6 +89,28 @@ log = logging.getLogger("dsec.agent")
 NOFILE_WANTED = 8192
 
 
+class CallCounter:
+    """API calls in flight and when the last one ended (an agent with --idle-exit)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._n = 0
+        self._last = time.monotonic()
+
+    def begin(self):
+        with self._lock:
+            self._n += 1
+
+    def end(self):
+        with self._lock:
+            self._n -= 1
+            self._last = time.monotonic()
+
+    def state(self) -> tuple[int, float]:
+        with self._lock:
+            return self._n, self._last
+
+
 # ---------------------------------------------------------------- the agent
 
 class Agent:
@@ -128,6 +150,9 @@ class Agent:
         self.images = None                  # the node's image store (agent/sandbox/images)
         self.node_images = NodeImages(self)  # images.prewarm, image requests, volumes (node/images.py)
         self.snapshots = NodeSnapshots(self)  # Snapshot, CreateSandbox(from_snapshot) (node/snapshots.py)
+        self.calls = CallCounter()          # API calls in flight and the last one's time (--idle-exit)
+        self.idle_exited = False
+        self._last_ended = time.monotonic()
 
     # ================================================================ start / stop
 
@@ -241,6 +266,19 @@ class Agent:
             from exporters.configure import stop_sinks
             self._sink_stop.set()
             stop_sinks(self._sink_threads)
+
+    def idle_seconds(self) -> float:
+        """How long the agent has had no live sandbox (warm ones do not count) and no API
+        call in flight; 0 while it has either."""
+        busy, last = self.calls.state()
+        if busy:
+            return 0.0
+        with self._lock:
+            warm = {w.rec.id for w in self.warm.entries.values()}
+            if any(r.state not in ENDED and r.id not in warm for r in self._records.values()):
+                return 0.0
+            last = max(last, self._last_ended)
+        return time.monotonic() - last
 
     def release(self):
         """The last step of a shutdown (after the API server stopped and its socket is gone):
@@ -533,6 +571,7 @@ class Agent:
         with self._lock:
             rec.summary = summary
             rec.state = state
+            self._last_ended = time.monotonic()
             rec.reason = reason
             rec.ended_ns = time.time_ns()
             brief = {}

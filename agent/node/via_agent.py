@@ -1,15 +1,25 @@
 """Commands through the running node agent: `dsec run`, `dsec events` and
 `dsec replay --rerun` use it when one answers on its socket (docs/agent.md),
-and work in-process otherwise.
+and work in-process otherwise. `dsec run` starts one on first use when none
+answers (DSEC_AGENT=auto, the default), which later runs reuse: it exits after
+DSEC_AGENT_IDLE_EXIT seconds (600) with no sandbox and no call, or on
+`dsec agent stop`.
+
+    DSEC_AGENT=auto   (default) use the running agent; `dsec run` starts one if none answers
+    DSEC_AGENT=reuse  use the running agent if one answers, else work in-process
+    DSEC_AGENT=off    always in-process
 
     path = agent_socket()                 # None: no agent (or DSEC_AGENT=off)
     client = connect(path, "replay")      # None (and a note on stderr) when it does not answer
+    path = start_agent("run")             # start one (or find the one another command started)
     result = run(spec, args)              # `dsec run` through the agent, or None
     for ev in events(sid, kinds, limit)   # `dsec events` through the agent, or None
+    stop_agent(socket)                    # `dsec agent stop`
 """
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -17,15 +27,35 @@ import threading
 from agent.errors import DsecError
 
 _OFF = ("0", "off", "no", "false")
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")      # agent/sandbox/launcher.py ID_RE
+_REUSE = ("reuse", "on", "1", "yes", "true")
+IDLE_EXIT_DEFAULT = 600.0               # seconds an agent started on first use stays without work
+START_TIMEOUT = 120.0                   # its start (the eBPF compile is most of it)
+
+
+def mode() -> str:
+    """DSEC_AGENT: "auto" (default), "reuse" or "off"."""
+    v = os.environ.get("DSEC_AGENT", "").strip().lower()
+    if v in _OFF:
+        return "off"
+    if v in _REUSE:
+        return "reuse"
+    if v in ("", "auto"):
+        return "auto"
+    raise DsecError(f"DSEC_AGENT={v!r}: expected auto, reuse or off", 125)
+
+
+def default_socket() -> str:
+    from agent.node.client import DEFAULT_SOCKET, ENV_SOCKET
+    return os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
 
 
 def agent_socket() -> str | None:
     """The running agent's socket, or None (cheap: no gRPC import unless the socket exists).
     DSEC_AGENT=off makes every command work in-process."""
-    if os.environ.get("DSEC_AGENT", "").strip().lower() in _OFF:
+    if mode() == "off":
         return None
-    from agent.node.client import DEFAULT_SOCKET, ENV_SOCKET
-    path = os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
+    path = default_socket()
     try:
         import stat
         if not stat.S_ISSOCK(os.stat(path).st_mode):
@@ -35,43 +65,157 @@ def agent_socket() -> str | None:
     return path
 
 
-def connect(path: str, who: str):
+def connect(path: str, who: str, quiet: bool = False):
     from agent.node.client import AgentError, Client
     try:
         c = Client(path, connect_timeout=1.0, timeout=10.0)
-        c.capabilities(timeout=5.0)
+        c.wait_ready(timeout=5.0)
         return c
     except (AgentError, OSError) as e:
-        sys.stderr.write(f"dsec {who}: note: no agent answers at {path} ({getattr(e, 'message', e)}); "
-                         f"working in-process\n")
+        if not quiet:
+            sys.stderr.write(f"dsec {who}: note: no agent answers at {path} ({getattr(e, 'message', e)}); "
+                             f"working in-process\n")
         return None
+
+
+def start_agent(who: str) -> str | None:
+    """Start a node agent on the default socket for this and later commands
+    (`dsec agent --idle-exit DSEC_AGENT_IDLE_EXIT`, detached, its log beside the
+    socket), or find the one a concurrent command started. Returns its socket,
+    or None (a note on stderr: the command then works in-process)."""
+    import fcntl
+    import subprocess
+    import time
+    if os.geteuid() != 0:
+        return None                 # the agent needs root; the in-process path says so
+    path = default_socket()
+    d = os.path.dirname(path) or "."
+    idle = os.environ.get("DSEC_AGENT_IDLE_EXIT", "").strip() or f"{IDLE_EXIT_DEFAULT:g}"
+    try:
+        if not float(idle) > 0:
+            raise ValueError
+    except ValueError:
+        raise DsecError(f"DSEC_AGENT_IDLE_EXIT={idle!r}: expected a positive number of seconds", 125) from None
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        lock = os.open(os.path.join(d, "agent-start.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        sys.stderr.write(f"dsec {who}: note: cannot start an agent at {path} ({e.strerror}); working in-process\n")
+        return None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)     # one starter at a time; the others then find it answering
+        c = connect(path, who, quiet=True) if _is_socket(path) else None
+        if c is not None:
+            c.close()
+            return path
+        log_path = os.path.join(d, "agent.log")
+        cmd = [sys.executable, "-m", "agent.cli", "agent", "--idle-exit", idle]
+        env = dict(os.environ, DSEC_AGENT_SOCKET=path)
+        with open(log_path, "ab") as log:
+            os.chmod(log_path, 0o600)
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                    start_new_session=True, close_fds=True)
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            rc = proc.poll()
+            if rc is not None:
+                sys.stderr.write(f"dsec {who}: note: the agent it started exited ({rc}; log {log_path}: "
+                                 f"{_last_line(log_path)}); working in-process\n")
+                return None
+            c = connect(path, who, quiet=True) if _is_socket(path) else None
+            if c is not None:
+                c.close()
+                break
+            if time.monotonic() > deadline:
+                proc.terminate()
+                sys.stderr.write(f"dsec {who}: note: the agent it started did not answer within "
+                                 f"{START_TIMEOUT:.0f}s (log {log_path}); working in-process\n")
+                return None
+            time.sleep(0.05)
+        sys.stderr.write(f"dsec {who}: started a node agent (pid {proc.pid}) on {path} for this and later runs; "
+                         f"it exits after {float(idle):g}s without work, `dsec agent stop` stops it (log {log_path})\n")
+        sys.stderr.flush()
+        return path
+    finally:
+        os.close(lock)
+
+
+def _is_socket(path: str) -> bool:
+    """A unix socket that something listens on (a stale one left by a dead agent: False, at once)."""
+    from agent.node.client import _accepts
+    return _accepts(path)
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 2048))
+            lines = [ln for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+        return lines[-1][:300] if lines else "(empty)"
+    except OSError as e:
+        return f"unreadable: {e.strerror}"
+
+
+def stop_agent(socket: str | None) -> int:
+    """`dsec agent stop`: SIGTERM to the agent answering on `socket` (its sandboxes
+    are stopped: SIGTERM, grace, SIGKILL), then wait until it has exited."""
+    import time
+    from agent.node.client import AgentError, Client
+    path = socket or default_socket()
+    try:
+        with Client(path, connect_timeout=2.0) as c:
+            pid = int(c.capabilities(timeout=5.0)["pid"])
+    except (AgentError, OSError) as e:
+        print(f"dsec agent stop: no agent answers at {path} ({getattr(e, 'message', e)}): nothing to stop")
+        return 0
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError as e:
+        raise DsecError(f"agent pid {pid} on {path}: {e.strerror}", 1) from None
+    try:
+        os.kill(pid, signal.SIGTERM)
+        import select
+        p = select.poll()
+        p.register(pidfd, select.POLLIN)
+        t0 = time.monotonic()
+        if not p.poll(90_000):
+            raise DsecError(f"the agent (pid {pid}) on {path} did not exit within 90s of SIGTERM", 1)
+    finally:
+        os.close(pidfd)
+    print(f"dsec agent stop: stopped the agent (pid {pid}) on {path} in {time.monotonic() - t0:.1f}s")
+    return 0
 
 
 def run(spec, args):
     """`dsec run` through the running agent: the same sandbox, exit status, output
     passthrough and summary. Returns a launcher.Result, or None when no agent runs."""
-    path = agent_socket()
-    if path is None:
+    m = mode()
+    if m == "off":
         return None
-    from agent.sandbox import launcher
+    path = agent_socket()
+    if path is None and m != "auto":
+        return None
     from agent.errors import EXIT_DSEC
     # what the launcher checks on this side, with the same messages as in-process
-    if spec.sandbox_id:
-        launcher.validate_id(spec.sandbox_id)
+    # (without importing it: this is `dsec run`'s fast path)
+    if spec.sandbox_id and not _ID_RE.match(spec.sandbox_id):
+        raise DsecError(f"invalid sandbox id {spec.sandbox_id!r}: use 1-63 of [A-Za-z0-9_.-], starting "
+                        f"alphanumeric", EXIT_DSEC)
     if spec.rootfs:
         rf = os.path.abspath(spec.rootfs)
         if not os.path.isdir(rf):
             raise DsecError(f"--rootfs {spec.rootfs}: no such directory", EXIT_DSEC)
         if any(ch in rf for ch in ",:\\"):
             raise DsecError(f"--rootfs {spec.rootfs}: path must not contain ',', ':' or '\\'", EXIT_DSEC)
-    c = connect(path, "run")
+    c = connect(path, "run") if path is not None and (m != "auto" or _is_socket(path)) else None
+    if c is None and m == "auto":
+        path = start_agent("run")         # none answers: start one for this and later runs
+        c = connect(path, "run") if path is not None else None
     if c is None:
         return None
     from agent.node.client import AgentError, SandboxFailed, SandboxStopped, _exec_start, _Inputs
-    from agent.sandbox.launcher import Result
     from agent.node.proto import pb
-    from policies.load import is_builtin_ref
-    pol = {"policy": args.policy} if is_builtin_ref(args.policy) else None
+    pol = {"policy": args.policy} if _is_builtin_ref(args.policy) else None
     if pol is None:
         try:
             with open(args.policy, encoding="utf-8", errors="surrogateescape") as f:
@@ -104,7 +248,8 @@ def run(spec, args):
     except OSError:
         stdin_ok = False
     inputs = _Inputs(_exec_start(sb.id, spec.argv, stdin=None, close_stdin=not stdin_ok, timeout=spec.timeout,
-                                 grace=spec.grace, close_after=True, wait_export=args.audit == "on"))
+                                 grace=spec.grace, close_after=True,
+                                 wait_export=args.audit == "on" and bool(getattr(args, "wait_export", False))))
     if stdin_ok:
         def pump():
             while True:
@@ -164,7 +309,23 @@ def run(spec, args):
                                  "error": result.error, "timed_out": result.timed_out}
     summary.setdefault("audit", {})
     summary["agent"] = path
-    return Result(result.code, summary)
+    return RunResult(result.code, summary)
+
+
+class RunResult:
+    """A run's exit code and summary (launcher.Result's shape, without importing the launcher)."""
+
+    def __init__(self, exit_code: int, summary: dict):
+        self.exit_code = exit_code
+        self.summary = summary
+
+
+_POLICY_SUFFIXES = (".yaml", ".yml", ".json")     # policies.load: a file needs a '/' or one of these
+
+
+def _is_builtin_ref(ref: str) -> bool:
+    """policies.load.is_builtin_ref without importing the policy model (pydantic)."""
+    return "/" not in ref and not ref.endswith(_POLICY_SUFFIXES)
 
 
 def events(sandbox: str, kinds: list, limit: int | None):

@@ -9,8 +9,9 @@
 
 One AuditSensor per process (one compile, ~1 s). poll(), add_sandbox(),
 set_step() and remove_sandbox() may be called from different threads: they
-are serialised by a lock, and poll() holds it while it waits, so keep poll
-timeouts short (<= 100 ms) when other threads manage sandboxes.
+are serialised by a lock. poll() waits for the ring buffer WITHOUT the lock
+(poll(2) on the ring buffer's map fd) and takes it only to consume and decode,
+so a step's set_step() or a new sandbox never waits out a poll timeout.
 
 Losses are never silent: every event the kernel could not emit is counted per
 sandbox, by reason (ringbuf_full, over_budget, inflight_full) and kind; poll()
@@ -30,6 +31,7 @@ Over budget (the per-sandbox fair share, a token bucket of `rate` events/s and
 from __future__ import annotations
 
 import os
+import select
 import time
 
 from agent.sensors.common import BPF_DIR, TRACEFS, RINGBUF_MISSING, RingSensor, base_missing, cgroup2_mount
@@ -154,7 +156,12 @@ class AuditSensor(RingSensor):
         self._steps: dict[int, int] = {}
         self._modes: dict[int, str] = {}
         self._stop_notified: set[int] = set()
-        self._init_records(self.bpf[b"events"], self.bpf[b"exec_scratch"].Leaf, node=node, enricher=enricher)
+        events = self.bpf[b"events"]
+        self._init_records(events, self.bpf[b"exec_scratch"].Leaf, node=node, enricher=enricher)
+        # a BPF ring buffer's map fd is pollable: readable when records wait (the same wake-up
+        # libbpf's ring_buffer__poll waits for), so poll() can wait without the sensor lock
+        self._ring_wait = select.poll()
+        self._ring_wait.register(events.map_fd, select.POLLIN)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -284,7 +291,14 @@ class AuditSensor(RingSensor):
 
     def poll(self, timeout_ms: int = 100) -> int:
         """Wait up to timeout_ms for events; hand decoded records to on_record.
-        Returns how many records were delivered."""
+        Returns how many records were delivered. The wait holds no lock: the
+        other threads' add_sandbox/set_step/remove_sandbox go ahead meanwhile."""
+        if timeout_ms > 0 and not self._closed:
+            try:
+                self._ring_wait.poll(int(timeout_ms))
+            except (InterruptedError, ValueError):
+                pass
+            timeout_ms = 0          # then consume what is there, under the lock, without waiting again
         return self._poll(timeout_ms)
 
     def drain(self, cgroup_id: int | None = None) -> int:
