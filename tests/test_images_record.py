@@ -73,7 +73,7 @@ def test_migration_3_adds_the_image_column_on_18_16_and_a_current_engine(clickho
         client.execute(f"INSERT INTO {db}.schema_migrations (version, name) VALUES", [(1, "v1"), (2, "v2")])
         assert migrations.current_version(client, db) == 2
         r = migrations.migrate(client, db)
-        assert r.before == 2 and r.applied == [3] and r.added_columns == []
+        assert r.before == 2 and r.applied == list(range(3, migrations.LATEST + 1)) and r.added_columns == []
         assert migrations.table_columns(client, db)["image_digest"] == "LowCardinality(String)"
         assert feat.lc_setting                     # the 18.16 server of the suite needs the setting
     finally:
