@@ -28,8 +28,9 @@ import pytest
 
 from agent.sensors.audit import AuditSensor
 from audit_schema import migrations
-from audit_schema.events import BY_NAME, FIELDS
+from audit_schema.events import BY_NAME
 from fixtures_bpf import PYTHON, Harness, run_in_cgroup
+from test_bpf_audit import _extra, _kill
 
 PATHS = r'''
 import json, os, sys
@@ -56,16 +57,6 @@ os.chdir(decoy)
 print(json.dumps({"dirfd": dfd, "gone": gone}), flush=True)
 sys.stdin.readline()
 '''
-
-
-def _extra(rec) -> dict:
-    return json.loads(rec["extra"]) if rec["extra"] else {}
-
-
-def _kill(p):
-    if p.poll() is None:
-        p.kill()
-        p.wait(10)
 
 
 def test_path_records_keep_dirfd_and_name_and_never_present_a_guess_as_fact(audit_sensor, audit_cgroups,
@@ -317,7 +308,7 @@ def test_in_flight_loss_under_over_budget_stop_kills_and_notifies(audit_sensor, 
 # ---------------------------------------------------------------- schema
 
 def test_migration_4_adds_dirfd_and_path_resolution_on_18_16_and_a_current_engine(clickhouse_url, tmp_path):
-    from fixtures_clickhouse import SESSION_DB, connect
+    from fixtures_clickhouse import SESSION_DB, chdb_events_without, connect
     assert BY_NAME["dirfd"].ch_type == BY_NAME["path_resolution"].ch_type == "String"
     client, _ = connect(clickhouse_url)
     db = f"{SESSION_DB}_p{uuid.uuid4().hex[:6]}"
@@ -338,14 +329,7 @@ def test_migration_4_adds_dirfd_and_path_resolution_on_18_16_and_a_current_engin
     import chdb.session as chdb_session
     s = chdb_session.Session(str(tmp_path / "chdb"))
     try:
-        version = s.query("SELECT version()", "CSV").bytes().decode().strip().strip('"')
-        settings = dict(line.replace('"', "").split(",", 1) for line in s.query(
-            "SELECT name, value FROM system.settings WHERE name LIKE '%low_cardinality%'", "CSV").bytes().decode().split())
-        modern = migrations.features_for(version, settings)
-        s.query("CREATE DATABASE IF NOT EXISTS m")
-        cols = ", ".join(f"{f.name} {migrations.column_type(f, modern)}" for f in FIELDS
-                         if f.name not in ("dirfd", "path_resolution"))
-        s.query(f"CREATE TABLE m.events ({cols}) ENGINE = ReplacingMergeTree ORDER BY (kind, sandbox_id, ts_ns, event_id)")
+        modern = chdb_events_without(s, ("dirfd", "path_resolution"))
         for step in migrations.MIGRATIONS[3][2]("m", modern):
             s.query(step.sql(modern))
         t = s.query("SELECT name, type FROM system.columns WHERE database = 'm' AND table = 'events' "
