@@ -276,13 +276,15 @@ def test_others_filling_the_in_flight_table_leave_a_quiet_neighbour_whole(small_
     assert q_totals["lost_total"] == 0, q_totals
     assert len([r for r in quiet.of_kind("open_write") if r["path"].startswith(str(qdir))]) == 100
     assert len(quiet.of_kind("connect")) == 10
-    lost = 0
+    lost = {}
     for s in hostile:
-        t = s.remove()
-        lost += sum(t["lost"].get("inflight_full", {}).values())
-    # the hostile two took at most the table less the reserve: the rest of their
-    # syscalls are lost, in their own records
-    assert lost > 0
+        for kind, n in s.remove()["lost"].get("inflight_full", {}).items():
+            lost[kind] = lost.get(kind, 0) + n
+        assert all(r["sandbox_id"] == s.sandbox_id for r in s.of_kind("events_lost"))
+    # the hostile two took exactly the table less the reserve (192 of 256): the other 64
+    # blocked opens are lost, and so is everything they did while those stayed blocked
+    # (2 x 3 opens, 3 unlinks, 5 connects), each in its own sandbox's record
+    assert lost == {"open_write": 64 + 6, "unlink": 6, "connect": 10}, lost
 
 
 def test_in_flight_loss_under_over_budget_stop_kills_and_notifies(audit_sensor, audit_cgroups, tmp_path):
