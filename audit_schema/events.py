@@ -71,7 +71,8 @@ FIELDS: tuple[Field, ...] = (
     Field("mode", "String", "learn | audit | enforce", low_card=True),
     Field("decision", "String", "allowed | denied | would-deny", low_card=True),
     # kind-specific
-    Field("path", "String", "exec binary / file path (resolved where possible)", bytes_like=True),
+    Field("path", "String", "exec binary / file path (resolved where possible: see path_resolution)",
+          bytes_like=True),
     Field("path_raw", "String", "the path exactly as the process passed it", bytes_like=True),
     Field("path2", "String", "rename target", bytes_like=True),
     Field("argv", "Array(String)", "exec argv", bytes_like=True),
@@ -98,6 +99,13 @@ FIELDS: tuple[Field, ...] = (
     Field("protocol", "String", "egress_*: tcp | udp | icmp | ... of the socket", low_card=True),
     # added by schema migration 3 (images)
     Field("image_digest", "String", "manifest digest of the sandbox's OCI image ('' = no image)", low_card=True),
+    # added by schema migration 4 (what the kernel was given for a path, and how `path` was obtained)
+    Field("dirfd", "String", "exec/file kinds: the dirfd the name was relative to, as given: 'AT_FDCWD' or "
+          "the fd number ('' = no path)", low_card=True),
+    Field("path_resolution", "String", "how `path` was obtained: exact (the name given was absolute) | "
+          "best_effort (a relative name joined after the fact with the cwd/dirfd /proc showed then: it may "
+          "have changed since) | unresolved (the base was gone: `path` is the name as given) | '' (no path)",
+          low_card=True),
 )
 
 FIELD_NAMES = tuple(f.name for f in FIELDS)

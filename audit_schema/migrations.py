@@ -257,10 +257,17 @@ def _v3(db: str, feat: Features) -> list:
     return [AddColumn(db, "image_digest")]
 
 
+def _v4(db: str, feat: Features) -> list:
+    # paths (issue 13): the dirfd the kernel was given with a relative name, and whether
+    # `path` is exact, a best-effort resolution after the fact, or unresolved
+    return [AddColumn(db, "dirfd"), AddColumn(db, "path_resolution")]
+
+
 MIGRATIONS = [
     (1, "events table and sandboxes view", _v1),
     (2, "enforcement columns: syscall, protocol", _v2),
     (3, "image column: image_digest", _v3),
+    (4, "path columns: dirfd, path_resolution", _v4),
 ]
 LATEST = MIGRATIONS[-1][0]
 

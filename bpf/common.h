@@ -37,6 +37,8 @@ BPF_PERCPU_ARRAY(file_scratch, struct dsec_event_small, 1);
 /* syscalls between enter and exit, by thread id; allocated on demand */
 BPF_F_TABLE("hash", u32, struct dsec_event, pending_exec, DSEC_PENDING_EXEC_ENTRIES, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", u32, struct dsec_event_small, pending, DSEC_PENDING_ENTRIES, BPF_F_NO_PREALLOC);
+/* entries of `pending` taken, all sandboxes (its fair sharing, see dsec_pending_take) */
+BPF_ARRAY(pending_used, s64, 1);
 /* how a process is ending: tgid -> exit_group code or fatal signal */
 BPF_TABLE("lru_hash", u32, struct dsec_exit_info, exit_info, 65536);
 /* last fatal-by-default signal generated for a pid (the kernel reports a
@@ -85,17 +87,32 @@ static __always_inline struct dsec_state *dsec_admit_task(u32 kind, u64 *cgid, s
     return st;
 }
 
+/* ---- in flight ---------------------------------------------------------------
+ * A syscall's record waits between enter and exit in a pending map. Bounded
+ * per sandbox AND per kind (st->inflight_kind[kind] <= DSEC_MAX_INFLIGHT):
+ * threads blocked in open(fifo) use up the sandbox's open_write share only,
+ * its connects, execs, unlinks and renames are still recorded. Whatever does
+ * not fit is counted as lost (inflight_full, that kind) in the sandbox's own
+ * state, and over_budget: stop applies (dsec_count_lost). */
+
+static __always_inline s64 *dsec_inflight_slot(struct dsec_state *st, u32 kind)
+{
+    return &st->inflight_kind[kind & (DSEC_NKINDS - 1)];
+}
+
 /* an in-flight syscall's record cannot be kept: out of flight, counted as lost */
 static __always_inline void dsec_inflight_lost(struct dsec_sandbox *cfg, struct dsec_state *st, u32 kind)
 {
     __sync_fetch_and_add(&st->inflight, -1);
+    __sync_fetch_and_add(dsec_inflight_slot(st, kind), -1);
     dsec_count_lost(cfg, st, DSEC_LOST_INFLIGHT_FULL, kind);
 }
 
 /* a syscall of this sandbox goes in flight (its record waits in a pending map) */
 static __always_inline int dsec_inflight_get(struct dsec_sandbox *cfg, struct dsec_state *st, u32 kind)
 {
-    s64 n = __sync_fetch_and_add(&st->inflight, 1);
+    __sync_fetch_and_add(&st->inflight, 1);
+    s64 n = __sync_fetch_and_add(dsec_inflight_slot(st, kind), 1);
     if (n >= DSEC_MAX_INFLIGHT) {
         dsec_inflight_lost(cfg, st, kind);
         return 0;
@@ -113,11 +130,48 @@ static __always_inline struct dsec_state *dsec_begin(u32 kind, u64 *cgid, struct
     return st;
 }
 
-static __always_inline void dsec_inflight_put(u64 cgid)
+static __always_inline void dsec_inflight_put(u64 cgid, u32 kind)
 {
     struct dsec_state *st = sbx_state.lookup(&cgid);
-    if (st)
+    if (st) {
         __sync_fetch_and_add(&st->inflight, -1);
+        __sync_fetch_and_add(dsec_inflight_slot(st, kind), -1);
+    }
+}
+
+/* The node-wide `pending` table (file and connect records, DSEC_PENDING_ENTRIES)
+ * is shared fairly: once all but DSEC_PENDING_RESERVE entries are taken, only a
+ * sandbox holding fewer than DSEC_PENDING_FAIR may take one, so sandboxes that
+ * keep thousands of syscalls blocked fill at most the rest and a quiet
+ * neighbour's records still have room. 1: taken (st->pending_held and
+ * pending_used counted); 0: no room for this sandbox (the caller counts it). */
+static __always_inline int dsec_pending_take(struct dsec_state *st)
+{
+    u32 zero = 0;
+    s64 *used = pending_used.lookup(&zero);
+    if (!used)
+        return 0;
+    s64 n = __sync_fetch_and_add(used, 1);
+    s64 held = __sync_fetch_and_add(&st->pending_held, 1);
+    if (n >= DSEC_PENDING_ENTRIES || (n >= DSEC_PENDING_ENTRIES - DSEC_PENDING_RESERVE &&
+                                      held >= DSEC_PENDING_FAIR)) {
+        __sync_fetch_and_add(used, -1);
+        __sync_fetch_and_add(&st->pending_held, -1);
+        return 0;
+    }
+    return 1;
+}
+
+/* an entry of `pending` given back (its sandbox may be gone by now) */
+static __always_inline void dsec_pending_give(u64 cgid)
+{
+    u32 zero = 0;
+    s64 *used = pending_used.lookup(&zero);
+    if (used)
+        __sync_fetch_and_add(used, -1);
+    struct dsec_state *st = sbx_state.lookup(&cgid);
+    if (st)
+        __sync_fetch_and_add(&st->pending_held, -1);
 }
 
 /* The byte budget (shared.h): a record of `size` bytes of an admitted event
@@ -204,9 +258,14 @@ static __always_inline struct dsec_event_small *dsec_pending_begin(u32 kind)
     struct dsec_state *st = dsec_begin(kind, &cgid, &cfg);
     if (!st)
         return 0;
+    if (!dsec_pending_take(st)) {
+        dsec_inflight_lost(cfg, st, kind);
+        return 0;
+    }
     u32 zero = 0;
     struct dsec_event_small *e = file_scratch.lookup(&zero);
     if (!e) {
+        dsec_pending_give(cgid);
         dsec_inflight_lost(cfg, st, kind);
         return 0;
     }
@@ -220,7 +279,16 @@ static __always_inline void dsec_pending_store(struct dsec_event_small *e)
     u32 tid = e->h.tid;
     u64 cgid = e->h.cgroup_id;
     u32 kind = e->h.kind;
+    struct dsec_event_small *stale = pending.lookup(&tid);
+    if (stale) {
+        /* an entry whose exit was never seen: its accounting given back first */
+        u64 scg = stale->h.cgroup_id;
+        dsec_inflight_put(scg, stale->h.kind);
+        if (pending.delete(&tid) == 0)
+            dsec_pending_give(scg);
+    }
     if (pending.update(&tid, e) != 0) {
+        dsec_pending_give(cgid);
         struct dsec_state *st = sbx_state.lookup(&cgid);
         if (st)
             dsec_inflight_lost(sandboxes.lookup(&cgid), st, kind);
@@ -272,7 +340,7 @@ static __always_inline int dsec_pending_finish(long ret)
         return 0;
     u64 cgid = e->h.cgroup_id;
     u32 kind = e->h.kind;
-    dsec_inflight_put(cgid);
+    dsec_inflight_put(cgid, kind);
     if (kind == DSEC_KIND_CONNECT) {
         e->u.connect.ret = ret;
         if (e->u.connect.status & DSEC_ST_ADDR_FAULT) {
@@ -291,7 +359,8 @@ static __always_inline int dsec_pending_finish(long ret)
     }
     e->h.ts_ns = bpf_ktime_get_ns();
     dsec_output(e, e->h.size, sizeof(struct dsec_event_small), cgid, kind);
-    pending.delete(&tid);
+    if (pending.delete(&tid) == 0)
+        dsec_pending_give(cgid);
     return 0;
 }
 

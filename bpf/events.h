@@ -50,10 +50,16 @@
 #define DSEC_NCPU 64                   /* possible CPUs (exec scratch slots) */
 #endif
 #ifndef DSEC_MAX_INFLIGHT
-#define DSEC_MAX_INFLIGHT 512          /* per sandbox: syscalls between enter and exit */
+#define DSEC_MAX_INFLIGHT 512          /* per sandbox and kind: syscalls between enter and exit */
 #endif
 #ifndef DSEC_PENDING_ENTRIES
 #define DSEC_PENDING_ENTRIES 16384     /* all sandboxes: in-flight file/connect syscalls */
+#endif
+#ifndef DSEC_PENDING_RESERVE
+#define DSEC_PENDING_RESERVE (DSEC_PENDING_ENTRIES / 4)   /* of them, kept for sandboxes with few in flight */
+#endif
+#ifndef DSEC_PENDING_FAIR
+#define DSEC_PENDING_FAIR 16           /* per sandbox: in flight that may come out of the reserve */
 #endif
 #ifndef DSEC_PENDING_EXEC_ENTRIES
 #define DSEC_PENDING_EXEC_ENTRIES 2048 /* all sandboxes: in-flight execs */
@@ -132,7 +138,8 @@
 /* ---- loss reasons (index into dsec_state.lost) --------------------------- */
 #define DSEC_LOST_RINGBUF_FULL 0       /* ring buffer reservation failed */
 #define DSEC_LOST_OVER_BUDGET 1        /* over the sandbox's fair share */
-#define DSEC_LOST_INFLIGHT_FULL 2      /* too many syscalls in flight (per sandbox or table) */
+#define DSEC_LOST_INFLIGHT_FULL 2      /* too many syscalls in flight: the sandbox's DSEC_MAX_INFLIGHT of
+                                        * that kind, or its share of the node-wide table (common.h) */
 #define DSEC_LOST_TABLE_FULL 3         /* enforcement: a kernel table (violation counters, learned
                                         * destinations) had no room, or the sandbox's share of it */
 #define DSEC_LOST_OVER_BYTES 4         /* over the sandbox's byte budget (bytes of records per second) */
@@ -293,10 +300,12 @@ struct dsec_sandbox {   /* sandboxes: cgroup id -> configuration, written by use
 struct dsec_state {     /* sbx_state: cgroup id -> state, written by the kernel */
     __u64 tat;          /* GCRA theoretical arrival time (ns, CLOCK_MONOTONIC) */
     __u64 btat;         /* the byte budget's GCRA arrival time (ns) */
-    __s64 inflight;     /* pending syscalls of this sandbox */
+    __s64 inflight;     /* pending syscalls of this sandbox, every kind */
     __u64 stopped;      /* DSEC_OVER_STOP fired (SIGKILL sent) this many times */
     __u64 emitted[DSEC_NKINDS];
     __u64 lost[DSEC_NLOST * DSEC_NKINDS];   /* [reason * DSEC_NKINDS + kind] */
+    __s64 inflight_kind[DSEC_NKINDS];       /* of them, by kind: each at most DSEC_MAX_INFLIGHT */
+    __s64 pending_held; /* entries of the node-wide `pending` table it holds (file/connect) */
 };
 
 struct dsec_exit_info { /* exit_info: tgid -> how it is ending */

@@ -212,7 +212,7 @@ static __always_inline int dsec_exec_exit(long ret)
     if (!e)
         return 0;   /* not captured, or already emitted at sched_process_exec */
     u64 cgid = e->h.cgroup_id;
-    dsec_inflight_put(cgid);
+    dsec_inflight_put(cgid, DSEC_KIND_EXEC);
     e->u.exec.ret = ret;
     dsec_exec_late_path(e, (const char *)e->u.exec.upath, 0);
     e->h.ts_ns = bpf_ktime_get_ns();
@@ -255,7 +255,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     if (e) {
         u64 cgid = e->h.cgroup_id;
         u64 ug = bpf_get_current_uid_gid();
-        dsec_inflight_put(cgid);
+        dsec_inflight_put(cgid, DSEC_KIND_EXEC);
         e->h.ts_ns = bpf_ktime_get_ns();
         e->h.pid = tgid;
         e->h.tid = (u32)pt;
@@ -380,12 +380,14 @@ static __always_inline void dsec_drop_pending(u32 tid)
 {
     struct dsec_event_small *p = pending.lookup(&tid);
     if (p) {
-        dsec_inflight_put(p->h.cgroup_id);
-        pending.delete(&tid);
+        u64 cgid = p->h.cgroup_id;
+        dsec_inflight_put(cgid, p->h.kind);
+        if (pending.delete(&tid) == 0)
+            dsec_pending_give(cgid);
     }
     struct dsec_event *x = pending_exec.lookup(&tid);
     if (x) {
-        dsec_inflight_put(x->h.cgroup_id);
+        dsec_inflight_put(x->h.cgroup_id, DSEC_KIND_EXEC);
         pending_exec.delete(&tid);
     }
 }

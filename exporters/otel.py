@@ -133,6 +133,8 @@ ATTRIBUTES: dict[str, tuple] = {
     "syscall": ("attr", "dsec.syscall"),
     "protocol": ("attr", "network.transport"),            # tcp | udp | ...
     "image_digest": ("attr", "oci.manifest.digest"),      # the sandbox's image (semconv oci.*)
+    "dirfd": ("attr", "dsec.dirfd"),                      # AT_FDCWD or the fd a relative name was given with
+    "path_resolution": ("attr", "dsec.path_resolution"),  # exact | best_effort | unresolved
 }
 
 # fields whose 0 / "" means something for these kinds (else defaults are left out)

@@ -8,6 +8,9 @@
     scratch_clickhouse   (function) a throwaway private server (own home in tmp, free ports) for tests
                                     that stop and restart ClickHouse; stopped and removed afterwards
     free_ports(n)        helper: n free TCP ports on 127.0.0.1
+    chdb_events_without(session, cols)  helper: in a chdb (current engine) session, m.events with
+                         every FIELDS column but `cols` (a database from before their migration);
+                         returns the engine's Features
 
 Importing these names into a test module or conftest.py registers them. The
 session database name is computed once per process, so importing them in
@@ -25,7 +28,7 @@ import pytest
 from exporters.clickhouse_server import PrivateServer, connect
 
 __all__ = ["clickhouse_server", "clickhouse_url", "clickhouse_client", "scratch_clickhouse", "free_ports",
-           "SESSION_DB"]
+           "SESSION_DB", "chdb_events_without"]
 
 SESSION_DB = f"dsec_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
 
@@ -78,3 +81,18 @@ def scratch_clickhouse(tmp_path_factory):
     yield server
     server.stop()
     shutil.rmtree(home, ignore_errors=True)
+
+
+def chdb_events_without(session, cols=()):
+    """m.events in a chdb session (ClickHouse's current dialect) with the FIELDS columns
+    but `cols`, as a database migrated before they existed; the engine's Features."""
+    from audit_schema import migrations
+    from audit_schema.events import FIELDS
+    version = session.query("SELECT version()", "CSV").bytes().decode().strip().strip('"')
+    settings = dict(line.replace('"', "").split(",", 1) for line in session.query(
+        "SELECT name, value FROM system.settings WHERE name LIKE '%low_cardinality%'", "CSV").bytes().decode().split())
+    modern = migrations.features_for(version, settings)
+    session.query("CREATE DATABASE IF NOT EXISTS m")
+    defs = ", ".join(f"{f.name} {migrations.column_type(f, modern)}" for f in FIELDS if f.name not in cols)
+    session.query(f"CREATE TABLE m.events ({defs}) ENGINE = ReplacingMergeTree ORDER BY (kind, sandbox_id, ts_ns, event_id)")
+    return modern

@@ -597,9 +597,9 @@ def tls_agent(tmp_path_factory, clickhouse_url, pki):
     from fixtures_clickhouse import free_ports
     port = free_ports(1)[0]
     a = AgentProc(str(tmp_path_factory.mktemp("tlsagent")), clickhouse_url, {
-        "tcp": {"listen": f"0.0.0.0:{port}", "cert": f"{pki}/server.pem", "key": f"{pki}/server.key",
+        "tcp": {"listen": f"[::]:{port}", "cert": f"{pki}/server.pem", "key": f"{pki}/server.key",
                 "client_ca": f"{pki}/ca.pem", "allowed_clients": ["trainer-1"]},
-        "authorization": {"identities": {"trainer-1": {"allow": ["root"]}}},
+        "authorization": {"identities": {"trainer-1": {"allow": ["root", "policy_yaml"]}}},
     }).start()
     a.port = port
     yield a
@@ -646,42 +646,100 @@ def _host_ipv4() -> list[str]:
             if not line.split()[1].startswith(("dsv", "dsp", "dtv"))]
 
 
+def _host_ipv6() -> list[str]:
+    """This host's own global IPv6 addresses (not on sandbox or test-host veths)."""
+    out = subprocess.run(["ip", "-o", "-6", "addr", "show", "scope", "global"], capture_output=True, text=True).stdout
+    return [line.split()[3].split("/")[0] for line in out.splitlines()
+            if not line.split()[1].startswith(("dsv", "dsp", "dtv"))]
+
+
+REACH_PROBE = """import json, os, socket, sys
+res = {}
+try:
+    s = socket.socket(socket.AF_UNIX); s.settimeout(2); s.connect(sys.argv[1]); res['unix'] = 'connected'
+except OSError as e:
+    res['unix'] = type(e).__name__
+port = int(sys.argv[2])
+gws = []
+for line in open('/proc/net/route').read().splitlines()[1:]:
+    f = line.split()
+    if f[1] == '00000000':
+        gws.append(socket.inet_ntoa(int(f[2], 16).to_bytes(4, 'little')))
+res['gateways'] = gws
+v6 = [a for a in sys.argv[3:] if ':' in a]
+for a in [a for a in sys.argv[3:] if ':' not in a] + gws:
+    try:
+        socket.create_connection((a, port), timeout=1.5).close(); res[a] = 'connected'
+    except OSError as e:
+        res[a] = type(e).__name__
+# IPv6: the host's addresses, and the link-local address the host end of eth0 would have
+# (EUI-64 of the gateway's MAC, learnt by ARP above) were IPv6 left on there
+res['eth0_ipv6'] = os.path.exists('/proc/sys/net/ipv6/conf/eth0') and \
+    open('/proc/sys/net/ipv6/conf/eth0/disable_ipv6').read().strip() == '0'
+targets = [(a, 0) for a in v6]
+for line in open('/proc/net/arp').read().splitlines()[1:]:
+    f = line.split()
+    if f[0] in gws and f[5] == 'eth0':
+        m = bytes.fromhex(f[3].replace(':', ''))
+        eui = bytes([m[0] ^ 2]) + m[1:3] + b'\\xff\\xfe' + m[3:]
+        ll = 'fe80::' + ':'.join(eui[i:i + 2].hex() for i in range(0, 8, 2))
+        targets.append((ll, socket.if_nametoindex('eth0')))
+        res['link_local'] = ll
+for a, scope in targets:
+    key = a if not scope else a + '%eth0'
+    try:
+        s = socket.socket(socket.AF_INET6); s.settimeout(1.5)
+        s.connect((a, port, 0, scope)); s.close(); res[key] = 'connected'
+    except OSError as e:
+        res[key] = type(e).__name__
+print(json.dumps(res))
+"""
+
+V6_OPEN = """apiVersion: dsec/v1
+kind: SandboxPolicy
+metadata: {name: v6-open}
+spec:
+  mode: enforce
+  egress: {default: allow}
+"""
+
+
 def test_sandboxed_process_cannot_reach_the_agent(tls_agent, pki):
-    probe = ("import json, socket, sys\n"
-             "res = {}\n"
-             "try:\n"
-             "    s = socket.socket(socket.AF_UNIX); s.settimeout(2); s.connect(sys.argv[1]); res['unix'] = 'connected'\n"
-             "except OSError as e:\n"
-             "    res['unix'] = type(e).__name__\n"
-             "gws = []\n"
-             "for line in open('/proc/net/route').read().splitlines()[1:]:\n"
-             "    f = line.split()\n"
-             "    if f[1] == '00000000':\n"
-             "        gws.append(socket.inet_ntoa(int(f[2], 16).to_bytes(4, 'little')))\n"
-             "res['gateways'] = gws\n"
-             "for a in sys.argv[3:] + gws:\n"
-             "    try:\n"
-             "        socket.create_connection((a, int(sys.argv[2])), timeout=1.5).close(); res[a] = 'connected'\n"
-             "    except OSError as e:\n"
-             "        res[a] = type(e).__name__\n"
-             "print(json.dumps(res))\n")
+    """Over IPv4 and IPv6, from a sandbox with egress, without network, and with a policy
+    that opens egress (IPv6 kept on its eth0): never the agent's port on any host address."""
+    from agent.sandbox.netns import ifnames
     ok = TLS(ca=f"{pki}/ca.pem", cert=f"{pki}/trainer-1.pem", key=f"{pki}/trainer-1.key")
+    addrs = _host_ipv4()
+    addrs6 = _host_ipv6() + ["::1"]
+    assert "127.0.0.1" in addrs and len(addrs) >= 2 and len(addrs6) >= 2, (addrs, addrs6)
+    for a in addrs + addrs6:            # positive control: from the host every address answers
+        socket.create_connection((a, tls_agent.port), timeout=3).close()
     with Client(f"127.0.0.1:{tls_agent.port}", tls=ok) as c:
-        for network in ("egress", "none"):
-            with c.create(network=network, warm=False, user="root") as sb:
-                addrs = _host_ipv4()
-                assert "127.0.0.1" in addrs and len(addrs) >= 2
-                for a in addrs:            # positive control: from the host every address answers
-                    socket.create_connection((a, tls_agent.port), timeout=3).close()
-                r = sb.exec(["python3", "-c", probe, tls_agent.socket, str(tls_agent.port), *addrs], timeout=60)
+        for network, policy in (("egress", None), ("none", None), ("egress", V6_OPEN)):
+            extra = {"policy_yaml": policy} if policy else {}
+            with c.create(network=network, warm=False, user="root", **extra) as sb:
+                what = (network, bool(policy))
+                r = sb.exec(["python3", "-c", REACH_PROBE, tls_agent.socket, str(tls_agent.port), *addrs, *addrs6],
+                            timeout=90)
                 res = json.loads(r.stdout)
                 gws = res.pop("gateways")
                 assert len(gws) == (1 if network == "egress" else 0), res   # the host end of its veth
                 for g in gws:                                                # is the host too
                     socket.create_connection((g, tls_agent.port), timeout=3).close()
-                assert res.pop("unix") == "FileNotFoundError", (network, res)   # the socket is not in its world
-                assert set(res) == set(addrs) | set(gws), res
-                assert all(v != "connected" for v in res.values()), (network, res)
+                assert res.pop("unix") == "FileNotFoundError", (what, res)   # the socket is not in its world
+                # IPv6 on the sandbox's side only where the policy opens IPv6 egress
+                assert res.pop("eth0_ipv6") == (policy is not None), (what, res)
+                ll = res.pop("link_local", None)
+                assert (ll is not None) == (network == "egress"), (what, res)
+                if ll is not None:
+                    # the host end of the veth has no IPv6 address at all: nothing there to reach
+                    host_if = ifnames(sb.id)[0]
+                    out = subprocess.run(["ip", "-o", "-6", "addr", "show", "dev", host_if],
+                                         capture_output=True, text=True)
+                    assert out.returncode == 0 and out.stdout.strip() == "", (host_if, out.stdout)
+                v6_keys = set(addrs6) | ({ll + "%eth0"} if ll else set())
+                assert set(res) == set(addrs) | set(gws) | v6_keys, res
+                assert all(v != "connected" for v in res.values()), (what, res)
 
 
 # ---------------------------------------------------------------- crash and restart

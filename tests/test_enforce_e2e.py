@@ -108,6 +108,17 @@ def test_rule_kinds_by_mode(mode, testhost, tmp_path, clickhouse_url, sid):
     assert all(e["policy_name"] == f"e2e-{mode}" and e["mode"] == mode for e in evs if e["kind"] != "sandbox_start")
 
 
+def _state(pid: int) -> str:
+    """The state letter of process `pid` if it is a dsec-init ('Z': a zombie), else ''."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return ""
+    comm, rest = stat[stat.index("(") + 1: stat.rindex(")")], stat[stat.rindex(")") + 2:]
+    return rest.split()[0] if comm == "dsec-init" else ""
+
+
 def test_killing_dsec_run_stops_the_sandbox(testhost, tmp_path, sid):
     """Fail closed: the launcher SIGKILLed mid-run never leaves an unconfined sandbox running."""
     pol = tmp_path / "p.yaml"
@@ -123,6 +134,9 @@ def test_killing_dsec_run_stops_the_sandbox(testhost, tmp_path, sid):
                           "python3", "-c", loop],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     assert p.stdout.readline() == b"up\n"
+    with open(f"/var/lib/dsec/sandboxes/{sid}/state.json") as f:
+        sup = json.load(f)["supervisor_pid"]
+    assert _state(sup) not in ("", "Z")              # the sandbox's dsec-init, running
     time.sleep(0.3)
     p.send_signal(signal.SIGKILL)
     p.wait()
@@ -131,7 +145,14 @@ def test_killing_dsec_run_stops_the_sandbox(testhost, tmp_path, sid):
     while time.monotonic() < deadline and os.path.exists(procs) and open(procs).read().strip():
         time.sleep(0.05)
     assert not os.path.exists(procs) or not open(procs).read().strip(), "sandbox still running"
+    assert _state(sup) in ("", "Z"), "dsec-init still running"       # dead: at most a zombie
     assert b"LEAK" not in p.stdout.read()
+    # dsec-init's parent (dsec run) is gone: the host's PID 1 reaps it, in its own time
+    # (about 2 s on these machines); nothing of dsec can, so wait (bounded) for that
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _state(sup) == "Z":
+        time.sleep(0.1)
+    assert _state(sup) == "", f"dsec-init {sup} not reaped by the host's init within 30 s"
     r = dsec("gc")
     assert r.returncode == 0, r.stdout
     assert sid not in str(leftovers())

@@ -1,6 +1,7 @@
 """dsec run: real sandboxes on the real kernel."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -226,9 +227,13 @@ def test_network_egress_reaches_test_host_only_through_own_veth(sid):
         r = dsec(*RUN, "--sandbox-id", sid, "--network", "egress", "--", "python3", "-c", code)
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip() == b"200"
-        # without egress the same test host is unreachable
-        r = dsec(*RUN, "--network", "none", "--", "python3", "-c", code)
-        assert r.returncode != 0
+        # without egress the same test host is unreachable: no route at all (loopback only)
+        probe = ("import socket\ntry:\n socket.create_connection(('198.51.100.11', 8080), 5); print('reached')\n"
+                 "except OSError as e: print('refused', e.errno)")
+        r = dsec(*RUN, "--network", "none", "--", "python3", "-c", probe)
+        assert (r.returncode, r.stdout.strip()) == (0, f"refused {errno.ENETUNREACH}".encode()), (r.stdout, r.stderr)
+        r = dsec(*RUN, "--network", "egress", "--", "python3", "-c", probe)       # the same probe's control
+        assert (r.returncode, r.stdout.strip()) == (0, b"reached"), (r.stdout, r.stderr)
     assert not [n for n in leftovers()["links"]]
 
 

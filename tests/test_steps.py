@@ -85,3 +85,32 @@ def test_exec_after_close_is_refused(recorder):
     sb.close()
     with pytest.raises(DsecError, match="closed"):
         sb.exec(["true"])
+
+
+def test_one_status_thread_for_every_live_sandbox():
+    """Issue 13: the launcher read each sandbox's status (dsec-init's control socket and
+    pidfd) in a thread of its own: 1,000 sandboxes, 1,000 threads. Now one loop reads all:
+    12 live sandboxes, one status thread, each one's steps still answered; a sandbox whose
+    init is SIGKILLed is seen dead while the others run on."""
+    import signal
+    import threading
+
+    def status_threads():
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("dsec-sbx"))
+
+    boxes = []
+    try:
+        for i in range(12):
+            boxes.append(Sandbox(SandboxSpec(argv=[], sandbox_id=f"st-{os.getpid()}-{i}", network="none")).start())
+        assert status_threads() == ["dsec-sbx-status"]
+        assert [b.exec(["sh", "-c", f"exit {i}"]).code for i, b in enumerate(boxes)] == list(range(12))
+        victim = boxes.pop()
+        os.kill(victim.sup_pid, signal.SIGKILL)
+        with victim._cond:
+            assert victim._cond.wait_for(lambda: victim.supervisor_dead, timeout=10)
+        victim.close()
+        assert [b.exec(["true"]).code for b in boxes] == [0] * 11
+    finally:
+        for b in boxes:
+            b.close()
+    assert status_threads() == ["dsec-sbx-status"]              # the loop stays, nothing per sandbox

@@ -48,7 +48,6 @@ import hashlib
 import json
 import os
 import re
-import select
 import signal
 import socket
 import sys
@@ -61,6 +60,7 @@ from agent.sandbox import plan as plans
 from agent.sandbox import rootfs
 from agent.sandbox import sysutil as su
 from agent.sandbox import uids
+from agent.sandbox.status import STATUS, StatusLoop
 from agent.sandbox.stdio import default_stdio, forward_signals, relay, restore_signals
 from agent.errors import DsecError, EXIT_DSEC, EXIT_USAGE, EXIT_NOEXEC, EXIT_NOTFOUND, EXIT_TIMEOUT, ReportedError
 
@@ -275,7 +275,7 @@ class Sandbox:
         self.setup_error: str | None = None
         self._ready: dict | None = None
         self._cond = threading.Condition()
-        self._reader: threading.Thread | None = None
+        self._reader: StatusLoop | None = None     # reads dsec-init's status (one loop, every sandbox)
         self._send_lock = threading.Lock()
         self.summary: dict | None = None
 
@@ -409,8 +409,7 @@ class Sandbox:
             su.restore_nofile(self.sup_pid)      # the agent's raised fd limit is not the workload's
         except OSError as e:
             raise DsecError(f"sandbox {self.sid}: cannot set its open-file limit: {e.strerror or e}", EXIT_DSEC)
-        self._reader = threading.Thread(target=self._read_status, name=f"dsec-sbx-{self.sid}", daemon=True)
-        self._reader.start()
+        self._reader = STATUS.add(self)
         try:
             self.cg.join(self.sup_pid)           # before it does anything: everything it does is the sandbox's
         except OSError as e:
@@ -489,37 +488,25 @@ class Sandbox:
                 raise DsecError(f"sandbox {self.sid}: its init is gone ({e.strerror})", EXIT_DSEC)
 
     # -- the status reader -------------------------------------------------------
-    def _read_status(self):
-        ctl, pidfd = self.ctl, self.pidfd
-        cfd = ctl.fileno()
-        poller = select.poll()
-        poller.register(cfd, select.POLLIN)
-        poller.register(pidfd, select.POLLIN)
-        ctl_open = True
-        while True:
-            try:
-                events = dict(poller.poll())
-            except InterruptedError:
-                continue
-            if ctl_open and cfd in events:
-                try:
-                    data = ctl.recv(1 << 20, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    data = None
-                except OSError:
-                    data = b""
-                if data:
-                    self._dispatch(data)
-                    continue
-                if data is not None:          # EOF: init closed its end (it is exiting)
-                    poller.unregister(cfd)
-                    ctl_open = False
-            if pidfd in events:
-                break
-        # dsec-init exited: drain what it sent, then reap it
+    def _status_readable(self) -> bool:
+        """dsec-init's control socket is readable (StatusLoop): its message
+        dispatched; False at EOF (init closed its end: it is exiting)."""
+        try:
+            data = self.ctl.recv(1 << 20, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        if data:
+            self._dispatch(data)
+            return True
+        return False
+
+    def _status_exited(self, ctl_open: bool) -> None:
+        """dsec-init exited (its pidfd is readable): drain what it sent, reap it."""
         while ctl_open:
             try:
-                data = ctl.recv(1 << 20, socket.MSG_DONTWAIT)
+                data = self.ctl.recv(1 << 20, socket.MSG_DONTWAIT)
             except OSError:
                 break
             if not data:
@@ -758,7 +745,9 @@ class Sandbox:
                 except ChildProcessError:
                     pass
         if self._reader is not None:
-            self._reader.join(timeout=5)
+            with self._cond:
+                self._cond.wait_for(lambda: self.supervisor_dead, timeout=5)
+            STATUS.remove(self)      # before its fds are closed (their numbers are reused)
         if self.pidfd >= 0:
             try:
                 os.close(self.pidfd)

@@ -49,7 +49,9 @@ DEFAULT_ARGV_BYTES = 16384
 DEFAULT_MAX_ARGS = 256
 DEFAULT_RATE = 5000          # events per second per sandbox
 DEFAULT_BURST = 25000        # events
-DEFAULT_MAX_INFLIGHT = 512   # syscalls in flight per sandbox
+DEFAULT_MAX_INFLIGHT = 512   # syscalls in flight per sandbox and kind
+DEFAULT_PENDING_ENTRIES = 16384   # file/connect syscalls in flight, all sandboxes (a quarter kept in reserve)
+PENDING_FAIR = 16            # DSEC_PENDING_FAIR: in flight per sandbox that the reserve serves
 DEFAULT_BYTE_RATE = 8 << 20  # bytes of records per second per sandbox
 BYTE_BURST_SHARE = 8         # default byte burst: the ring buffer's size / this
 OVER_BUDGET = ("summarise", "stop")
@@ -91,7 +93,8 @@ def _pow2_at_least(n: int) -> int:
     return p
 
 
-def build_cflags(*, ring_bytes: int, argv_bytes: int, max_args: int, max_inflight: int) -> list[str]:
+def build_cflags(*, ring_bytes: int, argv_bytes: int, max_args: int, max_inflight: int,
+                 pending_entries: int = DEFAULT_PENDING_ENTRIES) -> list[str]:
     pages = ring_pages(ring_bytes, "audit")
     if argv_bytes & (argv_bytes - 1) or not 4096 <= argv_bytes <= 131072:
         raise DsecError(f"argv bound {argv_bytes} must be a power of two between 4096 and 131072")
@@ -99,6 +102,9 @@ def build_cflags(*, ring_bytes: int, argv_bytes: int, max_args: int, max_infligh
         raise DsecError(f"argument count bound {max_args} must be between 1 and 1024")
     if not 1 <= max_inflight <= 1 << 20:
         raise DsecError(f"in-flight bound {max_inflight} must be between 1 and 1048576")
+    if not 4 * PENDING_FAIR <= pending_entries <= 1 << 20:
+        raise DsecError(f"in-flight table of {pending_entries} entries: must be between {4 * PENDING_FAIR} "
+                        "and 1048576")
     from bcc.utils import get_possible_cpus   # noqa: WPS433 (bcc only here)
     ncpu = max(get_possible_cpus()) + 1
     return [
@@ -109,6 +115,7 @@ def build_cflags(*, ring_bytes: int, argv_bytes: int, max_args: int, max_infligh
         f"-DDSEC_MAX_ARGS={max_args}",
         f"-DDSEC_NCPU={ncpu}",
         f"-DDSEC_MAX_INFLIGHT={max_inflight}",
+        f"-DDSEC_PENDING_ENTRIES={pending_entries}",
         "-DDSEC_SBX_T=struct dsec_sandbox",          # the configuration type of membership.h's sandboxes
     ]
 
@@ -126,6 +133,7 @@ class AuditSensor(RingSensor):
     def __init__(self, on_record=None, *, node: str | None = None,
                  ring_bytes: int = DEFAULT_RING_BYTES, argv_bytes: int = DEFAULT_ARGV_BYTES,
                  max_args: int = DEFAULT_MAX_ARGS, max_inflight: int = DEFAULT_MAX_INFLIGHT,
+                 pending_entries: int = DEFAULT_PENDING_ENTRIES,
                  rate: float = DEFAULT_RATE, burst: int = DEFAULT_BURST,
                  byte_rate: float = DEFAULT_BYTE_RATE, byte_burst: int | None = None,
                  over_budget: str = "summarise", on_over_budget=None,
@@ -145,7 +153,8 @@ class AuditSensor(RingSensor):
         self.loss_interval_s = loss_interval_s
         self.consts = load_constants()
         self.bpf = compile_bpf(build_cflags(ring_bytes=ring_bytes, argv_bytes=argv_bytes,
-                                            max_args=max_args, max_inflight=max_inflight))
+                                            max_args=max_args, max_inflight=max_inflight,
+                                            pending_entries=pending_entries))
         self._sandboxes_map = self.bpf[b"sandboxes"]
         self._gen = self.bpf[b"sbx_gen"]
         self._state_map = self.bpf[b"sbx_state"]
@@ -314,7 +323,7 @@ class AuditSensor(RingSensor):
                 return self._final(cgroup_id, "stats")
             state = self._read_state(cgroup_id)
             totals = self._totals(state, 0)
-            totals["inflight"] = state["inflight"] if state else 0
+            totals["inflight"] = state["inflight_kind"] if state else {}
             return totals
 
     def lost(self, cgroup_id: int) -> int:
@@ -332,7 +341,10 @@ class AuditSensor(RingSensor):
         if st is None:
             return None
         emitted, lost = self._state_counts(st)
-        return {"emitted": emitted, "lost": lost, "inflight": st.inflight, "stopped": st.stopped}
+        kinds = self.consts.kinds
+        by_kind = {kinds.get(k, str(k)): n for k, n in enumerate(st.inflight_kind) if n > 0}
+        return {"emitted": emitted, "lost": lost, "inflight": st.inflight, "inflight_kind": by_kind,
+                "stopped": st.stopped}
 
     @staticmethod
     def _totals(state: dict | None, unfinished: int) -> dict:

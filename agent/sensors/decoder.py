@@ -18,8 +18,13 @@ What the decoder adds to the kernel's facts:
   path       relative paths resolved against /proc/<pid>/cwd or
              /proc/<pid>/fd/<dirfd>, expressed in the sandbox's view (the
              prefix /proc/<pid>/root is stripped); path_raw keeps the bytes
-             as given. Best effort: a process gone by decode time leaves the
-             path unresolved (extra.path_unresolved).
+             as given and dirfd what they were relative to ("AT_FDCWD" or the
+             number). path_resolution says how far `path` is fact: "exact"
+             (the name was absolute), "best_effort" (joined at decode time with
+             what /proc shows then: the cwd may have changed, the dirfd been
+             closed and its number reused), "unresolved" (nothing to join with:
+             `path` is the name as given). A rename's path2 has the same in
+             extra (dirfd2, path2_raw, path2_resolution).
 Byte strings are decoded with surrogateescape (audit_schema.events.from_bytes).
 """
 from __future__ import annotations
@@ -150,6 +155,11 @@ def _clean_join(base: bytes, rel: bytes) -> bytes:
     """base/rel with "." and empty components dropped (".." is kept: symlinks)."""
     parts = [p for p in (base.rstrip(b"/") + b"/" + rel).split(b"/") if p not in (b"", b".")]
     return b"/" + b"/".join(parts)
+
+
+def dirfd_name(dirfd: int) -> str:
+    """The dirfd a name was given with, as the record column holds it."""
+    return "AT_FDCWD" if dirfd == AT_FDCWD else str(dirfd)
 
 
 def resolve_path(pid: int, raw: bytes, dirfd: int, proc: str = "/proc") -> bytes | None:
@@ -535,16 +545,16 @@ class Decoder:
             return []
         return [name for bit, name in sorted(self.consts.status.items()) if bits & bit]
 
-    def _path(self, rec: dict, extra: dict, pid: int, raw: bytes, dirfd: int,
-              key: str = "path", raw_key: str = "path_raw") -> None:
+    def _path(self, rec: dict, extra: dict, pid: int, raw: bytes, dirfd: int, second: bool = False) -> None:
+        """path (or path2), what the kernel was given (the name, its dirfd) and how
+        far the path is fact (path_resolution); the rename target's go to extra."""
         resolved = resolve_path(pid, raw, dirfd, self.proc)
-        # path_raw is a schema field; the rename target's raw path goes to extra
-        (rec if raw_key == "path_raw" else extra)[raw_key] = from_bytes(raw)
-        if resolved is None:
-            rec[key] = from_bytes(raw)
-            extra.setdefault("path_unresolved", []).append(key)
-        else:
-            rec[key] = from_bytes(resolved)
+        how = "exact" if raw.startswith(b"/") else "unresolved" if resolved is None else "best_effort"
+        rec["path2" if second else "path"] = from_bytes(raw if resolved is None else resolved)
+        given = extra if second else rec
+        given["path2_raw" if second else "path_raw"] = from_bytes(raw)
+        given["dirfd2" if second else "dirfd"] = dirfd_name(dirfd)
+        given["path2_resolution" if second else "path_resolution"] = how
 
     def _exec(self, rec, extra, h, u, buf, info):
         e = u.exec
@@ -559,8 +569,6 @@ class Decoder:
         self._path(rec, extra, h.pid, raw_path, e.dirfd)
         if e.sys:
             extra["syscall"] = self.consts.syscalls.get(e.sys, str(e.sys))
-        if e.dirfd != AT_FDCWD:
-            extra["dirfd"] = e.dirfd
         if e.at_flags:
             extra["at_flags"] = e.at_flags
         if e.old_tid and e.old_tid != h.pid:
@@ -622,8 +630,6 @@ class Decoder:
         rec["ret"] = f.ret
         rec["flags"] = f.flags & 0xFFFFFFFF
         extra["syscall"] = self.consts.syscalls.get(f.sys, str(f.sys))
-        if f.dirfd != AT_FDCWD:
-            extra["dirfd"] = f.dirfd
         status = self._status(f.status)
         if status:
             extra["status"] = status
@@ -644,9 +650,7 @@ class Decoder:
         f = u.file
         self._file_common(rec, extra, h, f, buf)
         raw2 = buf[f.path2_off: f.path2_off + f.path2_len]
-        self._path(rec, extra, h.pid, raw2, f.dirfd2, key="path2", raw_key="path2_raw")
-        if f.dirfd2 != AT_FDCWD:
-            extra["dirfd2"] = f.dirfd2
+        self._path(rec, extra, h.pid, raw2, f.dirfd2, second=True)
 
     # -- enforcement records (bpf/enforce.c; the sensor is agent/sensors/enforce.py) ---------
 
@@ -685,8 +689,8 @@ class Decoder:
                 target = os.readlink(f"/proc/{h.pid}/fd/{x.fd}")
             except OSError:
                 target = ""
-                extra["path_unresolved"] = True
             rec["path"] = target
+            rec["path_resolution"] = "best_effort" if target else "unresolved"   # read after the fact
         else:
             self._path(rec, extra, h.pid, buf[: x.path_len], AT_FDCWD)
         rec["decision"] = decision

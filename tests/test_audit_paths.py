@@ -1,0 +1,347 @@
+"""Issue 13 point 6: a sandbox cannot blind or mislead its own audit.
+
+Paths: the record keeps what the kernel was given (the dirfd, or AT_FDCWD, and
+the name) and says how `path` was obtained: "exact" (the name was absolute),
+"best_effort" (a relative name joined, after the fact, with what /proc shows
+for the cwd or the dirfd: it may have changed since), "unresolved" (the base
+is gone; `path` is the name as given). A guess is never presented as fact.
+
+In flight: syscalls between enter and exit are bounded per sandbox and per
+kind (512 threads blocked in open(fifo) hide the sandbox's opens, not its
+connects, execs or unlinks), the node-wide table keeps a reserve for sandboxes
+with few syscalls in flight (others filling it leave a quiet neighbour whole),
+and every loss is in the sandbox's own record (events_lost, reason
+inflight_full, by kind); over_budget: stop applies to it too.
+
+Real kernel, real sensor (tests/fixtures_bpf.py), real ClickHouse (18.16) and
+chdb (a current engine) for the schema.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import uuid
+
+import pytest
+
+from agent.sensors.audit import AuditSensor
+from audit_schema import migrations
+from audit_schema.events import BY_NAME
+from fixtures_bpf import PYTHON, Harness, run_in_cgroup
+from test_bpf_audit import _extra, _kill
+
+PATHS = r'''
+import json, os, sys
+d = sys.argv[1]
+secret, decoy = os.path.join(d, "secret"), os.path.join(d, "decoy")
+os.mkdir(secret); os.mkdir(decoy)
+os.chdir(d)
+W = os.O_WRONLY | os.O_CREAT
+# A: openat(dirfd, "shadow"), then the dirfd closed and its number reused for another directory
+dfd = os.open(secret, os.O_RDONLY | os.O_DIRECTORY)
+os.close(os.open("shadow", W, 0o600, dir_fd=dfd))
+os.close(dfd)
+reused = os.open(decoy, os.O_RDONLY | os.O_DIRECTORY)
+assert reused == dfd, (reused, dfd)
+# B: openat(dirfd, "passwd"), then the dirfd closed (nothing reuses it)
+gone = os.open(secret, os.O_RDONLY | os.O_DIRECTORY)
+os.close(os.open("passwd", W, 0o600, dir_fd=gone))
+os.close(gone)
+# C: an absolute name
+os.close(os.open(os.path.join(secret, "abs"), W, 0o600))
+# D: relative to the cwd, then the cwd changed
+os.close(os.open("cwd-rel", W, 0o600))
+os.chdir(decoy)
+print(json.dumps({"dirfd": dfd, "gone": gone}), flush=True)
+sys.stdin.readline()
+'''
+
+
+def test_path_records_keep_dirfd_and_name_and_never_present_a_guess_as_fact(audit_sensor, audit_cgroups,
+                                                                           tmp_path):
+    h = audit_sensor
+    sbx = h.sandbox(audit_cgroups)
+    d = str(tmp_path)
+    # nobody polls while the workload runs: its records are decoded after it has closed,
+    # reused and changed what the relative names were relative to
+    p = run_in_cgroup(sbx.cg, [PYTHON, "-I", "-B", "-c", PATHS, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        info = json.loads(p.stdout.readline())
+        assert h.poll_until(lambda: len(sbx.of_kind("open_write")) >= 4, 20)
+        p.stdin.write(b"\n")
+        p.stdin.close()
+        assert p.wait(30) == 0
+    finally:
+        _kill(p)
+    sbx.remove()
+    opens = {r["path_raw"]: r for r in sbx.of_kind("open_write")}
+    a, b, c, dd = opens["shadow"], opens["passwd"], opens[f"{d}/secret/abs"], opens["cwd-rel"]
+    # what the kernel was given: the dirfd (or AT_FDCWD) and the name
+    assert (a["dirfd"], b["dirfd"]) == (str(info["dirfd"]), str(info["gone"]))
+    assert c["dirfd"] == dd["dirfd"] == "AT_FDCWD"
+    # A: /proc now shows the decoy behind that fd number: the join is marked best-effort,
+    # never given as the path that was written
+    assert a["path"] == f"{d}/decoy/shadow" and a["path_resolution"] == "best_effort", a
+    # B: nothing behind the fd any more: the name as given, marked unresolved
+    assert b["path"] == "passwd" and b["path_resolution"] == "unresolved", b
+    # C: an absolute name is exact
+    assert c["path"] == f"{d}/secret/abs" and c["path_resolution"] == "exact", c
+    # D: the cwd changed before the record was read: best-effort
+    assert dd["path"] == f"{d}/decoy/cwd-rel" and dd["path_resolution"] == "best_effort", dd
+    # the exec of the workload itself: an absolute name
+    ex = [r for r in sbx.of_kind("exec") if r["path"] == PYTHON]
+    assert ex and all(r["path_resolution"] == "exact" and r["dirfd"] == "AT_FDCWD" for r in ex)
+    # records without a path carry neither
+    assert all(r["dirfd"] == "" and r["path_resolution"] == "" for r in sbx.of_kind("fork", "exit"))
+
+
+RENAME = r'''
+import os, sys
+d = sys.argv[1]
+os.chdir(d)
+a = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+b = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+open("old", "w").close()
+os.rename("old", "/" + d.strip("/") + "/new", src_dir_fd=a)
+os.close(a)
+os.unlink("new", dir_fd=b)
+os.close(b)
+'''
+
+
+def test_rename_and_unlink_carry_both_names_and_their_resolution(audit_sensor, audit_cgroups, tmp_path):
+    h = audit_sensor
+    sbx = h.sandbox(audit_cgroups)
+    d = str(tmp_path)
+    p = run_in_cgroup(sbx.cg, [PYTHON, "-I", "-B", "-c", RENAME, d])
+    assert p.wait(30) == 0
+    sbx.remove()
+    ren = sbx.of_kind("rename")[0]
+    ex = _extra(ren)
+    assert ren["path_raw"] == "old" and ren["path_resolution"] == "unresolved" and ren["path"] == "old"
+    assert ren["dirfd"].isdigit() and ex["path2_resolution"] == "exact" and ren["path2"] == f"{d}/new"
+    assert ex["dirfd2"] == "AT_FDCWD"
+    unl = sbx.of_kind("unlink")[0]
+    assert unl["path"] == "new" and unl["path_resolution"] == "unresolved" and unl["dirfd"].isdigit()
+
+
+# ---------------------------------------------------------------- in flight
+
+BLOCKED = r'''
+import os, socket, subprocess, sys, threading, time
+fifo, n, port, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+threading.stack_size(256 << 10)
+def block():
+    try:
+        os.close(os.open(fifo, os.O_WRONLY))     # blocks: nobody reads the fifo yet
+    except OSError:
+        pass
+ts = [threading.Thread(target=block, daemon=True) for _ in range(n)]
+for t in ts:
+    t.start()
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:               # bounded: until every thread is inside open()
+    waiting = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/wchan") as f:
+                waiting += f.read().strip() == "wait_for_partner"
+        except OSError:
+            pass
+    if waiting >= n:
+        break
+    time.sleep(0.05)
+print(waiting, flush=True)
+# with the sandbox's opens all in flight: its other kinds of records
+for i in range(5):
+    s = socket.socket()
+    s.connect(("127.0.0.1", port))
+    s.close()
+subprocess.run(["/bin/true"])
+for i in range(3):
+    os.close(os.open(f"{d}/after-{i}", os.O_WRONLY | os.O_CREAT, 0o600))
+    os.unlink(f"{d}/after-{i}")
+print("done", flush=True)
+sys.stdin.readline()
+'''
+
+
+def _blocked(cg, fifo, n, port, d, **kw):
+    return run_in_cgroup(cg, [PYTHON, "-I", "-B", "-c", BLOCKED, fifo, str(n), str(port), d],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, **kw)
+
+
+def _release(fifo):
+    """Open the fifo for reading: every blocked writer gets through."""
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    os.close(fd)
+
+
+def _listener():
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(64)
+    return s
+
+
+def test_opens_blocked_in_flight_hide_only_opens_and_are_accounted_by_kind(audit_sensor, audit_cgroups, tmp_path):
+    """512 + 8 threads in open(fifo, O_WRONLY): the sandbox's open_write in-flight share
+    is full; its 3 later opens and the 8 extra blocked ones are lost and accounted
+    (inflight_full, open_write: 11) in its own record; its connects, exec, unlinks are
+    still recorded (on main they all were lost: one in-flight count for every kind)."""
+    h = audit_sensor
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    srv = _listener()
+    sbx = h.sandbox(audit_cgroups)
+    p = _blocked(sbx.cg, fifo, 520, srv.getsockname()[1], str(tmp_path))
+    try:
+        assert int(p.stdout.readline()) == 520
+        assert p.stdout.readline().strip() == b"done"
+        stats = h.sensor.stats(sbx.cg.id)
+        _release(fifo)
+        p.stdin.write(b"\n")
+        p.stdin.close()
+        assert p.wait(30) == 0
+    finally:
+        _kill(p)
+        srv.close()
+    totals = sbx.remove()
+    assert stats["inflight"]["open_write"] == 512, stats
+    lost = totals["lost"].get("inflight_full", {})
+    assert lost == {"open_write": 8 + 3}, totals
+    assert len(sbx.of_kind("connect")) == 5 and len(sbx.of_kind("unlink")) == 3
+    assert [r for r in sbx.of_kind("exec") if r["path"] == "/bin/true"]
+    assert len([r for r in sbx.of_kind("open_write") if r["path"] == fifo]) == 512
+    reported = [r for r in sbx.of_kind("events_lost") if _extra(r)["reason"] == "inflight_full"]
+    assert reported and all(r["sandbox_id"] == sbx.sandbox_id for r in reported)
+    assert sum(_extra(r)["kinds"].get("open_write", 0) for r in reported) == 11
+    assert not any("connect" in _extra(r)["kinds"] for r in reported)
+
+
+@pytest.fixture(scope="module")
+def small_table():
+    """A sensor whose node-wide in-flight table holds 256 entries (64 of them the
+    reserve), 128 per sandbox and kind: two hostile sandboxes fill it."""
+    h = Harness(max_inflight=128, pending_entries=256)
+    yield h
+    h.close()
+
+
+QUIET = r'''
+import os, socket, sys
+d, port = sys.argv[1], int(sys.argv[2])
+for i in range(100):
+    os.close(os.open(f"{d}/q{i}.txt", os.O_WRONLY | os.O_CREAT, 0o644))
+for i in range(10):
+    s = socket.socket(); s.connect(("127.0.0.1", port)); s.close()
+'''
+
+
+def test_others_filling_the_in_flight_table_leave_a_quiet_neighbour_whole(small_table, audit_cgroups, tmp_path):
+    h = small_table
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    srv = _listener()
+    port = srv.getsockname()[1]
+    qdir = tmp_path / "quiet"
+    qdir.mkdir()
+    hostile = [h.sandbox(audit_cgroups) for _ in range(2)]
+    quiet = h.sandbox(audit_cgroups)
+    procs = []
+    try:
+        for i, s in enumerate(hostile):
+            d = tmp_path / f"h{i}"
+            d.mkdir()
+            procs.append(_blocked(s.cg, fifo, 128, port, str(d)))
+        for pr in procs:
+            assert int(pr.stdout.readline()) == 128
+        for pr in procs:
+            assert pr.stdout.readline().strip() == b"done"
+        q = run_in_cgroup(quiet.cg, [PYTHON, "-I", "-B", "-c", QUIET, str(qdir), str(port)])
+        assert q.wait(60) == 0
+        _release(fifo)
+        for pr in procs:
+            pr.stdin.write(b"\n")
+            pr.stdin.close()
+            assert pr.wait(30) == 0
+    finally:
+        for pr in procs:
+            _kill(pr)
+        srv.close()
+    q_totals = quiet.remove()
+    assert q_totals["lost_total"] == 0, q_totals
+    assert len([r for r in quiet.of_kind("open_write") if r["path"].startswith(str(qdir))]) == 100
+    assert len(quiet.of_kind("connect")) == 10
+    lost = {}
+    for s in hostile:
+        for kind, n in s.remove()["lost"].get("inflight_full", {}).items():
+            lost[kind] = lost.get(kind, 0) + n
+        assert all(r["sandbox_id"] == s.sandbox_id for r in s.of_kind("events_lost"))
+    # the hostile two took exactly the table less the reserve (192 of 256): the other 64
+    # blocked opens are lost, and so is everything they did while those stayed blocked
+    # (2 x 3 opens, 3 unlinks, 5 connects), each in its own sandbox's record
+    assert lost == {"open_write": 64 + 6, "unlink": 6, "connect": 10}, lost
+
+
+def test_in_flight_loss_under_over_budget_stop_kills_and_notifies(audit_sensor, audit_cgroups, tmp_path):
+    h = audit_sensor
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    srv = _listener()
+    sbx = h.sandbox(audit_cgroups, over_budget="stop")
+    calls = len(h.over_budget_calls)
+    p = _blocked(sbx.cg, fifo, 513, srv.getsockname()[1], str(tmp_path))
+    try:
+        out, _ = p.communicate(timeout=60)
+    finally:
+        _kill(p)
+        srv.close()
+    assert p.returncode == -signal.SIGKILL, out
+    assert h.poll_until(lambda: len(h.over_budget_calls) > calls, 10)
+    cgid, sid, lost = h.over_budget_calls[calls]
+    assert (cgid, sid) == (sbx.cg.id, sbx.sandbox_id) and lost["inflight_full"] == {"open_write": 1}, lost
+    sbx.remove()
+
+
+# ---------------------------------------------------------------- schema
+
+def test_migration_4_adds_dirfd_and_path_resolution_on_18_16_and_a_current_engine(clickhouse_url, tmp_path):
+    from fixtures_clickhouse import SESSION_DB, chdb_events_without, connect
+    assert BY_NAME["dirfd"].ch_type == BY_NAME["path_resolution"].ch_type == "String"
+    client, _ = connect(clickhouse_url)
+    db = f"{SESSION_DB}_p{uuid.uuid4().hex[:6]}"
+    try:
+        migrations.migrate(client, db)
+        for col in ("dirfd", "path_resolution"):
+            client.execute(f"ALTER TABLE {db}.events DROP COLUMN {col}")
+        client.execute(f"DROP TABLE {db}.schema_migrations")
+        client.execute(migrations.version_table_sql(db))
+        client.execute(f"INSERT INTO {db}.schema_migrations (version, name) VALUES", [(1, "v1"), (2, "v2"), (3, "v3")])
+        r = migrations.migrate(client, db)
+        assert r.before == 3 and r.applied == list(range(4, migrations.LATEST + 1)) and r.added_columns == []
+        cols = migrations.table_columns(client, db)
+        assert cols["dirfd"] == cols["path_resolution"] == "LowCardinality(String)"
+    finally:
+        client.execute(f"DROP DATABASE IF EXISTS {db}")
+        client.disconnect()
+    import chdb.session as chdb_session
+    s = chdb_session.Session(str(tmp_path / "chdb"))
+    try:
+        modern = chdb_events_without(s, ("dirfd", "path_resolution"))
+        for step in migrations.MIGRATIONS[3][2]("m", modern):
+            s.query(step.sql(modern))
+        t = s.query("SELECT name, type FROM system.columns WHERE database = 'm' AND table = 'events' "
+                    "AND name IN ('dirfd', 'path_resolution') ORDER BY name", "CSV").bytes().decode().split()
+        assert t == ['"dirfd","LowCardinality(String)"', '"path_resolution","LowCardinality(String)"']
+    finally:
+        s.close()
+
+
+def test_pending_entries_bound_is_checked():
+    from agent.errors import DsecError
+    with pytest.raises(DsecError, match="in-flight table"):
+        AuditSensor(pending_entries=8, max_inflight=512)
