@@ -18,8 +18,14 @@ from hosts import leftovers
 from agent.errors import DsecError
 from agent.sensors.common import FINALS_KEPT
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-from many import hold_many  # noqa: E402
+# bench/ on sys.path only while many.py loads: left there, bench/replay.py would hide the
+# replay package from every test file that runs after this one
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+sys.path.insert(0, _BENCH)
+try:
+    from many import hold_many  # noqa: E402
+finally:
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p) != _BENCH]
 
 # live at once. 250 in the suite (~25 s on the 2-core machine: the agent's fds pass 1,500,
 # well past select()'s 1023, while the suite stays under its 20 minutes); bench/many.py and
