@@ -58,6 +58,7 @@ class Recorder:
         self.policies: dict[str, object] = {}      # sandbox id -> Policy (decision stamping)
         self.images: dict[str, str] = {}           # sandbox id -> image manifest digest (every row)
         self.init_pids: dict[str, int] = {}        # sandbox id -> host pid of its dsec-init (PID 1)
+        self.init_own: dict[str, int] = {}         # sandbox id -> kernel records of dsec-init's own, not recorded
         self._watched: dict[int, dict] = {}        # cgroup id -> {sandbox_id, policy, path, enforced}
         self._taps: list = []
         self.denials = DenialAggregator(self.new_event_id)    # identical denials: one record + a count
@@ -91,7 +92,10 @@ class Recorder:
                 rec.get("pid") == self.init_pids.get(rec.get("sandbox_id")):
             # the sandbox's PID 1 is dsec-init (it never runs workload code: every step is a
             # forked child that execs): its sysctls and its own oom_score_adj are dsec's doing,
-            # not the workload's; recorded they would be learned and flagged as the workload's
+            # not the workload's; recorded they would be learned and flagged as the workload's.
+            # Counted, so that the kernel's emitted count still adds up (unwatch: "init_own")
+            sid = rec.get("sandbox_id")
+            self.init_own[sid] = self.init_own.get(sid, 0) + 1
             return
         img = self.images.get(rec.get("sandbox_id"))
         if img and not rec.get("image_digest"):
@@ -320,6 +324,8 @@ class Recorder:
         stats = self.sensor.remove_sandbox(cgroup_id)
         if w:
             self.init_pids.pop(w["sandbox_id"], None)
+            stats = dict(stats)
+            stats["init_own"] = self.init_own.pop(w["sandbox_id"], 0)
         if w and w["enforced"]:
             est = self.enforcer.remove_sandbox(cgroup_id)
             stats = dict(stats)

@@ -244,7 +244,9 @@ class SandboxWatch:
             self._record_start()           # a warm sandbox that nobody claimed
         stats = self.unwatch()
         summary["audit"] = {"events": stats.get("emitted", 0), "lost": stats.get("lost_total", 0),
-                            "stopped_over_budget": bool(stats.get("stopped")), "enabled": self.rec is not None}
+                            "stopped_over_budget": bool(stats.get("stopped")), "enabled": self.rec is not None,
+                            # of the events, dsec-init's own writes (its oom_score_adj...): not the sandbox's record
+                            "init_own": stats.get("init_own", 0)}
         if stats.get("error"):
             summary["audit"]["error"] = stats["error"]
         if self.syscall_counts():
