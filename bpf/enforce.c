@@ -5,6 +5,11 @@
  * types and shared.h the helpers both sensors use (counters, GCRA, record
  * headers).
  *
+ * Why this file is long: one BPF object is one source text (BCC compiles a
+ * sensor's programs together, and the maps they share are declared here); each
+ * concern is a section of its own: egress, relative execs' cwd, exec, sockets,
+ * process tree, syscalls.
+ *
  * Rules (as for the audit sensor): never dereference a kernel struct (the
  * headers are 6.1, the kernel 6.18): only tracepoint data, helper results and
  * UAPI contexts (struct bpf_sock_addr); every loop bounded; every record that
