@@ -244,7 +244,7 @@ def suites_bench(ctx, reps: int, n_cc: int, client, db: str) -> bool:
                     ev = subprocess.run([DSEC, "events", "--sandbox", sid, "--format", "json"], env=ctx["env"],
                                         capture_output=True, timeout=120).stdout.decode().splitlines()
                     denials += sum(1 for e in ev if json.loads(e).get("decision") in ("denied", "would-deny"))
-        d, e = med(times["default"]), med(times["enforce"])
+        d, e = statistics.median(times["default"]), statistics.median(times["enforce"])
         same = len(verdicts) == 1
         ok &= same and denials == 0
         print(f"{name:8} {runs:>4} {nsys:>9} {nsys / n_cc:>5.2f} {len(x.get('allow', [])):>4} "
