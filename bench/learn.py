@@ -6,6 +6,7 @@ usage:
   .venv/bin/python bench/learn.py             # full run (about 3 min on 2 cores)
   .venv/bin/python bench/learn.py --quick     # short run (about 40 s)
   .venv/bin/python bench/learn.py --reps 5    # more repetitions
+  .venv/bin/python bench/learn.py --chdir     # the cost of a chdir under an exec allowlist (below)
 
 Three workloads, each timing itself (BENCH_ELAPSED_NS) and working in its
 current directory (/workspace in a sandbox, a temp dir on the host):
@@ -39,6 +40,13 @@ writable paths, egress rules), then --reps runs each, interleaved, of the suite
 under the default policy (`dsec run`) and under the learned policy in enforce
 mode: wall-time medians and the enforce/default ratio, the suite's verdict
 (equal in both) and the policy denials of the enforced runs (0 expected).
+
+--chdir: the stop/verify round trip of relative execs (docs/enforcement.md
+"Relative execs"): a python3 loop of N chdir calls between two directories,
+self-timed, in a sandbox whose policy has no exec allowlist (no stop) and one
+whose exec allowlist is enforced (each chdir stops the process until the
+agent has read its cwd), and on the host; per-chdir microseconds, medians of
+--reps, and the enforce/no-allowlist ratio.
 
 Audit records go to a throw-away database on dsec's private ClickHouse server
 (started if needed, left running) through a temporary spool; the database and
@@ -236,7 +244,7 @@ def suites_bench(ctx, reps: int, n_cc: int, client, db: str) -> bool:
                     ev = subprocess.run([DSEC, "events", "--sandbox", sid, "--format", "json"], env=ctx["env"],
                                         capture_output=True, timeout=120).stdout.decode().splitlines()
                     denials += sum(1 for e in ev if json.loads(e).get("decision") in ("denied", "would-deny"))
-        d, e = med(times["default"]), med(times["enforce"])
+        d, e = statistics.median(times["default"]), statistics.median(times["enforce"])
         same = len(verdicts) == 1
         ok &= same and denials == 0
         print(f"{name:8} {runs:>4} {nsys:>9} {nsys / n_cc:>5.2f} {len(x.get('allow', [])):>4} "
@@ -248,9 +256,57 @@ def suites_bench(ctx, reps: int, n_cc: int, client, db: str) -> bool:
     return ok
 
 
+CHDIR_PY = r'''
+import os, sys, time
+n = int(sys.argv[1])
+t = time.perf_counter_ns()
+for i in range(n):
+    os.chdir("/usr/bin" if i % 2 else "/usr/lib")
+print("BENCH_ELAPSED_NS=%d" % (time.perf_counter_ns() - t))
+'''
+
+CHDIR_POLICY = """apiVersion: dsec/v1
+kind: SandboxPolicy
+metadata: {{name: bench-chdir-{name}}}
+spec:
+  mode: enforce
+  syscalls: {{default: allow}}
+{exec}"""
+
+
+def chdir_bench(ctx, reps: int, n: int = 2000) -> bool:
+    """--chdir: per-chdir cost without and with the exec check's stop/verify."""
+    pols = {}
+    for name, ex in (("no-allowlist", ""), ("exec-enforced", "  exec: {allow: [/usr/bin/python3*]}\n")):
+        pols[name] = os.path.join(ctx["tmp"], f"chdir-{name}.yaml")
+        with open(pols[name], "w") as f:
+            f.write(CHDIR_POLICY.format(name=name, exec=ex))
+    res = {c: [] for c in ("host", "no-allowlist", "exec-enforced")}
+    argv = ["python3", "-c", CHDIR_PY, str(n)]
+    for i in range(reps + 1):                  # the first round warms up
+        for c in res:
+            if c == "host":
+                cmd = ["/usr/bin/python3", "-c", CHDIR_PY, str(n)]
+            else:
+                cmd = [DSEC, "run", "--policy", pols[c], "--timeout", "120", "--", *argv]
+            p = subprocess.run(cmd, env=ctx["env"], capture_output=True, timeout=180)
+            m = ELAPSED.search(p.stdout)
+            if p.returncode != 0 or not m:
+                print(f"chdir bench: {c} failed (exit {p.returncode}): {p.stderr[-500:]!r}")
+                return False
+            if i:
+                res[c].append(int(m.group(1)) / n / 1e3)
+    h, off, on = (statistics.median(res[c]) for c in ("host", "no-allowlist", "exec-enforced"))
+    print(f"chdir x {n} (us per chdir, median of {reps}): host {h:.2f}, sandbox without exec allowlist "
+          f"{off:.2f}, with an enforced exec allowlist (stop + verify) {on:.2f}: {on / off:.1f}x the "
+          f"sandbox without, {on / h:.1f}x the host; +{on - off:.1f} us per chdir")
+    return True
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suites", action="store_true", help="real third-party test suites (tests/suites.py)")
+    ap.add_argument("--chdir", action="store_true", help="chdir cost under an enforced exec allowlist")
     ap.add_argument("--quick", action="store_true", help="smaller workloads, 1 repetition")
     ap.add_argument("--reps", type=int, help="runs of each workload x configuration (default 3, --quick 1)")
     a = ap.parse_args()
@@ -279,6 +335,10 @@ def main():
           f"syscalls; dsec's built-in `default` allows {n_default}", flush=True)
     try:
         client.execute(f"CREATE DATABASE IF NOT EXISTS {db}")
+        if a.chdir:
+            ok = chdir_bench(ctx, reps)
+            finish(t_start, ok)
+            return 0 if ok else 1
         if a.suites:
             ok = suites_bench(ctx, reps, n_cc, client, db)
             finish(t_start, ok)

@@ -5,6 +5,11 @@
  * types and shared.h the helpers both sensors use (counters, GCRA, record
  * headers).
  *
+ * Why this file is long: one BPF object is one source text (BCC compiles a
+ * sensor's programs together, and the maps they share are declared here); each
+ * concern is a section of its own: egress, relative execs' cwd, exec, sockets,
+ * process tree, syscalls.
+ *
  * Rules (as for the audit sensor): never dereference a kernel struct (the
  * headers are 6.1, the kernel 6.18): only tracepoint data, helper results and
  * UAPI contexts (struct bpf_sock_addr); every loop bounded; every record that
@@ -32,7 +37,9 @@
  *          new image runs any instruction — + exec_denied; audit:
  *          exec_violation. An executable mmap of a file refused with EPERM
  *          (a noexec writable layer: `ld.so /tmp/x`, dlopen of a dropped .so)
- *          is an exec_denied too (syscalls sys_enter/exit_mmap).
+ *          is an exec_denied too (syscalls sys_enter/exit_mmap). A relative
+ *          filename is matched as <cwd>/<name>, with the cwd the agent read
+ *          while the process was stopped at its chdir ("relative execs").
  * sockets  socket()/socketpair() arguments outside the policy's socket rules
  *          (sock_rules): audit mode at syscalls:sys_enter_socket/socketpair
  *          (seccomp LOG lets them run), enforce mode at the raw sys_exit
@@ -323,6 +330,317 @@ static __always_inline int enf_canonical(const char *p, u32 len)
     return 1;
 }
 
+/* ---- relative execs: the cwd, as the agent read it ---------------------------- */
+/* (issue 21) The exec check sees the filename as given to execve. A relative
+ * one ("./prog", "bin/tool") is matched as <cwd>/<name>, the way learning
+ * resolved it. BPF cannot read a task's cwd (task->fs is a kernel struct), and
+ * the string a process passes to chdir is user memory that another thread or
+ * a shared mapping can change between our read and the kernel's (TOCTOU), so
+ * the cwd used here is the kernel's own, read by the agent from
+ * /proc/<tgid>/task/<tid>/cwd (agent/sensors/cwd.py):
+ *  - chdir/fchdir entered: inflight++; returned: inflight--, and on success a
+ *    new gen (a global counter: never reused, by no process), SIGSTOP to the
+ *    process and a cwd_req record. The agent reads the cwd, writes
+ *    enf_cwd[tgid] = {gen, path} and sends SIGCONT.
+ *  - enf_cwd counts only while its gen equals enf_cwd_gen's, no chdir is in
+ *    flight and no flag is set. The invariant (docs/enforcement.md, "Early
+ *    SIGCONT"): the agent reads the cwd after the gen it writes was made, and
+ *    every later change of the cwd is made by a chdir of this process that is
+ *    in flight or has bumped the gen -- so a current entry names the cwd, and
+ *    a process continued early (a sibling's SIGCONT, the kernel's orphaned
+ *    process group SIGHUP+SIGCONT, a tracer swallowing the SIGSTOP) only ever
+ *    finds its cwd unknown. The stop is for availability, not for safety.
+ *  - what breaks "every change is a chdir of this process" sets a flag, and
+ *    the cwd is unknown for good (cwd_unknown): clone(CLONE_FS) without
+ *    CLONE_THREAD (both processes: either may change the one cwd), a thread
+ *    created without CLONE_FS or unshare(CLONE_FS) (threads with cwds of their
+ *    own: the agent reads one thread's), and leaving the sandbox's view of
+ *    paths -- unshare(CLONE_NEWNS), setns, chroot -- which the children
+ *    inherit (a pivot_root in the new namespace moves their cwds too).
+ *  - fork: the child inherits the verified cwd (a copy of the parent's) when
+ *    the parent's counts; otherwise it starts unknown until its own chdir. Its
+ *    entries are always rewritten (a reused pid never inherits stale ones).
+ *  - exempt tasks (dsec-init and its children until they exec: dsec's own
+ *    code, which no workload code runs in) are not stopped: an absolute path
+ *    they chdir to counts at once (read at sys_enter), and the agent verifies
+ *    it too.
+ * With no agent (no heartbeat in cwd_agent for 2 s) nothing is stopped: the cwd
+ * just becomes unknown. These programs are pinned with the exec check (they
+ * outlive the agent, so a cwd never goes stale unseen).
+ * Tracked in sandboxes whose exec check is on (audit or enforce: audit mode
+ * must report what enforce would refuse, no more). Anything else -- cwd not
+ * known, '.', '..' or empty components once joined, too long -- is refused,
+ * with a status bit saying why. */
+BPF_F_TABLE("hash", u32, struct dsec_cwd_gen, enf_cwd_gen, DSEC_CWD_ENTRIES, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", u32, struct dsec_cwd, enf_cwd, DSEC_CWD_ENTRIES, BPF_F_NO_PREALLOC);
+/* tid -> the path an exempt task passed to chdir (sys_enter -> sys_exit) */
+BPF_F_TABLE("hash", u32, struct dsec_cwd, cwd_entered, 4096, BPF_F_NO_PREALLOC);
+BPF_PERCPU_ARRAY(cwd_scratch, struct dsec_cwd, 1);
+BPF_PERCPU_ARRAY(cwd_join, struct dsec_cwd_join, 1);
+BPF_PERF_OUTPUT(cwd_req);
+/* [0] = bpf_ktime_get_ns() of the agent's last heartbeat (agent/sensors/cwd.py): with
+ * no agent to continue it, a process is not stopped -- its cwd just stays unknown */
+BPF_ARRAY(cwd_agent, u64, 1);
+/* [0] = the last gen handed out (a gen is never 0) */
+BPF_ARRAY(cwd_seq, u64, 1);
+#define DSEC_CWD_AGENT_NS 2000000000ULL
+
+#define DSEC_SIGSTOP 19
+#define DSEC_CLONE_FS 0x00000200ULL
+#define DSEC_CLONE_NEWNS 0x00020000ULL
+
+static __always_inline int cwd_tracked(void)
+{
+    u64 cgid = 0;
+    struct dsec_enf_sandbox *cfg = dsec_sandbox(&cgid);
+    return cfg && (cfg->exec == DSEC_MODE_ENFORCE || cfg->exec == DSEC_MODE_AUDIT);
+}
+
+/* the current process's gen entry, created when missing (NULL: no room -- an
+ * enf_cwd entry never counts without one) */
+static __always_inline struct dsec_cwd_gen *cwd_gen_of(u32 tgid)
+{
+    struct dsec_cwd_gen *g = enf_cwd_gen.lookup(&tgid);
+    if (g)
+        return g;
+    struct dsec_cwd_gen ng = {};
+    enf_cwd_gen.update(&tgid, &ng);
+    return enf_cwd_gen.lookup(&tgid);
+}
+
+static __always_inline void cwd_enter(const char *filename)
+{
+    if (!cwd_tracked())
+        return;
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 tgid = pt >> 32, tid = (u32)pt;
+    struct dsec_cwd_gen *g = cwd_gen_of(tgid);
+    if (!g)
+        return;
+    __sync_fetch_and_add(&g->inflight, 1);
+    if (!filename || !enf_exempt.lookup(&tgid))
+        return;
+    u32 zero = 0;
+    struct dsec_cwd *c = cwd_scratch.lookup(&zero);
+    if (!c)
+        return;
+    long n = bpf_probe_read_user_str(c->path, sizeof(c->path), filename);
+    if (n <= 1 || n >= (long)sizeof(c->path) || c->path[0] != '/')
+        return;            /* relative, empty or too long: left to the agent */
+    c->len = n - 1;
+    cwd_entered.update(&tid, c);
+}
+
+static __always_inline void cwd_exit(void *ctx, long ret)
+{
+    u64 pt = bpf_get_current_pid_tgid();
+    u32 tgid = pt >> 32, tid = (u32)pt;
+    struct dsec_cwd_gen *g = enf_cwd_gen.lookup(&tgid);
+    if (!g) {
+        cwd_entered.delete(&tid);
+        return;
+    }
+    if (g->inflight)
+        __sync_fetch_and_add(&g->inflight, (u32)-1);
+    if (ret != 0) {
+        cwd_entered.delete(&tid);
+        return;            /* failed: the cwd did not change */
+    }
+    /* gen: a global counter, so a late verification of a pid that died never
+     * matches the process that reuses the pid, and two threads' chdirs never
+     * get one gen */
+    u32 zero = 0;
+    u64 *seq = cwd_seq.lookup(&zero);
+    if (!seq) {
+        g->gen = 0;        /* matches no entry (the agent never writes gen 0) */
+        cwd_entered.delete(&tid);
+        return;
+    }
+    u64 gen = __sync_fetch_and_add(seq, 1) + 1;
+    g->gen = gen;
+    u64 cgid = 0;
+    struct dsec_enf_sandbox *cfg = dsec_sandbox(&cgid);
+    if (!cfg) {
+        cwd_entered.delete(&tid);
+        return;
+    }
+    struct dsec_cwd_req r = {};
+    r.cgroup_id = cgid;
+    r.gen = gen;
+    r.tgid = tgid;
+    r.tid = tid;
+    if (enf_exempt.lookup(&tgid)) {
+        struct dsec_cwd *c = cwd_entered.lookup(&tid);
+        if (c) {
+            c->gen = gen;
+            enf_cwd.update(&tgid, c);
+            cwd_entered.delete(&tid);
+        }
+    } else {
+        /* stopped until the agent has read the cwd: a relative exec right after
+         * the chdir (subprocess's cwd=, make -C) is then matched, not refused */
+        u64 *hb = cwd_agent.lookup(&zero);
+        if (!hb || bpf_ktime_get_ns() - *hb > DSEC_CWD_AGENT_NS)
+            return;        /* no agent: not stopped; the new gen leaves the cwd unknown */
+        r.stopped = bpf_send_signal(DSEC_SIGSTOP) == 0;
+    }
+    cwd_req.perf_submit(ctx, &r, sizeof(r));
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_chdir)
+{
+    cwd_enter(args->filename);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_fchdir)
+{
+    cwd_enter(0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_chdir)
+{
+    cwd_exit(args, args->ret);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_fchdir)
+{
+    cwd_exit(args, args->ret);
+    return 0;
+}
+
+/* the current process's cwd is no longer one the agent can read for it
+ * (DSEC_CWD_SPLIT / _SHARED / _NS): unknown for good. Not for exempt tasks
+ * (dsec-init sets the sandbox's namespaces up: that is the sandbox's view). */
+static __always_inline void cwd_mark(u32 flag)
+{
+    u64 cgid = 0;
+    if (!dsec_sandbox(&cgid))
+        return;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (enf_exempt.lookup(&tgid))
+        return;
+    struct dsec_cwd_gen *g = cwd_gen_of(tgid);
+    if (g)
+        __sync_fetch_and_or(&g->flags, flag);
+}
+
+/* task_newtask, a process in a sandbox: it gets a copy of the parent's cwd --
+ * or the same one (CLONE_FS) */
+static __always_inline void cwd_fork(u32 child, u64 flags)
+{
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    struct dsec_cwd_gen *g = enf_cwd_gen.lookup(&tgid);
+    if (!g) {
+        /* the parent's cwd is unknown: so is the child's (a reused pid's stale entries go) */
+        enf_cwd_gen.delete(&child);
+        enf_cwd.delete(&child);
+        return;
+    }
+    struct dsec_cwd_gen ng = {};
+    ng.gen = g->gen;
+    ng.flags = g->flags & DSEC_CWD_NS;      /* another view of paths: its children's too */
+    /* the parent's entry holds for the child only when it counts for the parent
+     * and the child gets a copy */
+    int copy = !g->inflight && !g->flags && !(flags & DSEC_CLONE_FS);
+    if (flags & DSEC_CLONE_FS) {
+        ng.flags |= DSEC_CWD_SHARED;
+        if (!enf_exempt.lookup(&tgid))
+            __sync_fetch_and_or(&g->flags, DSEC_CWD_SHARED);
+    }
+    struct dsec_cwd *c = enf_cwd.lookup(&tgid);
+    if (enf_cwd_gen.update(&child, &ng) != 0) {
+        enf_cwd_gen.delete(&child);
+        copy = 0;
+    }
+    if (c && copy && c->gen == g->gen)
+        enf_cwd.update(&child, c);
+    else
+        enf_cwd.delete(&child);
+}
+
+static __always_inline void cwd_gone(u32 tgid)
+{
+    enf_cwd_gen.delete(&tgid);
+    enf_cwd.delete(&tgid);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_setns)
+{
+    cwd_mark(DSEC_CWD_NS);         /* a mount namespace's root and cwd replace the process's */
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_chroot)
+{
+    cwd_mark(DSEC_CWD_NS);         /* the same cwd, under another root: another path */
+    return 0;
+}
+
+/* Is <cwd>/<name> in the allowlist? k holds the kernel's relative filename (n
+ * bytes with its NUL, as read into the key) and is rewritten to the joined
+ * path. Returns 1 (allowed) or 0, and ORs DSEC_ST_CWD_JOINED / _CWD_UNKNOWN /
+ * _NOT_CANONICAL into *status. */
+static __always_inline int enf_exec_relative(struct dsec_exec_key *k, u32 idx, long n, u32 *status)
+{
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    struct dsec_cwd_gen *g = enf_cwd_gen.lookup(&tgid);
+    struct dsec_cwd *c = enf_cwd.lookup(&tgid);
+    if (!g || !c || g->gen == 0 || g->inflight || g->flags || c->gen != g->gen) {
+        *status |= DSEC_ST_CWD_UNKNOWN;
+        return 0;
+    }
+    if (n >= (long)sizeof(k->path)) {
+        *status |= DSEC_ST_NOT_CANONICAL;      /* cut in the key: too long to be checked whole */
+        return 0;
+    }
+    u32 zero = 0;
+    struct dsec_cwd_join *j = cwd_join.lookup(&zero);
+    if (!j)
+        return 0;
+    u32 skip = 0;      /* leading "./" */
+    for (int i = 0; i < 8; i++) {
+        if (k->path[skip & 127] == '.' && k->path[(skip + 1) & 127] == '/')
+            skip += 2;
+        else
+            break;
+    }
+    u32 len = c->len;
+    if (len == 0 || len > DSEC_EXEC_KEY_PATH - 2) {
+        *status |= DSEC_ST_CWD_UNKNOWN;
+        return 0;
+    }
+    if (len == 1)
+        len = 0;       /* cwd "/": "/" + name */
+    asm volatile("" : "+r"(len));      /* keep the mask: the verifier needs the bound */
+    len &= 255;
+    if (len > DSEC_EXEC_KEY_PATH - 2)
+        return 0;
+    bpf_probe_read_kernel(j->b, len, c->path);
+    j->b[len & 255] = '/';
+    long m = bpf_probe_read_kernel_str(&j->b[(len + 1) & 255], 256, &k->path[skip & 127]);
+    if (m <= 1) {
+        *status |= DSEC_ST_NOT_CANONICAL;      /* "./" alone */
+        return 0;
+    }
+    u32 total = len + 1 + (u32)m;      /* with the NUL */
+    /* canonical once joined (the cwd is the kernel's): no "//", "/./", "/../",
+     * no trailing "/." "/..", short enough for a key -- enf_canonical, as for
+     * an absolute filename */
+    if (total > DSEC_EXEC_PATTERN_MAX + 1 || !enf_canonical(j->b, total - 1)) {
+        *status |= DSEC_ST_NOT_CANONICAL;
+        return 0;
+    }
+    *status |= DSEC_ST_CWD_JOINED;
+    __builtin_memset(k->path, 0, sizeof(k->path));
+    bpf_probe_read_kernel(k->path, DSEC_EXEC_KEY_PATH, j->b);
+    k->prefixlen = (4 + total) * 8;
+    k->idx = idx;
+    return exec_allow.lookup(k) != 0;
+}
+
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
@@ -349,7 +667,11 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     long n = bpf_probe_read_kernel_str(k->path, sizeof(k->path), fname);
     int canonical = m > 0 && enf_canonical(&e->buf[0], (u32)m - 1);
     int hit = 0;
-    if (n > 0 && canonical) {
+    int rel = n > 1 && k->path[0] != '/';
+    u32 rel_status = 0;
+    if (rel) {
+        hit = enf_exec_relative(k, cfg->idx, n, &rel_status);     /* issue 21: <cwd>/<name> */
+    } else if (n > 0 && canonical) {
         u32 bytes = n;     /* with the NUL */
         if (bytes >= DSEC_EXEC_KEY_PATH)
             bytes = DSEC_EXEC_KEY_PATH - 1;   /* cut: the NUL is not the filename's end */
@@ -380,8 +702,8 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     e->u.exec_check.signal_ret = sret;
     e->u.exec_check.old_tid = args->old_pid;
     u32 status = 0;
-    if (m > 0 && !canonical)
-        status |= DSEC_ST_NOT_CANONICAL;
+    if (m > 0 && !canonical && !rel)
+        status |= DSEC_ST_NOT_CANONICAL;      /* (a relative name: rel_status says) */
     if (m <= 0) {
         e->buf[0] = 0;
         m = 1;
@@ -391,6 +713,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     }
     if (e->buf[0] != '/')
         status |= DSEC_ST_NOT_ABSOLUTE;
+    status |= rel_status;
     e->u.exec_check.path_len = m - 1;
     e->u.exec_check.status = status;
     u64 size = dsec_record_size(DSEC_FIXED_BYTES + m, sizeof(struct dsec_event_small));
@@ -616,8 +939,12 @@ RAW_TRACEPOINT_PROBE(sys_exit)
 
 TRACEPOINT_PROBE(task, task_newtask)
 {
-    if (args->clone_flags & DSEC_CLONE_THREAD)
+    if (args->clone_flags & DSEC_CLONE_THREAD) {
+        /* a thread without CLONE_FS has a cwd of its own: the process's is not one */
+        if (!(args->clone_flags & DSEC_CLONE_FS))
+            cwd_mark(DSEC_CWD_SPLIT);
         return 0;
+    }
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     u32 child = args->pid;
     u64 *ex = enf_exempt.lookup(&tgid);
@@ -627,7 +954,8 @@ TRACEPOINT_PROBE(task, task_newtask)
         enf_exempt.update(&child, &c);
     }
     u64 cgid = 0;
-    dsec_track_fork(child, args->clone_flags, &cgid);
+    if (dsec_track_fork(child, args->clone_flags, &cgid))
+        cwd_fork(child, args->clone_flags);
     return 0;
 }
 
@@ -638,6 +966,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     enf_exempt.delete(&tgid);
     dsec_track_exit(tgid);
+    cwd_gone(tgid);
     return 0;
 }
 
@@ -719,6 +1048,10 @@ static __always_inline void enf_ns_audit(long id, unsigned long flags)
 TRACEPOINT_PROBE(syscalls, sys_enter_unshare)
 {
     enf_ns_audit(DSEC_NR_UNSHARE, args->unshare_flags);
+    if (args->unshare_flags & DSEC_CLONE_NEWNS)
+        cwd_mark(DSEC_CWD_NS);         /* another mount namespace (and, implied, CLONE_FS) */
+    else if (args->unshare_flags & DSEC_CLONE_FS)
+        cwd_mark(DSEC_CWD_SPLIT);      /* this thread's cwd is its own from now on */
     return 0;
 }
 

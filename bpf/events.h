@@ -134,6 +134,10 @@
                                         * exec_check.fd, no path (userspace resolves it) */
 #define DSEC_ST_SOCKET 0x4000          /* syscall: socket()/socketpair() arguments outside the
                                         * policy's socket rules (family/type/protocol in the record) */
+#define DSEC_ST_CWD_JOINED 0x8000     /* exec check: a relative filename matched as <verified cwd>/<name> */
+#define DSEC_ST_CWD_UNKNOWN 0x10000   /* exec check: relative, and the process's cwd is not known to the
+                                        * check (not verified since its last chdir, a chdir in flight,
+                                        * shared or split: CLONE_FS, unshare, setns, chroot) */
 
 /* ---- loss reasons (index into dsec_state.lost) --------------------------- */
 #define DSEC_LOST_RINGBUF_FULL 0       /* ring buffer reservation failed */
@@ -427,6 +431,45 @@ struct dsec_exec_key {      /* exact pattern: path + NUL; prefix pattern: path b
     __u32 prefixlen;
     __u32 idx;
     char path[DSEC_EXEC_KEY_PATH];
+};
+
+/* relative execs under enforce (enforce.c "relative execs"): the cwd the check
+ * joins a relative filename to is the kernel's own, read by the agent */
+#ifndef DSEC_CWD_ENTRIES
+#define DSEC_CWD_ENTRIES 65536         /* all sandboxes: processes with a tracked cwd */
+#endif
+/* dsec_cwd_gen.flags: any of them makes the cwd unknown to the exec check for good */
+#define DSEC_CWD_SHARED 0x1            /* shared with another process (clone CLONE_FS, no CLONE_THREAD) */
+#define DSEC_CWD_SPLIT 0x2             /* threads with cwds of their own (a thread without CLONE_FS,
+                                        * unshare(CLONE_FS)) */
+#define DSEC_CWD_NS 0x4                /* another view of paths: unshare(CLONE_NEWNS), setns, chroot
+                                        * (inherited by children) */
+
+struct dsec_cwd_gen {       /* enf_cwd_gen: tgid -> written by the kernel */
+    __u64 gen;              /* set by every successful chdir/fchdir (cwd_seq: never reused) */
+    __u32 inflight;         /* chdir/fchdir calls entered, not yet returned */
+    __u32 _pad;
+    __u64 flags;            /* DSEC_CWD_* (64 bits: BPF's atomic or) */
+};
+
+struct dsec_cwd {           /* enf_cwd: tgid -> the verified cwd (userspace; the kernel copies at fork) */
+    __u64 gen;              /* the dsec_cwd_gen.gen it was read at: counts only while equal */
+    __u32 len;              /* bytes of path, no NUL */
+    __u32 _pad;
+    char path[DSEC_EXEC_KEY_PATH];
+};
+
+struct dsec_cwd_req {       /* cwd_req perf record: verify this process's cwd, then SIGCONT it */
+    __u64 cgroup_id;
+    __u64 gen;
+    __u32 tgid;
+    __u32 tid;
+    __u32 stopped;          /* 1: SIGSTOP sent (continue it); 0: exempt task, not stopped */
+    __u32 _pad;
+};
+
+struct dsec_cwd_join {      /* per-CPU scratch: <cwd> '/' <name> (enf_canonical reads it masked) */
+    char b[DSEC_PATH_MAX];
 };
 
 struct dsec_sys_key {

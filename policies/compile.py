@@ -6,7 +6,7 @@ fills its maps from these values.
     bits = syscall_bitmap(policy)        # 64 bytes: bit n set = x86_64 syscall n allowed
     egress_rules(policy)                 # EgressRules or None (no egress section: per --network)
     exec_rules(policy)                   # [(prefix bytes, exact)] or None (any binary)
-    exec_allowed(policy, path)           # canonical absolute path matched by the allowlist?
+    exec_allowed(policy, path, cwd=None) # canonical absolute path (or <cwd>/<name>) matched by the allowlist?
     writable_paths(policy)               # [abs path] or None (the launcher's layout)
     mount_layout(policy)                 # MountLayout: writable paths, noexec, exec dirs
     namespace_rules(policy)              # NamespaceRules (clone/unshare flags, setns)
@@ -418,13 +418,43 @@ def canonical_exec_path(p: bytes) -> bool:
     return not p.startswith(b"/dev/fd/")
 
 
-def exec_allowed(policy: Policy, path: str | bytes) -> bool:
+def _strip_dot_slash(n: bytes) -> bytes:
+    for _ in range(8):             # as many as the kernel's check drops (bpf/enforce.c enf_exec_relative)
+        if not n.startswith(b"./"):
+            break
+        n = n[2:]
+    return n
+
+
+def relative_exec_canonical(name: str | bytes) -> bool:
+    """A relative exec name the kernel's check can join to the cwd: after its
+    leading "./", no empty, "." or ".." component (bpf/enforce.c enf_exec_relative)."""
+    n = _strip_dot_slash(name if isinstance(name, bytes) else name.encode("utf-8", "surrogateescape"))
+    return bool(n) and not n.startswith(b"/") and all(c not in (b"", b".", b"..") for c in n.split(b"/"))
+
+
+def resolve_exec(path: str | bytes, cwd: str | bytes | None) -> bytes:
+    """A relative exec name joined to the process's cwd the way the kernel's
+    exec check joins it (bpf/enforce.c enf_exec_relative): leading "./" dropped,
+    then <cwd>/<name>, with no other normalisation (a '.', '..' or empty
+    component makes the result non-canonical: it matches nothing, as in the
+    kernel). An absolute name, or one with no cwd known, is unchanged."""
+    p = path if isinstance(path, bytes) else path.encode("utf-8", "surrogateescape")
+    if p.startswith(b"/") or cwd is None:
+        return p
+    c = cwd if isinstance(cwd, bytes) else cwd.encode("utf-8", "surrogateescape")
+    return c.rstrip(b"/") + b"/" + _strip_dot_slash(p)
+
+
+def exec_allowed(policy: Policy, path: str | bytes, cwd: str | bytes | None = None) -> bool:
     """Does the exec allowlist let this path run, as the kernel decides it (for
-    replay's what-if and the decision on audit records)?"""
+    replay's what-if and the decision on audit records)? A relative name is
+    joined to `cwd` first, as the kernel's check does (no cwd: it matches
+    nothing)."""
     rules = exec_rules(policy)
     if rules is None:
         return True
-    p = path if isinstance(path, bytes) else path.encode("utf-8", "surrogateescape")
+    p = resolve_exec(path, cwd)
     if not canonical_exec_path(p):
         return False
     return any(p == pre if exact else p.startswith(pre) for pre, exact in rules)

@@ -23,7 +23,8 @@ import errno as _errno
 import json
 import posixpath
 
-from policies.compile import egress_rules, exec_allowed, mount_layout, node_protected, writable_paths
+from policies.compile import (egress_rules, exec_allowed, mount_layout, node_protected, relative_exec_canonical,
+                              writable_paths)
 
 # always writable scratch mounts, whatever files.writable says (see policies/README.md); a
 # process's own /proc entries are its kernel state, not files (dsec-init itself writes
@@ -47,7 +48,17 @@ def forbids(policy, rec: dict, host_addrs: dict | None = None) -> bool:
     """Would `policy` (whatever its mode) forbid the action this record describes?"""
     kind = rec.get("kind")
     if kind == "exec":
-        return not exec_allowed(policy, rec.get("path") or "")
+        raw = rec.get("path_raw") or ""
+        path = rec.get("path") or ""
+        if raw and not raw.startswith("/") and policy.spec.exec is not None:
+            if not relative_exec_canonical(raw):
+                return True    # a relative name the kernel's check refuses whatever its resolution
+            if not path.startswith("/"):
+                # the cwd was gone before the record could place the name: the kernel's check
+                # joined it to the cwd it verified and decided (its exec_denied record says so
+                # if it refused); this record claims no denial it cannot show
+                return False
+        return not exec_allowed(policy, path)
     if kind == "connect":
         if rec.get("family") not in ("ipv4", "ipv6"):
             return False

@@ -60,6 +60,7 @@ from policies.errors import PoliciesError, USAGE as EXIT_USAGE
 from policies import model as m
 from policies import syscalls as sc
 from policies.model import Policy
+from policies.compile import relative_exec_canonical
 from policies.evaluate import _ret  # noqa: F401 (one reading of a record's result)
 from policies.provenance import (PROV_KEY, SEEN_MAX, SUMMARY_KEY, _entry,  # noqa: F401 (API)
                                  _summary, _valid, egress_key, merge_entry, new_provenance, provenance,
@@ -428,7 +429,15 @@ def observe(runs, layout_check=None) -> tuple[dict, dict]:
                     notes.add("exec paths an exec allowlist cannot hold, not learned", _show(path))
                     continue
                 raw = rec.get("path_raw") or ""
-                exec_obs.append((rid, path, raw if raw and not raw.startswith("/") else ""))
+                rel = raw if raw and not raw.startswith("/") else ""
+                if rel and not relative_exec_canonical(rel):
+                    # the kernel's exec check joins a relative name to the cwd only when it is
+                    # canonical after its leading "./" (bpf/enforce.c): enforce would refuse it
+                    notes.add("execs by a relative name with '.', '..' or empty components (the exec "
+                              "check refuses them under enforce: run them by a plain name), not learned",
+                              f"{_show(raw)} (-> {_show(path)})")
+                    continue
+                exec_obs.append((rid, path, rel))
             elif kind in WRITE_KINDS:
                 ret = _ret(rec)
                 paths = [rec.get("path") or ""]
@@ -550,8 +559,9 @@ def observe(runs, layout_check=None) -> tuple[dict, dict]:
         e = execs.setdefault(path, _entry())
         _add(e["runs"], rid)
         if rel:
-            w = (f"run by its relative name {_show(rel)} (resolved against the process's cwd); under enforce "
-                 f"the kernel matches absolute names only: run it by this path, or the exec is refused")
+            w = (f"run by its relative name {_show(rel)} (resolved against the process's cwd; under "
+                 "enforce the kernel's check matches it the same way, against the cwd the agent reads at "
+                 "each chdir)")
             if w not in e.setdefault("why", []):
                 e["why"].append(w)
     prov["exec"] = dict(execs)

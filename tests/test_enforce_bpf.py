@@ -285,7 +285,9 @@ out = {
     "touch": run(["/usr/bin/touch", d + "/marker-touch"]),
     "script": run([d + "/marker.sh"]),
     "truncate": run(["/usr/bin/truncate", "-s", "0", d + "/marker-truncate"]),
-    "relative": run(["./true"], cwd="/usr/bin"),
+    # relative: joined to the cwd verified at the child's chdir (issue 21)
+    "relative": run(["./truncate", "-s", "0", d + "/marker-rel"], cwd="/usr/bin"),
+    "relative_ok": run(["./true"], cwd="/usr/bin"),
     "symlink": run([d + "/truelink"]),
 }
 print(json.dumps(out), flush=True)
@@ -312,17 +314,18 @@ def test_exec_allowlist_enforce_and_audit(enforce_sensor, enforce_cgroups, tmp_p
     got = json.loads(p.communicate(timeout=60)[0])
     assert p.returncode == 0
     # killed by SIGKILL at exec: nothing of the new image ran, no marker written
-    assert got == {"true": 0, "touch": -9, "script": -9, "truncate": -9, "relative": -9, "symlink": -9}, got
+    assert got == {"true": 0, "touch": -9, "script": -9, "truncate": -9, "relative": -9, "relative_ok": 0,
+                   "symlink": -9}, got
     assert not [f for f in os.listdir(d) if f.startswith("marker-")]
     h.settle()
     recs = sbx.of_kind("exec_denied", "exec_violation")
     paths = [r["path_raw"] for r in recs]
-    assert paths == ["/usr/bin/touch", f"{d}/marker.sh", "/usr/bin/truncate", "./true", f"{d}/truelink"]
+    assert paths == ["/usr/bin/touch", f"{d}/marker.sh", "/usr/bin/truncate", "./truncate", f"{d}/truelink"]
     assert all(r["kind"] == "exec_denied" and r["decision"] == "denied" and r["signal"] == 9 for r in recs)
     assert [r["comm"] for r in recs][:1] == ["touch"]
     rel = recs[3]
-    assert "not_absolute" in _extra(rel)["status"]        # (and so not_canonical)
-    assert rel["path"] in ("/usr/bin/true", "./true")     # resolved from /proc when still there
+    assert set(_extra(rel)["status"]) == {"not_absolute", "cwd_joined"}, _extra(rel)
+    assert rel["path"] == "/usr/bin/truncate" and _extra(rel)["cwd"] == "/usr/bin", rel
     assert h.sensor.stats(sbx.cg.id)["killed"] == 5
 
     # audit: the same allowlist only reports; everything runs
@@ -332,9 +335,10 @@ def test_exec_allowlist_enforce_and_audit(enforce_sensor, enforce_cgroups, tmp_p
             os.unlink(os.path.join(d, f))
     p = run_workload(sbx_a.cg, [PYTHON, "-I", "-c", EXEC_WORKLOAD, d], stdout=subprocess.PIPE)
     got = json.loads(p.communicate(timeout=60)[0])
-    assert got == {"true": 0, "touch": 0, "script": 0, "truncate": 0, "relative": 0, "symlink": 0}, got
+    assert got == {"true": 0, "touch": 0, "script": 0, "truncate": 0, "relative": 0, "relative_ok": 0,
+                   "symlink": 0}, got
     assert sorted(f for f in os.listdir(d) if f.startswith("marker-")) == [
-        "marker-script", "marker-touch", "marker-truncate"]
+        "marker-rel", "marker-script", "marker-touch", "marker-truncate"]
     h.settle()
     recs = sbx_a.of_kind("exec_denied", "exec_violation")
     assert [r["path_raw"] for r in recs] == paths
@@ -507,7 +511,10 @@ def test_sigkilled_loader_leaves_the_denials_in_force(enforce_sensor, enforce_cg
 
     try:
         pin_dir = loader.stdout.readline().decode().strip()
-        assert pin_dir.startswith(pin_root + "/enf-") and os.listdir(pin_dir) == ["exec"]
+        # the exec check, and the cwd tracking its relative execs rely on (issue 21)
+        from agent.sensors.enforce import PINNED_TPS
+        assert pin_dir.startswith(pin_root + "/enf-")
+        assert sorted(os.listdir(pin_dir)) == sorted(["exec"] + [ev for _, ev in PINNED_TPS])
         assert workload() == {"allowed": "ok", "sibling": "EPERM", "true": 0, "touch": -9}
         loader.send_signal(signal.SIGKILL)
         assert loader.wait(10) == -9

@@ -68,8 +68,10 @@ def test_files_the_sandbox_wrote_and_ran_become_allow_written_under():
     assert exec_allowed(enf, "/tmp/tmpzzzz9999/other.sh")              # another run's random name
     assert not exec_allowed(enf, "/tmp/../usr/bin/curl")               # prefix rules match canonical paths only
     assert exec_allowed(enf, "/workspace/given")
-    assert not exec_allowed(enf, "./given")      # the kernel matches canonical absolute names only (issue 21)
-    assert "under enforce the kernel matches absolute names only" in text
+    assert not exec_allowed(enf, "./given")      # no cwd known: matches nothing (issue 21)
+    assert exec_allowed(enf, "./given", cwd="/workspace")      # joined to the cwd, as the kernel's check does
+    assert not exec_allowed(enf, "../workspace/given", cwd="/workspace")    # not canonical once joined
+    assert "under enforce the kernel's check matches it the same way" in text
     assert not exec_allowed(enf, "/usr/bin/curl")
 
 

@@ -81,6 +81,13 @@ EGRESS_PROGS = (
 )
 PROG_PREFIX = "dsec_enf_"
 EXEC_FN = b"tracepoint__sched__sched_process_exec"
+# the cwd tracking of relative execs (bpf/enforce.c "relative execs", agent/sensors/cwd.py)
+# and the process tree it rides on: pinned with the exec link, so that after the agent is
+# gone a chdir still makes the cwd unknown (relative execs refused, never matched stale)
+PINNED_TPS = (("syscalls", "sys_enter_chdir"), ("syscalls", "sys_exit_chdir"),
+              ("syscalls", "sys_enter_fchdir"), ("syscalls", "sys_exit_fchdir"),
+              ("syscalls", "sys_enter_unshare"), ("syscalls", "sys_enter_setns"), ("syscalls", "sys_enter_chroot"),
+              ("task", "task_newtask"), ("sched", "sched_process_exit"))
 # the syscall programs run for every syscall of every process on the host, so
 # they are attached only while a sandbox needs them: sys_enter for learn and
 # audit mode, sys_exit for enforce mode (docs/enforcement.md, "Cost")
@@ -303,6 +310,8 @@ class EnforcementSensor(RingSensor):
         self._closed = False
         self.pin_dir = None
         self._exec_link = None
+        self._links: dict[str, int] = {}      # pin name -> link fd (the exec check's and PINNED_TPS)
+        self.cwd = None
         try:
             self._load(pin_root)
         except BaseException:
@@ -326,6 +335,12 @@ class EnforcementSensor(RingSensor):
         self._next_idx = 1
         self.warnings: list[str] = []
         self._init_records(b[b"enf_events"], b[b"enf_scratch"].sLeaf, node=node, enricher=None)
+        from agent.sensors.cwd import CwdVerifier
+        try:
+            self.cwd = CwdVerifier(b, self.decoder.cgroup2_root, self.decoder.proc)
+        except BaseException:
+            self._teardown()
+            raise
 
     # -- loading --------------------------------------------------------------------
 
@@ -351,6 +366,12 @@ class EnforcementSensor(RingSensor):
         self.bpf.detach_tracepoint(b"sched:sched_process_exec")
         try:
             self._exec_link = bpfsys.tracepoint_link(exec_fd, self.tracefs, "sched", "sched_process_exec")
+            self._links["exec"] = self._exec_link
+            for cat, event in PINNED_TPS:
+                fn = f"tracepoint__{cat}__{event}".encode()
+                fd = self.bpf.funcs[fn].fd
+                self.bpf.detach_tracepoint(f"{cat}:{event}".encode())
+                self._links[event] = bpfsys.tracepoint_link(fd, self.tracefs, cat, event)
         except OSError as e:
             raise DsecError(f"eBPF enforcement unavailable: cannot attach the exec check through a BPF link "
                             f"(needs Linux >= 5.15): {e.strerror}") from None
@@ -359,24 +380,29 @@ class EnforcementSensor(RingSensor):
             self.pin_dir = os.path.join(pin_root, f"enf-{os.getpid()}-{start}-{uuid.uuid4().hex[:6]}")
             try:
                 os.makedirs(self.pin_dir, 0o700)
-                bpfsys.obj_pin(self._exec_link, os.path.join(self.pin_dir, "exec"))
+                for name, fd in self._links.items():
+                    bpfsys.obj_pin(fd, os.path.join(self.pin_dir, name))
             except OSError as e:
                 raise DsecError(f"eBPF enforcement: cannot pin the exec link in {self.pin_dir}: "
                                 f"{e.strerror}") from None
 
     def _teardown(self):
+        if self.cwd is not None:
+            self.cwd.close()          # first: no process may be left stopped at a chdir
         if self.pin_dir:
-            try:
-                os.unlink(os.path.join(self.pin_dir, "exec"))
-            except OSError:
-                pass
+            for name in self._links:
+                try:
+                    os.unlink(os.path.join(self.pin_dir, name))
+                except OSError:
+                    pass
             try:
                 os.rmdir(self.pin_dir)
             except OSError:
                 pass
-        if self._exec_link is not None:
-            os.close(self._exec_link)
-            self._exec_link = None
+        for fd in self._links.values():
+            os.close(fd)
+        self._links = {}
+        self._exec_link = None
         bpfsys.fast_detach(self.bpf)
 
     # -- lifecycle ------------------------------------------------------------------
@@ -998,7 +1024,39 @@ class EnforcementSensor(RingSensor):
     def _accept(self, rec: dict) -> None:
         if rec["kind"] == "exec_denied" and rec["extra"] and '"signal_ret"' in rec["extra"]:
             self._kill_late(rec)
+        if rec["kind"] in ("exec_denied", "exec_violation") and rec["extra"] \
+                and ('"cwd_' in rec["extra"] or '"not_canonical"' in rec["extra"]):
+            self._relative_reason(rec)
         self._backlog.append(rec)
+
+    def _relative_reason(self, rec: dict) -> None:
+        """A relative exec the check refused: say why, and where it was looked for."""
+        import json
+        from audit_schema.events import from_bytes
+        extra = json.loads(rec["extra"])
+        st = extra.get("status", [])
+        cwd = self.cwd.known_cwd(rec["pid"]) if self.cwd is not None else None
+        if "cwd_unknown" in st:
+            extra["reason"] = ("relative exec: the exec check does not know this process's cwd (not "
+                               "verified since its last chdir, a chdir in flight, or shared with another "
+                               "process through CLONE_FS/unshare); run it by its absolute path")
+        elif "not_canonical" in st:
+            extra["reason"] = ("relative exec with '.', '..' or empty components after its leading './', or "
+                               "too long once joined to the cwd (exec allowlists match canonical paths)")
+        elif "cwd_joined" in st:
+            extra["reason"] = "relative exec: <cwd>/<name> is not in the exec allowlist"
+        if cwd is not None:
+            extra["cwd"] = from_bytes(cwd)
+            if "path" in extra.get("path_unresolved", []) and "cwd_unknown" not in st:
+                # the process is gone (killed): place it with the cwd the check used
+                name = rec["path_raw"]
+                while name.startswith("./"):
+                    name = name[2:]
+                rec["path"] = from_bytes(cwd.rstrip(b"/") + b"/") + name
+                extra["path_unresolved"].remove("path")
+                if not extra["path_unresolved"]:
+                    del extra["path_unresolved"]
+        rec["extra"] = json.dumps(extra, sort_keys=True)
 
     def _kill_late(self, rec: dict) -> None:
         """bpf_send_signal failed for a denied exec: kill the process from here
