@@ -78,6 +78,11 @@ class StatusLoop:
                     sb, what = self._fds.get(fd, (None, None))
                 if sb is None:
                     continue
+                if what == "exit" and not _readable(fd):
+                    # a stale event: that pidfd was removed and closed after this poll returned,
+                    # and its number now belongs to another sandbox whose init still runs (handled
+                    # as an exit, it would be reaped with a blocking wait: every status stalls)
+                    continue
                 try:
                     if what == "ctl":
                         if not sb._status_readable():
@@ -96,6 +101,15 @@ class StatusLoop:
                         with sb._cond:
                             sb.supervisor_dead = True
                             sb._cond.notify_all()
+
+
+def _readable(fd: int) -> bool:
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    try:
+        return bool(p.poll(0))
+    except OSError:
+        return False
 
 
 STATUS = StatusLoop()

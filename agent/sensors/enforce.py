@@ -1047,15 +1047,14 @@ class EnforcementSensor(RingSensor):
             extra["reason"] = "relative exec: <cwd>/<name> is not in the exec allowlist"
         if cwd is not None:
             extra["cwd"] = from_bytes(cwd)
-            if "path" in extra.get("path_unresolved", []) and "cwd_unknown" not in st:
-                # the process is gone (killed): place it with the cwd the check used
+            if rec.get("path_resolution") in ("unresolved", "best_effort") and "cwd_unknown" not in st:
+                # placed with the cwd the check used (verified at the chdir), not /proc read later
+                # (the process may be gone, killed): still after the fact, so best-effort
                 name = rec["path_raw"]
                 while name.startswith("./"):
                     name = name[2:]
                 rec["path"] = from_bytes(cwd.rstrip(b"/") + b"/") + name
-                extra["path_unresolved"].remove("path")
-                if not extra["path_unresolved"]:
-                    del extra["path_unresolved"]
+                rec["path_resolution"] = "best_effort"
         rec["extra"] = json.dumps(extra, sort_keys=True)
 
     def _kill_late(self, rec: dict) -> None:
