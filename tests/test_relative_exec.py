@@ -132,17 +132,23 @@ def test_relative_execs_by_mode(mode, tmp_path, env, sid):
         assert ("usr/./bin/true", "would-deny") in execs, execs
 
 
-def test_racing_the_chdir_argument_runs_nothing_else(tmp_path, env, sid):
-    vol = tmp_path / "v"
-    _copy_of_id(vol)
+def _enforce_with_copies(tmp_path, env, sid, vol, script, ran_marker):
+    """Run `script` under enforce with `vol` (copies of id) at /opt/v: the env used, its
+    stdout, and the {exit code: count} it printed; nothing of a copy may have run."""
     pol = tmp_path / "p.yaml"
     pol.write_text(POLICY % {"mode": "enforce"})
     env = _volume_env(env, tmp_path)
     r = dsec("run", "--sandbox-id", sid, "--policy", str(pol), "--volume", f"{vol}:/opt/v:ro", "--timeout", "120",
-             "--", "python3", "-c", RACE, env=env, timeout=180)
+             "--", "python3", "-c", script, env=env, timeout=180)
     out = r.stdout.decode()
-    assert r.returncode == 0 and "RAN-THE-COPY" not in out, (out, r.stderr[-2000:])
-    codes = dict(ast.literal_eval(out.split("codes ", 1)[1].strip()))      # {0: n, -9: m}
+    assert r.returncode == 0 and ran_marker not in out, (out, r.stderr[-2000:])
+    return env, out, dict(ast.literal_eval(out.split("codes ", 1)[1].strip()))
+
+
+def test_racing_the_chdir_argument_runs_nothing_else(tmp_path, env, sid):
+    vol = tmp_path / "v"
+    _copy_of_id(vol)
+    env, out, codes = _enforce_with_copies(tmp_path, env, sid, vol, RACE, "RAN-THE-COPY")   # {0: n, -9: m}
     assert set(codes) <= {0, -9} and sum(codes.values()) == 60, codes
     for e in _events(sid, env):
         if e["kind"] == "exec_denied":
@@ -240,14 +246,7 @@ def test_early_sigcont_leaves_the_cwd_unknown(tmp_path, env, sid):
     vol = tmp_path / "v"
     for i in range(30):          # a directory per round: no two refusals aggregated into one record
         _copy_of_id(vol / f"d{i}")
-    pol = tmp_path / "p.yaml"
-    pol.write_text(POLICY % {"mode": "enforce"})
-    e = _volume_env(env, tmp_path)
-    r = dsec("run", "--sandbox-id", sid, "--policy", str(pol), "--volume", f"{vol}:/opt/v:ro", "--timeout", "120",
-             "--", "python3", "-c", SIGCONT, env=e, timeout=180)
-    out = r.stdout.decode()
-    assert r.returncode == 0 and "uid=" not in out, (out, r.stderr[-2000:])
-    codes = dict(ast.literal_eval(out.split("codes ", 1)[1].strip()))
+    e, out, codes = _enforce_with_copies(tmp_path, env, sid, vol, SIGCONT, "uid=")
     assert codes == {-9: 30}, codes                        # every ./true refused, none ran
     den = [x for x in _events(sid, e) if x["kind"] == "exec_denied" and x["path_raw"] == "./true"]
     # identical refusals (unplaced ones: the same path) are aggregated into summary records
