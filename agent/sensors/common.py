@@ -147,10 +147,14 @@ def ring_pages(ring_bytes: int, what: str) -> int:
 
 
 class StderrCapture:
-    """Collect what BCC/clang/the verifier print on fd 2 while compiling."""
+    """Collect what BCC/clang/the verifier print on fd 2 while compiling.
+
+    The capture is an unnamed file (O_TMPFILE), so a process killed while it
+    compiles leaves nothing behind; keep() writes a named copy for an error
+    message to point at."""
 
     def __enter__(self):
-        self.file = tempfile.NamedTemporaryFile(prefix="dsec-bpf-", suffix=".log", delete=False)
+        self.file = tempfile.TemporaryFile(prefix="dsec-bpf-", suffix=".log")
         self.saved = os.dup(2)
         os.dup2(self.file.fileno(), 2)
         return self
@@ -158,10 +162,17 @@ class StderrCapture:
     def __exit__(self, *exc):
         os.dup2(self.saved, 2)
         os.close(self.saved)
+        self.file.seek(0)
+        self.text = self.file.read().decode("utf-8", "replace")
         self.file.close()
-        with open(self.file.name, "rb") as f:
-            self.text = f.read().decode("utf-8", "replace")
         return False
+
+    def keep(self) -> str:
+        """The captured log in a named file (for a failure's message); its path."""
+        fd, path = tempfile.mkstemp(prefix="dsec-bpf-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write(self.text)
+        return path
 
 
 def first_error(log: str) -> str:
@@ -189,8 +200,7 @@ def compile_text(text: str, cflags: list[str], what: str):
             err = None
     if err is not None:
         raise DsecError(f"eBPF {what}: BPF compile/load failed: {err}; {first_error(cap.text)} "
-                        f"(full log: {cap.file.name})")
-    os.unlink(cap.file.name)
+                        f"(full log: {cap.keep()})")
     return bpf
 
 
