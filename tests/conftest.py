@@ -37,6 +37,16 @@ def dsec(*args, input=None, timeout=120, env=None, **kw):
                           input=input, capture_output=True, timeout=timeout, env=e, **kw)
 
 
+def dsec_each(*calls, env=None, timeout=120):
+    """Independent dsec commands (each an argument tuple) side by side: an
+    in-process `dsec run` spends seconds of one core compiling its eBPF
+    programs, and the suite runs one test at a time on a 2-core machine.
+    Returns their CompletedProcesses in order."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(len(calls)) as ex:
+        return list(ex.map(lambda a: dsec(*a, env=env, timeout=timeout), calls))
+
+
 @pytest.fixture
 def sid():
     return "t-" + uuid.uuid4().hex[:10]

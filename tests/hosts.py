@@ -2,9 +2,11 @@
 namespaces of the test's own (never any address beyond this machine)."""
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 
@@ -34,8 +36,13 @@ def leftovers() -> dict:
                         procs.append(p)
             except OSError:
                 pass
+    pins = []                           # the enforcement sensor's pins (agent/sensors/enforce.py)
+    for r in glob.glob("/sys/fs/bpf/dsec*"):
+        if os.path.isdir(r):
+            pins += [os.path.join(r, n) for n in os.listdir(r)]
     return {"cgroups": cgs, "mounts": mounts, "links": links, "state": states,
-            "netns": netns, "supervisors": procs}
+            "netns": netns, "supervisors": procs, "pins": pins,
+            "bpf_logs": glob.glob(os.path.join(tempfile.gettempdir(), "dsec-bpf-*.log"))}
 
 
 def wait_clean(timeout=5.0, prefix: str = "") -> dict:

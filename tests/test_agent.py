@@ -480,9 +480,10 @@ def test_300_sandboxes_at_concurrency_20(agent, tmp_path):
 
 # ---------------------------------------------------------------- scheduling
 
-@pytest.fixture
-def sched_agent(tmp_path, clickhouse_url):
-    a = AgentProc(str(tmp_path), clickhouse_url, {
+@pytest.fixture(scope="module")
+def sched_agent(tmp_path_factory, clickhouse_url):
+    # one agent for the scheduling tests: each closes or kills everything it made
+    a = AgentProc(str(tmp_path_factory.mktemp("sched")), clickhouse_url, {
         "capacity": {"cpus": 2, "memory": "2G", "reserve_memory": 0, "cpu_oversubscription": 1},
         "scheduling": {"aging_seconds": 1.0, "preemption_grace": 1.0, "tick_seconds": 0.1},
     }).start()

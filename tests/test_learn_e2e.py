@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import dsec
+from conftest import dsec, dsec_each
 
 WORKLOAD = ("import json, os, subprocess\n"
             "open('/workspace/out.json', 'w').write(json.dumps({'a': 1}))\n"
@@ -26,10 +26,11 @@ def test_learn_then_audit_then_promote_then_enforce(tmp_path, clickhouse_url):
     assert "mode: audit" in text and "/usr/bin/ls" in text and "/workspace" in text
     assert "runtime" in text                       # execve/exit_group marked as the runtime's own
 
-    # two clean audit runs of exactly this policy: promotion is allowed
-    for i in range(2):
-        sid = f"aud-{i}-{tmp_path.name[-6:]}"
-        r = dsec("run", "--sandbox-id", sid, "--policy", str(pol), "--", "python3", "-c", WORKLOAD, env=env)
+    # two clean audit runs of exactly this policy (side by side): promotion is allowed
+    sids = [f"aud-{i}-{tmp_path.name[-6:]}" for i in range(2)]
+    runs = dsec_each(*[("run", "--sandbox-id", sid, "--policy", str(pol), "--", "python3", "-c", WORKLOAD)
+                       for sid in sids], env=env)
+    for sid, r in zip(sids, runs):
         assert r.returncode == 0, r.stderr
         assert _nondefault(sid, env) == []
     enforced = tmp_path / "enforced.yaml"
@@ -40,11 +41,11 @@ def test_learn_then_audit_then_promote_then_enforce(tmp_path, clickhouse_url):
 
     # under enforce: the learned workload runs clean, anything new is refused
     sid = f"enf-{tmp_path.name[-6:]}"
-    r = dsec("run", "--sandbox-id", sid, "--policy", str(enforced), "--", "python3", "-c", WORKLOAD, env=env)
+    r, r2 = dsec_each(("run", "--sandbox-id", sid, "--policy", str(enforced), "--", "python3", "-c", WORKLOAD),
+                      ("run", "--policy", str(enforced), "--", "python3", "-c", EXTRA), env=env)
     assert r.returncode == 0, r.stderr
     assert _nondefault(sid, env) == []
-    r = dsec("run", "--policy", str(enforced), "--", "python3", "-c", EXTRA, env=env)
-    assert r.returncode == 1 and b"mkdir ok" not in r.stdout
+    assert r2.returncode == 1 and b"mkdir ok" not in r2.stdout
 
 
 def test_promotion_refused_on_violations(tmp_path, clickhouse_url):

@@ -5,7 +5,8 @@ server; enforce the derived policy and run each workload 5 times with zero
 violations; a variant doing one extra thing (a syscall, an exec, a write
 outside the learned directories, a connect to another port) is blocked and
 reported; the strace route gives the same syscall set as the eBPF route on
-(b), up to an explained set of differences."""
+(b), up to an explained set of differences. The enforced runs go through a node
+agent (as `dsec run` does by default); the connect variant runs in-process."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ import uuid
 import pytest
 import yaml
 
+from agents import AgentProc
 from conftest import ROOT, dsec
 from hosts import NetHost
 
@@ -123,21 +125,36 @@ def workloads(env, testhost):
         return dict(ex.map(one, w.items()))
 
 
-def _run(env, pol, argv, extra=(), sid=None):
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory, clickhouse_url):
+    """The node agent the enforced runs go through (as `dsec run` goes by default):
+    its eBPF programs compile once (in-process, every run compiles its own)."""
+    a = AgentProc(str(tmp_path_factory.mktemp("fidelity-agent")), clickhouse_url, {
+        "capacity": {"cpus": 4, "memory": "16G", "reserve_memory": 0, "cpu_oversubscription": 8}}).start()
+    yield a
+    assert a.stop() == 0, a.read_log()[-3000:]
+
+
+def _run(env, pol, argv, extra=(), sid=None, agent=None):
+    """`dsec run` under enforce, through `agent` (its record in ClickHouse when it
+    returns) or in-process."""
     sid = sid or "fid-" + uuid.uuid4().hex[:8]
+    if agent is not None:
+        env = {**env, **agent.cli_env()}
+        extra = [*extra, "--wait-export"]
     r = dsec("run", "--sandbox-id", sid, *extra, "--policy", pol, "--mode", "enforce", "--", *argv, env=env)
     return sid, r
 
 
 @pytest.mark.parametrize("name", ["python", "pipeline", "fetch"])
-def test_learned_workload_runs_clean_under_enforce(name, workloads, env):
+def test_learned_workload_runs_clean_under_enforce(name, workloads, env, agent):
     argv, extra, pol = workloads[name]
     text = open(pol).read()
     if name == "fetch":
         assert f"198.51.100.{SUBNET}" in text and "8080" in text
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(RUNS) as ex:               # independent sandboxes: run side by side
-        runs = list(ex.map(lambda _: _run(env, pol, argv, extra), range(RUNS)))
+        runs = list(ex.map(lambda _: _run(env, pol, argv, extra, agent=agent), range(RUNS)))
     for i, (sid, r) in enumerate(runs):
         assert r.returncode == 0, (i, r.stderr)
         assert _violations(sid, env) == [], (i, sid)
@@ -146,9 +163,9 @@ def test_learned_workload_runs_clean_under_enforce(name, workloads, env):
 
 
 @pytest.mark.parametrize("variant", ["syscall", "exec", "write"])
-def test_variant_blocked_and_reported(variant, workloads, env):
+def test_variant_blocked_and_reported(variant, workloads, env, agent):
     argv, extra, pol = workloads["python"]
-    sid, r = _run(env, pol, ["python3", "-c", PY_WORKLOAD + VARIANTS[variant]], extra)
+    sid, r = _run(env, pol, ["python3", "-c", PY_WORKLOAD + VARIANTS[variant]], extra, agent=agent)
     res = [line.split()[1:] for line in r.stdout.decode().splitlines() if line.startswith("RESULT")]
     assert r.returncode == 0 and len(res) == 1, (r.stdout, r.stderr)
     viol = _violations(sid, env)

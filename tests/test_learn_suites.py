@@ -4,7 +4,8 @@ from: CPython's regression tests from Debian, tornado's and dill's test suites
 from PyPI; scripts/setup.sh installs them).
 
 Each suite is learned in 2 runs with `dsec learn --runs 2`, then run 3 times
-under the learned policy in enforce mode: every run starts, the suite's own
+under the learned policy in enforce mode (through a node agent, as `dsec run`
+goes by default): every run starts, the suite's own
 verdict (exit status and its runner's summary) equals its verdict without dsec
 (`dsec run --audit off`: the same sandbox, no eBPF, no policy of ours), and the
 record holds zero policy denials. A seeded run -- the suite plus one extra
@@ -20,6 +21,7 @@ import uuid
 
 import pytest
 
+from agents import AgentProc
 from conftest import dsec
 from suites import SUITES, env_args, result_of
 
@@ -66,11 +68,16 @@ def _out(r) -> str:
     return r.stdout.decode(errors="replace") + "\n" + r.stderr.decode(errors="replace")
 
 
-def _run(env, name, pol=None, argv=None, extra=()):
+def _run(env, name, pol=None, argv=None, extra=(), agent=None):
+    """`dsec run` of a suite; through `agent` (the node agent, as `dsec run` goes
+    by default; the record is in ClickHouse when it returns) or in-process."""
     sid = f"suite-{name}-" + uuid.uuid4().hex[:8]
     args = ["run", "--sandbox-id", sid, *env_args(name), *extra]
     if pol:
         args += ["--policy", pol, "--mode", "enforce"]
+    if agent is not None:
+        env = {**env, **agent.cli_env()}
+        args.append("--wait-export")
     r = dsec(*args, "--", *(argv or SUITES[name]["argv"]), env=env, timeout=300)
     return sid, r
 
@@ -79,6 +86,16 @@ def _run(env, name, pol=None, argv=None, extra=()):
 def env(tmp_path_factory, clickhouse_url):
     tmp = tmp_path_factory.mktemp("suites")
     return {"DSEC_SPOOL_DIR": str(tmp / "spool"), "DSEC_CLICKHOUSE_URL": clickhouse_url, "TMP": str(tmp)}
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory, clickhouse_url):
+    """The node agent the enforced runs go through: its eBPF programs compile once
+    (in-process, every run compiles its own: ~10 s of CPU each)."""
+    a = AgentProc(str(tmp_path_factory.mktemp("suite-agent")), clickhouse_url, {
+        "capacity": {"cpus": 4, "memory": "16G", "reserve_memory": 0, "cpu_oversubscription": 8}}).start()
+    yield a
+    assert a.stop() == 0, a.read_log()[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +121,11 @@ def learned(env):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_learned_suite_runs_clean_under_enforce(name, learned, env):
+def test_learned_suite_runs_clean_under_enforce(name, learned, env, agent):
     ln = learned[name]
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(ENFORCED_RUNS) as ex:      # independent sandboxes: run side by side
-        runs = list(ex.map(lambda _: _run(env, name, ln["policy"]), range(ENFORCED_RUNS)))
+        runs = list(ex.map(lambda _: _run(env, name, ln["policy"], agent=agent), range(ENFORCED_RUNS)))
     for i, (sid, r) in enumerate(runs):
         assert r.returncode not in (125, 137), (i, r.stderr[-2000:])          # it started, nothing killed
         got = result_of(r.returncode, _out(r), name)
@@ -117,11 +134,11 @@ def test_learned_suite_runs_clean_under_enforce(name, learned, env):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_seeded_exec_write_connect_blocked_and_reported(name, learned, env):
+def test_seeded_exec_write_connect_blocked_and_reported(name, learned, env, agent):
     ln = learned[name]
     assert "/usr/bin/id" not in ln["text"] and "/var/tmp" not in ln["text"]
     argv = ["python3", "-c", SEED] + SUITES[name]["argv"][2:]
-    sid, r = _run(env, name, ln["policy"], argv=argv)
+    sid, r = _run(env, name, ln["policy"], argv=argv, agent=agent)
     seed = [ln_ for ln_ in r.stderr.decode(errors="replace").splitlines() if ln_.startswith("SEED ")]
     assert seed == ["SEED exec=-9 write=EROFS connect=EPERM"], (seed, r.stderr[-2000:])
     assert result_of(r.returncode, _out(r), name) == ln["verdict"]
