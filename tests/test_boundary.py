@@ -24,7 +24,7 @@ import time
 import pytest
 
 from agents import AgentProc, make_pki
-from conftest import DSEC, dsec
+from conftest import DSEC, dsec, dsec_each
 from hosts import NetHost
 
 from agent.node.client import AgentError, Client, PermissionDenied, TLS
@@ -367,7 +367,10 @@ REFUSED = {"vsock": "EAFNOSUPPORT", "packet": "EAFNOSUPPORT", "netlink": "EAFNOS
 
 def test_default_policy_allows_only_plain_sockets(tmp_path, clickhouse_url, sid):
     env = _audited_env(tmp_path, clickhouse_url)
-    r = dsec("run", "--sandbox-id", sid, "--user", "root", "--", "python3", "-c", SOCK_PROBE, env=env)
+    # enforce (the default policy) and audit mode, side by side
+    r, ra = dsec_each(("run", "--sandbox-id", sid, "--user", "root", "--", "python3", "-c", SOCK_PROBE),
+                      ("run", "--sandbox-id", sid + "a", "--policy", "default-audit", "--user", "root", "--",
+                       "python3", "-c", SOCK_PROBE), env=env)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert {k: res[k] for k in ("unix", "tcp", "udp6")} == {"unix": "ok", "tcp": "ok", "udp6": "ok"}, res
@@ -376,9 +379,7 @@ def test_default_policy_allows_only_plain_sockets(tmp_path, clickhouse_url, sid)
     assert sum(e["count"] for e in denied) == len(REFUSED), denied
     assert _extra(denied[0])["socket"]["family"] in ("vsock", "packet", "inet", "netlink"), denied[0]
     # audit mode: nothing refused, every one reported
-    r = dsec("run", "--sandbox-id", sid + "a", "--policy", "default-audit", "--user", "root", "--",
-             "python3", "-c", SOCK_PROBE, env=env)
-    assert json.loads(r.stdout)["vsock"] == "ok"
+    assert json.loads(ra.stdout)["vsock"] == "ok", ra.stderr
     viol = [e for e in _events(sid + "a", env, "syscall_violation") if e["syscall"] == "socket"]
     assert sum(e["count"] for e in viol) == len(REFUSED), viol
     # a policy widens it
