@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import DSEC, dsec
+from conftest import DSEC, dsec, dsec_each
 from hosts import NetHost, leftovers
 
 POLICY = textwrap.dedent("""\
@@ -66,13 +66,26 @@ def _events(sid, env, *kinds):
     return [json.loads(x) for x in dsec(*args, env=env).stdout.decode().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def mode_runs(testhost, tmp_path_factory, clickhouse_url):
+    """mode -> (sandbox id, env, the run): the probe under enforce and under audit,
+    side by side (each in-process run spends seconds of a core compiling)."""
+    tmp = tmp_path_factory.mktemp("modes")
+    env = {"DSEC_CLICKHOUSE_URL": clickhouse_url, "DSEC_SPOOL_DIR": str(tmp / "spool")}
+    calls, sids = [], {}
+    for mode in ("enforce", "audit"):
+        pol = tmp / f"{mode}.yaml"
+        pol.write_text(POLICY % {"mode": mode})
+        sids[mode] = f"modes-{mode}-{tmp.name[-6:]}"
+        calls.append(("run", "--sandbox-id", sids[mode], "--network", "egress", "--policy", str(pol), "--",
+                      "python3", "-c", PROBE))
+    runs = dsec_each(*calls, env=env)
+    return {m: (sids[m], env, r) for m, r in zip(("enforce", "audit"), runs)}
+
+
 @pytest.mark.parametrize("mode", ["enforce", "audit"])
-def test_rule_kinds_by_mode(mode, testhost, tmp_path, clickhouse_url, sid):
-    pol = tmp_path / "p.yaml"
-    pol.write_text(POLICY % {"mode": mode})
-    env = {"DSEC_CLICKHOUSE_URL": clickhouse_url, "DSEC_SPOOL_DIR": str(tmp_path / "spool")}
-    r = dsec("run", "--sandbox-id", sid, "--network", "egress", "--policy", str(pol), "--",
-             "python3", "-c", PROBE, env=env)
+def test_rule_kinds_by_mode(mode, mode_runs):
+    sid, env, r = mode_runs[mode]
     assert r.returncode == 0, r.stderr
     res = dict(line.split(" ", 1) for line in r.stdout.decode().splitlines())
     assert res["allowed"] == "ok"

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from conftest import dsec
+from conftest import dsec, dsec_each
 
 ATTACKS = textwrap.dedent(r'''
     import ctypes, errno, os
@@ -84,16 +84,29 @@ WS_POLICY = textwrap.dedent("""\
     """)
 
 
+@pytest.fixture(scope="module")
+def ws_runs(tmp_path_factory, clickhouse_url):
+    """mode -> (sandbox id, env, the run), both modes side by side (each in-process
+    run spends seconds of a core compiling its eBPF programs)."""
+    tmp = tmp_path_factory.mktemp("ws")
+    env = {"DSEC_CLICKHOUSE_URL": clickhouse_url, "DSEC_SPOOL_DIR": str(tmp / "spool")}
+    calls, sids = [], {}
+    for mode in ("enforce", "audit"):
+        pol = tmp / f"ws-{mode}.yaml"
+        pol.write_text(WS_POLICY % mode)
+        sids[mode] = f"ws-{mode}-{tmp.name[-6:]}"
+        # /var/tmp (1777): uid 1000 may write there, the policy does not let it; /opt (root 0755):
+        # uid 1000 may not write there anyway, whatever the policy says
+        calls.append(("run", "--sandbox-id", sids[mode], "--policy", str(pol), "--", "sh", "-c",
+                      "echo ok > /workspace/ok && echo ws-ok; (echo x > /var/tmp/x) 2>/dev/null && echo vt-ok; "
+                      "(echo x > /opt/x) 2>/dev/null && echo opt-ok; echo t > /tmp/t && echo tmp-ok"))
+    runs = dsec_each(*calls, env=env)
+    return {m: (sids[m], env, r) for m, r in zip(("enforce", "audit"), runs)}
+
+
 @pytest.mark.parametrize("mode", ["enforce", "audit"])
-def test_files_writable_layout_and_decisions(mode, tmp_path, clickhouse_url, sid):
-    pol = tmp_path / "ws.yaml"
-    pol.write_text(WS_POLICY % mode)
-    env = {"DSEC_CLICKHOUSE_URL": clickhouse_url, "DSEC_SPOOL_DIR": str(tmp_path / "spool")}
-    # /var/tmp (1777): uid 1000 may write there, the policy does not let it; /opt (root 0755):
-    # uid 1000 may not write there anyway, whatever the policy says
-    r = dsec("run", "--sandbox-id", sid, "--policy", str(pol), "--", "sh", "-c",
-             "echo ok > /workspace/ok && echo ws-ok; (echo x > /var/tmp/x) 2>/dev/null && echo vt-ok; "
-             "(echo x > /opt/x) 2>/dev/null && echo opt-ok; echo t > /tmp/t && echo tmp-ok", env=env)
+def test_files_writable_layout_and_decisions(mode, ws_runs):
+    sid, env, r = ws_runs[mode]
     assert r.returncode == 0, r.stderr
     out = r.stdout.decode().split()
     if mode == "enforce":
