@@ -45,8 +45,10 @@ mode: wall-time medians and the enforce/default ratio, the suite's verdict
 "Relative execs"): a python3 loop of N chdir calls between two directories,
 self-timed, in a sandbox whose policy has no exec allowlist (no stop) and one
 whose exec allowlist is enforced (each chdir stops the process until the
-agent has read its cwd), and on the host; per-chdir microseconds, medians of
---reps, and the enforce/no-allowlist ratio.
+agent has read its cwd), the no-allowlist sandbox in learn mode (stopped and
+verified too: learning places relative execs at the verified cwd), and on the
+host; per-chdir microseconds, medians of --reps, and the ratios to the
+no-allowlist sandbox (no stop).
 
 Audit records go to a throw-away database on dsec's private ClickHouse server
 (started if needed, left running) through a temporary spool; the database and
@@ -275,18 +277,21 @@ spec:
 
 
 def chdir_bench(ctx, reps: int, n: int = 2000) -> bool:
-    """--chdir: per-chdir cost without and with the exec check's stop/verify."""
+    """--chdir: per-chdir cost without and with the stop/verify (exec check enforced; learn mode)."""
     pols = {}
     for name, ex in (("no-allowlist", ""), ("exec-enforced", "  exec: {allow: [/usr/bin/python3*]}\n")):
         pols[name] = os.path.join(ctx["tmp"], f"chdir-{name}.yaml")
         with open(pols[name], "w") as f:
             f.write(CHDIR_POLICY.format(name=name, exec=ex))
-    res = {c: [] for c in ("host", "no-allowlist", "exec-enforced")}
+    res = {c: [] for c in ("host", "no-allowlist", "exec-enforced", "learn")}
     argv = ["python3", "-c", CHDIR_PY, str(n)]
     for i in range(reps + 1):                  # the first round warms up
         for c in res:
             if c == "host":
                 cmd = ["/usr/bin/python3", "-c", CHDIR_PY, str(n)]
+            elif c == "learn":                 # learn mode: every chdir stopped and verified too
+                cmd = [DSEC, "run", "--policy", pols["no-allowlist"], "--mode", "learn", "--timeout", "120",
+                       "--", *argv]
             else:
                 cmd = [DSEC, "run", "--policy", pols[c], "--timeout", "120", "--", *argv]
             p = subprocess.run(cmd, env=ctx["env"], capture_output=True, timeout=180)
@@ -300,6 +305,10 @@ def chdir_bench(ctx, reps: int, n: int = 2000) -> bool:
     print(f"chdir x {n} (us per chdir, median of {reps}): host {h:.2f}, sandbox without exec allowlist "
           f"{off:.2f}, with an enforced exec allowlist (stop + verify) {on:.2f}: {on / off:.1f}x the "
           f"sandbox without, {on / h:.1f}x the host; +{on - off:.1f} us per chdir")
+    lr = statistics.median(res["learn"])
+    print(f"  learn mode (stop + verify, so that a relative exec is learned at the verified cwd): {lr:.2f} us "
+          f"per chdir: {lr / off:.1f}x the sandbox without a stop (what a chdir cost in learn mode before "
+          f"issue 21's last point), {lr / h:.1f}x the host")
     return True
 
 
