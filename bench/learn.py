@@ -36,7 +36,9 @@ from Debian, tornado's and dill's from PyPI; installed by scripts/setup.sh).
 For each: `dsec learn --until-stable 1 --max-runs 4` (runs to converge: the
 runs it took until one added nothing), the learned allowlist sizes (syscalls vs
 the containers-common default profile, exec paths and allow_written_under,
-writable paths, egress rules), then --reps runs each, interleaved, of the suite
+writable paths, egress rules), the wall time of one learn-mode run (learn s:
+the `dsec learn` command's wall / its runs) and its ratio to one run of the
+suite under the default policy (/dflt), then --reps runs each, interleaved, of the suite
 under the default policy (`dsec run`) and under the learned policy in enforce
 mode: wall-time medians and the enforce/default ratio, the suite's verdict
 (equal in both) and the policy denials of the enforced runs (0 expected).
@@ -217,16 +219,20 @@ def suites_bench(ctx, reps: int, n_cc: int, client, db: str) -> bool:
     from suites import SUITES, env_args, result_of
     ok = True
     print(f"{'suite':8} {'runs':>4} {'syscalls':>9} {'/cc':>5} {'exec':>4} {'w-under':>7} {'writable':>8} "
-          f"{'egress':>6} {'default s':>9} {'enforce s':>9} {'ratio':>6}  verdict / policy denials")
+          f"{'egress':>6} {'learn s':>7} {'/dflt':>5} {'default s':>9} {'enforce s':>9} {'ratio':>6}  "
+          "verdict / policy denials")
     for name, su in SUITES.items():
         pol = os.path.join(ctx["tmp"], f"{name}.yaml")
+        t_learn = time.monotonic()
         r = subprocess.run([DSEC, "learn", "--until-stable", "1", "--max-runs", "4", *env_args(name), "-o", pol,
                             "--", *su["argv"]], env=ctx["env"], capture_output=True, timeout=600)
+        t_learn = time.monotonic() - t_learn
         if r.returncode != 0:
             print(f"!! {name}: dsec learn failed: {r.stderr.decode(errors='replace')[-300:]}")
             ok = False
             continue
         runs = len(re.findall(rb"dsec learn: run \d+ \(", r.stderr))
+        learn_s = t_learn / max(1, runs)
         spec = yaml.safe_load(open(pol))["spec"]
         nsys = len(spec["syscalls"]["allow"])
         x = spec.get("exec") or {}
@@ -251,7 +257,8 @@ def suites_bench(ctx, reps: int, n_cc: int, client, db: str) -> bool:
         ok &= same and denials == 0
         print(f"{name:8} {runs:>4} {nsys:>9} {nsys / n_cc:>5.2f} {len(x.get('allow', [])):>4} "
               f"{len(x.get('allow_written_under', [])):>7} {len((spec.get('files') or {}).get('writable', [])):>8} "
-              f"{len((spec.get('egress') or {}).get('allow', [])):>6} {d:>9.2f} {e:>9.2f} {e / d:>6.2f}  "
+              f"{len((spec.get('egress') or {}).get('allow', [])):>6} {learn_s:>7.2f} {learn_s / d:>5.2f} "
+              f"{d:>9.2f} {e:>9.2f} {e / d:>6.2f}  "
               f"{'same' if same else '!! DIFFERENT: ' + str(verdicts)} / {denials}{'' if denials == 0 else ' !!'}")
     print(f"(syscalls vs containers-common's {n_cc}; runs = learn runs until one added nothing, cap 4; ratio = "
           "enforce-mode wall time / default-policy wall time, medians)")
