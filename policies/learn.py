@@ -423,7 +423,15 @@ def observe(runs, layout_check=None) -> tuple[dict, dict]:
                     continue
                 raw = rec.get("path_raw") or ""
                 how = rec.get("path_resolution") or ""
-                if raw and not raw.startswith("/") and how and how != "verified":
+                rel = raw if raw and not raw.startswith("/") else ""
+                if rel and not relative_exec_canonical(rel):
+                    # the kernel's exec check joins a relative name to the cwd only when it is
+                    # canonical after its leading "./" (bpf/enforce.c): enforce would refuse it
+                    notes.add("execs by a relative name with '.', '..' or empty components (the exec "
+                              "check refuses them under enforce: run them by a plain name), not learned",
+                              f"{_show(raw)} (-> {_show(path)})")
+                    continue
+                if rel and how and how != "verified":
                     # a live record of a relative exec the kernel could not place at a verified
                     # cwd (cwd_unknown: CLONE_FS, unshare, a chdir not verified) -- what /proc
                     # showed later is a guess, and the exec check refuses it under enforce
@@ -437,14 +445,6 @@ def observe(runs, layout_check=None) -> tuple[dict, dict]:
                 ok = _valid(m._check_exec_pattern, path) if _utf8(path) and "*" not in path else None
                 if ok is None or _norm_path(path) != path:
                     notes.add("exec paths an exec allowlist cannot hold, not learned", _show(path))
-                    continue
-                rel = raw if raw and not raw.startswith("/") else ""
-                if rel and not relative_exec_canonical(rel):
-                    # the kernel's exec check joins a relative name to the cwd only when it is
-                    # canonical after its leading "./" (bpf/enforce.c): enforce would refuse it
-                    notes.add("execs by a relative name with '.', '..' or empty components (the exec "
-                              "check refuses them under enforce: run them by a plain name), not learned",
-                              f"{_show(raw)} (-> {_show(path)})")
                     continue
                 exec_obs.append((rid, path, rel, how))
             elif kind in WRITE_KINDS:

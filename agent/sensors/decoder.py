@@ -570,9 +570,10 @@ class Decoder:
         # incomplete argv, whether over the bound or unreadable (extra.status says which)
         rec["argv_truncated"] = 1 if e.status & self._st_argv_incomplete else 0
         rec["ret"] = e.ret
-        self._path(rec, extra, h.pid, raw_path, e.dirfd)
         if e.cwd_len and e.status & self._st_cwd_joined:
             self._verified_cwd(rec, extra, e, buf, raw_path)
+        else:
+            self._path(rec, extra, h.pid, raw_path, e.dirfd)
         if e.sys:
             extra["syscall"] = self.consts.syscalls.get(e.sys, str(e.sys))
         if e.at_flags:
@@ -615,6 +616,8 @@ class Decoder:
             else e.argv_off + e.argv_len
         cwd = buf[end: end + e.cwd_len]
         rec["path"] = from_bytes(resolve_exec(raw_path, cwd))
+        rec["path_raw"] = from_bytes(raw_path)
+        rec["dirfd"] = dirfd_name(e.dirfd)
         rec["path_resolution"] = "verified"
         extra["cwd"] = from_bytes(cwd)
 
