@@ -104,7 +104,9 @@ FIELDS: tuple[Field, ...] = (
           "the fd number ('' = no path)", low_card=True),
     Field("path_resolution", "String", "how `path` was obtained: exact (the name given was absolute) | "
           "best_effort (a relative name joined after the fact with the cwd/dirfd /proc showed then: it may "
-          "have changed since) | unresolved (the base was gone: `path` is the name as given) | '' (no path)",
+          "have changed since) | verified (a relative exec joined to the cwd the agent verified at the "
+          "process's chdir, from the kernel's record: what the exec check matches) | unresolved (the base "
+          "was gone: `path` is the name as given) | '' (no path)",
           low_card=True),
 )
 

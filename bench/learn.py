@@ -36,7 +36,9 @@ from Debian, tornado's and dill's from PyPI; installed by scripts/setup.sh).
 For each: `dsec learn --until-stable 1 --max-runs 4` (runs to converge: the
 runs it took until one added nothing), the learned allowlist sizes (syscalls vs
 the containers-common default profile, exec paths and allow_written_under,
-writable paths, egress rules), then --reps runs each, interleaved, of the suite
+writable paths, egress rules), the wall time of one learn-mode run (learn s:
+the `dsec learn` command's wall / its runs) and its ratio to one run of the
+suite under the default policy (/dflt), then --reps runs each, interleaved, of the suite
 under the default policy (`dsec run`) and under the learned policy in enforce
 mode: wall-time medians and the enforce/default ratio, the suite's verdict
 (equal in both) and the policy denials of the enforced runs (0 expected).
@@ -45,8 +47,10 @@ mode: wall-time medians and the enforce/default ratio, the suite's verdict
 "Relative execs"): a python3 loop of N chdir calls between two directories,
 self-timed, in a sandbox whose policy has no exec allowlist (no stop) and one
 whose exec allowlist is enforced (each chdir stops the process until the
-agent has read its cwd), and on the host; per-chdir microseconds, medians of
---reps, and the enforce/no-allowlist ratio.
+agent has read its cwd), the no-allowlist sandbox in learn mode (stopped and
+verified too: learning places relative execs at the verified cwd), and on the
+host; per-chdir microseconds, medians of --reps, and the ratios to the
+no-allowlist sandbox (no stop).
 
 Audit records go to a throw-away database on dsec's private ClickHouse server
 (started if needed, left running) through a temporary spool; the database and
@@ -215,16 +219,20 @@ def suites_bench(ctx, reps: int, n_cc: int, client, db: str) -> bool:
     from suites import SUITES, env_args, result_of
     ok = True
     print(f"{'suite':8} {'runs':>4} {'syscalls':>9} {'/cc':>5} {'exec':>4} {'w-under':>7} {'writable':>8} "
-          f"{'egress':>6} {'default s':>9} {'enforce s':>9} {'ratio':>6}  verdict / policy denials")
+          f"{'egress':>6} {'learn s':>7} {'/dflt':>5} {'default s':>9} {'enforce s':>9} {'ratio':>6}  "
+          "verdict / policy denials")
     for name, su in SUITES.items():
         pol = os.path.join(ctx["tmp"], f"{name}.yaml")
+        t_learn = time.monotonic()
         r = subprocess.run([DSEC, "learn", "--until-stable", "1", "--max-runs", "4", *env_args(name), "-o", pol,
                             "--", *su["argv"]], env=ctx["env"], capture_output=True, timeout=600)
+        t_learn = time.monotonic() - t_learn
         if r.returncode != 0:
             print(f"!! {name}: dsec learn failed: {r.stderr.decode(errors='replace')[-300:]}")
             ok = False
             continue
         runs = len(re.findall(rb"dsec learn: run \d+ \(", r.stderr))
+        learn_s = t_learn / max(1, runs)
         spec = yaml.safe_load(open(pol))["spec"]
         nsys = len(spec["syscalls"]["allow"])
         x = spec.get("exec") or {}
@@ -249,7 +257,8 @@ def suites_bench(ctx, reps: int, n_cc: int, client, db: str) -> bool:
         ok &= same and denials == 0
         print(f"{name:8} {runs:>4} {nsys:>9} {nsys / n_cc:>5.2f} {len(x.get('allow', [])):>4} "
               f"{len(x.get('allow_written_under', [])):>7} {len((spec.get('files') or {}).get('writable', [])):>8} "
-              f"{len((spec.get('egress') or {}).get('allow', [])):>6} {d:>9.2f} {e:>9.2f} {e / d:>6.2f}  "
+              f"{len((spec.get('egress') or {}).get('allow', [])):>6} {learn_s:>7.2f} {learn_s / d:>5.2f} "
+              f"{d:>9.2f} {e:>9.2f} {e / d:>6.2f}  "
               f"{'same' if same else '!! DIFFERENT: ' + str(verdicts)} / {denials}{'' if denials == 0 else ' !!'}")
     print(f"(syscalls vs containers-common's {n_cc}; runs = learn runs until one added nothing, cap 4; ratio = "
           "enforce-mode wall time / default-policy wall time, medians)")
@@ -275,18 +284,21 @@ spec:
 
 
 def chdir_bench(ctx, reps: int, n: int = 2000) -> bool:
-    """--chdir: per-chdir cost without and with the exec check's stop/verify."""
+    """--chdir: per-chdir cost without and with the stop/verify (exec check enforced; learn mode)."""
     pols = {}
     for name, ex in (("no-allowlist", ""), ("exec-enforced", "  exec: {allow: [/usr/bin/python3*]}\n")):
         pols[name] = os.path.join(ctx["tmp"], f"chdir-{name}.yaml")
         with open(pols[name], "w") as f:
             f.write(CHDIR_POLICY.format(name=name, exec=ex))
-    res = {c: [] for c in ("host", "no-allowlist", "exec-enforced")}
+    res = {c: [] for c in ("host", "no-allowlist", "exec-enforced", "learn")}
     argv = ["python3", "-c", CHDIR_PY, str(n)]
     for i in range(reps + 1):                  # the first round warms up
         for c in res:
             if c == "host":
                 cmd = ["/usr/bin/python3", "-c", CHDIR_PY, str(n)]
+            elif c == "learn":                 # learn mode: every chdir stopped and verified too
+                cmd = [DSEC, "run", "--policy", pols["no-allowlist"], "--mode", "learn", "--timeout", "120",
+                       "--", *argv]
             else:
                 cmd = [DSEC, "run", "--policy", pols[c], "--timeout", "120", "--", *argv]
             p = subprocess.run(cmd, env=ctx["env"], capture_output=True, timeout=180)
@@ -300,6 +312,10 @@ def chdir_bench(ctx, reps: int, n: int = 2000) -> bool:
     print(f"chdir x {n} (us per chdir, median of {reps}): host {h:.2f}, sandbox without exec allowlist "
           f"{off:.2f}, with an enforced exec allowlist (stop + verify) {on:.2f}: {on / off:.1f}x the "
           f"sandbox without, {on / h:.1f}x the host; +{on - off:.1f} us per chdir")
+    lr = statistics.median(res["learn"])
+    print(f"  learn mode (stop + verify, so that a relative exec is learned at the verified cwd): {lr:.2f} us "
+          f"per chdir: {lr / off:.1f}x the sandbox without a stop (what a chdir cost in learn mode before "
+          f"issue 21's last point), {lr / h:.1f}x the host")
     return True
 
 

@@ -368,7 +368,11 @@ static __always_inline int enf_canonical(const char *p, u32 len)
  * just becomes unknown. These programs are pinned with the exec check (they
  * outlive the agent, so a cwd never goes stale unseen).
  * Tracked in sandboxes whose exec check is on (audit or enforce: audit mode
- * must report what enforce would refuse, no more). Anything else -- cwd not
+ * must report what enforce would refuse, no more) and in learn mode, where
+ * process.c reads these maps (pinned, shared) at the same sched_process_exec
+ * and puts the cwd that counts into the exec record: learning's <cwd>/<name>
+ * is the check's by construction, whether or not the process is still there
+ * when the record is decoded. Anything else -- cwd not
  * known, '.', '..' or empty components once joined, too long -- is refused,
  * with a status bit saying why. */
 BPF_F_TABLE("hash", u32, struct dsec_cwd_gen, enf_cwd_gen, DSEC_CWD_ENTRIES, BPF_F_NO_PREALLOC);
@@ -393,7 +397,10 @@ static __always_inline int cwd_tracked(void)
 {
     u64 cgid = 0;
     struct dsec_enf_sandbox *cfg = dsec_sandbox(&cgid);
-    return cfg && (cfg->exec == DSEC_MODE_ENFORCE || cfg->exec == DSEC_MODE_AUDIT);
+    /* learn mode too (whatever its exec rules): the audit sensor's exec record of a
+     * relative exec carries the verified cwd (process.c), so learning places it where
+     * the check will match it (issue 21) */
+    return cfg && (cfg->exec == DSEC_MODE_ENFORCE || cfg->exec == DSEC_MODE_AUDIT || cfg->sys == DSEC_MODE_LEARN);
 }
 
 /* the current process's gen entry, created when missing (NULL: no room -- an
@@ -588,7 +595,7 @@ static __always_inline int enf_exec_relative(struct dsec_exec_key *k, u32 idx, l
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     struct dsec_cwd_gen *g = enf_cwd_gen.lookup(&tgid);
     struct dsec_cwd *c = enf_cwd.lookup(&tgid);
-    if (!g || !c || g->gen == 0 || g->inflight || g->flags || c->gen != g->gen) {
+    if (!dsec_cwd_counts(g, c)) {         /* shared.h: the exec record applies the same rule */
         *status |= DSEC_ST_CWD_UNKNOWN;
         return 0;
     }

@@ -134,10 +134,11 @@
                                         * exec_check.fd, no path (userspace resolves it) */
 #define DSEC_ST_SOCKET 0x4000          /* syscall: socket()/socketpair() arguments outside the
                                         * policy's socket rules (family/type/protocol in the record) */
-#define DSEC_ST_CWD_JOINED 0x8000     /* exec check: a relative filename matched as <verified cwd>/<name> */
-#define DSEC_ST_CWD_UNKNOWN 0x10000   /* exec check: relative, and the process's cwd is not known to the
-                                        * check (not verified since its last chdir, a chdir in flight,
-                                        * shared or split: CLONE_FS, unshare, setns, chroot) */
+#define DSEC_ST_CWD_JOINED 0x8000     /* exec check: a relative filename matched as <verified cwd>/<name>;
+                                        * exec record: the verified cwd it was joined to is in the record */
+#define DSEC_ST_CWD_UNKNOWN 0x10000   /* exec check / exec record: relative, and the process's cwd is not
+                                        * known to the check (not verified since its last chdir, a chdir
+                                        * in flight, shared or split: CLONE_FS, unshare, setns, chroot) */
 
 /* ---- loss reasons (index into dsec_state.lost) --------------------------- */
 #define DSEC_LOST_RINGBUF_FULL 0       /* ring buffer reservation failed */
@@ -187,7 +188,8 @@ struct dsec_exec {
     __u32 old_tid;      /* sched_process_exec old_pid (a thread that exec'd) */
     __u32 late_len;     /* path read late (DSEC_ST_LATE_READ) at buf[late_off] */
     __u32 late_off;
-    __u32 _pad;
+    __u32 cwd_len;      /* a relative execve's verified cwd (DSEC_ST_CWD_JOINED): cwd_len bytes,
+                         * no NUL, right after the argv (after the late path if read late) */
     __u64 upath;        /* user pointer of the path, for the late read */
 };
 

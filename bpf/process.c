@@ -242,6 +242,62 @@ TRACEPOINT_PROBE(syscalls, sys_exit_execveat)
     return dsec_exec_exit(args->ret);
 }
 
+/* A relative execve (issue 21): the cwd the enforcement sensor's exec check joins
+ * the name to (enforce.c "relative execs"), from its own maps -- pinned by that
+ * sensor and opened here (DSEC_CWD_PIN_GEN/_CWD, agent/sensors/audit.py) -- with
+ * its rule (shared.h dsec_cwd_counts), at the same tracepoint: appended to the
+ * record (exec.cwd_len, DSEC_ST_CWD_JOINED), or DSEC_ST_CWD_UNKNOWN. Learning
+ * then places the name where enforcement will look for it, even when the
+ * process is gone by the time the record is decoded. Without the enforcement
+ * sensor nothing is added (the decoder joins after the fact, best effort). */
+#ifdef DSEC_CWD_PIN_GEN
+BPF_TABLE_PINNED7("hash", u32, struct dsec_cwd_gen, enf_cwd_gen, DSEC_CWD_ENTRIES, DSEC_CWD_PIN_GEN,
+                  BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED7("hash", u32, struct dsec_cwd, enf_cwd, DSEC_CWD_ENTRIES, DSEC_CWD_PIN_CWD,
+                  BPF_F_NO_PREALLOC);
+
+static __always_inline void dsec_exec_cwd(struct dsec_event *e, u32 tgid)
+{
+    if (e->u.exec.dirfd != DSEC_AT_FDCWD || (e->u.exec.status & (DSEC_ST_PATH_FAULT | DSEC_ST_PATH_TRUNC)))
+        return;
+    u64 end = (u64)e->u.exec.argv_off + e->u.exec.argv_len;
+    char first = e->buf[0];
+    if (e->u.exec.status & DSEC_ST_LATE_READ) {
+        u64 lo = e->u.exec.late_off;
+        DSEC_BARRIER(lo);
+        lo &= DSEC_EXEC_OFF_MASK;
+        first = e->buf[lo];
+        end = lo + e->u.exec.late_len + 1;
+    } else if (e->u.exec.path_len == 0) {
+        return;
+    }
+    if (first == '/' || first == 0)
+        return;
+    struct dsec_cwd_gen *g = enf_cwd_gen.lookup(&tgid);
+    struct dsec_cwd *c = enf_cwd.lookup(&tgid);
+    if (!dsec_cwd_counts(g, c)) {
+        e->u.exec.status |= DSEC_ST_CWD_UNKNOWN;
+        return;
+    }
+    if (end > DSEC_EXEC_OFF_MASK)
+        return;            /* no room after a full argv: left to the decoder (best effort) */
+    DSEC_BARRIER(end);
+    end &= DSEC_EXEC_OFF_MASK;
+    u32 len = c->len;
+    DSEC_BARRIER(len);
+    len &= 255;
+    if (len == 0 || len > DSEC_EXEC_KEY_PATH - 2)
+        return;
+    if (bpf_probe_read_kernel(&e->buf[end], len, c->path) != 0)
+        return;
+    e->u.exec.cwd_len = len;
+    e->u.exec.status |= DSEC_ST_CWD_JOINED;
+    e->h.size = DSEC_FIXED_BYTES + end + len;
+}
+#else
+static __always_inline void dsec_exec_cwd(struct dsec_event *e, u32 tgid) {}
+#endif
+
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u64 pt = bpf_get_current_pid_tgid();
@@ -266,6 +322,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
         e->u.exec.old_tid = old;
         u32 floc = args->data_loc_filename & 0xFFFF;
         dsec_exec_late_path(e, (const char *)args + floc, 1);
+        dsec_exec_cwd(e, tgid);
         dsec_output(e, e->h.size, sizeof(struct dsec_event), cgid, DSEC_KIND_EXEC);
         pending_exec.delete(&old);
         return 0;
@@ -296,6 +353,7 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     e->u.exec.path_len = n - 1;
     e->u.exec.argv_off = n;
     e->h.size = DSEC_FIXED_BYTES + n;
+    dsec_exec_cwd(e, tgid);
     dsec_output(e, e->h.size, sizeof(struct dsec_event), cgid, DSEC_KIND_EXEC);
     return 0;
 }

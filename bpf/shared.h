@@ -113,4 +113,15 @@ static __always_inline u64 dsec_record_size(u64 size, u64 max)
     return size;
 }
 
+/* ---- relative execs: does a process's verified cwd count? -------------------- */
+/* g, c: its enf_cwd_gen and enf_cwd entries (enforce.c "relative execs"). The one
+ * rule both the exec check (enforce.c) and the exec record (process.c, which reads
+ * the same maps, shared through bpffs) apply at sched_process_exec: so what learning
+ * records as <cwd>/<name> is what enforcement matches. */
+static __always_inline int dsec_cwd_counts(const struct dsec_cwd_gen *g, const struct dsec_cwd *c)
+{
+    return g && c && g->gen != 0 && !g->inflight && !g->flags && c->gen == g->gen
+        && c->len != 0 && c->len <= DSEC_EXEC_KEY_PATH - 2;
+}
+
 #endif /* DSEC_SHARED_H */

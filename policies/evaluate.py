@@ -53,6 +53,8 @@ def forbids(policy, rec: dict, host_addrs: dict | None = None) -> bool:
         if raw and not raw.startswith("/") and policy.spec.exec is not None:
             if not relative_exec_canonical(raw):
                 return True    # a relative name the kernel's check refuses whatever its resolution
+            if '"cwd_unknown"' in str(rec.get("extra") or ""):
+                return True    # the kernel found no verified cwd to join it to: refused (issue 21)
             if not path.startswith("/"):
                 # the cwd was gone before the record could place the name: the kernel's check
                 # joined it to the cwd it verified and decided (its exec_denied record says so

@@ -379,7 +379,7 @@ def observe(runs, layout_check=None) -> tuple[dict, dict]:
     dns: dict[str, dict] = {}
     dns_order: list[str] = []
     execs: dict[str, dict] = {}
-    exec_obs: list[tuple[str, str, str]] = []        # (run, absolute path, relative name as given or "")
+    exec_obs: list[tuple[str, str, str, str]] = []   # (run, absolute path, relative name or "", path_resolution)
     written: dict[str, dict] = defaultdict(dict)     # path -> {run: n}
     run_written: dict[str, set] = defaultdict(set)   # run -> paths it created or replaced
 
@@ -421,14 +421,8 @@ def observe(runs, layout_check=None) -> tuple[dict, dict]:
                         notes.add("execs that failed (the kernel refused them: not learned)",
                                   f"{_show(path) or '?'} ({_errname(ret)})")
                     continue
-                if not path.startswith("/"):
-                    notes.add("execs of an unresolved relative path, not learned", _show(path))
-                    continue
-                ok = _valid(m._check_exec_pattern, path) if _utf8(path) and "*" not in path else None
-                if ok is None or _norm_path(path) != path:
-                    notes.add("exec paths an exec allowlist cannot hold, not learned", _show(path))
-                    continue
                 raw = rec.get("path_raw") or ""
+                how = rec.get("path_resolution") or ""
                 rel = raw if raw and not raw.startswith("/") else ""
                 if rel and not relative_exec_canonical(rel):
                     # the kernel's exec check joins a relative name to the cwd only when it is
@@ -437,7 +431,22 @@ def observe(runs, layout_check=None) -> tuple[dict, dict]:
                               "check refuses them under enforce: run them by a plain name), not learned",
                               f"{_show(raw)} (-> {_show(path)})")
                     continue
-                exec_obs.append((rid, path, rel))
+                if rel and how and how != "verified":
+                    # a live record of a relative exec the kernel could not place at a verified
+                    # cwd (cwd_unknown: CLONE_FS, unshare, a chdir not verified) -- what /proc
+                    # showed later is a guess, and the exec check refuses it under enforce
+                    notes.add("relative execs whose cwd was not verified (the exec check refuses them: "
+                              "run them by an absolute path), not learned",
+                              _show(raw) + (f" (/proc showed {_show(path)} later)" if path.startswith("/") else ""))
+                    continue
+                if not path.startswith("/"):
+                    notes.add("execs of an unresolved relative path, not learned", _show(path))
+                    continue
+                ok = _valid(m._check_exec_pattern, path) if _utf8(path) and "*" not in path else None
+                if ok is None or _norm_path(path) != path:
+                    notes.add("exec paths an exec allowlist cannot hold, not learned", _show(path))
+                    continue
+                exec_obs.append((rid, path, rel, how))
             elif kind in WRITE_KINDS:
                 ret = _ret(rec)
                 paths = [rec.get("path") or ""]
@@ -549,7 +558,7 @@ def observe(runs, layout_check=None) -> tuple[dict, dict]:
     # directory (a script in a fresh temporary directory: a new name every run),
     # which become an exec.allow_written_under rule for that directory
     written_under: dict[str, dict] = {}
-    for rid, path, rel in exec_obs:
+    for rid, path, rel, how in exec_obs:
         root = _written_root(path, writable)
         if root is not None and (root in FRESH_DIRS or path in run_written[rid] or random_cut(path)):
             e = written_under.setdefault(root, _entry())
@@ -558,10 +567,15 @@ def observe(runs, layout_check=None) -> tuple[dict, dict]:
             continue
         e = execs.setdefault(path, _entry())
         _add(e["runs"], rid)
+        if rel and how == "verified":
+            w = (f"run by its relative name {_show(rel)} (placed at the cwd the agent verified at the "
+                 "process's last chdir, carried in the kernel's exec record; under audit and enforce the "
+                 "kernel's check joins it to that same cwd)")
+        elif rel:
+            w = (f"run by its relative name {_show(rel)} (resolved against the process's cwd as the trace "
+                 "shows it; under enforce the kernel's check joins it to the cwd the agent verifies at each "
+                 "chdir)")
         if rel:
-            w = (f"run by its relative name {_show(rel)} (resolved against the process's cwd; under "
-                 "enforce the kernel's check matches it the same way, against the cwd the agent reads at "
-                 "each chdir)")
             if w not in e.setdefault("why", []):
                 e["why"].append(w)
     prov["exec"] = dict(execs)

@@ -512,9 +512,9 @@ def test_sigkilled_loader_leaves_the_denials_in_force(enforce_sensor, enforce_cg
     try:
         pin_dir = loader.stdout.readline().decode().strip()
         # the exec check, and the cwd tracking its relative execs rely on (issue 21)
-        from agent.sensors.enforce import PINNED_TPS
+        from agent.sensors.enforce import CWD_MAP_PINS, PINNED_TPS
         assert pin_dir.startswith(pin_root + "/enf-")
-        assert sorted(os.listdir(pin_dir)) == sorted(["exec"] + [ev for _, ev in PINNED_TPS])
+        assert sorted(os.listdir(pin_dir)) == sorted(["exec"] + [ev for _, ev in PINNED_TPS] + list(CWD_MAP_PINS))
         assert workload() == {"allowed": "ok", "sibling": "EPERM", "true": 0, "touch": -9}
         loader.send_signal(signal.SIGKILL)
         assert loader.wait(10) == -9

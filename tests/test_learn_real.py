@@ -71,8 +71,25 @@ def test_files_the_sandbox_wrote_and_ran_become_allow_written_under():
     assert not exec_allowed(enf, "./given")      # no cwd known: matches nothing (issue 21)
     assert exec_allowed(enf, "./given", cwd="/workspace")      # joined to the cwd, as the kernel's check does
     assert not exec_allowed(enf, "../workspace/given", cwd="/workspace")    # not canonical once joined
-    assert "under enforce the kernel's check matches it the same way" in text
+    assert "under enforce the kernel's check joins it to the cwd the agent verifies" in text
     assert not exec_allowed(enf, "/usr/bin/curl")
+
+
+def test_a_live_relative_exec_is_learned_only_at_a_verified_cwd():
+    """A live record of a relative exec (path_resolution set) is learned only when the
+    kernel's record carried the verified cwd ("verified"); one placed from /proc after
+    the fact (best_effort) or not at all is listed, never allowed (issue 21)."""
+    def x(path, raw, how):
+        return dict(_x(path, raw=raw), path_resolution=how)
+    p = derive_policy([_run("r1", [x("/usr/bin/true", "./true", "verified"),
+                                   x("/usr/bin/sleep", "./sleep", "best_effort"),
+                                   x("./id", "./id", "unresolved"), _x("/usr/bin/env")])], name="t")
+    assert p.to_dict()["spec"]["exec"]["allow"] == ["/usr/bin/env", "/usr/bin/true"]
+    text = render(p)
+    assert "run by its relative name ./true (placed at the cwd the agent verified" in text
+    head = text.split("\nspec:", 1)[0]
+    assert "relative execs whose cwd was not verified" in head
+    assert "./sleep (/proc showed /usr/bin/sleep later)" in head and "./id" in head
 
 
 def test_decision_failed_is_not_a_policy_denial():

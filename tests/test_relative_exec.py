@@ -157,35 +157,61 @@ def test_racing_the_chdir_argument_runs_nothing_else(tmp_path, env, sid):
             assert e["path"] in ("/opt/v/true", "./true"), e
 
 
+# learned, then enforced: a system binary by ./name after a relative cd (short-lived:
+# it exits at once, before its record is decoded), one exec'd by a shell that is gone
+# before the decode (the shell becomes ./test), one after subprocess's cwd=, and a
+# script the run wrote to a fresh temporary directory. With SPLIT=1 (learning only) a
+# process whose cwd the check cannot know (unshare(CLONE_FS)) runs ./sleep: alive long
+# enough for /proc to show a cwd, and still never learned as an allow of that guess.
+LEARNED_WORK = textwrap.dedent(r'''
+    import ctypes, os, subprocess, tempfile
+    r = subprocess.run(["sh", "-c", "cd /usr; cd bin && ./true && echo forked"], stdout=subprocess.PIPE)
+    assert r.returncode == 0 and r.stdout == b"forked\n", r
+    assert subprocess.run(["sh", "-c", "cd /usr && cd bin && exec ./test -n x"]).returncode == 0
+    assert subprocess.run(["./uname"], cwd="/usr/bin", stdout=subprocess.DEVNULL).returncode == 0
+    d = tempfile.mkdtemp()
+    with open(os.path.join(d, "run.sh"), "w") as f:
+        f.write("#!/bin/sh\nexit 0\n")
+    os.chmod(os.path.join(d, "run.sh"), 0o755)
+    os.chdir(d)
+    assert subprocess.run(["./run.sh"]).returncode == 0
+    if os.environ.get("SPLIT"):
+        os.chdir("/usr/bin")
+        assert ctypes.CDLL(None, use_errno=True).unshare(0x200) == 0     # CLONE_FS: cwd unknown now
+        assert subprocess.run(["./sleep", "0.5"]).returncode == 0
+    print("done")
+''')
+
+
 def test_learned_relative_execs_run_clean_under_enforce(tmp_path, env, sid):
-    """Learned resolved against the cwd (a system binary by ./name after a chdir, a
-    script the run wrote and ran by ./name), then enforced: nothing refused."""
-    work = textwrap.dedent(r'''
-        import os, subprocess, tempfile
-        # (alive a moment: the record places a relative name by reading the process's cwd)
-        assert subprocess.run(["./sleep", "0.3"], cwd="/usr/bin").returncode == 0
-        d = tempfile.mkdtemp()
-        with open(os.path.join(d, "run.sh"), "w") as f:
-            f.write("#!/bin/sh\nsleep 0.3\n")
-        os.chmod(os.path.join(d, "run.sh"), 0o755)
-        os.chdir(d)
-        assert subprocess.run(["./run.sh"]).returncode == 0
-        print("done")
-    ''')
+    """Learned at <verified cwd>/<name> -- whether or not the process (or its parent)
+    is still there when the record is decoded -- then enforced: nothing refused. On
+    main before the fix, learning read /proc/<pid>/cwd at decode time: ./true and
+    ./test were left out (the processes were gone) and the enforced run was killed;
+    ./sleep of the split process was learned as /usr/bin/sleep (a guess)."""
     pol = tmp_path / "learned.yaml"
-    r = dsec("learn", "-o", str(pol), "--", "python3", "-c", work, env=env, timeout=180)
+    r = dsec("learn", "-o", str(pol), "--env", "SPLIT=1", "--", "python3", "-c", LEARNED_WORK, env=env, timeout=180)
     assert r.returncode == 0, r.stderr
     text = pol.read_text()
-    spec = text.split("\nspec:", 1)[1]
-    assert "- /usr/bin/sleep" in spec and "run by its relative name ./sleep" in text
+    head, spec = text.split("\nspec:", 1)
+    allow = spec.split("allow_written_under:", 1)[0]
+    for name in ("true", "test", "uname"):
+        assert f"- /usr/bin/{name}" in allow, (name, spec)
+        assert f"run by its relative name ./{name} (placed at the cwd the agent verified" in text, (name, text)
     assert "allow_written_under:\n    - /tmp" in spec, spec
-    for _ in range(2):
-        r = dsec("run", "--sandbox-id", sid, "--policy", str(pol), "--mode", "enforce", "--", "python3", "-c",
-                 work, env=env, timeout=180)
-        assert r.returncode == 0 and r.stdout.strip() == b"done", r.stderr[-2000:]
-        bad = [e for e in _events(sid, env) if e["decision"] in ("denied", "would-deny")]
-        assert bad == [], bad
-        sid = sid + "-2"
+    # the boundary: a relative exec whose cwd was not verified is left out, and said so
+    assert "/usr/bin/sleep" not in spec, spec
+    assert "relative execs whose cwd was not verified" in head and "./sleep" in head, head
+    r = dsec("run", "--sandbox-id", sid, "--policy", str(pol), "--mode", "enforce", "--", "python3", "-c",
+             LEARNED_WORK, env=env, timeout=180)
+    assert r.returncode == 0 and r.stdout.strip() == b"done", r.stderr[-2000:]
+    evs = _events(sid, env)
+    bad = [e for e in evs if e["decision"] in ("denied", "would-deny")]
+    assert bad == [], bad
+    # the enforced run's records place the relative execs the same way
+    placed = {e["path_raw"]: (e["path"], e["path_resolution"]) for e in evs if e["kind"] == "exec"
+              and e["path_raw"] in ("./true", "./test", "./uname")}
+    assert placed == {f"./{n}": (f"/usr/bin/{n}", "verified") for n in ("true", "test", "uname")}, placed
 
 
 # --- early SIGCONT (docs/enforcement.md "Early SIGCONT") --------------------------------

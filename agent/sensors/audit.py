@@ -124,6 +124,16 @@ def compile_bpf(cflags: list[str]):
     return compile_text(_source_text(), cflags, "audit")
 
 
+def _cwd_cflags(pins: dict | None) -> list[str]:
+    """process.c opens the enforcement sensor's cwd maps at these bpffs paths."""
+    if not pins:
+        return []
+    for p in pins.values():
+        if '"' in p or "\\" in p:
+            raise DsecError(f"cwd map pin {p!r}: not a plain path")
+    return [f'-DDSEC_CWD_PIN_GEN="{pins["gen"]}"', f'-DDSEC_CWD_PIN_CWD="{pins["cwd"]}"']
+
+
 # ---------------------------------------------------------------- the sensor
 
 class AuditSensor(RingSensor):
@@ -137,7 +147,9 @@ class AuditSensor(RingSensor):
                  rate: float = DEFAULT_RATE, burst: int = DEFAULT_BURST,
                  byte_rate: float = DEFAULT_BYTE_RATE, byte_burst: int | None = None,
                  over_budget: str = "summarise", on_over_budget=None,
-                 enrich: bool = True, loss_interval_s: float = 0.5):
+                 enrich: bool = True, loss_interval_s: float = 0.5, cwd_pins: dict | None = None):
+        """cwd_pins: the enforcement sensor's pinned cwd maps (EnforcementSensor.cwd_pins):
+        a relative exec's record then carries the cwd its exec check uses (process.c)."""
         require_features()
         self.on_record = on_record
         self.on_over_budget = on_over_budget
@@ -154,7 +166,7 @@ class AuditSensor(RingSensor):
         self.consts = load_constants()
         self.bpf = compile_bpf(build_cflags(ring_bytes=ring_bytes, argv_bytes=argv_bytes,
                                             max_args=max_args, max_inflight=max_inflight,
-                                            pending_entries=pending_entries))
+                                            pending_entries=pending_entries) + _cwd_cflags(cwd_pins))
         self._sandboxes_map = self.bpf[b"sandboxes"]
         self._gen = self.bpf[b"sbx_gen"]
         self._state_map = self.bpf[b"sbx_state"]

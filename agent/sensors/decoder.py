@@ -22,8 +22,10 @@ What the decoder adds to the kernel's facts:
              number). path_resolution says how far `path` is fact: "exact"
              (the name was absolute), "best_effort" (joined at decode time with
              what /proc shows then: the cwd may have changed, the dirfd been
-             closed and its number reused), "unresolved" (nothing to join with:
-             `path` is the name as given). A rename's path2 has the same in
+             closed and its number reused), "verified" (a relative exec joined
+             to the cwd the agent verified at the process's chdir, carried in the
+             kernel's record: what the exec check matches; extra.cwd), "unresolved"
+             (nothing to join with: `path` is the name as given). A rename's path2 has the same in
              extra (dirfd2, path2_raw, path2_resolution).
 Byte strings are decoded with surrogateescape (audit_schema.events.from_bytes).
 """
@@ -41,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 
 from audit_schema.events import FIELDS, KINDS, default, from_bytes, normalize
+from policies.compile import resolve_exec
 
 log = logging.getLogger("dsec.audit")
 
@@ -376,6 +379,7 @@ class Decoder:
         self._extra_json: dict = {}        # extra's JSON by its items (the usual few shapes repeat)
         v = consts.values
         self._st_argv_incomplete = v["DSEC_ST_ARGV_TRUNC"] | v["DSEC_ST_ARGV_FAULT"] | v["DSEC_ST_NO_ARGV"]
+        self._st_cwd_joined = v["DSEC_ST_CWD_JOINED"]
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -566,7 +570,10 @@ class Decoder:
         # incomplete argv, whether over the bound or unreadable (extra.status says which)
         rec["argv_truncated"] = 1 if e.status & self._st_argv_incomplete else 0
         rec["ret"] = e.ret
-        self._path(rec, extra, h.pid, raw_path, e.dirfd)
+        if e.cwd_len and e.status & self._st_cwd_joined:
+            self._verified_cwd(rec, extra, e, buf, raw_path)
+        else:
+            self._path(rec, extra, h.pid, raw_path, e.dirfd)
         if e.sys:
             extra["syscall"] = self.consts.syscalls.get(e.sys, str(e.sys))
         if e.at_flags:
@@ -600,6 +607,19 @@ class Decoder:
                 return
             extra.update(found.pop("extra", {}))
             rec.update(found)
+
+    def _verified_cwd(self, rec, extra, e, buf, raw_path):
+        """A relative exec whose record carries the cwd the exec check joins it to
+        (bpf/process.c dsec_exec_cwd): placed there, as the check does -- not at
+        what /proc shows now (the process may be gone, or elsewhere)."""
+        end = (e.late_off + e.late_len + 1) if e.status & self.consts.values["DSEC_ST_LATE_READ"] \
+            else e.argv_off + e.argv_len
+        cwd = buf[end: end + e.cwd_len]
+        rec["path"] = from_bytes(resolve_exec(raw_path, cwd))
+        rec["path_raw"] = from_bytes(raw_path)
+        rec["dirfd"] = dirfd_name(e.dirfd)
+        rec["path_resolution"] = "verified"
+        extra["cwd"] = from_bytes(cwd)
 
     def _fork(self, rec, extra, h, u, buf, info):
         f = u.fork

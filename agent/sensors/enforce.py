@@ -88,6 +88,9 @@ PINNED_TPS = (("syscalls", "sys_enter_chdir"), ("syscalls", "sys_exit_chdir"),
               ("syscalls", "sys_enter_fchdir"), ("syscalls", "sys_exit_fchdir"),
               ("syscalls", "sys_enter_unshare"), ("syscalls", "sys_enter_setns"), ("syscalls", "sys_enter_chroot"),
               ("task", "task_newtask"), ("sched", "sched_process_exit"))
+# the cwd maps, pinned beside the links so that the audit sensor can open them: its
+# exec records carry the cwd the exec check joins a relative name to (bpf/process.c)
+CWD_MAP_PINS = {"cwd_gen": ("gen", b"enf_cwd_gen"), "cwd": ("cwd", b"enf_cwd")}   # pin -> (role, map)
 # the syscall programs run for every syscall of every process on the host, so
 # they are attached only while a sandbox needs them: sys_enter for learn and
 # audit mode, sys_exit for enforce mode (docs/enforcement.md, "Cost")
@@ -312,6 +315,7 @@ class EnforcementSensor(RingSensor):
         self._exec_link = None
         self._links: dict[str, int] = {}      # pin name -> link fd (the exec check's and PINNED_TPS)
         self.cwd = None
+        self.cwd_pins: dict[str, str] = {}    # "gen" | "cwd" -> the cwd maps' pins (AuditSensor(cwd_pins=))
         try:
             self._load(pin_root)
         except BaseException:
@@ -382,6 +386,11 @@ class EnforcementSensor(RingSensor):
                 os.makedirs(self.pin_dir, 0o700)
                 for name, fd in self._links.items():
                     bpfsys.obj_pin(fd, os.path.join(self.pin_dir, name))
+                # the cwd maps, for the audit sensor's exec records (bpf/process.c dsec_exec_cwd)
+                for name, (role, m) in CWD_MAP_PINS.items():
+                    path = os.path.join(self.pin_dir, name)
+                    bpfsys.obj_pin(self.bpf[m].map_fd, path)
+                    self.cwd_pins[role] = path
             except OSError as e:
                 raise DsecError(f"eBPF enforcement: cannot pin the exec link in {self.pin_dir}: "
                                 f"{e.strerror}") from None
@@ -390,7 +399,7 @@ class EnforcementSensor(RingSensor):
         if self.cwd is not None:
             self.cwd.close()          # first: no process may be left stopped at a chdir
         if self.pin_dir:
-            for name in self._links:
+            for name in list(self._links) + list(CWD_MAP_PINS):
                 try:
                     os.unlink(os.path.join(self.pin_dir, name))
                 except OSError:

@@ -65,13 +65,21 @@ class Recorder:
         self.roots = SandboxRoots()                 # enforce-mode sandboxes' roots: EROFS writes refused anyway?
         self.enforcer = None
         self.enforce_error = None
-        # one after the other: BCC/LLVM crash when two modules compile at once
-        self.sensor = AuditSensor(on_record=self._on_record, node=self.node,
-                                  on_over_budget=self._on_over_budget, **sensor_options)
+        # one after the other: BCC/LLVM crash when two modules compile at once. The
+        # enforcement sensor first: the audit sensor opens its pinned cwd maps (a
+        # relative exec's record carries the cwd the exec check uses, issue 21)
         if enforce:
             self._load_enforcer()
         if isinstance(self.enforce_error, BaseException):
             raise self.enforce_error
+        pins = self.enforcer.cwd_pins if self.enforcer is not None else None
+        try:
+            self.sensor = AuditSensor(on_record=self._on_record, node=self.node,
+                                      on_over_budget=self._on_over_budget, cwd_pins=pins, **sensor_options)
+        except BaseException:
+            if self.enforcer is not None:
+                self.enforcer.close()
+            raise
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dsec-audit-poll", daemon=True)
         self._thread.start()
