@@ -101,6 +101,14 @@ def event_message(r: dict) -> "pb.EventMessage":
         event_id=r.get("event_id") or ""))
 
 
+def _start_dict(s) -> dict:
+    """An ExecStart message as agent.exec_step's `start`."""
+    return {"sandbox_id": s.sandbox_id, "argv": list(s.argv), "env": [(e.name, e.value) for e in s.env],
+            "workdir": s.workdir, "stdin": s.stdin, "close_stdin": s.close_stdin,
+            "timeout_seconds": s.timeout_seconds, "grace_seconds": s.grace_seconds,
+            "close_after": s.close_after, "wait_export": s.wait_export}
+
+
 def _deadline(context):
     def remaining():
         return context.time_remaining()
@@ -166,11 +174,6 @@ class AgentServicer(pb_grpc.AgentServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"Exec: the first message must be `start`, got `{first.WhichOneof('msg')}`")
             return
-        s = first.start
-        start = {"sandbox_id": s.sandbox_id, "argv": list(s.argv), "env": [(e.name, e.value) for e in s.env],
-                 "workdir": s.workdir, "stdin": s.stdin, "close_stdin": s.close_stdin,
-                 "timeout_seconds": s.timeout_seconds, "grace_seconds": s.grace_seconds,
-                 "close_after": s.close_after, "wait_export": s.wait_export}
 
         def inputs():
             for m in request_iterator:
@@ -183,8 +186,17 @@ class AgentServicer(pb_grpc.AgentServicer):
                 elif kind == "signal":
                     if 0 < m.signal < 65:
                         yield ("signal", m.signal)
+        yield from self._step(_start_dict(first.start), inputs(), context)
+
+    def ExecOnce(self, request, context):
+        # the whole stdin is in the request: it is closed after it, and nothing reads a request stream
+        start = _start_dict(request)
+        start["close_stdin"] = True
+        yield from self._step(start, None, context)
+
+    def _step(self, start, inputs, context):
         try:
-            for item in self.agent.exec_step(start, inputs(), context.add_callback, _deadline(context),
+            for item in self.agent.exec_step(start, inputs, context.add_callback, _deadline(context),
                                              self._caller(context)):
                 kind = item[0]
                 if kind == "started":
