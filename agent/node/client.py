@@ -40,12 +40,11 @@ import queue
 from dataclasses import dataclass, field
 
 from agent.errors import DsecError
+from agent.node.runclient import DEFAULT_SOCKET, ENV_SOCKET  # noqa: F401 - defined where dsec run reads them
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 MAX_MESSAGE = 256 << 20
-DEFAULT_SOCKET = "/run/dsec/agent.sock"       # also agent/node/config.py's default
-ENV_SOCKET = "DSEC_AGENT_SOCKET"
 
 
 # ---------------------------------------------------------------- errors
