@@ -18,7 +18,8 @@ Measures, N times each, interleaved so that machine noise hits all alike:
                 namespace of this benchmark's own with cgroup2 mounted at /sys/fs/cgroup (the
                 host's layout unchanged), or is printed as unavailable with the reason
   py-start      the CLI's interpreter start-up alone (`python -c pass`, the same venv)
-  py-imports    start-up + what `dsec run` imports on its way to the agent (argparse, gRPC, the proto)
+  py-imports    start-up + what `dsec run` imports on its way to the agent (argparse, the CLI, the
+                run socket's client: no gRPC since agent/node/runclient.py)
   dsec-cli      `dsec run -- /bin/true` (a new Python process each time, in-process: DSEC_AGENT=off)
   dsec-inproc   launcher.launch() called from this process: the sandbox cost
                 without the interpreter start-up of the CLI
@@ -405,7 +406,7 @@ def main():
     crun = Crun()
     py = os.path.join(os.path.dirname(DSEC), "python")
     fast_imports = ("import agent.cli; agent.cli.build_parser('run'); import agent.commands.run, "
-                    "agent.node.via_agent, agent.node.client; from agent.node.proto import pb, pb_grpc")
+                    "agent.node.via_agent, agent.node.runclient")
 
     def py_start():
         subprocess.run([py, "-c", "pass"], check=True)
