@@ -480,7 +480,7 @@ def serve(agent: Agent, stop: threading.Event, idle_exit: float | None = None):
     listeners = []                                 # the HTTP listeners (agent/node/httpapi.py, metrics_http.py)
     from agent.node.runsock import RunSocketService
     try:
-        listeners.append(RunSocketService(agent).start())     # dsec run's own socket (no gRPC client)
+        listeners.append(RunSocketService(agent, create_dict).start())     # dsec run's own socket (no gRPC client)
     except OSError as e:
         log.warning("dsec run's socket could not be started (dsec run uses gRPC): %s", e)
     for section, what in (("http", "the HTTP listener"), ("metrics", "the metrics listener")):

@@ -5,7 +5,7 @@ the audit records and what is durable before the reply are the same. Root only:
 the socket is created 0600 like the gRPC one; its callers are the admin caller
 of a unix-socket gRPC call.
 
-    svc = RunSocketService(agent).start()     # listens on run_socket_path(cfg.socket)
+    svc = RunSocketService(agent, api.create_dict).start()   # listens on run_socket_path(cfg.socket)
     svc.stop_accepting(); ...; svc.close()    # as the HTTP listeners (api.serve)
 """
 from __future__ import annotations
@@ -25,8 +25,9 @@ log = logging.getLogger("dsec.agent")
 
 
 class RunSocketService:
-    def __init__(self, agent):
+    def __init__(self, agent, create_dict):
         self.agent = agent
+        self.create_dict = create_dict      # api.create_dict: a CreateSandboxRequest as agent.create's req
         self.path = run_socket_path(agent.cfg.socket)
         self._sock: socket.socket | None = None
         self._conns: set = set()
@@ -119,7 +120,6 @@ class RunSocketService:
             self._slots.release()
 
     def _one(self, c, w):
-        from agent.node.api import create_dict
         from agent.node.client import AgentError, _create_request
         first = read_frame(c)
         if first is None:
@@ -141,7 +141,7 @@ class RunSocketService:
             raise ProtocolError(f"bad create: {e}")
         a = self.agent
         caller = a.authz.caller("unix:", [])
-        rec = a.create(create_dict(msg), caller)
+        rec = a.create(self.create_dict(msg), caller)
         info, _ = a.wait(rec.id, "running", None, lambda: _alive(c), caller)
         if not _alive(c):               # the client went away before its sandbox ran: a one-shot run ends
             a.close(rec.id)
