@@ -18,7 +18,8 @@ Measures, N times each, interleaved so that machine noise hits all alike:
                 namespace of this benchmark's own with cgroup2 mounted at /sys/fs/cgroup (the
                 host's layout unchanged), or is printed as unavailable with the reason
   py-start      the CLI's interpreter start-up alone (`python -c pass`, the same venv)
-  py-imports    start-up + what `dsec run` imports on its way to the agent (argparse, gRPC, the proto)
+  py-imports    start-up + what `dsec run` imports on its way to the agent (argparse, the CLI, the
+                run socket's client: no gRPC since agent/node/runclient.py)
   dsec-cli      `dsec run -- /bin/true` (a new Python process each time, in-process: DSEC_AGENT=off)
   dsec-inproc   launcher.launch() called from this process: the sandbox cost
                 without the interpreter start-up of the CLI
@@ -37,7 +38,15 @@ Prints min / median / p90 / p99 in ms and the ratios against bwrap and fork+exec
 
 Then sandboxes per second through the agent (create + exec /bin/true + close,
 64 MiB each, no CPU quota, cold) at concurrency 1, 8 and 32, each for
---sustain seconds (default 15).
+--sustain seconds (default 15), with the agent's CPU per sandbox (utime + stime).
+
+Then, each with an agent of its own:
+  burst         --burst requests (default 1,000; create + exec /bin/true + close in the warm
+                profile's shape), 32 in flight, from a warm pool of --burst-pool (default 100)
+                that refills as it drains: wall time, how many were served warm, failures,
+                agent CPU per request; requests not started within 120 s are not sent
+  idle          --idle idle live sandboxes (default 500; 32 MiB, 16 pids, 0.1 CPU): memory per
+                sandbox = PSS of its dsec-init + the agent's PSS growth / N, then all closed
 """
 from __future__ import annotations
 
@@ -248,11 +257,128 @@ def sustained(agent, concurrency: int, seconds: float) -> tuple[int, float, int]
     return done[0], done[0] / (time.monotonic() - t0), failed[0]
 
 
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of process pid (all its threads), seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pss_kib(pid: int) -> int:
+    """Proportional set size of process pid (KiB): shared pages split among their users."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    return 0
+
+
+def inits_of(agent_pid: int) -> list[int]:
+    """The dsec-init processes (sandbox PID 1s, seen from the host) under the agent."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                st = f.read()
+        except OSError:
+            continue
+        comm = st[st.index("(") + 1:st.rindex(")")]
+        ppid = int(st.rpartition(")")[2].split()[1])
+        if comm == "dsec-init" and ppid == agent_pid:
+            out.append(int(d))
+    return out
+
+
+def burst(n: int, pool: int, concurrency: int, limit_s: float = 120.0) -> dict:
+    """n requests (create + exec /bin/true + close, the warm profile's shape) from `concurrency`
+    SDK threads against an agent with a warm pool of `pool` (refilled as it drains), all
+    submitted at once. Bounded: requests not started within limit_s are not sent."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from agent.node.client import AgentError
+    agent = BenchAgent(warm_count=pool)
+    try:
+        ready = agent.wait_warm(pool, timeout=180)
+        hits, failed, lock = [0], [], threading.Lock()
+        give_up = [0.0]
+
+        def one(i):
+            if time.monotonic() > give_up[0]:
+                return
+            try:
+                sb = agent.client.create(memory="128M", pids=256)
+                r = sb.exec(["/bin/true"])
+                sb.close()
+                with lock:
+                    hits[0] += sb.created.warm
+                    if r.code != 0:
+                        failed.append(f"exit {r.code}")
+            except AgentError as e:
+                with lock:
+                    failed.append(str(e)[:200])
+        cpu0, t0 = cpu_seconds(agent.proc.pid), time.monotonic()
+        give_up[0] = t0 + limit_s
+        with ThreadPoolExecutor(concurrency) as ex:
+            list(ex.map(one, range(n)))
+        wall = time.monotonic() - t0
+        cpu = cpu_seconds(agent.proc.pid) - cpu0
+        return {"n": n, "pool": pool, "pool_ready": ready, "wall_s": wall, "warm": hits[0], "failed": failed,
+                "agent_cpu_ms": cpu * 1000 / n}
+    finally:
+        agent.stop()
+
+
+def idle_memory(n: int, concurrency: int = 16) -> dict:
+    """n idle live sandboxes (32 MiB, 16 pids, 0.1 CPU, not from a warm pool): the PSS of each
+    sandbox's init plus the agent's growth (PSS) per sandbox, then all closed."""
+    from concurrent.futures import ThreadPoolExecutor
+    from agent.node.client import AgentError
+    agent = BenchAgent(warm_count=0)
+    sbs, errors = [], []
+    try:
+        time.sleep(1.0)
+        base = pss_kib(agent.proc.pid)
+
+        def create(i):
+            try:
+                return agent.client.create(memory="32M", pids=16, cpus=0.1, warm=False)
+            except AgentError as e:
+                errors.append(str(e)[:200])
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(concurrency) as ex:
+            sbs = [s for s in ex.map(create, range(n)) if s is not None]
+        create_s = time.monotonic() - t0
+        time.sleep(2.0)                     # the background work of the last starts settles
+        agent_kib = pss_kib(agent.proc.pid) - base
+        inits = inits_of(agent.proc.pid)
+        init_kib = sum(pss_kib(p) for p in inits)
+        live = len(sbs)
+        with ThreadPoolExecutor(concurrency) as ex:
+            list(ex.map(lambda sb: sb.close(), sbs))
+        sbs = []
+        per = (agent_kib + init_kib) / max(1, live)
+        return {"n": n, "live": live, "inits": len(inits), "create_s": create_s, "errors": errors[:3],
+                "agent_kib": agent_kib / max(1, live), "init_kib": init_kib / max(1, len(inits) or 1),
+                "per_kib": per}
+    finally:
+        for sb in sbs:
+            try:
+                sb.close()
+            except AgentError:
+                pass
+        agent.stop()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--no-agent", action="store_true", help="skip the node agent cases")
     ap.add_argument("--sustain", type=float, default=15.0, help="seconds per concurrency level (agent)")
+    ap.add_argument("--burst", type=int, default=1000, help="requests of the warm-pool burst (0: skip)")
+    ap.add_argument("--burst-pool", type=int, default=100, help="the warm pool the burst is served from")
+    ap.add_argument("--idle", type=int, default=500, help="idle live sandboxes for the memory figure (0: skip)")
     a = ap.parse_args()
     from agent.sandbox.launcher import SandboxSpec, launch
 
@@ -280,7 +406,7 @@ def main():
     crun = Crun()
     py = os.path.join(os.path.dirname(DSEC), "python")
     fast_imports = ("import agent.cli; agent.cli.build_parser('run'); import agent.commands.run, "
-                    "agent.node.via_agent, agent.node.client; from agent.node.proto import pb, pb_grpc")
+                    "agent.node.via_agent, agent.node.runclient")
 
     def py_start():
         subprocess.run([py, "-c", "pass"], check=True)
@@ -362,16 +488,30 @@ def main():
                   f"{a.sustain:g} s each):")
             base = None
             for conc in (1, 8, 32):
+                cpu0 = cpu_seconds(agent.proc.pid)
                 n, rate, failed = sustained(agent, conc, a.sustain)
+                cpu = (cpu_seconds(agent.proc.pid) - cpu0) * 1000 / max(1, n)
                 base = base or rate
                 print(f"  concurrency {conc:2d}: {rate:6.1f}/s ({n} sandboxes, {failed} failed, "
-                      f"{rate / base:4.2f}x concurrency 1)")
+                      f"{rate / base:4.2f}x concurrency 1; agent CPU {cpu:.1f} ms per sandbox) (target >= 100/s)")
     finally:
         for sb in live:
             sb.close()
         if agent is not None:
             agent.stop()
         crun.close()
+    if agent is not None and a.burst:
+        b = burst(a.burst, a.burst_pool, 32)
+        print(f"\nburst: {b['n']} requests (create + exec /bin/true + close), 32 at a time, from a warm pool of "
+              f"{b['pool']} ({'ready' if b['pool_ready'] else 'NOT fully ready'} at the start, refilled as it "
+              f"drains): {b['wall_s']:.1f} s (target <= 15 s), {b['warm']} served warm, {len(b['failed'])} failed"
+              f"{' ' + repr(b['failed'][:2]) if b['failed'] else ''}; agent CPU {b['agent_cpu_ms']:.1f} ms per request")
+    if agent is not None and a.idle:
+        m = idle_memory(a.idle)
+        print(f"\nidle: {m['live']} of {m['n']} idle live sandboxes (created in {m['create_s']:.1f} s"
+              f"{', errors ' + repr(m['errors']) if m['errors'] else ''}): per sandbox {m['per_kib'] / 1024:.2f} MiB "
+              f"(target <= 5 MiB) = init PSS {m['init_kib'] / 1024:.2f} MiB ({m['inits']} inits) + agent PSS growth "
+              f"{m['agent_kib'] / 1024:.2f} MiB")
 
 
 if __name__ == "__main__":

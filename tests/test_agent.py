@@ -120,8 +120,11 @@ def test_socket_is_root_only_and_second_agent_refused(agent, tmp_path, clickhous
              "s = socket.socket(socket.AF_UNIX)\n"
              "try:\n    s.connect(sys.argv[1]); print('connected')\n"
              "except OSError as e:\n    print(type(e).__name__)\n")
-    r = subprocess.run([sys.executable, "-c", probe, agent.socket], capture_output=True, text=True)
-    assert r.stdout.strip() == "PermissionError", r
+    for sock in (agent.socket, agent.socket + ".run"):     # the gRPC socket and dsec run's own
+        st = os.stat(sock)
+        assert st.st_uid == 0 and st.st_mode & 0o777 == 0o600, sock
+        r = subprocess.run([sys.executable, "-c", probe, sock], capture_output=True, text=True)
+        assert r.stdout.strip() == "PermissionError", (sock, r)
     # a second agent on the same socket (so the same run directory) refuses to start, with one clear line
     cfg = tmp_path / "second.yaml"
     cfg.write_text(f"socket: {agent.socket}\n")
@@ -432,6 +435,33 @@ def test_dsec_run_and_events_through_the_agent(agent, tmp_path):
     # no agent: the same command works in-process
     r = dsec("run", "--audit", "off", "--", "sh", "-c", "exit 3", env={"DSEC_AGENT": "off"})
     assert r.returncode == 3
+
+
+def test_dsec_run_through_the_agent_imports_no_grpc_and_a_killed_client_ends_its_run(agent, client):
+    """`dsec run` talks to the agent over its own socket (agent/node/runclient.py): neither gRPC
+    nor protobuf is imported; a client killed mid-step has its step and its sandbox ended."""
+    env = dict(agent.env)
+    env.update(DSEC_AGENT_SOCKET=agent.socket, DSEC_AGENT="reuse")
+    py = os.path.join(os.path.dirname(DSEC), "python")
+    r = subprocess.run([py, "-X", "importtime", "-m", "agent.cli", "run", "--", "sh", "-c", "echo ok"],
+                       env=env, capture_output=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout == b"ok\n", r.stderr[-2000:]
+    mods = {line.split("|")[-1].strip() for line in r.stderr.decode().splitlines() if "import time:" in line}
+    assert "dsec: sandbox" in r.stderr.decode()
+    assert not [m for m in mods if m.startswith(("grpc", "google.protobuf"))], sorted(mods)
+    p = subprocess.Popen([DSEC, "run", "--", "sh", "-c", "echo started; exec sleep 60"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.readline() == b"started\n"
+        sid = next(sb.sandbox_id for sb in client.list(labels={"client": "dsec-run"}) if sb.state == "running")
+    finally:
+        p.kill()
+        p.wait()
+    end = time.monotonic() + 60
+    while client.get(sid).state == "running" and time.monotonic() < end:
+        time.sleep(0.2)
+    info = client.get(sid)
+    assert info.state in ("killed", "exited"), info
 
 
 # ---------------------------------------------------------------- scale

@@ -101,6 +101,33 @@ def event_message(r: dict) -> "pb.EventMessage":
         event_id=r.get("event_id") or ""))
 
 
+def create_dict(request) -> dict:
+    """A CreateSandboxRequest as agent.create's `req` (also dsec run's socket: agent/node/runsock.py)."""
+    res = request.resources
+    return {"sandbox_id": request.sandbox_id,
+            "resources": {"cpus": res.cpus, "memory_bytes": res.memory_bytes, "pids": res.pids},
+            "priority": request.priority, "policy": _policy(request), "rootfs": request.rootfs,
+            "network": request.network, "labels": dict(request.labels),
+            "env": [(e.name, e.value) for e in request.env], "workdir": request.workdir,
+            "user": request.user, "lifetime_seconds": request.lifetime_seconds,
+            "grace_seconds": request.grace_seconds, "keep": request.keep,
+            "over_budget": request.over_budget, "no_audit": request.no_audit, "no_warm": request.no_warm,
+            "image": request.image, "volumes": [(v.host_path, v.sandbox_path, v.read_write)
+                                                for v in request.volumes],
+            "from_snapshot": request.from_snapshot, "window": _window(request),
+            "auto_snapshot": ({"every_steps": request.auto_snapshot.every_steps,
+                               "retention": request.auto_snapshot.retention}
+                              if request.HasField("auto_snapshot") else None)}
+
+
+def _start_dict(s) -> dict:
+    """An ExecStart message as agent.exec_step's `start`."""
+    return {"sandbox_id": s.sandbox_id, "argv": list(s.argv), "env": [(e.name, e.value) for e in s.env],
+            "workdir": s.workdir, "stdin": s.stdin, "close_stdin": s.close_stdin,
+            "timeout_seconds": s.timeout_seconds, "grace_seconds": s.grace_seconds,
+            "close_after": s.close_after, "wait_export": s.wait_export}
+
+
 def _deadline(context):
     def remaining():
         return context.time_remaining()
@@ -129,21 +156,7 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     def CreateSandbox(self, request, context):
         def run():
-            res = request.resources
-            req = {"sandbox_id": request.sandbox_id,
-                   "resources": {"cpus": res.cpus, "memory_bytes": res.memory_bytes, "pids": res.pids},
-                   "priority": request.priority, "policy": _policy(request), "rootfs": request.rootfs,
-                   "network": request.network, "labels": dict(request.labels),
-                   "env": [(e.name, e.value) for e in request.env], "workdir": request.workdir,
-                   "user": request.user, "lifetime_seconds": request.lifetime_seconds,
-                   "grace_seconds": request.grace_seconds, "keep": request.keep,
-                   "over_budget": request.over_budget, "no_audit": request.no_audit, "no_warm": request.no_warm,
-                   "image": request.image, "volumes": [(v.host_path, v.sandbox_path, v.read_write)
-                                                       for v in request.volumes],
-                   "from_snapshot": request.from_snapshot, "window": _window(request),
-                   "auto_snapshot": ({"every_steps": request.auto_snapshot.every_steps,
-                                      "retention": request.auto_snapshot.retention}
-                                     if request.HasField("auto_snapshot") else None)}
+            req = create_dict(request)
             caller = self._caller(context)
             rec = self.agent.create(req, caller)
             if request.wait_running:
@@ -166,11 +179,6 @@ class AgentServicer(pb_grpc.AgentServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"Exec: the first message must be `start`, got `{first.WhichOneof('msg')}`")
             return
-        s = first.start
-        start = {"sandbox_id": s.sandbox_id, "argv": list(s.argv), "env": [(e.name, e.value) for e in s.env],
-                 "workdir": s.workdir, "stdin": s.stdin, "close_stdin": s.close_stdin,
-                 "timeout_seconds": s.timeout_seconds, "grace_seconds": s.grace_seconds,
-                 "close_after": s.close_after, "wait_export": s.wait_export}
 
         def inputs():
             for m in request_iterator:
@@ -183,8 +191,17 @@ class AgentServicer(pb_grpc.AgentServicer):
                 elif kind == "signal":
                     if 0 < m.signal < 65:
                         yield ("signal", m.signal)
+        yield from self._step(_start_dict(first.start), inputs(), context)
+
+    def ExecOnce(self, request, context):
+        # the whole stdin is in the request: it is closed after it, and nothing reads a request stream
+        start = _start_dict(request)
+        start["close_stdin"] = True
+        yield from self._step(start, None, context)
+
+    def _step(self, start, inputs, context):
         try:
-            for item in self.agent.exec_step(start, inputs(), context.add_callback, _deadline(context),
+            for item in self.agent.exec_step(start, inputs, context.add_callback, _deadline(context),
                                              self._caller(context)):
                 kind = item[0]
                 if kind == "started":
@@ -461,6 +478,11 @@ def serve(agent: Agent, stop: threading.Event, idle_exit: float | None = None):
         agent.release()
         raise
     listeners = []                                 # the HTTP listeners (agent/node/httpapi.py, metrics_http.py)
+    from agent.node.runsock import RunSocketService
+    try:
+        listeners.append(RunSocketService(agent, create_dict).start())     # dsec run's own socket (no gRPC client)
+    except OSError as e:
+        log.warning("dsec run's socket could not be started (dsec run uses gRPC): %s", e)
     for section, what in (("http", "the HTTP listener"), ("metrics", "the metrics listener")):
         if getattr(agent.cfg, section) is None:
             continue

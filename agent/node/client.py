@@ -33,18 +33,18 @@ produced) and its subclass SandboxPreempted.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
 from dataclasses import dataclass, field
 
 from agent.errors import DsecError
+from agent.node.runclient import DEFAULT_SOCKET, ENV_SOCKET  # noqa: F401 - defined where dsec run reads them
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 MAX_MESSAGE = 256 << 20
-DEFAULT_SOCKET = "/run/dsec/agent.sock"       # also agent/node/config.py's default
-ENV_SOCKET = "DSEC_AGENT_SOCKET"
 
 
 # ---------------------------------------------------------------- errors
@@ -98,6 +98,16 @@ class SandboxPreempted(SandboxStopped):
 _BY_STATUS = {"INVALID_ARGUMENT": InvalidArgument, "NOT_FOUND": NotFound, "PERMISSION_DENIED": PermissionDenied,
               "UNAVAILABLE": AgentUnavailable, "UNAUTHENTICATED": PermissionDenied,
               "RESOURCE_EXHAUSTED": ResourceExhausted}
+
+
+def _unimplemented(e) -> bool:
+    import grpc
+    return isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def grpc_aio_eof():
+    import grpc.aio
+    return grpc.aio.EOF
 
 
 def _convert(e, result=None) -> AgentError:
@@ -478,6 +488,7 @@ class Client:
         self.stub = pb_grpc.AgentStub(self._channel)
         self.connect_timeout = connect_timeout
         self._ready = False
+        self._no_exec_once = False          # the agent predates ExecOnce (answered UNIMPLEMENTED)
 
     def _connect(self):
         if self._ready:
@@ -642,11 +653,22 @@ class Client:
             requests = gen()
         else:
             requests = inputs
-        call = self.stub.Exec(requests)
+        # no stdin to stream: ExecOnce, a call without a request stream (gRPC's client would start a
+        # thread per call to send one); an agent older than ExecOnce gets Exec
+        once = inputs is None and stdin_stream is None and not self._no_exec_once
+        call = self.stub.ExecOnce(first.start) if once else self.stub.Exec(requests)
         out, err = bytearray(), bytearray()
         result = None
         try:
-            for m in call:
+            try:
+                first_m = next(call, None)
+            except Exception as e:  # noqa: BLE001
+                if not (once and _unimplemented(e)):
+                    raise
+                self._no_exec_once = True
+                call = self.stub.Exec(requests)
+                first_m = next(call, None)
+            for m in itertools.chain(() if first_m is None else (first_m,), call):
                 item = _exec_item(m, out, err)
                 if item is None:
                     continue
@@ -814,6 +836,7 @@ class AsyncClient:
             self._channel = grpc.aio.secure_channel(self.target, _credentials(tls), options=_options(tls))
         self.stub = pb_grpc.AgentStub(self._channel)
         self._ready = False
+        self._no_exec_once = False          # the agent predates ExecOnce (answered UNIMPLEMENTED)
 
     async def _connect(self):
         if self._ready:
@@ -948,18 +971,27 @@ class AsyncClient:
                     for chunk in stdin_stream:
                         yield pb.ExecInput(stdin=_b(chunk))
                 yield pb.ExecInput(close_stdin=True)
-        call = self.stub.Exec(requests())
+        once = stdin_stream is None and not self._no_exec_once
+        call = self.stub.ExecOnce(first.start) if once else self.stub.Exec(requests())
         out, err = bytearray(), bytearray()
         result = None
         try:
-            async for m in call:
+            try:
+                first_m = await call.read()
+            except Exception as e:  # noqa: BLE001
+                if not (once and _unimplemented(e)):
+                    raise
+                self._no_exec_once = True       # an agent older than ExecOnce
+                call = self.stub.Exec(requests())
+                first_m = await call.read()
+            eof, m = grpc_aio_eof(), first_m
+            while m is not eof:
                 item = _exec_item(m, out, err)
-                if item is None:
-                    continue
-                if item[0] == "exit":
+                if item is not None and item[0] == "exit":
                     result = item[1]
-                else:
+                elif item is not None:
                     yield item
+                m = await call.read()
         except Exception as e:  # noqa: BLE001
             if result is None and (out or err):
                 result = ExecResult(stdout=bytes(out), stderr=bytes(err))

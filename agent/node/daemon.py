@@ -130,6 +130,7 @@ class Agent:
         self._emitq: deque = deque()
         self._emit_lock = threading.Lock()
         self._emit_failures = 0
+        self._emit_kick = threading.Event()     # _flush_emits_soon -> the emit writer thread
         self._stop = threading.Event()
         self._shutting = False
         self._threads: list[threading.Thread] = []
@@ -220,6 +221,9 @@ class Agent:
         t = threading.Thread(target=self._tick_loop, name="dsec-agent-tick", daemon=True)
         t.start()
         self._threads.append(t)
+        t = threading.Thread(target=self._emit_writer, name="dsec-agent-emit", daemon=True)
+        t.start()
+        self._threads.append(t)
         if cfg.images.prewarm:
             self._submit_work(self.node_images.prewarm, list(cfg.images.prewarm))
         self.breaker = Breaker(self).start()
@@ -248,6 +252,7 @@ class Agent:
             while any(r.state not in ENDED for r in self._records.values()) and time.monotonic() < deadline:
                 self._cond.wait(0.2)
         self._stop.set()
+        self._emit_kick.set()
         if getattr(self, "breaker", None) is not None:
             self.breaker.stop()
         if self.executor:
@@ -326,6 +331,22 @@ class Agent:
             except ReportedError as e:
                 self._emit_failures += len(batch)
                 log.error("%d lifecycle audit record(s) could not be spooled: %s", len(batch), e.message)
+
+    def _flush_emits_soon(self):
+        """The queued agent records go to the spool in one durable append on the emit writer
+        thread; returns at once. For a step's end only (agent/node/steps.py): the append is
+        ordered before every later agent record (one queue, FIFO, under _emit_lock) and the
+        next step of the sandbox waits for it (_flush_emits before it starts)."""
+        self._emit_kick.set()
+
+    def _emit_writer(self):
+        while not self._stop.is_set():
+            self._emit_kick.wait(1.0)
+            self._emit_kick.clear()         # before the flush: a kick during it is another round
+            try:
+                self._flush_emits()
+            except Exception:  # noqa: BLE001 - the writer must outlive one bad batch (it is logged)
+                log.exception("writing the agent's audit records")
 
     def labels_of(self, sid: str) -> dict:
         rec = self._records.get(sid) or self._ended.get(sid)

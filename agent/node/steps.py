@@ -147,6 +147,9 @@ def _cancelled_step(agent, rec: SandboxRecord, run: StepRun, close_after: bool):
 
 def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inputs):
     sb = rec.sandbox
+    # the previous step's end record was queued, not yet known durable (its reply did not wait:
+    # _flush_emits_soon below): it is in the spool before anything of this step is recorded
+    agent._flush_emits()
     in_r, in_w = os.pipe2(os.O_CLOEXEC)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -161,7 +164,6 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
         run.stdin_eof = True
     rec.run = run
     argv = [_fs(a) for a in run.argv]
-    oom_before = sb.cg.oom_kills() if sb.cg else 0
     # the whole stdin is known up front: the step_start record carries it (bounded), so replay re-sends it
     known_stdin = bytes(start.get("stdin") or b"") if start.get("close_stdin") else None
 
@@ -298,7 +300,7 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
             except OSError:
                 pass
     st = run.result
-    oom = bool(sb.cg and sb.cg.oom_kills() > oom_before)
+    oom = bool(st is not None and st.oom_kills)       # counted by Sandbox.exec (one read of memory.events)
     run.oom = oom
     if st is not None:
         agent._lifecycle(rec.id, "step_ended", step=st.step, code=st.code, exit_code=st.exit_code,
@@ -306,16 +308,77 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
                         oom_killed=oom or None, error=st.error)
     elif run.error:
         agent._lifecycle(rec.id, "step_ended", step=run.step, error=run.error)
-    agent._flush_emits()
+    # the reply does not wait for the durable append of step_started/step_ended (~1-10 ms of
+    # spool lock and fdatasync on a busy node): the emit writer appends them at once, before any
+    # later agent record (FIFO), before this sandbox's next step starts (above) and before its
+    # close returns (close flushes, and waits for an append under way). docs/agent.md "Steps".
+    agent._flush_emits_soon()
     if st is not None and not run.cancelled:
         agent.snapshots.after_step(rec)      # automatic snapshots: the state this step left, before its reply
 
 
+class StepThreads:
+    """Reusable threads for the per-step work (the runner that waits out the step, the reader
+    of the caller's stdin stream): a step takes an idle thread or starts one; a thread whose
+    job is done waits IDLE_SECONDS for another, then exits; never more than IDLE_KEPT wait,
+    so an agent that ran 1,000 steps at once goes back to its base thread count.
+    A new thread is started without waiting until it has been scheduled (threading.Thread.start()
+    waits for that handshake, ~2 ms per thread on a busy node, measured)."""
+
+    IDLE_KEPT = 4
+    IDLE_SECONDS = 2.0
+
+    class _Worker:
+        __slots__ = ("wake", "fn")
+
+        def __init__(self, fn):
+            self.wake = threading.Event()
+            self.fn = fn
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._idle: list = []
+
+    def spawn(self, fn):
+        """Run fn() on a pool thread; fn catches its own errors and signals its end itself.
+        Raises RuntimeError when no thread can be started."""
+        with self._lock:
+            if self._idle:
+                w = self._idle.pop()
+                w.fn = fn
+                w.wake.set()
+                return
+        _thread.start_new_thread(self._run, (self._Worker(fn),))
+
+    def idle(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
+    def _run(self, w):
+        while True:
+            fn, w.fn = w.fn, None
+            try:
+                fn()
+            except BaseException:  # noqa: BLE001 - fn handles its own; a pool thread never dies of one
+                log.exception("step thread")
+            with self._lock:
+                if len(self._idle) >= self.IDLE_KEPT:
+                    return
+                w.wake.clear()
+                self._idle.append(w)
+            if not w.wake.wait(self.IDLE_SECONDS):
+                with self._lock:
+                    if any(x is w for x in self._idle):
+                        self._idle[:] = [x for x in self._idle if x is not w]
+                        return
+                w.wake.wait()               # handed a job as the wait timed out
+
+
+STEP_THREADS = StepThreads()
+
+
 def _spawn(fn):
-    """Run fn() in a new thread without waiting until the new thread has been scheduled:
-    threading.Thread.start() waits for that handshake, which cost a step ~2 ms per thread on a
-    busy node (measured). fn catches its own errors and signals its end itself."""
-    _thread.start_new_thread(fn, ())
+    STEP_THREADS.spawn(fn)
 
 
 def _wait(readers, wake_r: int, in_w: int, timeout: float) -> tuple[list[int], bool]:

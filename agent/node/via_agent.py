@@ -46,7 +46,7 @@ def mode() -> str:
 
 
 def default_socket() -> str:
-    from agent.node.client import DEFAULT_SOCKET, ENV_SOCKET
+    from agent.node.runclient import DEFAULT_SOCKET, ENV_SOCKET
     return os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
 
 
@@ -207,6 +207,26 @@ def run(spec, args):
             raise DsecError(f"--rootfs {spec.rootfs}: no such directory", EXIT_DSEC)
         if any(ch in rf for ch in ",:\\"):
             raise DsecError(f"--rootfs {spec.rootfs}: path must not contain ',', ':' or '\\'", EXIT_DSEC)
+    pol = {"policy": args.policy} if _is_builtin_ref(args.policy) else None
+    if pol is None:
+        try:
+            with open(args.policy, encoding="utf-8", errors="surrogateescape") as f:
+                pol = {"policy_yaml": f.read(), "policy_source": args.policy}
+        except OSError as e:
+            raise DsecError(f"--policy {args.policy}: {e.strerror}", EXIT_DSEC)
+    image = getattr(args, "image", None)
+    create = dict(sandbox_id=spec.sandbox_id, cpus=spec.cpus, memory=spec.memory, pids=spec.pids,
+                  rootfs=os.path.abspath(spec.rootfs) if spec.rootfs else None, network=spec.network,
+                  env=spec.env, workdir=args.workdir if image else spec.workdir,
+                  user=args.user if image else spec.user, keep=spec.keep, grace=spec.grace,
+                  image=image, volumes=list(getattr(args, "volume", None) or ()),
+                  over_budget=args.over_budget, audit=args.audit == "on", mode=args.mode,
+                  labels={"client": "dsec-run"}, **pol)
+    wait_export = args.audit == "on" and bool(getattr(args, "wait_export", False))
+    if path is not None:
+        fast = _run_fast(path, spec, create, wait_export)      # dsec run's own socket: no gRPC import
+        if fast is not None:
+            return fast
     c = connect(path, "run") if path is not None and (m != "auto" or _is_socket(path)) else None
     if c is None and m == "auto":
         path = start_agent("run")         # none answers: start one for this and later runs
@@ -215,22 +235,8 @@ def run(spec, args):
         return None
     from agent.node.client import AgentError, SandboxFailed, SandboxStopped, _exec_start, _Inputs
     from agent.node.proto import pb
-    pol = {"policy": args.policy} if _is_builtin_ref(args.policy) else None
-    if pol is None:
-        try:
-            with open(args.policy, encoding="utf-8", errors="surrogateescape") as f:
-                pol = {"policy_yaml": f.read(), "policy_source": args.policy}
-        except OSError as e:
-            raise DsecError(f"--policy {args.policy}: {e.strerror}", EXIT_DSEC)
     try:
-        image = getattr(args, "image", None)
-        sb = c.create(sandbox_id=spec.sandbox_id, cpus=spec.cpus, memory=spec.memory, pids=spec.pids,
-                      rootfs=os.path.abspath(spec.rootfs) if spec.rootfs else None, network=spec.network,
-                      env=spec.env, workdir=args.workdir if image else spec.workdir,
-                      user=args.user if image else spec.user, keep=spec.keep, grace=spec.grace,
-                      image=image, volumes=list(getattr(args, "volume", None) or ()),
-                      over_budget=args.over_budget, audit=args.audit == "on", mode=args.mode,
-                      labels={"client": "dsec-run"}, **pol)
+        sb = c.create(**create)
     except SandboxFailed as e:
         c.close()
         raise DsecError(e.reason.removeprefix("sandbox start failed: "), EXIT_DSEC)
@@ -240,16 +246,9 @@ def run(spec, args):
     if not spec.sandbox_id:
         sys.stderr.write(f"dsec: sandbox {sb.id}\n")
         sys.stderr.flush()
-    stdin_tty = False
-    try:
-        stdin_tty = os.isatty(0)
-        os.fstat(0)
-        stdin_ok = not stdin_tty
-    except OSError:
-        stdin_ok = False
+    stdin_ok = _stdin_ok()
     inputs = _Inputs(_exec_start(sb.id, spec.argv, stdin=None, close_stdin=not stdin_ok, timeout=spec.timeout,
-                                 grace=spec.grace, close_after=True,
-                                 wait_export=args.audit == "on" and bool(getattr(args, "wait_export", False))))
+                                 grace=spec.grace, close_after=True, wait_export=wait_export))
     if stdin_ok:
         def pump():
             while True:
@@ -264,27 +263,9 @@ def run(spec, args):
         threading.Thread(target=pump, daemon=True).start()
     old = {}
     if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        for s in _SIGNALS:
             old[s] = signal.signal(s, lambda sig, _f: inputs.put(pb.ExecInput(signal=sig)))
-    broken = set()
-
-    def out(fd, data):
-        if fd in broken:
-            return
-        view = memoryview(data)
-        while view:
-            try:
-                n = os.write(fd, view)
-            except BlockingIOError:
-                import select
-                p = select.poll()           # poll, not select: works for any fd number
-                p.register(fd, select.POLLOUT)
-                p.poll()
-                continue
-            except OSError:
-                broken.add(fd)
-                return
-            view = view[n:]
+    out = _Output()
     result = None
     try:
         for kind, value in c.exec_stream(sb.id, spec.argv, inputs=inputs):
@@ -310,6 +291,143 @@ def run(spec, args):
     summary.setdefault("audit", {})
     summary["agent"] = path
     return RunResult(result.code, summary)
+
+
+def _stdin_ok() -> bool:
+    """Our stdin is open and not a terminal: it is streamed into the step."""
+    try:
+        tty = os.isatty(0)
+        os.fstat(0)
+        return not tty
+    except OSError:
+        return False
+
+
+class _Output:
+    """out(fd, data): the step's output onto our stdout/stderr; a closed one is skipped."""
+
+    def __init__(self):
+        self.broken = set()
+
+    def __call__(self, fd, data):
+        if fd in self.broken:
+            return
+        view = memoryview(data)
+        while view:
+            try:
+                n = os.write(fd, view)
+            except BlockingIOError:
+                import select
+                p = select.poll()           # poll, not select: works for any fd number
+                p.register(fd, select.POLLOUT)
+                p.poll()
+                continue
+            except OSError:
+                self.broken.add(fd)
+                return
+            view = view[n:]
+
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _run_fast(path: str, spec, create: dict, wait_export: bool):
+    """`dsec run` over the agent's run socket (agent/node/runclient.py): the same sandbox, exit
+    status, output, signals and summary as through gRPC, without importing gRPC. None when
+    nothing answers on that socket (an agent older than it: the gRPC path is used)."""
+    import json
+    from agent.errors import EXIT_DSEC
+    from agent.node import runclient as rc
+    sock = rc.connect(rc.run_socket_path(path))
+    if sock is None:
+        return None
+    w = rc.FrameWriter(sock)
+    stdin_ok = _stdin_ok()
+    try:
+        w.send_json("R", {"create": create, "exec": {
+            "argv": [os.fsdecode(a) for a in spec.argv], "stdin": stdin_ok, "timeout": spec.timeout,
+            "grace": spec.grace, "wait_export": wait_export}})
+    except OSError:
+        sock.close()
+        return None
+    out = _Output()
+    old = {}
+    sid, result = None, None
+    try:
+        while True:
+            try:
+                f = rc.read_frame(sock)
+            except (OSError, rc.ProtocolError) as e:
+                raise DsecError(f"through the agent: {e}", EXIT_DSEC)
+            if f is None:
+                if sid is None:
+                    raise DsecError("through the agent: it closed the connection before the sandbox ran "
+                                    "(its log says why)", EXIT_DSEC)
+                if result is None:
+                    raise DsecError("through the agent: it ended the step without an exit status", EXIT_DSEC)
+                break
+            kind, p = f
+            if kind == "o":
+                out(1, p)
+            elif kind == "e":
+                out(2, p)
+            elif kind == "x":
+                result = json.loads(p)
+            elif kind == "C":
+                sid = json.loads(p)["sandbox_id"]
+                if not spec.sandbox_id:
+                    sys.stderr.write(f"dsec: sandbox {sid}\n")
+                    sys.stderr.flush()
+                _start_inputs(w, stdin_ok, old)
+            elif kind == "E":
+                err = json.loads(p)
+                msg = err.get("message") or err.get("code") or "error"
+                if sid is None:
+                    if err.get("code") == "FAILED":
+                        raise DsecError((err.get("reason") or msg).removeprefix("sandbox start failed: "),
+                                        EXIT_DSEC)
+                    raise DsecError(msg, EXIT_DSEC)
+                if result is not None and result.get("summary") is not None:
+                    break                   # stopped after its exit (SandboxStopped with a result)
+                raise DsecError(msg if err.get("code") == "ABORTED" else f"through the agent: {msg}", EXIT_DSEC)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        sock.close()
+    summary = result.get("summary") or {"sandbox_id": sid, "exit_code": result.get("exit_code"),
+                                        "signal": result.get("signal"), "error": result.get("error"),
+                                        "timed_out": result.get("timed_out")}
+    summary.setdefault("audit", {})
+    summary["agent"] = path
+    return RunResult(result["code"], summary)
+
+
+def _start_inputs(w, stdin_ok: bool, old: dict):
+    """Our stdin (pumped by a thread) and the signals we get, onto the run socket."""
+    if stdin_ok:
+        def pump():
+            try:
+                while True:
+                    try:
+                        data = os.read(0, 65536)
+                    except OSError:
+                        data = b""
+                    if not data:
+                        w.send("c")
+                        return
+                    w.send("i", data)
+            except OSError:
+                return                      # the run is over: the agent closed the connection
+
+        threading.Thread(target=pump, daemon=True).start()
+    if threading.current_thread() is threading.main_thread():
+        def forward(sig, _f):
+            try:
+                w.send("s", str(int(sig)).encode())
+            except OSError:
+                pass
+        for s in _SIGNALS:
+            old[s] = signal.signal(s, forward)
 
 
 class RunResult:

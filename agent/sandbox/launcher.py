@@ -226,6 +226,7 @@ class StepResult:
         self.signal = None
         self.timed_out = False
         self.oom_killed = False     # killed by the memory cgroup's OOM killer during the step
+        self.oom_kills = 0          # OOM kills in the sandbox's cgroup during the step (any process)
         self.error = None           # exec failure / setup failure text
         self.code = EXIT_DSEC
         self.cpu_ms = 0
@@ -629,7 +630,9 @@ class Sandbox:
             if not st.done:      # init died under the step (killed from outside)
                 _finish_step(st, {"status": signal.SIGKILL})
         st.wall_ms = int((time.monotonic() - t0) * 1000)
-        if st.signal == signal.SIGKILL and self.cg and self.cg.oom_kills() > oom_before:
+        if self.cg:
+            st.oom_kills = max(0, self.cg.oom_kills() - oom_before)
+        if st.signal == signal.SIGKILL and st.oom_kills:
             st.oom_killed = True
             st.error = st.error or "out of memory: killed by the sandbox's memory limit"
         if st.timed_out:
