@@ -479,3 +479,45 @@ def test_append_errors_retry_and_leave_the_batch_queued(audit_cgroups, tmp_path)
     finally:
         rec.close()
         spool.close()
+
+
+def _spooled_states(spool, sid):
+    out = []
+    reader = spool.reader("check-" + uuid.uuid4().hex[:6])
+    while True:
+        b = reader.read(1000)
+        if not b:
+            break
+        out += b.records
+        reader.commit(b)
+    return [json.loads(r["extra"])["state"] for r in out if r["sandbox_id"] == sid]
+
+
+def test_tickets_wait_for_the_record_and_every_one_before_it(tmp_path):
+    """Issue 15: the spool append runs in the recorder's writer thread. record(wait=False)
+    returns a ticket at once; wait_durable(ticket) is True only once that record and every
+    one queued before it are in the spool -- False while the disk fails (the records stay
+    queued, in order), True once it works again."""
+    from agent.sensors.recorder import Recorder
+    spool = Spool(str(tmp_path / "sp"), fsync="always")
+    failing = _FailingAppends(spool, 10**9)          # the disk fails until told otherwise
+    rec = Recorder(node="faults", spool=failing, enforce=False)
+    try:
+        sid = "ticket-" + uuid.uuid4().hex[:8]
+        tickets = [rec.record({"kind": "lifecycle", "sandbox_id": sid,
+                               "extra": json.dumps({"state": f"s{i}"})}, wait=False) for i in range(5)]
+        assert tickets == sorted(set(tickets)) and len(tickets) == 5
+        assert not rec.wait_durable(tickets[0], timeout=0.5)      # nothing durable while the disk fails
+        assert not rec.flush(timeout=0.2)
+        assert wait_until(lambda: failing.calls >= 2, 10)           # the writer thread retries
+        assert _spooled_states(spool, sid) == []
+        failing.n = 0
+        assert rec.wait_durable(tickets[2], timeout=10)
+        assert _spooled_states(spool, sid)[:3] == ["s0", "s1", "s2"]   # the ticket's record and all before
+        t = rec.record({"kind": "lifecycle", "sandbox_id": sid, "extra": json.dumps({"state": "end"})})
+        assert t > tickets[-1] and rec.wait_durable(t, timeout=0)   # wait=True: spooled on return
+        assert _spooled_states(spool, sid) == [f"s{i}" for i in range(5)] + ["end"]
+        assert rec.append_errors >= 2 and rec._error is None
+    finally:
+        rec.close()
+        spool.close()

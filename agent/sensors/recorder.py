@@ -4,7 +4,11 @@
     rec.watch(sandbox_id, cgroup_id, policy=p, cgroup_path=path)   # before any sandbox process
     rec.started(cgroup_id, supervisor_pid)  # enforcement starts here (the supervisor is exempt)
     rec.set_step(cgroup_id, 2)
-    rec.record({...})                       # the launcher's own records (sandbox_start/exit ...)
+    rec.record({...})                       # the launcher's own records (sandbox_start/exit ...):
+                                            # spooled (durable, per DSEC_SPOOL_FSYNC) when it returns
+    t = rec.record({...}, wait=False)       # queued only: returns a ticket at once
+    rec.wait_durable(t, timeout=5)          # True once that record and every one before it is spooled
+    rec.flush(timeout=5)                    # everything queued so far (same as waiting on the last ticket)
     stats = rec.unwatch(cgroup_id)          # after the sandbox is gone: drains, reports losses
     rec.close()
 
@@ -12,9 +16,22 @@ Two sensors, one per concern (Tetragon style): the audit sensor (exec, fork,
 exit, connect, file writes; agent/sensors/audit.py) and the enforcement sensor
 (egress, exec allowlist, syscall violations and learn-mode counts;
 agent/sensors/enforce.py). A background thread polls both and appends decoded
-records to the spool in batches; the spool is the durable hand-off to the
-exporters. The recorder knows no sink. Taps (add_tap) see every record as it
-is spooled (live streams).
+records to a queue; a writer thread (dsec-audit-spool) appends the queue to
+the spool in batches -- one append_many, i.e. one write and one fdatasync per
+batch (group commit), while the poll thread goes on reading the ring. The
+spool is the durable hand-off to the exporters. The recorder knows no sink.
+Taps (add_tap) see every record as it is spooled (live streams).
+
+Tickets. Records are spooled in the order they were queued, one queue for the
+kernel's records and the launcher's own. A ticket is the number of records
+queued so far, taken when a record is queued; wait_durable(ticket) returns
+True once the spool holds that record and every record queued before it
+(durable as DSEC_SPOOL_FSYNC says: fsync "always", the default, survives a
+power loss), False at the timeout (an append error is logged, counted in
+append_errors, kept queued and retried; unwatch() raises it). So a step's end
+record is durable before a later record simply by being queued first, and
+before close by rec.wait_durable(t) or rec.flush(); record() with wait=True
+(the default) does that wait itself, in the calling thread.
 
 Every record is stamped with the policy's name, hash and mode and a decision
 (policies/evaluate.py) unless the sensor set one itself.
@@ -49,6 +66,10 @@ class Recorder:
         self._pending: list[dict] = []
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()       # one append at a time: batches stay in order
+        self._durable_cv = threading.Condition(self._lock)
+        self._queued = 0                          # records ever queued (tickets count these)
+        self._spooled = 0                         # of which appended to the spool, in order
+        self._wake = threading.Event()            # the writer thread: something is queued
         self.append_errors = 0
         self._seq = 0
         self._instance = os.urandom(8).hex()
@@ -73,6 +94,8 @@ class Recorder:
         if isinstance(self.enforce_error, BaseException):
             raise self.enforce_error
         self._stop = threading.Event()
+        self._writer = threading.Thread(target=self._write_loop, name="dsec-audit-spool", daemon=True)
+        self._writer.start()
         self._thread = threading.Thread(target=self._loop, name="dsec-audit-poll", daemon=True)
         self._thread.start()
 
@@ -105,9 +128,17 @@ class Recorder:
             if pol.mode == "enforce" and layout_refusal(rec):
                 mark_refused_anyway(rec, self.roots.refused_anyway(rec.get("sandbox_id"), rec))
             rec["decision"] = decision(pol, rec)
-        recs = self.denials.offer(rec)
+        self._queue(self.denials.offer(rec), wake=False)     # the poll loop wakes the writer per poll
+
+    def _queue(self, recs: list[dict], wake: bool = True) -> int:
+        """Queue records for the writer thread; returns the ticket of the last."""
         with self._lock:
             self._pending.extend(recs)
+            self._queued += len(recs)
+            ticket = self._queued
+        if wake and recs:
+            self._wake.set()
+        return ticket
 
     def _on_over_budget(self, cgroup_id, sandbox_id, lost):
         """over_budget="stop": the kernel killed the process that overflowed; stop the
@@ -167,6 +198,9 @@ class Recorder:
             if self._error is not None:
                 log.warning("audit record spooling works again (%d failed attempt(s))", self.append_errors)
             self._error = None
+            with self._lock:
+                self._spooled += len(batch)         # the batch was the queue's head: order kept
+                self._durable_cv.notify_all()
         for fn in taps:
             try:
                 fn(batch)
@@ -188,41 +222,71 @@ class Recorder:
     def _loop(self):
         backoff = 0.05
         while not self._stop.is_set():
-            failed = False
             try:
                 self.sensor.poll(20)
                 if self.enforcer is not None:
                     self.enforcer.poll(0)
                 self._poll_error = None
                 self._add_summaries(self.denials.due())
+                backoff = 0.05
             except BaseException as e:  # noqa: BLE001 - surfaced by close()/unwatch()
                 if self._poll_error is None:
                     log.error("audit sensor poll failed (retrying): %s", e)
                 self._poll_error = e
-                failed = True
-            try:
-                self._flush_pending()
-            except BaseException:  # noqa: BLE001 - kept queued, logged, retried here
-                failed = True
-            if failed:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
-            else:
+            if self._pending:
+                self._wake.set()
+
+    def _write_loop(self):
+        """The writer thread: append what is queued, one batch per append (group
+        commit). A failed append stays queued in front and is retried with backoff."""
+        backoff = 0.05
+        while not self._stop.is_set():
+            self._wake.wait(0.2)
+            self._wake.clear()
+            try:
+                self._flush_pending()
                 backoff = 0.05
+            except BaseException:  # noqa: BLE001 - kept queued, logged, retried here
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+                self._wake.set()
+
+    def wait_durable(self, ticket: int, timeout: float | None = None) -> bool:
+        """True once the record of `ticket` (and every record queued before it) is
+        in the spool; False if `timeout` seconds pass first (the append error, if
+        any, is in the log and raised by the next unwatch())."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._wake.set()
+        with self._lock:
+            while self._spooled < ticket:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._durable_cv.wait(left if left is not None else 1.0)
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """wait_durable() for everything queued so far."""
+        with self._lock:
+            ticket = self._queued
+        return self.wait_durable(ticket, timeout)
 
     def _add_summaries(self, recs: list[dict]):
         if recs:
-            recs = [normalize(r) for r in recs]
-            with self._lock:
-                self._pending.extend(recs)
+            self._queue([normalize(r) for r in recs], wake=False)
 
     def new_event_id(self) -> str:
         with self._lock:
             self._seq += 1
             return f"{self._instance}{self._seq:016x}"
 
-    def record(self, rec: dict):
-        """A record of the launcher's own (sandbox_start, sandbox_exit ...)."""
+    def record(self, rec: dict, wait: bool = True) -> int:
+        """A record of the launcher's own (sandbox_start, sandbox_exit ...); returns
+        its ticket. wait=True: appended in this thread before returning (an append
+        error stays queued for the writer thread to retry; unwatch() reports it);
+        wait=False: queued, the writer thread appends it (wait_durable(ticket))."""
         rec = dict(rec)
         img = self.images.get(rec.get("sandbox_id"))
         if img:
@@ -235,13 +299,13 @@ class Recorder:
         rec.setdefault("event_id", self.new_event_id())
         rec.setdefault("ts_ns", time.time_ns())
         rec.setdefault("node", self.node)
-        rec = normalize(rec)
-        with self._lock:
-            self._pending.append(rec)
-        try:
-            self._flush_pending()
-        except BaseException:  # noqa: BLE001 - queued; the poll thread retries; unwatch() reports it
-            pass
+        ticket = self._queue([normalize(rec)], wake=not wait)
+        if wait:
+            try:
+                self._flush_pending()
+            except BaseException:  # noqa: BLE001 - queued; the writer thread retries; unwatch() reports it
+                self._wake.set()
+        return ticket
 
     # -- sandboxes ----------------------------------------------------------------------
     def watch(self, sandbox_id: str, cgroup_id: int, policy=None, cgroup_path: str | None = None,
@@ -346,7 +410,9 @@ class Recorder:
 
     def close(self):
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=5)
+        self._writer.join(timeout=5)
         self.roots.close()
         try:
             self.sensor.close()
