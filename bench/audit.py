@@ -416,7 +416,7 @@ class Pipeline:
     def threads_cpu(self):
         out = {}
         for th in threading.enumerate():
-            if th.name in ("dsec-audit-poll", "dsec-audit-spool", "bench-exporter") and th.native_id:
+            if th.name in ("dsec-audit-poll", "bench-exporter") and th.native_id:
                 out[th.name] = proc_cpu(f"/proc/self/task/{th.native_id}/stat")
         return out
 
@@ -609,8 +609,7 @@ def print_breakdown(r):
     exp = (f"exporter process {th['exporter process'] / w:.0%}" if "exporter process" in th
            else f"exporter thread {th.get('bench-exporter', 0) / w:.0%}")
     print(f"CPU during that run ({w:.1f}s wall incl. drain; 2 cores = 200%): agent {cpu['agent'] / w:.0%} "
-          f"(poll/decode thread {th.get('dsec-audit-poll', 0) / w:.0%}, "
-          f"spool writer thread {th.get('dsec-audit-spool', 0) / w:.0%}, {exp}), "
+          f"(poll/decode/spool thread {th.get('dsec-audit-poll', 0) / w:.0%}, {exp}), "
           f"clickhouse-server {cpu['clickhouse'] / w:.0%}, "
           f"generator {r['gen_cpu'] / w:.0%}; rest of the machine: other tasks and kernel threads "
           f"{max(0.0, cpu['system'][0] - cpu['agent'] - cpu['clickhouse'] - r['gen_cpu']) / w:.0%}, "

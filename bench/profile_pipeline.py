@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """cProfile of the agent's hot path: bench/audit.py's part-2 pipeline (eBPF
 sensor -> decoder -> spool -> ClickHouse exporter, in this process) at one
-paced open_write rate, with the poll thread (ring read, decode), the spool
-writer thread (validate, JSON, write, fdatasync) and the exporter thread (spool read, insert) each under its own profiler.
+paced open_write rate, with the poll thread (ring read, decode, spool append)
+and the exporter thread (spool read, insert) each under its own profiler.
 
 usage:
   .venv/bin/python bench/profile_pipeline.py [--rate 20000] [--seconds 8] [--top 25]
@@ -50,9 +50,7 @@ def main():
     from agent.sensors.recorder import Recorder
     from exporters.clickhouse import ClickHouseExporter
     from exporters.clickhouse_server import PrivateServer, connect
-    Recorder._loop = _profiled("poll thread (ring, decode)", Recorder._loop)
-    Recorder._write_loop = _profiled("spool writer thread (validate, JSON, write, fdatasync)",
-                                     Recorder._write_loop)
+    Recorder._loop = _profiled("poll thread (ring, decode, spool append)", Recorder._loop)
     ClickHouseExporter.run = _profiled("exporter thread (spool read, insert)", ClickHouseExporter.run)
     server = PrivateServer()
     server.start()

@@ -449,6 +449,18 @@ class _FailingAppends:
         return self.spool.append_many(records)
 
 
+def _spooled_states(spool, sid):
+    out = []
+    reader = spool.reader("check-" + uuid.uuid4().hex[:6])
+    while True:
+        b = reader.read(1000)
+        if not b:
+            break
+        out += b.records
+        reader.commit(b)
+    return [json.loads(r["extra"])["state"] for r in out if r["sandbox_id"] == sid]
+
+
 def test_append_errors_retry_and_leave_the_batch_queued(audit_cgroups, tmp_path):
     """Issue 13 point 4: Recorder._flush_pending took its batch before appending, so
     an append error lost it, and the error flag never reset (every later unwatch
@@ -462,16 +474,8 @@ def test_append_errors_retry_and_leave_the_batch_queued(audit_cgroups, tmp_path)
         for i in range(5):
             rec.record({"kind": "lifecycle", "sandbox_id": sid, "extra": json.dumps({"state": f"s{i}"})})
         assert wait_until(lambda: failing.n == 0 and not rec._pending, 10)
-        out = []
-        reader = spool.reader("check")
-        while True:
-            b = reader.read(1000)
-            if not b:
-                break
-            out += b.records
-            reader.commit(b)
-        states = [json.loads(r["extra"])["state"] for r in out if r["sandbox_id"] == sid]
-        assert states == [f"s{i}" for i in range(5)]            # nothing lost, in order
+        assert rec.flush(timeout=10)             # the last batch taken is also appended
+        assert _spooled_states(spool, sid) == [f"s{i}" for i in range(5)]    # nothing lost, in order
         assert rec.append_errors == 3 and rec._error is None     # healthy again: the flag is reset
         cg = audit_cgroups()
         rec.watch(sid, cg.id)
@@ -481,21 +485,8 @@ def test_append_errors_retry_and_leave_the_batch_queued(audit_cgroups, tmp_path)
         spool.close()
 
 
-def _spooled_states(spool, sid):
-    out = []
-    reader = spool.reader("check-" + uuid.uuid4().hex[:6])
-    while True:
-        b = reader.read(1000)
-        if not b:
-            break
-        out += b.records
-        reader.commit(b)
-    return [json.loads(r["extra"])["state"] for r in out if r["sandbox_id"] == sid]
-
-
 def test_tickets_wait_for_the_record_and_every_one_before_it(tmp_path):
-    """Issue 15: the spool append runs in the recorder's writer thread. record(wait=False)
-    returns a ticket at once; wait_durable(ticket) is True only once that record and every
+    """Issue 15: record(wait=False) returns a ticket at once (the poll thread appends it); wait_durable(ticket) is True only once that record and every
     one queued before it are in the spool -- False while the disk fails (the records stay
     queued, in order), True once it works again."""
     from agent.sensors.recorder import Recorder
@@ -509,7 +500,7 @@ def test_tickets_wait_for_the_record_and_every_one_before_it(tmp_path):
         assert tickets == sorted(set(tickets)) and len(tickets) == 5
         assert not rec.wait_durable(tickets[0], timeout=0.5)      # nothing durable while the disk fails
         assert not rec.flush(timeout=0.2)
-        assert wait_until(lambda: failing.calls >= 2, 10)           # the writer thread retries
+        assert wait_until(lambda: failing.calls >= 2, 10)           # the poll thread retries
         assert _spooled_states(spool, sid) == []
         failing.n = 0
         assert rec.wait_durable(tickets[2], timeout=10)

@@ -16,10 +16,13 @@ Two sensors, one per concern (Tetragon style): the audit sensor (exec, fork,
 exit, connect, file writes; agent/sensors/audit.py) and the enforcement sensor
 (egress, exec allowlist, syscall violations and learn-mode counts;
 agent/sensors/enforce.py). A background thread polls both and appends decoded
-records to a queue; a writer thread (dsec-audit-spool) appends the queue to
-the spool in batches -- one append_many, i.e. one write and one fdatasync per
-batch (group commit), while the poll thread goes on reading the ring. The
-spool is the durable hand-off to the exporters. The recorder knows no sink.
+records to a queue, and appends the queue to the spool after every poll
+(every 20 ms when idle) in one batch: one append_many, i.e. one write and one
+fdatasync per batch (group commit). The spool is the durable hand-off to the
+exporters. (A writer thread of its own was measured, bench/audit.py part 2:
+no gain -- the fdatasync is ~1% of the poll thread's time, the rest is
+Python work that holds the interpreter lock either way -- and the hand-offs
+between the two threads cost ~15% more CPU per event.) The recorder knows no sink.
 Taps (add_tap) see every record as it is spooled (live streams).
 
 Tickets. Records are spooled in the order they were queued, one queue for the
@@ -69,7 +72,6 @@ class Recorder:
         self._durable_cv = threading.Condition(self._lock)
         self._queued = 0                          # records ever queued (tickets count these)
         self._spooled = 0                         # of which appended to the spool, in order
-        self._wake = threading.Event()            # the writer thread: something is queued
         self.append_errors = 0
         self._seq = 0
         self._instance = os.urandom(8).hex()
@@ -94,8 +96,6 @@ class Recorder:
         if isinstance(self.enforce_error, BaseException):
             raise self.enforce_error
         self._stop = threading.Event()
-        self._writer = threading.Thread(target=self._write_loop, name="dsec-audit-spool", daemon=True)
-        self._writer.start()
         self._thread = threading.Thread(target=self._loop, name="dsec-audit-poll", daemon=True)
         self._thread.start()
 
@@ -128,17 +128,14 @@ class Recorder:
             if pol.mode == "enforce" and layout_refusal(rec):
                 mark_refused_anyway(rec, self.roots.refused_anyway(rec.get("sandbox_id"), rec))
             rec["decision"] = decision(pol, rec)
-        self._queue(self.denials.offer(rec), wake=False)     # the poll loop wakes the writer per poll
+        self._queue(self.denials.offer(rec))
 
-    def _queue(self, recs: list[dict], wake: bool = True) -> int:
-        """Queue records for the writer thread; returns the ticket of the last."""
+    def _queue(self, recs: list[dict]) -> int:
+        """Queue records for the next append; returns the ticket of the last."""
         with self._lock:
             self._pending.extend(recs)
             self._queued += len(recs)
-            ticket = self._queued
-        if wake and recs:
-            self._wake.set()
-        return ticket
+            return self._queued
 
     def _on_over_budget(self, cgroup_id, sandbox_id, lost):
         """over_budget="stop": the kernel killed the process that overflowed; stop the
@@ -222,43 +219,33 @@ class Recorder:
     def _loop(self):
         backoff = 0.05
         while not self._stop.is_set():
+            failed = False
             try:
                 self.sensor.poll(20)
                 if self.enforcer is not None:
                     self.enforcer.poll(0)
                 self._poll_error = None
                 self._add_summaries(self.denials.due())
-                backoff = 0.05
             except BaseException as e:  # noqa: BLE001 - surfaced by close()/unwatch()
                 if self._poll_error is None:
                     log.error("audit sensor poll failed (retrying): %s", e)
                 self._poll_error = e
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
-            if self._pending:
-                self._wake.set()
-
-    def _write_loop(self):
-        """The writer thread: append what is queued, one batch per append (group
-        commit). A failed append stays queued in front and is retried with backoff."""
-        backoff = 0.05
-        while not self._stop.is_set():
-            self._wake.wait(0.2)
-            self._wake.clear()
+                failed = True
             try:
                 self._flush_pending()
-                backoff = 0.05
             except BaseException:  # noqa: BLE001 - kept queued, logged, retried here
+                failed = True
+            if failed:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
-                self._wake.set()
+            else:
+                backoff = 0.05
 
     def wait_durable(self, ticket: int, timeout: float | None = None) -> bool:
         """True once the record of `ticket` (and every record queued before it) is
         in the spool; False if `timeout` seconds pass first (the append error, if
         any, is in the log and raised by the next unwatch())."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._wake.set()
         with self._lock:
             while self._spooled < ticket:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -275,7 +262,7 @@ class Recorder:
 
     def _add_summaries(self, recs: list[dict]):
         if recs:
-            self._queue([normalize(r) for r in recs], wake=False)
+            self._queue([normalize(r) for r in recs])
 
     def new_event_id(self) -> str:
         with self._lock:
@@ -285,8 +272,8 @@ class Recorder:
     def record(self, rec: dict, wait: bool = True) -> int:
         """A record of the launcher's own (sandbox_start, sandbox_exit ...); returns
         its ticket. wait=True: appended in this thread before returning (an append
-        error stays queued for the writer thread to retry; unwatch() reports it);
-        wait=False: queued, the writer thread appends it (wait_durable(ticket))."""
+        error stays queued for the poll thread to retry; unwatch() reports it);
+        wait=False: queued, the poll thread appends it within ~20 ms (wait_durable(ticket))."""
         rec = dict(rec)
         img = self.images.get(rec.get("sandbox_id"))
         if img:
@@ -299,12 +286,12 @@ class Recorder:
         rec.setdefault("event_id", self.new_event_id())
         rec.setdefault("ts_ns", time.time_ns())
         rec.setdefault("node", self.node)
-        ticket = self._queue([normalize(rec)], wake=not wait)
+        ticket = self._queue([normalize(rec)])
         if wait:
             try:
                 self._flush_pending()
-            except BaseException:  # noqa: BLE001 - queued; the writer thread retries; unwatch() reports it
-                self._wake.set()
+            except BaseException:  # noqa: BLE001 - queued; the poll thread retries; unwatch() reports it
+                pass
         return ticket
 
     # -- sandboxes ----------------------------------------------------------------------
@@ -410,9 +397,7 @@ class Recorder:
 
     def close(self):
         self._stop.set()
-        self._wake.set()
         self._thread.join(timeout=5)
-        self._writer.join(timeout=5)
         self.roots.close()
         try:
             self.sensor.close()
