@@ -512,3 +512,28 @@ def test_tickets_wait_for_the_record_and_every_one_before_it(tmp_path):
     finally:
         rec.close()
         spool.close()
+
+
+def test_a_ticket_whose_batch_the_spool_dropped_is_not_durable(tmp_path):
+    """Issue 15: over the spool's disk budget a batch is dropped (recorded as events_lost,
+    exporters/spool.py); wait_durable says so for its ticket instead of True."""
+    from agent.sensors.recorder import Recorder
+    spool = Spool(str(tmp_path / "sp"), fsync="never", segment_bytes=1024, max_bytes=4096)
+    rec = Recorder(node="faults", spool=spool, enforce=False)
+    try:
+        sid = "dropped-" + uuid.uuid4().hex[:8]
+        small = rec.record({"kind": "lifecycle", "sandbox_id": sid, "extra": json.dumps({"state": "s0"})})
+        big = rec.record({"kind": "lifecycle", "sandbox_id": sid,
+                          "extra": json.dumps({"state": "big", "pad": "x" * 20000})})
+        assert rec.wait_durable(small, timeout=5)
+        assert not rec.wait_durable(big, timeout=5)           # dropped, not durable
+        assert rec.flush(timeout=5) is False                   # the last queued is the dropped one
+        out = []
+        reader = spool.reader("check")
+        while (b := reader.read(1000)):
+            out += b.records
+            reader.commit(b)
+        assert [r["kind"] for r in out if r["sandbox_id"] == sid] == ["lifecycle", "events_lost"]
+    finally:
+        rec.close()
+        spool.close()

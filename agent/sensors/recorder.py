@@ -72,6 +72,7 @@ class Recorder:
         self._durable_cv = threading.Condition(self._lock)
         self._queued = 0                          # records ever queued (tickets count these)
         self._spooled = 0                         # of which appended to the spool, in order
+        self._dropped: list[tuple[int, int]] = []  # ticket ranges (a, b] the spool dropped (disk budget)
         self.append_errors = 0
         self._seq = 0
         self._instance = os.urandom(8).hex()
@@ -177,12 +178,12 @@ class Recorder:
                 return
             try:
                 try:
-                    self.spool.append_many(batch)
+                    written = self.spool.append_many(batch)
                 except ReportedError as e:
                     if e.code != EXIT_USAGE:
                         raise
                     batch = [self._valid_or_gap(r) for r in batch]
-                    self.spool.append_many(batch)
+                    written = self.spool.append_many(batch)
             except BaseException as e:
                 with self._lock:
                     self._pending[:0] = batch
@@ -196,7 +197,10 @@ class Recorder:
                 log.warning("audit record spooling works again (%d failed attempt(s))", self.append_errors)
             self._error = None
             with self._lock:
+                start = self._spooled
                 self._spooled += len(batch)         # the batch was the queue's head: order kept
+                if not written:                     # dropped over the disk budget (recorded as events_lost)
+                    self._dropped = self._dropped[-63:] + [(start, self._spooled)]
                 self._durable_cv.notify_all()
         for fn in taps:
             try:
@@ -244,7 +248,9 @@ class Recorder:
     def wait_durable(self, ticket: int, timeout: float | None = None) -> bool:
         """True once the record of `ticket` (and every record queued before it) is
         in the spool; False if `timeout` seconds pass first (the append error, if
-        any, is in the log and raised by the next unwatch())."""
+        any, is in the log and raised by the next unwatch()), or if the spool
+        dropped the record's batch over its disk budget (the spool recorded the
+        loss as events_lost: exporters/spool.py)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while self._spooled < ticket:
@@ -252,7 +258,7 @@ class Recorder:
                 if left is not None and left <= 0:
                     return False
                 self._durable_cv.wait(left if left is not None else 1.0)
-        return True
+            return not any(a < ticket <= b for a, b in self._dropped)
 
     def flush(self, timeout: float | None = None) -> bool:
         """wait_durable() for everything queued so far."""
