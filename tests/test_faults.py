@@ -200,11 +200,11 @@ def producer_kills(clickhouse_url, clickhouse_client, tmp_path_factory):
     from fixtures_bpf import CgroupFactory
     cgroups = CgroupFactory()
     box: dict = {}
+    kills_dir = tmp_path_factory.mktemp("kills")     # here: pytest's first basetemp set-up is not thread-safe
 
     def run():
         try:
-            producer_kill_scenario(clickhouse_url, clickhouse_client, cgroups(),
-                                   tmp_path_factory.mktemp("kills"))
+            producer_kill_scenario(clickhouse_url, clickhouse_client, cgroups(), kills_dir)
         except BaseException as e:      # noqa: B902 - handed to the test that joins
             box["error"] = e
     t = threading.Thread(target=run, name="producer-kills", daemon=True)
