@@ -200,11 +200,11 @@ def producer_kills(clickhouse_url, clickhouse_client, tmp_path_factory):
     from fixtures_bpf import CgroupFactory
     cgroups = CgroupFactory()
     box: dict = {}
+    kills_dir = tmp_path_factory.mktemp("kills")     # here: pytest's first basetemp set-up is not thread-safe
 
     def run():
         try:
-            producer_kill_scenario(clickhouse_url, clickhouse_client, cgroups(),
-                                   tmp_path_factory.mktemp("kills"))
+            producer_kill_scenario(clickhouse_url, clickhouse_client, cgroups(), kills_dir)
         except BaseException as e:      # noqa: B902 - handed to the test that joins
             box["error"] = e
     t = threading.Thread(target=run, name="producer-kills", daemon=True)
@@ -449,6 +449,18 @@ class _FailingAppends:
         return self.spool.append_many(records)
 
 
+def _spooled_states(spool, sid):
+    out = []
+    reader = spool.reader("check-" + uuid.uuid4().hex[:6])
+    while True:
+        b = reader.read(1000)
+        if not b:
+            break
+        out += b.records
+        reader.commit(b)
+    return [json.loads(r["extra"])["state"] for r in out if r["sandbox_id"] == sid]
+
+
 def test_append_errors_retry_and_leave_the_batch_queued(audit_cgroups, tmp_path):
     """Issue 13 point 4: Recorder._flush_pending took its batch before appending, so
     an append error lost it, and the error flag never reset (every later unwatch
@@ -462,20 +474,66 @@ def test_append_errors_retry_and_leave_the_batch_queued(audit_cgroups, tmp_path)
         for i in range(5):
             rec.record({"kind": "lifecycle", "sandbox_id": sid, "extra": json.dumps({"state": f"s{i}"})})
         assert wait_until(lambda: failing.n == 0 and not rec._pending, 10)
-        out = []
-        reader = spool.reader("check")
-        while True:
-            b = reader.read(1000)
-            if not b:
-                break
-            out += b.records
-            reader.commit(b)
-        states = [json.loads(r["extra"])["state"] for r in out if r["sandbox_id"] == sid]
-        assert states == [f"s{i}" for i in range(5)]            # nothing lost, in order
+        assert rec.flush(timeout=10)             # the last batch taken is also appended
+        assert _spooled_states(spool, sid) == [f"s{i}" for i in range(5)]    # nothing lost, in order
         assert rec.append_errors == 3 and rec._error is None     # healthy again: the flag is reset
         cg = audit_cgroups()
         rec.watch(sid, cg.id)
         assert "lost_total" in rec.unwatch(cg.id)               # no stale "audit pipeline failed"
+    finally:
+        rec.close()
+        spool.close()
+
+
+def test_tickets_wait_for_the_record_and_every_one_before_it(tmp_path):
+    """Issue 15: record(wait=False) returns a ticket at once (the poll thread appends it); wait_durable(ticket) is True only once that record and every
+    one queued before it are in the spool -- False while the disk fails (the records stay
+    queued, in order), True once it works again."""
+    from agent.sensors.recorder import Recorder
+    spool = Spool(str(tmp_path / "sp"), fsync="always")
+    failing = _FailingAppends(spool, 10**9)          # the disk fails until told otherwise
+    rec = Recorder(node="faults", spool=failing, enforce=False)
+    try:
+        sid = "ticket-" + uuid.uuid4().hex[:8]
+        tickets = [rec.record({"kind": "lifecycle", "sandbox_id": sid,
+                               "extra": json.dumps({"state": f"s{i}"})}, wait=False) for i in range(5)]
+        assert tickets == sorted(set(tickets)) and len(tickets) == 5
+        assert not rec.wait_durable(tickets[0], timeout=0.5)      # nothing durable while the disk fails
+        assert not rec.flush(timeout=0.2)
+        assert wait_until(lambda: failing.calls >= 2, 10)           # the poll thread retries
+        assert _spooled_states(spool, sid) == []
+        failing.n = 0
+        assert rec.wait_durable(tickets[2], timeout=10)
+        assert _spooled_states(spool, sid)[:3] == ["s0", "s1", "s2"]   # the ticket's record and all before
+        t = rec.record({"kind": "lifecycle", "sandbox_id": sid, "extra": json.dumps({"state": "end"})})
+        assert t > tickets[-1] and rec.wait_durable(t, timeout=0)   # wait=True: spooled on return
+        assert _spooled_states(spool, sid) == [f"s{i}" for i in range(5)] + ["end"]
+        assert rec.append_errors >= 2 and rec._error is None
+    finally:
+        rec.close()
+        spool.close()
+
+
+def test_a_ticket_whose_batch_the_spool_dropped_is_not_durable(tmp_path):
+    """Issue 15: over the spool's disk budget a batch is dropped (recorded as events_lost,
+    exporters/spool.py); wait_durable says so for its ticket instead of True."""
+    from agent.sensors.recorder import Recorder
+    spool = Spool(str(tmp_path / "sp"), fsync="never", segment_bytes=1024, max_bytes=4096)
+    rec = Recorder(node="faults", spool=spool, enforce=False)
+    try:
+        sid = "dropped-" + uuid.uuid4().hex[:8]
+        small = rec.record({"kind": "lifecycle", "sandbox_id": sid, "extra": json.dumps({"state": "s0"})})
+        big = rec.record({"kind": "lifecycle", "sandbox_id": sid,
+                          "extra": json.dumps({"state": "big", "pad": "x" * 20000})})
+        assert rec.wait_durable(small, timeout=5)
+        assert not rec.wait_durable(big, timeout=5)           # dropped, not durable
+        assert rec.flush(timeout=5) is False                   # the last queued is the dropped one
+        out = []
+        reader = spool.reader("check")
+        while (b := reader.read(1000)):
+            out += b.records
+            reader.commit(b)
+        assert [r["kind"] for r in out if r["sandbox_id"] == sid] == ["lifecycle", "events_lost"]
     finally:
         rec.close()
         spool.close()
