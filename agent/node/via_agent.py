@@ -250,21 +250,9 @@ def run(spec, args):
     inputs = _Inputs(_exec_start(sb.id, spec.argv, stdin=None, close_stdin=not stdin_ok, timeout=spec.timeout,
                                  grace=spec.grace, close_after=True, wait_export=wait_export))
     if stdin_ok:
-        def pump():
-            while True:
-                try:
-                    data = os.read(0, 65536)
-                except OSError:
-                    data = b""
-                if not data:
-                    inputs.put(pb.ExecInput(close_stdin=True))
-                    return
-                inputs.put(pb.ExecInput(stdin=data))
-        threading.Thread(target=pump, daemon=True).start()
-    old = {}
-    if threading.current_thread() is threading.main_thread():
-        for s in _SIGNALS:
-            old[s] = signal.signal(s, lambda sig, _f: inputs.put(pb.ExecInput(signal=sig)))
+        _pump_stdin(lambda data: inputs.put(pb.ExecInput(stdin=data)),
+                    lambda: inputs.put(pb.ExecInput(close_stdin=True)))
+    old = _forward_signals(lambda sig: inputs.put(pb.ExecInput(signal=sig)))
     out = _Output()
     result = None
     try:
@@ -402,32 +390,46 @@ def _run_fast(path: str, spec, create: dict, wait_export: bool):
     return RunResult(result["code"], summary)
 
 
+def _pump_stdin(send, send_eof):
+    """Our stdin, read by a thread: send(data) per read, send_eof() at its end. An
+    OSError from send ends the pump (the run is over: the agent closed the connection)."""
+    def pump():
+        try:
+            while True:
+                try:
+                    data = os.read(0, 65536)
+                except OSError:
+                    data = b""
+                if not data:
+                    send_eof()
+                    return
+                send(data)
+        except OSError:
+            return
+    threading.Thread(target=pump, daemon=True).start()
+
+
+def _forward_signals(send) -> dict:
+    """The signals we get (_SIGNALS) handed to send(signum), from the main thread only;
+    returns the handlers they replaced, to be put back."""
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in _SIGNALS:
+            old[s] = signal.signal(s, lambda sig, _f: send(sig))
+    return old
+
+
 def _start_inputs(w, stdin_ok: bool, old: dict):
     """Our stdin (pumped by a thread) and the signals we get, onto the run socket."""
     if stdin_ok:
-        def pump():
-            try:
-                while True:
-                    try:
-                        data = os.read(0, 65536)
-                    except OSError:
-                        data = b""
-                    if not data:
-                        w.send("c")
-                        return
-                    w.send("i", data)
-            except OSError:
-                return                      # the run is over: the agent closed the connection
+        _pump_stdin(lambda data: w.send("i", data), lambda: w.send("c"))
 
-        threading.Thread(target=pump, daemon=True).start()
-    if threading.current_thread() is threading.main_thread():
-        def forward(sig, _f):
-            try:
-                w.send("s", str(int(sig)).encode())
-            except OSError:
-                pass
-        for s in _SIGNALS:
-            old[s] = signal.signal(s, forward)
+    def forward(sig):
+        try:
+            w.send("s", str(int(sig)).encode())
+        except OSError:
+            pass
+    old.update(_forward_signals(forward))
 
 
 class RunResult:
