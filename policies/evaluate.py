@@ -53,7 +53,7 @@ def forbids(policy, rec: dict, host_addrs: dict | None = None) -> bool:
         if raw and not raw.startswith("/") and policy.spec.exec is not None:
             if not relative_exec_canonical(raw):
                 return True    # a relative name the kernel's check refuses whatever its resolution
-            if '"cwd_unknown"' in str(rec.get("extra") or ""):
+            if _has_status(rec, "cwd_unknown"):
                 return True    # the kernel found no verified cwd to join it to: refused (issue 21)
             if not path.startswith("/"):
                 # the cwd was gone before the record could place the name: the kernel's check
@@ -121,6 +121,20 @@ def mark_refused_anyway(rec: dict, why: str | None):
     extra["refused_anyway_by"] = ("the agent's permission check, after the fact, best effort: "
                                   + why.split(":", 1)[1].strip())
     rec["extra"] = json.dumps(extra, sort_keys=True)
+
+
+def _has_status(rec: dict, flag: str) -> bool:
+    """`flag` is in the record's extra.status (the kernel's status bits by name; extra
+    as a dict or its JSON). Parsed only when the text names it (a per-record path)."""
+    extra = rec.get("extra")
+    if not extra or flag not in (extra if isinstance(extra, str) else str(extra.get("status"))):
+        return False
+    if isinstance(extra, str):
+        try:
+            extra = json.loads(extra)
+        except ValueError:
+            return False
+    return isinstance(extra, dict) and flag in (extra.get("status") or ())
 
 
 def _refused_anyway(rec: dict) -> bool:
