@@ -36,6 +36,10 @@ sys.exit(status if status >= 0 else 128 - status)
 """
 
 
+# room for a test's sandboxes side by side on a 2-core machine (the learning matrices' runs)
+ROOMY = {"capacity": {"cpus": 4, "memory": "16G", "reserve_memory": 0, "cpu_oversubscription": 8}}
+
+
 class AgentProc:
     """One `dsec agent` process with its own socket, run dir and spool."""
 

@@ -17,7 +17,7 @@ import uuid
 import pytest
 import yaml
 
-from agents import AgentProc
+from agents import ROOMY, AgentProc
 from conftest import ROOT, dsec
 from hosts import NetHost
 
@@ -129,8 +129,7 @@ def workloads(env, testhost):
 def agent(tmp_path_factory, clickhouse_url):
     """The node agent the enforced runs go through (as `dsec run` goes by default):
     its eBPF programs compile once (in-process, every run compiles its own)."""
-    a = AgentProc(str(tmp_path_factory.mktemp("fidelity-agent")), clickhouse_url, {
-        "capacity": {"cpus": 4, "memory": "16G", "reserve_memory": 0, "cpu_oversubscription": 8}}).start()
+    a = AgentProc(str(tmp_path_factory.mktemp("fidelity-agent")), clickhouse_url, ROOMY).start()
     yield a
     assert a.stop() == 0, a.read_log()[-3000:]
 

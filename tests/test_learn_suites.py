@@ -21,7 +21,7 @@ import uuid
 
 import pytest
 
-from agents import AgentProc
+from agents import ROOMY, AgentProc
 from conftest import dsec
 from suites import SUITES, env_args, result_of
 
@@ -92,8 +92,7 @@ def env(tmp_path_factory, clickhouse_url):
 def agent(tmp_path_factory, clickhouse_url):
     """The node agent the enforced runs go through: its eBPF programs compile once
     (in-process, every run compiles its own: ~10 s of CPU each)."""
-    a = AgentProc(str(tmp_path_factory.mktemp("suite-agent")), clickhouse_url, {
-        "capacity": {"cpus": 4, "memory": "16G", "reserve_memory": 0, "cpu_oversubscription": 8}}).start()
+    a = AgentProc(str(tmp_path_factory.mktemp("suite-agent")), clickhouse_url, ROOMY).start()
     yield a
     assert a.stop() == 0, a.read_log()[-3000:]
 
