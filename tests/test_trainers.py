@@ -389,8 +389,12 @@ def test_64_in_flight_each_its_own_recorded_sandbox(http_agent, clickhouse_url):
 
     def one(i):
         t = time.monotonic()
+        # run_timeout: 64 programs at once on a 2-core node each get a 64th of the CPU, and a
+        # python start-up then takes seconds of wall time; the default 10 s bounded one program's
+        # run, so on a loaded node the slowest answered TimeLimitExceeded (seen in full runs: the
+        # process was still runnable at the deadline, with 70 ms of CPU in 10 s). Not what is tested.
         r = run(http_agent, {"code": "import sys; print(sys.stdin.read().upper())", "language": "python",
-                             "stdin": f"request {i}"},
+                             "stdin": f"request {i}", "run_timeout": 90},
                 headers={"X-Request-Id": f"load-{i}", "X-Dsec-Labels": f"trajectory=t-{i % 8}, step={i}"})
         return i, r.status_code, r.json(), time.monotonic() - t
     with ThreadPoolExecutor(64) as ex:
