@@ -224,11 +224,12 @@ def _run_local(args):
     from agent.sandbox.sysutil import raise_nofile
     raise_nofile()          # the sandbox itself keeps the limit dsec was started with
     spec = spec_from_args(args)
-    if args.audit == "off" and spec.policy is not None and spec.policy.mode != "learn":
-        from policies.compile import egress_rules, exec_rules
-        if egress_rules(spec.policy) is not None or exec_rules(spec.policy) is not None:
+    if args.audit == "off":
+        from policies.compile import ebpf_concerns
+        concerns = ebpf_concerns(spec.policy)
+        if concerns:
             # fail closed: these rules live in eBPF, loaded with the recorder
-            raise DsecError(f"policy {spec.policy.name} has egress/exec rules, enforced by eBPF: "
+            raise DsecError(f"policy {spec.policy.name} has {'/'.join(concerns)} rules, enforced by eBPF: "
                             f"--audit off would leave them unenforced (use --audit on)", EXIT_DSEC)
     from agent.node import via_agent
     result = via_agent.run(spec, args) if args.image else None
