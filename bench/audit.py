@@ -44,10 +44,10 @@ wall time of each agent stage per event, the CPU of each party during the
 hold, and the sensor's fixed costs (compile, detach).
 
 Part 2 runs twice by default (--exporter): with the ClickHouse exporter in a
-thread of this process (the node agent's shape: the recorder and the
-exporter share one interpreter lock) and in a process of its own on the same
-spool (the shape of `dsec export --follow`; its CPU is counted as the
-agent's). The stage table gives each stage's thread CPU time and its wall
+thread of this process (the node agent's shape before issue 15: the recorder
+and the exporter share one interpreter lock) and in a child process of its
+own on the same spool (the node agent's shape now: agent/node/export.py
+ExporterProcess; its CPU is counted as the agent's). The stage table gives each stage's thread CPU time and its wall
 time (with two busy threads, wall time is mostly waiting for the GIL); the
 per-record stages (decode, recorder) are timed on one call in 16 and scaled,
 so that the timing itself (time.thread_time, ~1 us a call) stays out of the
@@ -323,26 +323,13 @@ def proc_cpu(path):
         return 0.0
 
 
-EXPORTER_PY = r'''
-import signal, sys, threading
-sys.path.insert(0, sys.argv[3])
-from exporters.spool import Spool
-from exporters.clickhouse import ClickHouseExporter
-stop = threading.Event()
-signal.signal(signal.SIGTERM, lambda *_: stop.set())
-exp = ClickHouseExporter(Spool(sys.argv[1]), sys.argv[2])
-print("ready", flush=True)
-exp.run(stop)
-exp.close()
-'''
-
-
 class Pipeline:
     """Recorder -> spool -> ClickHouse exporter. exporter="thread": the
-    exporter's run() in a thread of this process (the node agent's shape,
-    agent/node/export.py); "process": the same exporter in a process of its
-    own on the same spool (the shape of `dsec export --follow`), so the two
-    halves of the pipeline do not share one interpreter's lock."""
+    exporter's run() in a thread of this process (the shape the node agent had
+    before issue 15, agent/node/export.py ClickHouseExport); "process": the
+    agent's ExporterProcess, the same exporter in a child process of its own
+    on the same spool, so the two halves of the pipeline do not share one
+    interpreter's lock."""
 
     def __init__(self, url, spool_dir, gen_dir, cg_root, exporter="thread", **sensor_options):
         from agent.sensors.recorder import Recorder
@@ -383,11 +370,12 @@ class Pipeline:
         self.stages.wrap(self.rec.sensor, "on_record", "recorder (policy stamps, denials)", sample=16)
         self.stop = threading.Event()
         self.proc = self.thread = None
+        self.xp = None
         if exporter == "process":
-            self.proc = subprocess.Popen([sys.executable, "-c", EXPORTER_PY, spool_dir, url, ROOT],
-                                         stdout=subprocess.PIPE, text=True)
-            if self.proc.stdout.readline().strip() != "ready":
-                raise RuntimeError("the exporter process did not start")
+            # the node agent's shape: agent/node/export.py ExporterProcess (a supervised child)
+            from agent.node.export import ExporterProcess
+            self.xp = ExporterProcess(self.spool, 0.5, url=url).start()
+            self.proc = self.xp.proc
             return
         self.exporter = ClickHouseExporter(self.spool, url)
         self.stages.wrap(self.exporter.reader, "read", "spool read (parse, CRC, JSON, validate)",
@@ -553,8 +541,8 @@ class Pipeline:
         if self.thread is not None:
             self.stop.set()
             self.thread.join(timeout=30)
-        if self.proc is not None:
-            stop_process(self.proc, 30)
+        if self.xp is not None:
+            self.xp.close()
         if self.rec is not None:
             t = time.perf_counter()
             self.rec.close()
