@@ -541,6 +541,8 @@ def test_agent_exporter_process_delivers_is_restarted_and_stops(clickhouse_url, 
     try:
         first = ex.pid
         assert first and os.getpid() != first
+        with open(f"/proc/{first}/cmdline", "rb") as f:      # readable by anyone: no URL (password) there
+            assert b"clickhouse://" not in f.read()
         spool.append_many(rows(0, 10))
         assert ex.wait_exported(ex.head(), 30)
         assert _wait_count(clickhouse_url, sid, 10) == 10

@@ -173,6 +173,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FORWARDED_COUNTERS = ("dsec.events.exported", "dsec.export.errors", "dsec.events.lost")
 FORWARDED_HISTOGRAMS = ("dsec.export.latency", "dsec.export.duration")
 STOP_TIMEOUT = 15.0
+URL_ENV = "DSEC_EXPORT_CHILD_URL"     # the child's ClickHouse URL (never on its command line)
 
 
 class ExporterProcess:
@@ -190,8 +191,11 @@ class ExporterProcess:
         self._url = url
         self.argv = [python or sys.executable, "-m", "agent.node.export", "--spool", spool.path,
                      "--interval", repr(float(interval)), "--insert", insert, "--ddl", ddl]
+        self._child_env = {}
         if url is not None:
-            self.argv += ["--url", url]
+            # in the environment, not argv: a URL may carry a password, and any user can read
+            # /proc/<pid>/cmdline (environ is the owner's only)
+            self._child_env[URL_ENV] = url
         if cluster:
             self.argv += ["--cluster", cluster]
         # the cursor exists from now on (as the thread's exporter registers it): records
@@ -230,6 +234,8 @@ class ExporterProcess:
     def _spawn(self):
         env = dict(os.environ)
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.pop(URL_ENV, None)
+        env.update(self._child_env)
         p = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              env=env, cwd="/", close_fds=True, start_new_session=True)
         readers = [threading.Thread(target=self._read_status, args=(p,), name="dsec-export-status", daemon=True),
@@ -376,7 +382,6 @@ def _child_main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m agent.node.export")
     ap.add_argument("--spool", required=True)
     ap.add_argument("--interval", type=float, default=0.5)
-    ap.add_argument("--url")
     ap.add_argument("--cluster")
     ap.add_argument("--insert", default="local")
     ap.add_argument("--ddl", default="auto")
@@ -426,7 +431,7 @@ def _child_main(argv=None) -> int:
             stop.set()                               # the agent is gone
 
     spool = Spool(a.spool)
-    exp = ClickHouseExporter(spool, a.url, cluster=a.cluster, insert=a.insert, ddl=a.ddl)
+    exp = ClickHouseExporter(spool, os.environ.pop(URL_ENV, None), cluster=a.cluster, insert=a.insert, ddl=a.ddl)
     try:
         exp.run(stop, interval=a.interval, on_result=report)
     finally:
