@@ -392,7 +392,7 @@ def test_exporter_sigkilled_mid_delivery_resumes_without_duplicates(clickhouse_u
     client, db = clickhouse_client
     sid = new_sid()
     path = str(tmp_path / "sp")
-    s = Spool(path, fsync="never")
+    s = Spool(path, fsync="never", frames="record")    # small batches: read(25) (a batch frame is not split)
     s.append_many(events(sid, 1000))
     p = subprocess.Popen([sys.executable, "-c", _KILLED_EXPORTER.format(root=ROOT, spool=path, url=clickhouse_url)],
                          stdout=subprocess.PIPE, text=True)
@@ -408,10 +408,11 @@ def test_exporter_sigkilled_mid_delivery_resumes_without_duplicates(clickhouse_u
     s.close()
 
 
-def test_corrupt_segment_delivers_the_rest_and_records_the_gap(clickhouse_url, clickhouse_client, spool):
+def test_corrupt_segment_delivers_the_rest_and_records_the_gap(clickhouse_url, clickhouse_client, tmp_path):
     client, db = clickhouse_client
     sid = new_sid()
     evs = events(sid, 100)
+    spool = Spool(str(tmp_path / "spool"), fsync="never", frames="record")   # bit rot in one record's frame
     spool.append_many(evs)
     seg = spool.seg_path(spool.segments()[-1])
     data = bytearray(open(seg, "rb").read())
@@ -439,6 +440,7 @@ def test_corrupt_segment_delivers_the_rest_and_records_the_gap(clickhouse_url, c
     spool.append_many(events(sid, 1, start=101))
     assert exp.flush(timeout=30).sent == 1
     exp.close()
+    spool.close()
 
 
 def test_database_dropped_under_a_live_exporter_is_recreated(clickhouse_server, spool):
