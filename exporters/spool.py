@@ -214,6 +214,28 @@ _KIND_SET = frozenset(KINDS)
 _NONE = type(None)
 
 
+def _column_ok(name: str, vals) -> bool:
+    """validate_record's check of field `name` for a whole column of values (a
+    set of classes, a min and a max, one encode of the joined strings)."""
+    classes = set(map(type, vals))
+    if _NONE in classes:
+        classes.discard(_NONE)
+        if not classes:
+            return True
+        vals = [v for v in vals if v is not None]
+    check = _CHECKS[name]
+    if check.__class__ is tuple:
+        return classes == {int} and min(vals) >= check[0] and max(vals) <= check[1]
+    if check == "String":
+        return classes == {str} and _encodable("".join(vals))
+    if check == "Array(String)":
+        if not classes <= {list, tuple}:
+            return False
+        items = [x for v in vals for x in v]
+        return not set(map(type, items)) - {str} and _encodable("".join(items))
+    return False
+
+
 def _columns_valid(records: list) -> bool:
     """validate_record's checks for a whole batch, column by column (a set of
     classes, a min and a max, one encode of the joined strings per field
@@ -237,28 +259,8 @@ def _columns_valid(records: list) -> bool:
         columns = ((name, [r.get(name) for r in records]) for name in names)
     if not _CHECKS.keys() >= set(names):
         return False
-    for name, vals in columns:
-        classes = set(map(type, vals))
-        if _NONE in classes:
-            classes.discard(_NONE)
-            if not classes:
-                continue
-            vals = [v for v in vals if v is not None]
-        check = _CHECKS[name]
-        if check.__class__ is tuple:
-            if classes != {int} or min(vals) < check[0] or max(vals) > check[1]:
-                return False
-        elif check == "String":
-            if classes != {str} or not _encodable("".join(vals)):
-                return False
-        elif check == "Array(String)":
-            if not classes <= {list, tuple}:
-                return False
-            items = [x for v in vals for x in v]
-            if set(map(type, items)) - {str} or not _encodable("".join(items)):
-                return False
-        else:
-            return False
+    if not all(_column_ok(name, vals) for name, vals in columns):
+        return False
     for r in records:
         eid = r.get("event_id")
         if eid.__class__ is not str or not eid or len(eid) > 128 or r.get("kind") not in _KIND_SET:
@@ -274,28 +276,8 @@ def _column_lists_valid(names, cols) -> bool:
     by = dict(zip(names, cols))
     if "event_id" not in by or "kind" not in by:
         return False
-    for name, vals in by.items():
-        classes = set(map(type, vals))
-        if _NONE in classes:
-            classes.discard(_NONE)
-            if not classes:
-                continue
-            vals = [v for v in vals if v is not None]
-        check = _CHECKS[name]
-        if check.__class__ is tuple:
-            if classes != {int} or min(vals) < check[0] or max(vals) > check[1]:
-                return False
-        elif check == "String":
-            if classes != {str} or not _encodable("".join(vals)):
-                return False
-        elif check == "Array(String)":
-            if not classes <= {list, tuple}:
-                return False
-            items = [x for v in vals for x in v]
-            if set(map(type, items)) - {str} or not _encodable("".join(items)):
-                return False
-        else:
-            return False
+    if not all(_column_ok(name, vals) for name, vals in by.items()):
+        return False
     eids = by["event_id"]
     if set(map(type, eids)) != {str} or min(map(len, eids)) < 1 or max(map(len, eids)) > 128:
         return False

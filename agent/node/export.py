@@ -152,18 +152,21 @@ class ClickHouseExport:
 
     def wait_exported(self, pos, timeout: float) -> bool:
         """True once the ClickHouse sink's cursor is at or past `pos`."""
-        from exporters.clickhouse import SINK
-        deadline = time.monotonic() + timeout
         self._stop.poke()           # deliver now rather than at the next interval
-        while True:
-            cur = self.spool.load_cursor(SINK)
-            if cur is not None and (cur.segment, cur.offset) >= (pos.segment, pos.offset):
-                return True
-            if cur is not None and cur.segment > pos.segment:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
+        return cursor_reached(self.spool, pos, timeout)
+
+
+def cursor_reached(spool, pos, timeout: float, step: float = 0.02) -> bool:
+    """Wait up to `timeout` for the ClickHouse sink's cursor to be at or past `pos`."""
+    from exporters.clickhouse import SINK
+    deadline = time.monotonic() + timeout
+    while True:
+        cur = spool.load_cursor(SINK)
+        if cur is not None and (cur.segment, cur.offset) >= (pos.segment, pos.offset):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(step)
 
 
 # ---------------------------------------------------------------- the exporter in a child process
@@ -350,17 +353,8 @@ class ExporterProcess:
 
     def wait_exported(self, pos, timeout: float) -> bool:
         """True once the ClickHouse sink's cursor is at or past `pos`."""
-        deadline = time.monotonic() + timeout
         self._poke()                # deliver now rather than at the next interval
-        while True:
-            cur = self.spool.load_cursor(self.sink)
-            if cur is not None and (cur.segment, cur.offset) >= (pos.segment, pos.offset):
-                return True
-            if cur is not None and cur.segment > pos.segment:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.02)
+        return cursor_reached(self.spool, pos, timeout)
 
 
 class _Exited:
