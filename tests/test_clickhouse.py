@@ -396,10 +396,12 @@ def test_exporter_sigkilled_mid_delivery_resumes_without_duplicates(clickhouse_u
     s.append_many(events(sid, 1000))
     p = subprocess.Popen([sys.executable, "-c", _KILLED_EXPORTER.format(root=ROOT, spool=path, url=clickhouse_url)],
                          stdout=subprocess.PIPE, text=True)
-    for _ in range(3):
-        assert p.stdout.readline().strip() == "sent"
-    p.send_signal(signal.SIGKILL)
-    p.wait()
+    try:
+        for _ in range(3):
+            assert p.stdout.readline().strip() == "sent"
+    finally:                                           # never left behind, also when the test fails
+        p.send_signal(signal.SIGKILL)
+        p.wait()
     sent_before = final_count(client, db, sid)[0]
     assert 75 <= sent_before < 1000
     res = ClickHouseExporter(s, clickhouse_url).flush(timeout=60)
