@@ -1213,7 +1213,7 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from agent.sensors.audit import cgroup2_mount, check_features
-    from exporters.clickhouse_server import PrivateServer, connect
+    from exporters.clickhouse_server import PrivateServer, connect, parse_url
     missing = check_features()
     if missing:
         sys.exit("bench/audit.py: eBPF audit unavailable: " + "; ".join(missing))
@@ -1231,7 +1231,7 @@ def main():
     ok = True
     print(f"dsec audit benchmark: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
           f"kernel {os.uname().release}, "
-          f"ClickHouse {server.url} database {db}, spool {tmp}", flush=True)
+          f"ClickHouse {parse_url(server.url).url} database {db}, spool {tmp}", flush=True)   # password masked
     try:
         client.execute(f"CREATE DATABASE IF NOT EXISTS {db}")
         groups = []         # (workload, its sandbox ids): part 4 measures their rows
