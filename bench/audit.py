@@ -44,14 +44,15 @@ wall time of each agent stage per event, the CPU of each party during the
 hold, and the sensor's fixed costs (compile, detach).
 
 Part 2 runs twice by default (--exporter): with the ClickHouse exporter in a
-thread of this process (the node agent's shape: the recorder and the
-exporter share one interpreter lock) and in a process of its own on the same
-spool (the shape of `dsec export --follow`; its CPU is counted as the
-agent's). The stage table gives each stage's thread CPU time and its wall
+thread of this process (the node agent's shape before issue 15: the recorder
+and the exporter share one interpreter lock) and in a child process of its
+own on the same spool (the node agent's shape now: agent/node/export.py
+ExporterProcess; its CPU is counted as the agent's). The stage table gives each stage's thread CPU time and its wall
 time (with two busy threads, wall time is mostly waiting for the GIL); the
-per-record stages (decode, recorder) are timed on one call in 16 and scaled,
-so that the timing itself (time.thread_time, ~1 us a call) stays out of the
-agent's CPU figure.
+stages are timed per batch (decode and recorder: the sensor's per-batch
+loops), never per record, so that the timing itself stays out of the agent's
+CPU figure (a wrapper per record, even timing one call in 16, cost ~15% of
+the poll thread).
 
 Part 3, each sink. The same kind of pipeline (Recorder -> spool -> ONE sink
 in a thread of this process, the sink's own run() loop) for each sink in turn:
@@ -287,6 +288,7 @@ class Stages:
                 calls[0] += 1
                 if calls[0] % sample:
                     return orig(*a, **k)
+            n = count(a) if count else 1          # before the call: a stage may empty what it counts
             t, c = time.perf_counter(), time.thread_time()
             try:
                 return orig(*a, **k)
@@ -295,7 +297,7 @@ class Stages:
                 with self.lock:
                     self.t[name] = self.t.get(name, 0.0) + dt * sample
                     self.cpu[name] = self.cpu.get(name, 0.0) + dc * sample
-                    self.n[name] = self.n.get(name, 0) + (count(a) if count else 1) * sample
+                    self.n[name] = self.n.get(name, 0) + n * sample
         setattr(obj, attr, timed)
 
     def reset(self):
@@ -323,26 +325,13 @@ def proc_cpu(path):
         return 0.0
 
 
-EXPORTER_PY = r'''
-import signal, sys, threading
-sys.path.insert(0, sys.argv[3])
-from exporters.spool import Spool
-from exporters.clickhouse import ClickHouseExporter
-stop = threading.Event()
-signal.signal(signal.SIGTERM, lambda *_: stop.set())
-exp = ClickHouseExporter(Spool(sys.argv[1]), sys.argv[2])
-print("ready", flush=True)
-exp.run(stop)
-exp.close()
-'''
-
-
 class Pipeline:
     """Recorder -> spool -> ClickHouse exporter. exporter="thread": the
-    exporter's run() in a thread of this process (the node agent's shape,
-    agent/node/export.py); "process": the same exporter in a process of its
-    own on the same spool (the shape of `dsec export --follow`), so the two
-    halves of the pipeline do not share one interpreter's lock."""
+    exporter's run() in a thread of this process (the shape the node agent had
+    before issue 15, agent/node/export.py ClickHouseExport); "process": the
+    agent's ExporterProcess, the same exporter in a child process of its own
+    on the same spool, so the two halves of the pipeline do not share one
+    interpreter's lock."""
 
     def __init__(self, url, spool_dir, gen_dir, cg_root, exporter="thread", **sensor_options):
         from agent.sensors.recorder import Recorder
@@ -377,17 +366,21 @@ class Pipeline:
         t = time.perf_counter()
         self.rec = Recorder(node="bench", spool=self.spool, **sensor_options)
         self.compile_s = time.perf_counter() - t
-        self.stages.wrap(self.rec.sensor.decoder, "decode", "decode (+ path resolution)", sample=16)
-        if getattr(self.rec.sensor, "_reader", None) is not None:
-            self.stages.wrap(self.rec.sensor, "_take", "ring read (bulk copy, record walk)", lambda a: 0)
-        self.stages.wrap(self.rec.sensor, "on_record", "recorder (policy stamps, denials)", sample=16)
+        # per batch, never per record: a Python wrapper per record (even timing 1 call in 16)
+        # cost ~15% of the poll thread (py-spy), which the agent CPU figure then included
+        sensor = self.rec.sensor
+        self.stages.wrap(sensor, "_decode_raw", "decode (+ path resolution)", lambda a: len(sensor._raw))
+        if getattr(sensor, "_reader", None) is not None:
+            self.stages.wrap(sensor, "_take", "ring read (bulk copy, record walk)", lambda a: 0)
+        self.stages.wrap(sensor, "_deliver", "recorder (policy stamps, denials)", lambda a: len(sensor._backlog))
         self.stop = threading.Event()
         self.proc = self.thread = None
+        self.xp = None
         if exporter == "process":
-            self.proc = subprocess.Popen([sys.executable, "-c", EXPORTER_PY, spool_dir, url, ROOT],
-                                         stdout=subprocess.PIPE, text=True)
-            if self.proc.stdout.readline().strip() != "ready":
-                raise RuntimeError("the exporter process did not start")
+            # the node agent's shape: agent/node/export.py ExporterProcess (a supervised child)
+            from agent.node.export import ExporterProcess
+            self.xp = ExporterProcess(self.spool, 0.5, url=url).start()
+            self.proc = self.xp.proc
             return
         self.exporter = ClickHouseExporter(self.spool, url)
         self.stages.wrap(self.exporter.reader, "read", "spool read (parse, CRC, JSON, validate)",
@@ -553,8 +546,8 @@ class Pipeline:
         if self.thread is not None:
             self.stop.set()
             self.thread.join(timeout=30)
-        if self.proc is not None:
-            stop_process(self.proc, 30)
+        if self.xp is not None:
+            self.xp.close()
         if self.rec is not None:
             t = time.perf_counter()
             self.rec.close()
@@ -1220,7 +1213,7 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from agent.sensors.audit import cgroup2_mount, check_features
-    from exporters.clickhouse_server import PrivateServer, connect
+    from exporters.clickhouse_server import PrivateServer, connect, parse_url
     missing = check_features()
     if missing:
         sys.exit("bench/audit.py: eBPF audit unavailable: " + "; ".join(missing))
@@ -1238,7 +1231,7 @@ def main():
     ok = True
     print(f"dsec audit benchmark: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}, "
           f"kernel {os.uname().release}, "
-          f"ClickHouse {server.url} database {db}, spool {tmp}", flush=True)
+          f"ClickHouse {parse_url(server.url).url} database {db}, spool {tmp}", flush=True)   # password masked
     try:
         client.execute(f"CREATE DATABASE IF NOT EXISTS {db}")
         groups = []         # (workload, its sandbox ids): part 4 measures their rows

@@ -115,12 +115,16 @@ def damage_event(d: Damage, spool: Spool, sink: str | None = None) -> dict:
     node = socket.gethostname()
     if d.cause == "sink_evicted":
         eid = hashlib.sha256(f"sink-evicted\0{spool.id}\0{sink}\0{d.segment}\0{d.offset}".encode()).hexdigest()[:32]
+    elif d.index is not None:       # one record of a batch frame: the frame's offset and its index
+        eid = hashlib.sha256(f"spool-damage\0{spool.id}\0{d.segment}\0{d.offset}\0{d.index}".encode()).hexdigest()[:32]
     else:
         eid = hashlib.sha256(f"spool-damage\0{spool.id}\0{d.segment}\0{d.offset}".encode()).hexdigest()[:32]
     extra = {"reason": d.cause, "detail": d.reason, "spool": spool.path, "segment": d.segment,
              "offset": d.offset, "bytes": d.length}
     if d.cause == "sink_evicted":
         extra["sink"] = sink
+    if d.index is not None:
+        extra["index"] = d.index
     if d.payload is not None:
         extra["payload"] = d.payload[:65536]
     return {"event_id": eid, "ts_ns": d.ts_ns or time.time_ns(), "node": node, "kind": "events_lost",
@@ -166,6 +170,11 @@ class SpoolSink:
     def deliver(self, records: list[dict]) -> None:
         raise NotImplementedError
 
+    def deliver_batch(self, batch: Batch, rows: list[dict]) -> None:
+        """Deliver one batch (rows: its records and damage rows). A sink that can use
+        the batch's columns (Batch.columns) overrides this; the default is deliver(rows)."""
+        self.deliver(rows)
+
     def committed_state(self):
         """JSON-able state committed with the cursor after a delivery (Spool._KEEP: unchanged)."""
         return Spool._KEEP
@@ -189,7 +198,7 @@ class SpoolSink:
         rows = self.rows_of(batch)
         if rows:
             t = time.monotonic()
-            self.deliver(rows)
+            self.deliver_batch(batch, rows)
             m = _metrics()
             m.record("dsec.export.duration", time.monotonic() - t, sink=self.sink)
             oldest = min((r.get("ts_ns") or 0 for r in batch.records if r.get("ts_ns")), default=0)

@@ -63,17 +63,7 @@ def columns_for(records: list[dict]) -> list[list]:
     except KeyError:
         columns = None
     if columns is not None:
-        cols = []
-        for f, col in zip(FIELDS, columns):
-            if f.ch_type == "String":
-                vals = [enc(v, "utf-8", "surrogateescape") if v else b"" for v in col]
-            elif f.ch_type == "Array(String)":
-                vals = [[enc(x, "utf-8", "surrogateescape") for x in v] if v else [] for v in col]
-            else:
-                d = default(f)
-                vals = [d if v is None else v for v in col] if None in col else list(col)
-            cols.append(vals)
-        return cols
+        return _converted(columns)
     cols = []
     for f in FIELDS:
         name = f.name
@@ -84,6 +74,30 @@ def columns_for(records: list[dict]) -> list[list]:
         else:
             d = default(f)
             vals = [v if v is not None else d for v in (r.get(name) for r in records)]
+        cols.append(vals)
+    return cols
+
+
+def columns_of(columns: dict, n: int) -> list[list]:
+    """A batch's columns ({field: [values]}, exporters/spool.py Batch.columns, n
+    records) -> one list per FIELDS column as columns_for gives: the spool's
+    batch frames come as columns, so no dicts are transposed."""
+    return _converted([columns[f.name] if f.name in columns else [default(f)] * n for f in FIELDS])
+
+
+def _converted(columns) -> list[list]:
+    """One sequence per FIELDS column -> what the insert takes (String columns as
+    exact bytes, None as the field's default)."""
+    enc = str.encode   # == audit_schema.events.to_bytes, inlined: this loop is hot
+    cols = []
+    for f, col in zip(FIELDS, columns):
+        if f.ch_type == "String":
+            vals = [enc(v, "utf-8", "surrogateescape") if v else b"" for v in col]
+        elif f.ch_type == "Array(String)":
+            vals = [[enc(x, "utf-8", "surrogateescape") for x in v] if v else [] for v in col]
+        else:
+            d = default(f)
+            vals = [d if v is None else v for v in col] if None in col else list(col)
         cols.append(vals)
     return cols
 
@@ -153,11 +167,13 @@ class ClickHouseExporter(SpoolSink):
         self._drop_client()
         super().close()
 
-    def insert(self, records: list[dict]) -> None:
-        """One batched native INSERT (raises on failure)."""
+    def insert(self, records: list[dict], columns: list[list] | None = None) -> None:
+        """One batched native INSERT (raises on failure); `columns`: the records
+        already as columns_for gives them."""
         client = self._connected()
         try:
-            client.execute(f"INSERT INTO {self._db}.{self._table} ({_COLUMNS}) VALUES", columns_for(records),
+            client.execute(f"INSERT INTO {self._db}.{self._table} ({_COLUMNS}) VALUES",
+                           columns if columns is not None else columns_for(records),
                            columnar=True, types_check=False, settings=self._settings)
         except Exception as e:
             if getattr(e, "code", None) in (60, 81):  # table / database gone: migrate on the next try
@@ -166,6 +182,14 @@ class ClickHouseExporter(SpoolSink):
 
     def deliver(self, records: list[dict]) -> None:
         self.insert(records)
+
+    def deliver_batch(self, batch, rows: list[dict]) -> None:
+        """The batch's columns as they came from the spool's batch frames when it
+        has them (and no damage rows), else columns_for(rows)."""
+        if batch.columns and len(rows) == len(batch.records):
+            self.insert(rows, columns_of(batch.columns, len(rows)))
+        else:
+            self.insert(rows)
 
 
 def insert_target(res, insert: str = "local") -> tuple[str, dict]:
@@ -201,5 +225,5 @@ def export_forever(spool_dir: str | None = None, url: str | None = None, stop: t
         exp.close()
 
 
-__all__ = ["ClickHouseExporter", "FlushResult", "SINK", "columns_for", "damage_event", "export_forever", "flush",
+__all__ = ["ClickHouseExporter", "FlushResult", "SINK", "columns_for", "columns_of", "damage_event", "export_forever", "flush",
            "insert_target"]

@@ -275,6 +275,11 @@ class AgentMetrics:
         want = set(attrs.items())
         return sum(v for k, v in series.items() if want <= set(k))
 
+    def counters(self, name: str) -> dict:
+        """{attrs tuple: value} of one counter, every attribute set."""
+        with self._lock:
+            return dict(self._counters.get(name, {}))
+
     def histogram(self, name: str, **attrs) -> dict:
         with self._lock:
             series = dict(self._hists.get(name, {}))

@@ -23,6 +23,23 @@ A segment is a sequence of frames:
   lone surrogates of surrogateescape fields travel as "\\udcXX" escapes and
   come back exactly)
 
+or, for an append of BATCH_MIN (32) or more records that all have the same
+fields (the recorder's: normalized records), batch frames of up to BATCH_MAX
+(4096) records each (issue 15: one JSON document, one CRC and one parse per
+batch instead of per record, and columns the ClickHouse sink inserts without
+transposing dicts):
+
+  magic b"\\xd5\\xec\\x02\\xfe" | u32 LE length | u32 LE crc32 | payload =
+  u32 LE record count | ASCII JSON {"k": [field names], "c": [[the values of
+  one field, one per record], ...]}
+
+A batch frame is one unit of damage: bit rot in it loses its records (the
+damage counts them by the count in its header, unverified once the CRC
+fails; the bytes are kept under damaged/). A record of an intact batch frame
+that fails validation is damage of its own (the others are delivered).
+Spool(frames="record") (env DSEC_SPOOL_FRAMES=record) writes frames of one
+record only; readers read both kinds.
+
 Concurrency: any number of processes may append at once (several `dsec run`).
 Each append takes an exclusive flock on `lock`, writes all its frames with
 O_APPEND to the head segment and releases the lock, so frames never
@@ -107,8 +124,15 @@ from audit_schema.events import BY_NAME, FIELDS, KINDS
 
 log = logging.getLogger("dsec.spool")
 
-MAGIC = b"\xd5\xec\x01\xfe"
+MAGIC = b"\xd5\xec\x01\xfe"       # a frame of one record
+MAGIC_BATCH = b"\xd5\xec\x02\xfe" # a frame of many records, by column (module doc)
+_MAGICS = (MAGIC, MAGIC_BATCH)
 _HDR = struct.Struct("<4sII")
+_U32 = struct.Struct("<I")
+FRAMES = ("batch", "record")        # Spool(frames=), env DSEC_SPOOL_FRAMES
+BATCH_MIN = 32                      # an append of fewer records is framed record by record
+BATCH_MAX = 4096                    # records per batch frame, at most
+BATCH_MAX_BYTES = 4 << 20           # a batch frame's payload, at most (else: frames of one record)
 HEADER_BYTES = _HDR.size            # 12
 MAX_RECORD_BYTES = 16 << 20         # one record's JSON, at most
 DEFAULT_SEGMENT_BYTES = 64 << 20
@@ -190,6 +214,28 @@ _KIND_SET = frozenset(KINDS)
 _NONE = type(None)
 
 
+def _column_ok(name: str, vals) -> bool:
+    """validate_record's check of field `name` for a whole column of values (a
+    set of classes, a min and a max, one encode of the joined strings)."""
+    classes = set(map(type, vals))
+    if _NONE in classes:
+        classes.discard(_NONE)
+        if not classes:
+            return True
+        vals = [v for v in vals if v is not None]
+    check = _CHECKS[name]
+    if check.__class__ is tuple:
+        return classes == {int} and min(vals) >= check[0] and max(vals) <= check[1]
+    if check == "String":
+        return classes == {str} and _encodable("".join(vals))
+    if check == "Array(String)":
+        if not classes <= {list, tuple}:
+            return False
+        items = [x for v in vals for x in v]
+        return not set(map(type, items)) - {str} and _encodable("".join(items))
+    return False
+
+
 def _columns_valid(records: list) -> bool:
     """validate_record's checks for a whole batch, column by column (a set of
     classes, a min and a max, one encode of the joined strings per field
@@ -213,33 +259,31 @@ def _columns_valid(records: list) -> bool:
         columns = ((name, [r.get(name) for r in records]) for name in names)
     if not _CHECKS.keys() >= set(names):
         return False
-    for name, vals in columns:
-        classes = set(map(type, vals))
-        if _NONE in classes:
-            classes.discard(_NONE)
-            if not classes:
-                continue
-            vals = [v for v in vals if v is not None]
-        check = _CHECKS[name]
-        if check.__class__ is tuple:
-            if classes != {int} or min(vals) < check[0] or max(vals) > check[1]:
-                return False
-        elif check == "String":
-            if classes != {str} or not _encodable("".join(vals)):
-                return False
-        elif check == "Array(String)":
-            if not classes <= {list, tuple}:
-                return False
-            items = [x for v in vals for x in v]
-            if set(map(type, items)) - {str} or not _encodable("".join(items)):
-                return False
-        else:
-            return False
+    if not all(_column_ok(name, vals) for name, vals in columns):
+        return False
     for r in records:
         eid = r.get("event_id")
         if eid.__class__ is not str or not eid or len(eid) > 128 or r.get("kind") not in _KIND_SET:
             return False
     return "".join(r["event_id"] for r in records).isprintable()
+
+
+def _column_lists_valid(names, cols) -> bool:
+    """_columns_valid for records given as columns (a batch frame's): the same
+    checks, without building the records first."""
+    if not _CHECKS.keys() >= set(names):
+        return False
+    by = dict(zip(names, cols))
+    if "event_id" not in by or "kind" not in by:
+        return False
+    if not all(_column_ok(name, vals) for name, vals in by.items()):
+        return False
+    eids = by["event_id"]
+    if set(map(type, eids)) != {str} or min(map(len, eids)) < 1 or max(map(len, eids)) > 128:
+        return False
+    if not _KIND_SET.issuperset(by["kind"]):
+        return False
+    return "".join(eids).isprintable()
 
 
 def validate_records(records: list) -> list:
@@ -254,7 +298,7 @@ def validate_records(records: list) -> list:
 TRUNC_MARK = "...[dsec: truncated]"     # ends every value fit_record cut
 
 
-def _dumps(rec: dict) -> bytes:
+def _dumps(rec) -> bytes:
     """A record as compact ASCII JSON. orjson where it gives exactly that (an
     ASCII record: its output is byte for byte json.dumps's); json.dumps with
     ensure_ascii for the rest (non-ASCII text, and the lone surrogates of
@@ -352,14 +396,118 @@ def encode_frame(rec: dict) -> bytes:
     return MAGIC + n + struct.pack("<I", zlib.crc32(payload, zlib.crc32(n))) + payload
 
 
+_TOO_BIG = object()
+
+
+def _transposed(records: list):
+    """(field names, one tuple of values per field) of records that all have the
+    same fields (in the same order), else None."""
+    if not records or records[0].__class__ is not dict:
+        return None
+    keys = records[0].keys()
+    for r in records:
+        if r.__class__ is not dict or r.keys() != keys:
+            return None
+    names = tuple(keys)
+    if not names:
+        return None
+    if len(names) == 1:
+        return names, [tuple(r[names[0]] for r in records)]
+    return names, list(zip(*map(operator.itemgetter(*names), records)))
+
+
+def _batch_frame(count: int, names, cols):
+    """One batch frame of `count` records given as columns; _TOO_BIG when the
+    payload is over BATCH_MAX_BYTES."""
+    # column by column: a column with raw bytes (surrogates) costs json.dumps, the rest orjson
+    payload = b'{"k":' + _dumps(names) + b',"c":[' + b",".join([_dumps(c) for c in cols]) + b"]}"
+    if len(payload) > BATCH_MAX_BYTES:
+        return _TOO_BIG
+    body = _U32.pack(count) + payload
+    n = _U32.pack(len(body))
+    return MAGIC_BATCH + n + _U32.pack(zlib.crc32(body, zlib.crc32(n))) + body
+
+
+def encode_frames(records: list, transposed=None) -> list:
+    """Frames of validated records: batch frames of up to BATCH_MAX records
+    when they all have the same fields (see the module doc; a batch over
+    BATCH_MAX_BYTES is halved until it fits, down to BATCH_MIN), else frames
+    of one record. `transposed`: _transposed(records), if at hand."""
+    tr = transposed or _transposed(records)
+    if tr is None or len(records) < BATCH_MIN:
+        return [encode_frame(r) for r in records]
+    out: list = []
+    for i in range(0, len(records), BATCH_MAX):
+        _frames_of(records, tr, i, min(len(records), i + BATCH_MAX), out)
+    return out
+
+
+def _frames_of(records, tr, a: int, b: int, out: list) -> None:
+    names, cols = tr
+    frame = _batch_frame(b - a, names, [c[a:b] for c in cols]) if b - a >= BATCH_MIN else _TOO_BIG
+    if frame is not _TOO_BIG:
+        out.append(frame)
+    elif b - a >= 2 * BATCH_MIN:
+        half = (a + b) // 2
+        _frames_of(records, tr, a, half, out)
+        _frames_of(records, tr, half, b, out)
+    else:
+        out.extend(encode_frame(r) for r in records[a:b])     # fit_record cuts what is too large
+
+
+def _batch_count(buf, p: int) -> int:
+    """The record count in the header of the batch frame at p (0 if unreadable)."""
+    if len(buf) - p < HEADER_BYTES + 4:
+        return 0
+    n = _U32.unpack_from(buf, p + HEADER_BYTES)[0]
+    return n if 0 < n <= BATCH_MAX else 0
+
+
+def _records_in(garbage) -> int:
+    """How many records a damaged region held, at least: its frames, a batch
+    frame's by its (unverified) count."""
+    n, q = 0, 0
+    while True:
+        q = garbage.find(b"\xd5\xec", q)
+        if q < 0:
+            return max(1, n)
+        m = garbage[q:q + 4]
+        if m == MAGIC:
+            n += 1
+        elif m == MAGIC_BATCH:
+            n += max(1, _batch_count(garbage, q))
+        q += 2
+
+
+def _find_magic(buf, q: int) -> int:
+    """The first frame magic of either kind at or after q, -1 if none."""
+    while True:
+        q = buf.find(b"\xd5\xec", q)
+        if q < 0 or buf[q + 2:q + 4] in (b"\x01\xfe", b"\x02\xfe") or len(buf) - q < 4:
+            return q
+        q += 1
+
+
+def _decode_batch(payload, count: int):
+    """(names, columns) of a batch frame's JSON; ValueError when it is not one."""
+    doc = _loads(payload)
+    if not isinstance(doc, dict) or not isinstance(doc.get("k"), list) or not isinstance(doc.get("c"), list):
+        raise ValueError("not a batch document")
+    names, cols = doc["k"], doc["c"]
+    if len(names) != len(cols) or not names or not all(n.__class__ is str for n in names) \
+            or len(set(names)) != len(names) or not all(c.__class__ is list and len(c) == count for c in cols):
+        raise ValueError(f"batch of {count} record(s): fields and columns do not match")
+    return names, cols
+
+
 def _frame_at(buf, p: int):
     """Classify the bytes at p: ("ok", end) | ("incomplete", need) | ("bad", reason)."""
     if len(buf) - p < HEADER_BYTES:
-        if buf[p:p + 4] != MAGIC[:len(buf) - p][:4]:
+        if not any(buf[p:p + 4] == m[:len(buf) - p] for m in _MAGICS):
             return "bad", "bad frame magic"
         return "incomplete", HEADER_BYTES
     magic, n, crc = _HDR.unpack_from(buf, p)
-    if magic != MAGIC:
+    if magic not in _MAGICS:
         return "bad", "bad frame magic"
     if n > MAX_RECORD_BYTES:
         return "bad", f"frame length {n} over the limit"
@@ -390,6 +538,7 @@ class Damage:
     payload: str | None = None      # for an intact frame with bad content: its JSON
     ts_ns: int = 0                  # when, roughly: ts_ns of the nearest good record (see read())
     cause: str = "spool_damage"     # or "sink_evicted": the disk budget evicted it before this sink read it
+    index: int | None = None        # a record of a batch frame: which one (frames of one record: None)
 
     def describe(self) -> str:
         if self.cause == "sink_evicted":
@@ -406,6 +555,9 @@ class Batch:
     records: list = field(default_factory=list)
     damage: list = field(default_factory=list)
     positions: list = field(default_factory=list, repr=False)   # (segment, offset) of each record
+    # {field: [values]} of exactly `records`, when they all came from batch frames of the same
+    # fields (a sink may insert these columns as they are); None otherwise. {}: nothing yet
+    columns: dict | None = field(default_factory=dict, repr=False)
 
     def __bool__(self):
         return bool(self.records or self.damage or self.end != self.start)
@@ -465,19 +617,31 @@ def _count(records, spooled: bool, lost_markers: bool = True):
             log.debug("metrics: observe_records failed", exc_info=True)
 
 
+def _frame_records(f, off: int) -> tuple[int, int | None]:
+    """(records, length) of the frame at `off` of open segment f, from its
+    header (a batch frame's count unverified); length None at a bad magic."""
+    f.seek(off)
+    hdr = f.read(HEADER_BYTES + 4)
+    magic, length, _ = _HDR.unpack(hdr[:HEADER_BYTES])
+    if magic == MAGIC:
+        return 1, length
+    if magic == MAGIC_BATCH:
+        return max(1, _batch_count(hdr, 0)), length
+    return 1, None
+
+
 def _count_frames(path: str, offset: int) -> int:
-    """Frames from offset to the end of a segment (walking headers; a damaged
-    region counts as one)."""
+    """Records from offset to the end of a segment (walking frame headers; a
+    damaged region counts as one)."""
     n = 0
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             off = offset
             while off + HEADER_BYTES <= size:
-                f.seek(off)
-                magic, length, _ = _HDR.unpack(f.read(HEADER_BYTES))
-                n += 1
-                if magic != MAGIC:
+                k, length = _frame_records(f, off)
+                n += k
+                if length is None:
                     break
                 off += HEADER_BYTES + length
     except FileNotFoundError:
@@ -490,8 +654,13 @@ class Spool:
 
     def __init__(self, path: str | None = None, *, segment_bytes: int | None = None,
                  fsync: str | None = None, fsync_interval: float | None = None,
-                 max_bytes: int | None = None, on_full: str = "drop", reserve_bytes: int | None = None):
+                 max_bytes: int | None = None, on_full: str = "drop", reserve_bytes: int | None = None,
+                 frames: str | None = None):
         self.path = os.path.abspath(path or default_dir())
+        self.frames = frames or os.environ.get("DSEC_SPOOL_FRAMES") or "batch"
+        if self.frames not in FRAMES:
+            raise ExportError(f"spool frames {self.frames!r} (DSEC_SPOOL_FRAMES): use one of {', '.join(FRAMES)}",
+                              EXIT_USAGE)
         self.fsync = fsync or os.environ.get("DSEC_SPOOL_FSYNC") or "always"
         if self.fsync not in FSYNC_POLICIES:
             raise ExportError(f"spool fsync policy {self.fsync!r} (DSEC_SPOOL_FSYNC): use one of "
@@ -627,7 +796,12 @@ class Spool:
         (the drop policy, module doc; the loss is recorded, never silent).
         Raises ExportError naming the bad record, or an I/O failure."""
         records = records if isinstance(records, list) else list(records)
-        data = b"".join([encode_frame(r) for r in validate_records(records)])
+        tr = _transposed(records) if self.frames == "batch" and len(records) >= BATCH_MIN else None
+        if tr is not None and _column_lists_valid(*tr):
+            data = b"".join(encode_frames(records, tr))      # validated as columns, framed as columns
+        else:
+            validate_records(records)
+            data = b"".join([encode_frame(r) for r in records])
         if not data:
             return 0
         dropped = None
@@ -1026,6 +1200,9 @@ class SpoolReader:
 
     # -- reading
     def read(self, max_records: int = 10000, max_bytes: int = 32 << 20) -> Batch:
+        """The records from the committed cursor: at most max_records, except that
+        a batch frame is never split (one of more records than max_records comes
+        alone)."""
         self.position = self.spool.load_cursor(self.sink) or self.position
         start = pos = self.position
         batch = Batch(start, start)
@@ -1052,9 +1229,12 @@ class SpoolReader:
             except FileNotFoundError:
                 continue
             at_eof = pos.offset + len(buf) >= size
+            self._held = False
             new_off, nb, tail = self._parse(buf, pos, at_eof, batch, max_records)
             nbytes += nb
             pos = Position(pos.segment, new_off)
+            if self._held:
+                break                    # a batch frame that would go over max_records: the next read's
             if tail is None:
                 if new_off < size:
                     if nb == 0:  # a frame larger than the chunk
@@ -1127,14 +1307,24 @@ class SpoolReader:
         base = pos.offset
         parsed = []            # (record, offset, frame end): validated together at the end (by column)
         room = max_records - len(batch.records)
+        taken = 0              # records parsed (a batch frame counts its records)
         try:
-            while p < n and len(parsed) < room:
+            while p < n and taken < room:
                 kind, val = _frame_at(buf, p)
                 if kind == "ok":
                     payload = bytes(buf[p + HEADER_BYTES:val])
                     try:
-                        parsed.append((_loads(payload), p, val))
-                    except (ValueError, RecursionError) as e:
+                        if buf[p + 2] == 2:             # MAGIC_BATCH: (count, names, columns)
+                            count = _U32.unpack_from(payload)[0]
+                            if taken + len(batch.records) and taken + count > room:
+                                self._held = True           # not split: it starts the next read
+                                return base + p, p, None
+                            parsed.append(((count, *_decode_batch(payload[4:], count)), p, val))
+                            taken += count
+                        else:
+                            parsed.append((_loads(payload), p, val))
+                            taken += 1
+                    except (ValueError, RecursionError, struct.error) as e:
                         batch.damage.append(self._damage(pos.segment, base + p, val - p,
                                                          f"invalid record: invalid JSON ({e})",
                                                          payload=payload.decode("ascii", "backslashreplace")))
@@ -1147,7 +1337,7 @@ class SpoolReader:
                 # bad: find the next frame that checks out
                 q = p + 1
                 while True:
-                    q = buf.find(MAGIC, q)
+                    q = _find_magic(buf, q)
                     # a frame that checks out, or a plausible one cut by the end of the chunk
                     if q < 0 or _frame_at(buf, q)[0] != "bad":
                         break
@@ -1158,7 +1348,7 @@ class SpoolReader:
                     q = max(p + 1, n - len(MAGIC) + 1)  # a magic may straddle the chunk's end
                 garbage = buf[p:q]
                 batch.damage.append(self._damage(pos.segment, base + p, q - p, val,
-                                                 frames=max(1, garbage.count(MAGIC))))
+                                                 frames=_records_in(garbage)))
                 p = q
             return base + p, p, None
         finally:
@@ -1169,6 +1359,9 @@ class SpoolReader:
         validate_record becomes damage (its frame's bytes kept)."""
         if not parsed:
             return
+        if any(r.__class__ is tuple for r, _, _ in parsed):
+            return self._take_mixed(parsed, buf, pos, batch)
+        batch.columns = None
         recs = [r for r, _, _ in parsed]
         ok = _columns_valid(recs)
         base = pos.offset
@@ -1185,8 +1378,56 @@ class SpoolReader:
             batch.records.append(rec)
             batch.positions.append((pos.segment, base + p))
 
+    def _take_mixed(self, parsed, buf, pos: Position, batch: Batch):
+        """_take_parsed with batch frames among the frames: each batch frame's
+        columns are checked as columns (no dicts to transpose); its records are
+        built once, by zip; the batch keeps the columns for a sink that inserts
+        them (Batch.columns) while every record so far came from batch frames
+        of the same fields. Frames of one record go through _take_parsed."""
+        base = pos.offset
+        singles = []
+        for item in parsed:
+            obj, p, end = item
+            if obj.__class__ is not tuple:
+                singles.append(item)
+                continue
+            if singles:
+                self._take_parsed(singles, buf, pos, batch)
+                singles = []
+            count, names, cols = obj
+            if _column_lists_valid(names, cols):
+                have = batch.columns
+                if have is not None:
+                    if not have and not batch.records:
+                        batch.columns = dict(zip(names, cols))
+                    elif have and list(have) == names:
+                        for n, c in zip(names, cols):
+                            have[n].extend(c)
+                    else:
+                        batch.columns = None
+                batch.records.extend([dict(zip(names, row)) for row in zip(*cols)])
+                batch.positions.extend([(pos.segment, base + p)] * count)
+                continue
+            batch.columns = None
+            for i, row in enumerate(zip(*cols)):
+                rec = dict(zip(names, row))
+                try:
+                    validate_record(rec)
+                except ExportError as e:
+                    batch.damage.append(self._damage(pos.segment, base + p, end - p,
+                                                     f"invalid record (record {i} of a batch frame of {count}): "
+                                                     f"{e.message}", payload=_dumps(rec).decode("ascii", "replace"),
+                                                     index=i))
+                    continue
+                batch.records.append(rec)
+                batch.positions.append((pos.segment, base + p))
+        if singles:
+            self._take_parsed(singles, buf, pos, batch)
+
     @staticmethod
-    def _damage(seq, offset, length, reason, frames=1, payload=None) -> Damage:
+    def _damage(seq, offset, length, reason, frames=1, payload=None, index=None) -> Damage:
+        if index is not None:
+            return Damage(seq, offset, length, reason, frames, payload, index=index)
         return Damage(seq, offset, length, reason, frames, payload)
 
     def commit(self, batch_or_pos, state=Spool._KEEP) -> None:
@@ -1267,10 +1508,9 @@ class SpoolReader:
                     size = os.fstat(f.fileno()).st_size
                     total += max(0, size - off)
                     while off + HEADER_BYTES <= size and records < max_frames:
-                        f.seek(off)
-                        magic, n, _ = _HDR.unpack(f.read(HEADER_BYTES))
-                        records += 1          # a damaged region counts as (at least) one record
-                        if magic != MAGIC:
+                        k, n = _frame_records(f, off)
+                        records += k          # a damaged region counts as (at least) one record
+                        if n is None:
                             off = size
                             break
                         off += HEADER_BYTES + n

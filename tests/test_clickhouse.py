@@ -392,14 +392,16 @@ def test_exporter_sigkilled_mid_delivery_resumes_without_duplicates(clickhouse_u
     client, db = clickhouse_client
     sid = new_sid()
     path = str(tmp_path / "sp")
-    s = Spool(path, fsync="never")
+    s = Spool(path, fsync="never", frames="record")    # small batches: read(25) (a batch frame is not split)
     s.append_many(events(sid, 1000))
     p = subprocess.Popen([sys.executable, "-c", _KILLED_EXPORTER.format(root=ROOT, spool=path, url=clickhouse_url)],
                          stdout=subprocess.PIPE, text=True)
-    for _ in range(3):
-        assert p.stdout.readline().strip() == "sent"
-    p.send_signal(signal.SIGKILL)
-    p.wait()
+    try:
+        for _ in range(3):
+            assert p.stdout.readline().strip() == "sent"
+    finally:                                           # never left behind, also when the test fails
+        p.send_signal(signal.SIGKILL)
+        p.wait()
     sent_before = final_count(client, db, sid)[0]
     assert 75 <= sent_before < 1000
     res = ClickHouseExporter(s, clickhouse_url).flush(timeout=60)
@@ -408,10 +410,11 @@ def test_exporter_sigkilled_mid_delivery_resumes_without_duplicates(clickhouse_u
     s.close()
 
 
-def test_corrupt_segment_delivers_the_rest_and_records_the_gap(clickhouse_url, clickhouse_client, spool):
+def test_corrupt_segment_delivers_the_rest_and_records_the_gap(clickhouse_url, clickhouse_client, tmp_path):
     client, db = clickhouse_client
     sid = new_sid()
     evs = events(sid, 100)
+    spool = Spool(str(tmp_path / "spool"), fsync="never", frames="record")   # bit rot in one record's frame
     spool.append_many(evs)
     seg = spool.seg_path(spool.segments()[-1])
     data = bytearray(open(seg, "rb").read())
@@ -439,6 +442,7 @@ def test_corrupt_segment_delivers_the_rest_and_records_the_gap(clickhouse_url, c
     spool.append_many(events(sid, 1, start=101))
     assert exp.flush(timeout=30).sent == 1
     exp.close()
+    spool.close()
 
 
 def test_database_dropped_under_a_live_exporter_is_recreated(clickhouse_server, spool):
@@ -505,6 +509,83 @@ def test_private_server_has_a_generated_password_and_no_default_user(clickhouse_
     out.stdout = out.stdout.decode()
     assert pw not in out.stdout and "dsec:***@" in out.stdout and s.password_file in out.stdout
     assert "schema version" in out.stdout or "not created yet" in out.stdout
+
+
+def _wait_count(url, sid, want, timeout=30):
+    client, db = connect(url)
+    n, deadline = 0, time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                n = final_count(client, db, sid)[0]
+            except Exception:   # the database may not exist before the first export
+                n = 0
+            if n == want:
+                break
+            time.sleep(0.2)
+    finally:
+        client.disconnect()
+    return n
+
+
+def test_agent_exporter_process_delivers_is_restarted_and_stops(clickhouse_url, tmp_path, caplog):
+    """Issue 15: the agent's ClickHouse exporter runs in a child process of its own.
+    It delivers what the agent spools (its counters become the agent's metrics), a
+    child killed while the agent runs is restarted (counted, logged, nothing lost),
+    and close() -- or the agent's end, its stdin -- stops it."""
+    from agent.node.export import ExporterProcess
+    from exporters.metrics import METRICS
+    spool = Spool(str(tmp_path / "spool"), fsync="never")
+    ex = ExporterProcess(spool, 0.1, url=clickhouse_url).start()
+    sid = "xproc-" + uuid.uuid4().hex[:8]
+    rows = lambda a, b: [{"event_id": f"{sid}-{i}", "ts_ns": time.time_ns(), "sandbox_id": sid,  # noqa: E731
+                          "kind": "exec", "path": "/bin/true"} for i in range(a, b)]
+    exported0 = METRICS.counter("dsec.events.exported", sink="clickhouse")
+    restarts0 = METRICS.counter("dsec.exporter.restarts", sink="clickhouse")
+    try:
+        first = ex.pid
+        assert first and os.getpid() != first
+        with open(f"/proc/{first}/cmdline", "rb") as f:      # readable by anyone: no URL (password) there
+            assert b"clickhouse://" not in f.read()
+        spool.append_many(rows(0, 10))
+        assert ex.wait_exported(ex.head(), 30)
+        assert _wait_count(clickhouse_url, sid, 10) == 10
+        deadline = time.monotonic() + 10
+        while METRICS.counter("dsec.events.exported", sink="clickhouse") < exported0 + 10 and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert METRICS.counter("dsec.events.exported", sink="clickhouse") == exported0 + 10
+        assert ex.backlog() == 0
+        os.kill(first, signal.SIGKILL)
+        spool.append_many(rows(10, 25))
+        deadline = time.monotonic() + 30
+        while (ex.pid in (None, first)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ex.pid not in (None, first), "the killed exporter process was not restarted"
+        assert ex.restarts == 1 and "exit status -9" in ex.last_crash
+        assert METRICS.counter("dsec.exporter.restarts", sink="clickhouse") == restarts0 + 1
+        assert any("exited unexpectedly" in r.getMessage() for r in caplog.records)
+        assert ex.wait_exported(ex.head(), 30)
+        assert _wait_count(clickhouse_url, sid, 25) == 25
+        second = ex.pid
+    finally:
+        ex.close()
+        spool.close()
+    assert ex.pid is None and ex.restarts == 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(second, 0)
+    # the agent gone without close(): the child sees its stdin end, delivers and exits
+    spool = Spool(str(tmp_path / "spool"), fsync="never")
+    ex = ExporterProcess(spool, 30.0, url=clickhouse_url).start()
+    try:
+        spool.append_many(rows(25, 30))
+        ex._stopping.set()                 # as if the agent died: nobody restarts it
+        ex.proc.stdin.close()
+        assert ex.proc.wait(timeout=30) == 0
+        assert _wait_count(clickhouse_url, sid, 30) == 30
+    finally:
+        ex.close()
+        spool.close()
 
 
 def test_agent_exporter_restarts_after_an_unexpected_error(clickhouse_url, tmp_path, caplog):

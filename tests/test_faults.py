@@ -394,7 +394,7 @@ def test_disk_budget_evicts_a_dead_best_effort_sink_not_the_others(tmp_path):
 
 def test_corrupt_and_torn_segment_every_sink_keeps_the_rest_and_reports_the_gap(tmp_path):
     METRICS.reset()
-    sp = Spool(str(tmp_path / "sp"), fsync="never")
+    sp = Spool(str(tmp_path / "sp"), fsync="never", frames="record")   # bit rot in one record's frame
     sid = "dmg-" + uuid.uuid4().hex[:8]
     recs = evs(sid, 60)
     sp.append_many(recs)

@@ -6,7 +6,7 @@ under one lock; what could leave it has (the parts listed below), what is left
 is the state machine they share.
 
     agent = Agent(load_config(path))
-    agent.start()          # eBPF programs once, exporter thread, cleanup of what a dead agent left
+    agent.start()          # eBPF programs once, exporter process, cleanup of what a dead agent left
     ... agent.create(...), agent.exec_step(...), agent.kill(...) ...   (called by agent/node/api.py)
     agent.shutdown()
 
@@ -69,7 +69,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from agent.errors import DsecError, ReportedError
 from agent.node import steps
-from agent.node.export import ClickHouseExport
+from agent.node.export import ClickHouseExport, ExporterProcess
 from agent.node.host import RunDir, apply_host, clean_up_after, load_audit
 from agent.node.images import NodeImages
 from agent.node.snapshots import NodeSnapshots
@@ -136,7 +136,7 @@ class Agent:
         self._threads: list[threading.Thread] = []
         self.rec = None
         self.spool = None
-        self.export: ClickHouseExport | None = None
+        self.export: ClickHouseExport | ExporterProcess | None = None
         self.sched = None
         self.degraded: list[str] = []
         self.nofile = {"soft": 0, "hard": 0, "was": 0, "error": ""}
@@ -185,8 +185,9 @@ class Agent:
         self.degraded += setup.degraded
         if cfg.exporter.clickhouse:
             ch = cfg.clickhouse
-            self.export = ClickHouseExport(self.spool._spool, cfg.exporter.interval_seconds, url=cfg.clickhouse_url,
-                                           cluster=ch.cluster, insert=ch.insert, ddl=ch.ddl).start()
+            # in a child process: the poll thread and the inserts do not share one interpreter lock
+            self.export = ExporterProcess(self.spool._spool, cfg.exporter.interval_seconds, url=cfg.clickhouse_url,
+                                          cluster=ch.cluster, insert=ch.insert, ddl=ch.ddl).start()
         # the other sinks (OTLP, JSON lines), each with its own spool cursor
         from exporters.configure import sinks_from_config, start_sinks
         specs = sinks_from_config(cfg.sinks, include_clickhouse=False)
