@@ -17,6 +17,16 @@
 #define DSEC_CLONE_THREAD 0x00010000ULL
 #define DSEC_CLONE_PARENT 0x00008000ULL
 
+/* DSEC_ATTACH_ALSO(category, event, also): the program of
+ * TRACEPOINT_PROBE(category, event) runs at category:also too. Expands to
+ * nothing; the loader reads these lines (agent/sensors/common.py attach_also)
+ * and attaches the one program to both, after checking that the two
+ * tracepoints' formats are field for field the same (so the program reads
+ * every one's arguments where they are). For tracepoints whose programs would
+ * be the same code: BCC compiles and the verifier checks it once, not once per
+ * tracepoint (each program is compiled, inlined helpers and all, on its own). */
+#define DSEC_ATTACH_ALSO(category, event, also)
+
 /* hide a value's range from clang so that the mask that follows is kept for
  * the verifier */
 #define DSEC_BARRIER(x) asm volatile("" : "+r"(x))
