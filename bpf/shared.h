@@ -56,6 +56,8 @@ static __always_inline int dsec_gcra(u64 *tat, u64 interval, u64 tol)
     if (interval == 0)
         return 1;
     u64 now = bpf_ktime_get_ns();
+    /* a loop, not four copies (compile time: bpf/membership.h dsec_sandbox) */
+#pragma nounroll
     for (int i = 0; i < 4; i++) {
         u64 t = *(volatile u64 *)tat;
         u64 base = t > now ? t : now;
@@ -78,6 +80,8 @@ static __always_inline int dsec_gcra_bytes(u64 *tat, u64 ps_per_byte, u64 tol, u
         return 1;
     u64 now = bpf_ktime_get_ns();
     u64 cost = (bytes * ps_per_byte) / 1000;
+    /* a loop, not four copies (compile time: bpf/membership.h dsec_sandbox) */
+#pragma nounroll
     for (int i = 0; i < 4; i++) {
         u64 t = *(volatile u64 *)tat;
         u64 base = t > now ? t : now;
