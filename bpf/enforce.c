@@ -511,12 +511,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_chdir)
     cwd_exit(args, args->ret);
     return 0;
 }
-
-TRACEPOINT_PROBE(syscalls, sys_exit_fchdir)
-{
-    cwd_exit(args, args->ret);
-    return 0;
-}
+DSEC_ATTACH_ALSO(syscalls, sys_exit_chdir, sys_exit_fchdir)     /* one layout (shared.h) */
 
 /* the current process's cwd is no longer one the agent can read for it
  * (DSEC_CWD_SPLIT / _SHARED / _NS): unknown for good. Not for exempt tasks

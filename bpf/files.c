@@ -78,10 +78,13 @@ TRACEPOINT_PROBE(syscalls, sys_enter_creat)
                            args->mode);
 }
 
+/* One program for the exit of every file syscall here and of connect (net.c):
+ * their sys_exit tracepoints have one layout (__syscall_nr, ret) and the
+ * record waiting in `pending` says what the syscall was. */
 TRACEPOINT_PROBE(syscalls, sys_exit_open) { return dsec_pending_finish(args->ret); }
-TRACEPOINT_PROBE(syscalls, sys_exit_openat) { return dsec_pending_finish(args->ret); }
-TRACEPOINT_PROBE(syscalls, sys_exit_openat2) { return dsec_pending_finish(args->ret); }
-TRACEPOINT_PROBE(syscalls, sys_exit_creat) { return dsec_pending_finish(args->ret); }
+DSEC_ATTACH_ALSO(syscalls, sys_exit_open, sys_exit_openat)
+DSEC_ATTACH_ALSO(syscalls, sys_exit_open, sys_exit_openat2)
+DSEC_ATTACH_ALSO(syscalls, sys_exit_open, sys_exit_creat)
 
 TRACEPOINT_PROBE(syscalls, sys_enter_unlink)
 {
@@ -101,9 +104,9 @@ TRACEPOINT_PROBE(syscalls, sys_enter_rmdir)
                            DSEC_AT_FDCWD, 0, 0x200 /* AT_REMOVEDIR */, 0, 0);
 }
 
-TRACEPOINT_PROBE(syscalls, sys_exit_unlink) { return dsec_pending_finish(args->ret); }
-TRACEPOINT_PROBE(syscalls, sys_exit_unlinkat) { return dsec_pending_finish(args->ret); }
-TRACEPOINT_PROBE(syscalls, sys_exit_rmdir) { return dsec_pending_finish(args->ret); }
+DSEC_ATTACH_ALSO(syscalls, sys_exit_open, sys_exit_unlink)
+DSEC_ATTACH_ALSO(syscalls, sys_exit_open, sys_exit_unlinkat)
+DSEC_ATTACH_ALSO(syscalls, sys_exit_open, sys_exit_rmdir)
 
 TRACEPOINT_PROBE(syscalls, sys_enter_rename)
 {
@@ -123,6 +126,6 @@ TRACEPOINT_PROBE(syscalls, sys_enter_renameat2)
                            (int)args->newdfd, args->newname, (u32)args->flags, 0, 0);
 }
 
-TRACEPOINT_PROBE(syscalls, sys_exit_rename) { return dsec_pending_finish(args->ret); }
-TRACEPOINT_PROBE(syscalls, sys_exit_renameat) { return dsec_pending_finish(args->ret); }
-TRACEPOINT_PROBE(syscalls, sys_exit_renameat2) { return dsec_pending_finish(args->ret); }
+DSEC_ATTACH_ALSO(syscalls, sys_exit_open, sys_exit_rename)
+DSEC_ATTACH_ALSO(syscalls, sys_exit_open, sys_exit_renameat)
+DSEC_ATTACH_ALSO(syscalls, sys_exit_open, sys_exit_renameat2)

@@ -55,6 +55,9 @@ static __always_inline DSEC_SBX_T *dsec_sandbox(u64 *cgid)
     struct dsec_cg_cache nc = {};
     nc.gen = gen;
     cfg = 0;
+    /* kept a loop (the verifier walks bounded loops): unrolled, its 15 levels were
+     * ~200 instructions in every program of both sensors, each compiled apiece */
+#pragma nounroll
     for (int lvl = 1; lvl < DSEC_MAX_LEVEL; lvl++) {
         u64 anc = bpf_get_current_ancestor_cgroup_id(lvl);
         if (anc == 0 || anc == id)

@@ -24,7 +24,5 @@ TRACEPOINT_PROBE(syscalls, sys_enter_connect)
     return 0;
 }
 
-TRACEPOINT_PROBE(syscalls, sys_exit_connect)
-{
-    return dsec_pending_finish(args->ret);
-}
+/* the exit: files.c's program for every syscall whose record waits in `pending` */
+DSEC_ATTACH_ALSO(syscalls, sys_exit_open, sys_exit_connect)

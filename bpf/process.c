@@ -236,11 +236,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_execve)
 {
     return dsec_exec_exit(args->ret);
 }
-
-TRACEPOINT_PROBE(syscalls, sys_exit_execveat)
-{
-    return dsec_exec_exit(args->ret);
-}
+DSEC_ATTACH_ALSO(syscalls, sys_exit_execve, sys_exit_execveat)
 
 /* A relative execve (issue 21): the cwd the enforcement sensor's exec check joins
  * the name to (enforce.c "relative execs"), from its own maps -- pinned by that

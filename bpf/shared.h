@@ -17,6 +17,16 @@
 #define DSEC_CLONE_THREAD 0x00010000ULL
 #define DSEC_CLONE_PARENT 0x00008000ULL
 
+/* DSEC_ATTACH_ALSO(category, event, also): the program of
+ * TRACEPOINT_PROBE(category, event) runs at category:also too. Expands to
+ * nothing; the loader reads these lines (agent/sensors/common.py attach_also)
+ * and attaches the one program to both, after checking that the two
+ * tracepoints' formats are field for field the same (so the program reads
+ * every one's arguments where they are). For tracepoints whose programs would
+ * be the same code: BCC compiles and the verifier checks it once, not once per
+ * tracepoint (each program is compiled, inlined helpers and all, on its own). */
+#define DSEC_ATTACH_ALSO(category, event, also)
+
 /* hide a value's range from clang so that the mask that follows is kept for
  * the verifier */
 #define DSEC_BARRIER(x) asm volatile("" : "+r"(x))
@@ -46,6 +56,8 @@ static __always_inline int dsec_gcra(u64 *tat, u64 interval, u64 tol)
     if (interval == 0)
         return 1;
     u64 now = bpf_ktime_get_ns();
+    /* a loop, not four copies (compile time: bpf/membership.h dsec_sandbox) */
+#pragma nounroll
     for (int i = 0; i < 4; i++) {
         u64 t = *(volatile u64 *)tat;
         u64 base = t > now ? t : now;
@@ -68,6 +80,8 @@ static __always_inline int dsec_gcra_bytes(u64 *tat, u64 ps_per_byte, u64 tol, u
         return 1;
     u64 now = bpf_ktime_get_ns();
     u64 cost = (bytes * ps_per_byte) / 1000;
+    /* a loop, not four copies (compile time: bpf/membership.h dsec_sandbox) */
+#pragma nounroll
     for (int i = 0; i < 4; i++) {
         u64 t = *(volatile u64 *)tat;
         u64 base = t > now ? t : now;

@@ -52,9 +52,40 @@ def source_text(names) -> str:
     return "\n".join(parts)
 
 
+_ALSO = re.compile(r"^\s*DSEC_ATTACH_ALSO\(\s*(\w+)\s*,\s*(\w+)\s*,\s*(\w+)\s*\)", re.M)
+
+
+def attach_also(text: str) -> list[tuple[str, str, str]]:
+    """(category, event, also) of a source text's DSEC_ATTACH_ALSO lines (bpf/shared.h):
+    the program of TRACEPOINT_PROBE(category, event) is attached to category:also too."""
+    return _ALSO.findall(text)
+
+
+def tracepoint_program(text: str, category: str, event: str) -> bytes:
+    """The name of the program a source text runs at category:event (its own
+    TRACEPOINT_PROBE, or the one it shares through DSEC_ATTACH_ALSO)."""
+    for cat, primary, also in attach_also(text):
+        if (cat, also) == (category, event):
+            event = primary
+            break
+    return f"tracepoint__{category}__{event}".encode()
+
+
 def tracepoints_in(text: str) -> list[str]:
-    """The "category/event" tracepoints a source text attaches TRACEPOINT_PROBEs to."""
-    return sorted(set(f"{c}/{e}" for c, e in re.findall(r"\bTRACEPOINT_PROBE\(\s*(\w+)\s*,\s*(\w+)\s*\)", text)))
+    """The "category/event" tracepoints a source text attaches programs to
+    (TRACEPOINT_PROBEs and the DSEC_ATTACH_ALSO tracepoints that share them)."""
+    tps = set(f"{c}/{e}" for c, e in re.findall(r"\bTRACEPOINT_PROBE\(\s*(\w+)\s*,\s*(\w+)\s*\)", text))
+    tps.update(f"{c}/{a}" for c, _, a in attach_also(text))
+    return sorted(tps)
+
+
+def tracepoint_fields(tracefs: str, category: str, event: str) -> list[str]:
+    """The field lines of a tracepoint's format (declaration, offset, size, sign),
+    without the event's name and id: two tracepoints with equal lists hand a
+    program the same context."""
+    path = os.path.join(tracefs, "events", category, event, "format")
+    with open(path, encoding="utf-8") as f:
+        return [ln.strip() for ln in f if ln.strip().startswith("field:")]
 
 
 # ---------------------------------------------------------------- features
@@ -187,13 +218,21 @@ def first_error(log: str) -> str:
     return lines[-1][:300] if lines else "no diagnostic"
 
 
-def compile_text(text: str, cflags: list[str], what: str):
-    """BPF(text) compiled, loaded and attached; failures as one DsecError line
-    naming the first error and the full log."""
+def debug_cflags() -> list[str]:
+    """BCC compiles with -g (DWARF, turned into BTF): a third of the compile time
+    of our sensors, for programs that are byte for byte the same without it. So
+    -g0 unless DSEC_BPF_DEBUG=1 (then the maps carry BTF types for bpftool and a
+    verifier log names source lines)."""
+    return [] if os.environ.get("DSEC_BPF_DEBUG", "") not in ("", "0") else ["-g0"]
+
+
+def compile_text(text: str, cflags: list[str], what: str, tracefs_roots=TRACEFS):
+    """BPF(text) compiled, loaded and attached (its DSEC_ATTACH_ALSO tracepoints
+    too); failures as one DsecError line naming the first error and the full log."""
     from bcc import BPF
     with StderrCapture() as cap:
         try:
-            bpf = BPF(text=text.encode(), cflags=cflags)
+            bpf = BPF(text=text.encode(), cflags=cflags + debug_cflags())
         except Exception as e:   # BCC raises bare Exception for compile/load failures
             err = e
         else:
@@ -201,7 +240,31 @@ def compile_text(text: str, cflags: list[str], what: str):
     if err is not None:
         raise DsecError(f"eBPF {what}: BPF compile/load failed: {err}; {first_error(cap.text)} "
                         f"(full log: {cap.keep()})")
+    try:
+        _attach_also(bpf, text, what, tracefs_roots)
+    except BaseException:
+        bpf.cleanup()
+        raise
     return bpf
+
+
+def _attach_also(bpf, text: str, what: str, tracefs_roots) -> None:
+    """One program for several tracepoints (DSEC_ATTACH_ALSO): only where the
+    tracepoints' formats are field for field the same, checked here, so the
+    shared program reads every one's arguments where they are."""
+    tracefs = find_tracefs(tracefs_roots)
+    for cat, primary, also in attach_also(text):
+        try:
+            same = tracefs is not None and tracepoint_fields(tracefs, cat, primary) == tracepoint_fields(tracefs, cat, also)
+        except OSError as e:
+            raise DsecError(f"eBPF {what}: tracepoint {cat}:{also} unreadable: {e.strerror}") from None
+        if not same:
+            raise DsecError(f"eBPF {what}: tracepoints {cat}:{primary} and {cat}:{also} differ in layout on this "
+                            f"kernel; the program they share (bpf/ DSEC_ATTACH_ALSO) cannot serve both")
+        try:
+            bpf.attach_tracepoint(tp=f"{cat}:{also}".encode(), fn_name=f"tracepoint__{cat}__{primary}".encode())
+        except Exception as e:   # BCC raises bare Exception
+            raise DsecError(f"eBPF {what}: cannot attach to tracepoint {cat}:{also}: {e}") from None
 
 
 # ---------------------------------------------------------------- small pieces

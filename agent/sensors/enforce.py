@@ -55,7 +55,7 @@ from agent.sensors.common import BPF_DIR, TRACEFS, RINGBUF_MISSING, RingSensor, 
 from agent.sensors.common import byte_bucket
 from agent.sensors.common import (bpffs_mounted, cgroup2_mount, check_sandbox_ids, compile_text, describe, find_tracefs,
                               loss_totals, map_discard, ring_pages, ringbuf_supported, source_text, token_bucket,
-                              tracepoints_in, unavailable)
+                              tracepoint_program, tracepoints_in, unavailable)
 from agent.sensors.decoder import PROTOCOLS, SandboxInfo, in_cgroup, load_constants
 from agent.errors import EXIT_DSEC, DsecError, ReportedError
 from agent.sensors.resolver import HostResolver, ResolveError
@@ -372,7 +372,7 @@ class EnforcementSensor(RingSensor):
             self._exec_link = bpfsys.tracepoint_link(exec_fd, self.tracefs, "sched", "sched_process_exec")
             self._links["exec"] = self._exec_link
             for cat, event in PINNED_TPS:
-                fn = f"tracepoint__{cat}__{event}".encode()
+                fn = tracepoint_program(_source_text(), cat, event)   # DSEC_ATTACH_ALSO: shared
                 fd = self.bpf.funcs[fn].fd
                 self.bpf.detach_tracepoint(f"{cat}:{event}".encode())
                 self._links[event] = bpfsys.tracepoint_link(fd, self.tracefs, cat, event)
