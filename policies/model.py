@@ -24,6 +24,7 @@ import hashlib
 import ipaddress
 import json
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -410,6 +411,10 @@ class Spec(_Base):
     files: Optional[Files] = Field(None, description="writable paths; omitted = the launcher's layout")
 
 
+# Policy.seal()'s memos: id(policy) -> {"hash": ..., "yaml": ...}, each dropped when its policy is collected
+_SEALED: dict[int, dict] = {}
+
+
 class Policy(_Base):
     apiVersion: Literal["dsec/v1"] = Field(description="always dsec/v1")
     kind: Literal["SandboxPolicy"] = Field(description="always SandboxPolicy")
@@ -439,7 +444,26 @@ class Policy(_Base):
 
     @property
     def hash(self) -> str:
+        sealed = _SEALED.get(id(self))
+        if sealed is not None:
+            return sealed["hash"]
         return content_hash(self)
+
+    def seal(self) -> "Policy":
+        """Compute the content hash (and, through policies.load.dump_yaml, the YAML) once and
+        keep them: for a policy that is shared and never changed again (the node agent's policy
+        cache hands one object to thousands of sandboxes, each of whose records names it).
+        A sealed policy must not be modified; copies (with_mode(), model_copy()) are not sealed.
+        The memo lives beside the object (by id, dropped with it), not in its fields: equality
+        and serialisation are unchanged."""
+        if id(self) not in _SEALED:
+            _SEALED[id(self)] = {"hash": content_hash(self)}
+            weakref.finalize(self, _SEALED.pop, id(self), None)
+        return self
+
+    def sealed(self) -> Optional[dict]:
+        """seal()'s memo (hash, and yaml once dumped), or None."""
+        return _SEALED.get(id(self))
 
     @property
     def source(self) -> str:
