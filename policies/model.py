@@ -411,8 +411,7 @@ class Spec(_Base):
     files: Optional[Files] = Field(None, description="writable paths; omitted = the launcher's layout")
 
 
-# Policy.seal()'s memos: id(policy) -> {"hash": ..., "yaml": ...}, each dropped when its policy is collected
-_SEALED: dict[int, dict] = {}
+_SEALED: dict[int, dict] = {}      # Policy.seal()'s memos: id(policy) -> {"hash", "yaml"}, dropped with it
 
 
 class Policy(_Base):
@@ -444,25 +443,17 @@ class Policy(_Base):
 
     @property
     def hash(self) -> str:
-        sealed = _SEALED.get(id(self))
-        if sealed is not None:
-            return sealed["hash"]
-        return content_hash(self)
+        return (_SEALED.get(id(self)) or {}).get("hash") or content_hash(self)
 
     def seal(self) -> "Policy":
-        """Compute the content hash (and, through policies.load.dump_yaml, the YAML) once and
-        keep them: for a policy that is shared and never changed again (the node agent's policy
-        cache hands one object to thousands of sandboxes, each of whose records names it).
-        A sealed policy must not be modified; copies (with_mode(), model_copy()) are not sealed.
-        The memo lives beside the object (by id, dropped with it), not in its fields: equality
-        and serialisation are unchanged."""
+        """Keep the hash (and dump_yaml's YAML) of a policy shared and never changed again (the agent's
+        policy cache). Copies are not sealed; the memo is by id, dropped with it: equality unchanged."""
         if id(self) not in _SEALED:
             _SEALED[id(self)] = {"hash": content_hash(self)}
             weakref.finalize(self, _SEALED.pop, id(self), None)
         return self
 
-    def sealed(self) -> Optional[dict]:
-        """seal()'s memo (hash, and yaml once dumped), or None."""
+    def sealed(self) -> Optional[dict]:   # seal()'s memo (hash, and yaml once dumped), or None
         return _SEALED.get(id(self))
 
     @property
