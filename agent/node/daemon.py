@@ -454,8 +454,8 @@ class Agent:
         ending: dict = {}
 
         def on_gone(sid):
-            if not rec.watch.watched:
-                return
+            if not rec.watch.watched or not rec.watch.started_recorded:
+                return                  # an unclaimed warm sandbox: on_exit writes its start first, as before
             done = threading.Event()
 
             def unwatch():
