@@ -420,7 +420,14 @@ def to_yaml(data: dict, header: list[str] | None = None) -> str:
 
 
 def dump_yaml(p: Policy, header: list[str] | None = None) -> str:
-    """The normalized policy as YAML (loadable again), with optional '# ' header lines."""
+    """The normalized policy as YAML (loadable again), with optional '# ' header lines.
+    A sealed policy (Policy.seal) keeps its YAML after the first call."""
+    sealed = p.sealed()
+    if sealed is not None and not header:
+        text = sealed.get("yaml")
+        if text is None:
+            text = sealed["yaml"] = to_yaml(m.canonical(p))
+        return text
     return to_yaml(m.canonical(p), header)
 
 

@@ -24,6 +24,7 @@ import hashlib
 import ipaddress
 import json
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -410,6 +411,9 @@ class Spec(_Base):
     files: Optional[Files] = Field(None, description="writable paths; omitted = the launcher's layout")
 
 
+_SEALED: dict[int, dict] = {}      # Policy.seal()'s memos: id(policy) -> {"hash", "yaml"}, dropped with it
+
+
 class Policy(_Base):
     apiVersion: Literal["dsec/v1"] = Field(description="always dsec/v1")
     kind: Literal["SandboxPolicy"] = Field(description="always SandboxPolicy")
@@ -439,7 +443,18 @@ class Policy(_Base):
 
     @property
     def hash(self) -> str:
-        return content_hash(self)
+        return (_SEALED.get(id(self)) or {}).get("hash") or content_hash(self)
+
+    def seal(self) -> "Policy":
+        """Keep the hash (and dump_yaml's YAML) of a policy shared and never changed again (the agent's
+        policy cache). Copies are not sealed; the memo is by id, dropped with it: equality unchanged."""
+        if id(self) not in _SEALED:
+            _SEALED[id(self)] = {"hash": content_hash(self)}
+            weakref.finalize(self, _SEALED.pop, id(self), None)
+        return self
+
+    def sealed(self) -> Optional[dict]:   # seal()'s memo (hash, and yaml once dumped), or None
+        return _SEALED.get(id(self))
 
     @property
     def source(self) -> str:

@@ -405,3 +405,25 @@ def test_kill_all_never_signals_a_pid_that_left_the_cgroup(tmp_path):
         sb.close()
         outsider.kill()
         outsider.wait()
+
+
+def test_on_gone_comes_once_nothing_of_the_sandbox_runs_and_before_on_exit():
+    """close()'s on_gone hook (where the node agent ends the sensors' watch while the teardown
+    goes on): called once the init is reaped and the cgroups are empty, a background process
+    of a step included, and before on_exit."""
+    from agent.sandbox.launcher import Sandbox, SandboxSpec
+    seen = []
+
+    def on_gone(sid):
+        seen.append(("gone", sb.supervisor_dead, sb.cg.pids(), os.path.isdir(sb.dir)))
+
+    def on_exit(summary):
+        seen.append(("exit",))
+    sb = Sandbox(SandboxSpec(argv=[], sandbox_id="gone-" + os.urandom(4).hex(), network="none"),
+                 on_gone=on_gone, on_exit=on_exit).start()
+    try:
+        assert sb.exec(["/bin/sh", "-c", "sleep 60 & exit 0"]).exit_code == 0
+        assert len(sb.cg.pids()) >= 2                  # init and the background sleep
+    finally:
+        sb.close()
+    assert seen == [("gone", True, [], True), ("exit",)]

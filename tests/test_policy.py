@@ -175,6 +175,34 @@ def test_builtins_load_without_warnings():
 
 # ---------------------------------------------------------------- hash and normalization
 
+def test_sealed_policy_keeps_its_hash_and_yaml_and_compares_as_before():
+    """The node agent's policy cache seals the policies it shares (hash and YAML once, not on
+    every record): a sealed policy says what an unsealed one says, equality is unchanged, the
+    memo goes with the object and copies are not sealed."""
+    import gc
+    from agent.node.requests import PolicyCache
+    from policies.load import dump_yaml
+
+    class Cfg:
+        class defaults:
+            policy = "default"
+        policy_dirs = []
+    cache = PolicyCache(Cfg())
+    p = cache.load(None, None, None)
+    assert p.sealed() is not None and cache.load(None, None, None) is p
+    plain = load_policy("default")
+    assert plain.sealed() is None
+    assert p == plain and p.hash == plain.hash == model.content_hash(plain)
+    assert dump_yaml(p) == dump_yaml(plain) == dump_yaml(p)
+    assert p.sealed()["yaml"] == dump_yaml(plain)
+    assert dump_yaml(p, ["a header"]).startswith("# a header\n")
+    assert p.with_mode("audit").sealed() is None and p.model_copy().sealed() is None
+    q = load_policy("default").seal()
+    n = len(model._SEALED)
+    del q
+    gc.collect()
+    assert len(model._SEALED) == n - 1
+
 def test_content_hash_stability():
     a = load_policy_text(BASE + "  egress:\n    default: deny\n    allow:\n"
                                 "      - {cidr: 10.0.0.1, ports: [81, 80]}\n"

@@ -447,7 +447,42 @@ class Agent:
                 run.started_ns = time.time_ns()
                 run.wake()
 
-        return rec.watch.hooks(on_cgroup=on_cgroup, on_step=on_step)
+        hooks = rec.watch.hooks(on_cgroup=on_cgroup, on_step=on_step)
+        # close: the sensors' watch ends (the audit drained, its totals read: ~15 ms of lock waits
+        # and map work) on a step thread alongside the manifest and teardown, once nothing of the
+        # sandbox can run (the launcher's on_gone); sandbox_exit (on_exit) waits for it, so its
+        # record, the reply and every total they carry are as before
+        ending: dict = {}
+
+        def on_gone(sid):
+            if not rec.watch.watched or not rec.watch.started_recorded:
+                return                  # an unclaimed warm sandbox: on_exit writes its start first, as before
+            done = threading.Event()
+
+            def unwatch():
+                try:
+                    rec.watch.unwatch()
+                except BaseException as e:  # noqa: BLE001 - raised again by on_exit, in the closing thread
+                    ending["error"] = e
+                finally:
+                    done.set()
+            try:
+                steps.STEP_THREADS.spawn(unwatch)
+            except RuntimeError:
+                return                  # no thread to be had: on_exit ends the watch itself
+            ending["done"] = done
+
+        watch_exit = hooks["on_exit"]
+
+        def on_exit(summary):
+            done = ending.pop("done", None)
+            if done is not None:
+                done.wait()
+                if "error" in ending:
+                    raise ending.pop("error")
+            return watch_exit(summary)
+        hooks.update(on_gone=on_gone, on_exit=on_exit)
+        return hooks
 
     def _start_sandbox(self, rec: SandboxRecord, defer_start: bool = False):
         """Create and start the launcher Sandbox of `rec` (executor thread). Returns it or raises."""

@@ -50,7 +50,8 @@ class PolicyCache:
         if hit is not None:
             cache.move_to_end(key)
             return hit
-        policy = self._load(name, yaml_text, mode, source)
+        # sealed: its hash and YAML, named by several records of every sandbox, computed once
+        policy = self._load(name, yaml_text, mode, source).seal()
         cache[key] = policy
         while len(cache) > 256:
             cache.popitem(last=False)

@@ -247,11 +247,16 @@ class Sandbox:
     knows exactly what exists. Thread-safe: steps may run concurrently."""
 
     def __init__(self, spec: SandboxSpec, on_cgroup=None, on_started=None, on_step=None,
-                 on_workload_exit=None, on_exit=None, on_step_info=None, on_step_end=None):
+                 on_workload_exit=None, on_exit=None, on_step_info=None, on_step_end=None, on_gone=None):
         self.spec = spec
         self.hooks = {"on_cgroup": on_cgroup, "on_started": on_started, "on_step": on_step,
                       "on_workload_exit": on_workload_exit, "on_exit": on_exit,
-                      "on_step_info": on_step_info, "on_step_end": on_step_end}
+                      "on_step_info": on_step_info, "on_step_end": on_step_end,
+                      # close(): its init reaped and its cgroups found empty (nothing of the sandbox can
+                      # run again), before the manifest and the teardown; what it starts may run
+                      # alongside them and must be done by on_exit (the node agent stops the sensors'
+                      # watch there: agent/node/daemon.py _hooks)
+                      "on_gone": on_gone}
         self.sid = None
         self.dir = None
         self.lock_fd = -1
@@ -694,8 +699,9 @@ class Sandbox:
             if not self.supervisor_dead:
                 self.kill()
             summary = self._summary()
-            if self.cg:
-                self.cg.kill_all()
+            empty = self.cg.kill_all() if self.cg else False
+            if empty and self.supervisor_dead:
+                self._hook("on_gone", self.sid)
             ch, total = rootfs.changes(self.layers)
             created = set(self.created_mountpoints)
             keep = [c for c in ch if c["path"] not in created

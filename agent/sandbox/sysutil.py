@@ -8,6 +8,7 @@ Each raises OSError with errno set, like the os module does.
 from __future__ import annotations
 
 import ctypes
+import errno
 import ctypes.util
 import os
 
@@ -161,6 +162,18 @@ def openat2(dirfd: int, path, flags: int, resolve: int, mode: int = 0) -> int:
     return fd
 
 
+_SIGDEF: list | None = None
+
+
+def _sigdef() -> list:
+    """The signals posix_spawn resets to their default action (all but SIGKILL/SIGSTOP, < 32)."""
+    global _SIGDEF
+    if _SIGDEF is None:
+        import signal
+        _SIGDEF = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP) and s < 32]
+    return _SIGDEF
+
+
 def spawn_in_namespaces(path: str, argv: list, flags: int, fd_as_3: int) -> int:
     """Start `path` as the first process of new namespaces (`flags`, CLONE_NEW*).
 
@@ -169,22 +182,28 @@ def spawn_in_namespaces(path: str, argv: list, flags: int, fd_as_3: int) -> int:
     PID 1 of the new pid namespace, a child of this process, and starts with
     an empty environment, default signal dispositions, no blocked signals and
     `fd_as_3` as its fd 3 (every other fd of ours is close-on-exec)."""
-    import signal
-    import threading
+    import _thread
     out = {}
-    sigdef = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP) and s < 32]
+    done = _thread.allocate_lock()
+    done.acquire()
 
     def work():
         try:
             unshare(flags)
             out["pid"] = os.posix_spawn(path, argv, {}, file_actions=[(os.POSIX_SPAWN_DUP2, fd_as_3, 3)],
-                                        setsigmask=(), setsigdef=sigdef)
+                                        setsigmask=(), setsigdef=_sigdef())
         except OSError as e:
             out["err"] = e
+        finally:
+            done.release()
 
-    t = threading.Thread(target=work, name="dsec-spawn")
-    t.start()
-    t.join()
+    # a bare thread and one wait for its end (threading.Thread's start handshake and join are two
+    # GIL hand-offs more, per sandbox); it exits right after, its namespaces with it
+    try:
+        _thread.start_new_thread(work, ())
+    except RuntimeError as e:
+        raise OSError(errno.EAGAIN, f"cannot start a thread: {e}") from None
+    done.acquire()
     if "err" in out:
         raise out["err"]
     return out["pid"]
