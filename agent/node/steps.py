@@ -226,20 +226,33 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
     readers = {out_r: "stdout", err_r: "stderr"}
     started_sent = False
     done_at = None
+
+    def started():
+        # ("started", ...) once the launcher named the step (on_step: before dsec-init is told to run
+        # it, so before any of its output exists); pending signals go to it then
+        nonlocal started_sent
+        if not run.step or started_sent:
+            return None
+        started_sent = True
+        for s in run.pending_signals:
+            sb.signal(s, run.step)
+        run.pending_signals.clear()
+        return ("started", run.step, run.started_ns)
+
     try:
         while True:
-            if run.step and not started_sent:
-                started_sent = True
-                for s in run.pending_signals:
-                    sb.signal(s, run.step)
-                run.pending_signals.clear()
-                yield ("started", run.step, run.started_ns)
+            item = started()
+            if item:
+                yield item
             if in_w >= 0 and (run.done or run.cancelled or (run.stdin_eof and not run.stdin_buf)):
                 os.close(in_w)
                 in_w = -1
             tmo = STREAM_POLL if done_at is None else 0.05
             r, w = _wait(readers, wake_r, in_w if in_w >= 0 and run.stdin_buf else -1, tmo)
             got = False
+            item = started()
+            if item:                    # it started and wrote while this thread waited: "started" first
+                yield item
             if wake_r in r:
                 try:
                     while os.read(wake_r, 4096):
