@@ -64,6 +64,12 @@ def _violations(sid, env):
     return [e for e in _events(sid, env) if e["decision"] in ("denied", "would-deny")]
 
 
+def _brief(records):
+    """What a failure needs to name, short enough not to be cut off."""
+    keep = ("kind", "decision", "syscall", "path", "addr", "port", "pid", "comm", "extra")
+    return [{k: e[k] for k in keep if e.get(k) not in (None, "", 0)} for e in records]
+
+
 def _syscalls(path) -> set:
     s = yaml.safe_load(open(path))["spec"]["syscalls"]
     assert s["default"] == "deny"
@@ -156,7 +162,8 @@ def test_learned_workload_runs_clean_under_enforce(name, workloads, env, agent):
         runs = list(ex.map(lambda _: _run(env, pol, argv, extra, agent=agent), range(RUNS)))
     for i, (sid, r) in enumerate(runs):
         assert r.returncode == 0, (i, r.stderr)
-        assert _violations(sid, env) == [], (i, sid)
+        viol = _violations(sid, env)
+        assert viol == [], (i, sid, _brief(viol))
     if name == "fetch":
         assert r.stdout.strip() == b"200"
 

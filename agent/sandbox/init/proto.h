@@ -31,6 +31,7 @@
 #define DSEC_MSG_STARTED 103    /* STEP, PID */
 #define DSEC_MSG_STEP_EXIT 104  /* STEP, PID, STATUS | EXEC_ERRNO + STAGE + MSG, CPU_US, MAXRSS_KB */
 #define DSEC_MSG_CLOSED 105     /* CPU_US, MAXRSS_KB, OWNER_GONE */
+#define DSEC_MSG_HELLO 106      /* the first message: init runs (its exec and set-up are done) */
 
 /* ---- item tags ----------------------------------------------------------- */
 #define DSEC_T_HOSTNAME 1
