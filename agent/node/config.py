@@ -346,8 +346,8 @@ class AuthorizationConfig(_Base):
 
 
 class ExporterConfig(_Base):
-    clickhouse: bool = Field(True, description="run the ClickHouse exporter thread "
-                                               "(DSEC_CLICKHOUSE_URL or the private server)")
+    clickhouse: bool = Field(True, description="run the ClickHouse exporter: a supervised child process "
+                                               "of the agent (DSEC_CLICKHOUSE_URL or the private server)")
     interval_seconds: float = Field(0.5, gt=0, le=60)
 
 
