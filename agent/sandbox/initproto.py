@@ -110,3 +110,32 @@ def fields(items) -> dict[int, list[bytes]]:
     for tag, v in items:
         out.setdefault(tag, []).append(v)
     return out
+
+
+def await_hello(sock, timeout: float) -> str:
+    """Wait for dsec-init's first message on `sock`, HELLO (its exec and its own
+    set-up are done). Returns "" on HELLO, else why not (one line)."""
+    import select
+    import time
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    deadline = time.monotonic() + timeout
+    data = None
+    while data is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return f"did not start within {timeout:.0f}s"
+        try:
+            data = sock.recv(1 << 16) if p.poll(left * 1000) else None
+        except InterruptedError:
+            continue
+        except OSError as e:
+            return f"did not start: {e.strerror or e}"
+    try:
+        mtype, items = decode(data)
+    except ValueError:
+        return "exited before it started" if not data else "sent a torn first message"
+    if mtype == MSG.ERROR:
+        return "failed to start: " + text((fields(items).get(T.MSG) or [b"unknown error"])[0])
+    return "" if mtype == MSG.HELLO else f"sent message {mtype} before HELLO"
+

@@ -51,7 +51,6 @@ import re
 import signal
 import socket
 import sys
-import select
 import threading
 import time
 
@@ -416,10 +415,9 @@ class Sandbox:
             su.restore_nofile(self.sup_pid)      # the agent's raised fd limit is not the workload's
         except OSError as e:
             raise DsecError(f"sandbox {self.sid}: cannot set its open-file limit: {e.strerror or e}", EXIT_DSEC)
-        # its exec and set-up (posix_spawn returns once the exec began, not ended) happen
-        # before it joins: the sandbox's record starts with the sandbox, and an exec of
-        # dsec-init's own that came late would undo the exemption on_started gives it
-        self._await_hello()
+        # its exec may still be under way (posix_spawn returned): joined after it (docs/launcher.md)
+        if why := ip.await_hello(self.ctl, 30.0):
+            raise DsecError(f"sandbox {self.sid}: its init {why}", EXIT_DSEC)
         self._reader = STATUS.add(self)
         try:
             self.cg.join(self.sup_pid)           # before CONFIG: everything it does from now on is the sandbox's
@@ -565,36 +563,6 @@ class Sandbox:
                                    "max_rss_bytes": one(T.MAXRSS_KB, default=0) * 1024,
                                    "owner_gone": bool(one(T.OWNER_GONE, default=0))}
             self._cond.notify_all()
-
-    def _await_hello(self, timeout: float = 30.0) -> None:
-        """Wait for dsec-init's first message (HELLO: its exec and set-up are done)."""
-        p = select.poll()
-        p.register(self.ctl, select.POLLIN)
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DsecError(f"sandbox {self.sid}: its init did not start within {timeout:.0f}s", EXIT_DSEC)
-            try:
-                if not p.poll(left * 1000):
-                    continue
-                data = self.ctl.recv(1 << 16)
-            except InterruptedError:
-                continue
-            except OSError as e:
-                raise DsecError(f"sandbox {self.sid}: its init did not start: {e.strerror or e}", EXIT_DSEC) from None
-            break
-        try:
-            mtype, items = ip.decode(data) if data else (None, [])
-        except ValueError:
-            mtype, items = None, []
-        if mtype == MSG.HELLO:
-            return
-        if mtype == MSG.ERROR:
-            msg = (ip.fields(items).get(T.MSG) or [b"unknown error"])[0]
-            raise DsecError(f"sandbox setup failed: {ip.text(msg)}", EXIT_DSEC)
-        raise DsecError(f"sandbox {self.sid}: its init exited before it started" if not data else
-                        f"sandbox {self.sid}: its init sent message {mtype} before HELLO", EXIT_DSEC)
 
     def _wait_for(self, pred, timeout, what):
         deadline = time.monotonic() + timeout
