@@ -439,16 +439,20 @@ def test_dsec_run_and_events_through_the_agent(agent, tmp_path):
 
 def test_dsec_run_through_the_agent_imports_no_grpc_and_a_killed_client_ends_its_run(agent, client):
     """`dsec run` talks to the agent over its own socket (agent/node/runclient.py): neither gRPC
-    nor protobuf is imported; a client killed mid-step has its step and its sandbox ended."""
+    nor protobuf is imported, nor `site` (the entry starts Python with -S, agent/entry.py: the
+    standard library only); a client killed mid-step has its step and its sandbox ended."""
     env = dict(agent.env)
-    env.update(DSEC_AGENT_SOCKET=agent.socket, DSEC_AGENT="reuse")
-    py = os.path.join(os.path.dirname(DSEC), "python")
-    r = subprocess.run([py, "-X", "importtime", "-m", "agent.cli", "run", "--", "sh", "-c", "echo ok"],
-                       env=env, capture_output=True, timeout=120, cwd=ROOT)
+    env.update(DSEC_AGENT_SOCKET=agent.socket, DSEC_AGENT="reuse", PYTHONPROFILEIMPORTTIME="1")
+    r = subprocess.run([DSEC, "run", "--", "sh", "-c", "echo ok"], env=env, capture_output=True, timeout=120)
     assert r.returncode == 0 and r.stdout == b"ok\n", r.stderr[-2000:]
     mods = {line.split("|")[-1].strip() for line in r.stderr.decode().splitlines() if "import time:" in line}
     assert "dsec: sandbox" in r.stderr.decode()
-    assert not [m for m in mods if m.startswith(("grpc", "google.protobuf"))], sorted(mods)
+    assert "agent.node.runclient" in mods, sorted(mods)
+    assert not [m for m in mods if m.startswith(("grpc", "google.protobuf")) or m in ("site", "yaml")], sorted(mods)
+    # a command that needs third-party packages still finds them (site runs at its first such import)
+    r = subprocess.run([DSEC, "policy", "show", "default"], env=env, capture_output=True, timeout=120)
+    assert r.returncode == 0 and b"apiVersion" in r.stdout, r.stderr[-2000:]
+    env.pop("PYTHONPROFILEIMPORTTIME")
     p = subprocess.Popen([DSEC, "run", "--", "sh", "-c", "echo started; exec sleep 60"], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
