@@ -6,7 +6,11 @@ fail-closed property: the loading process SIGKILLed leaves the denials in force.
 Network tests run their workloads in a network namespace of the test's own
 whose only link is a veth to a second namespace of the test's own
 (fixtures_enforce.TestNet): no packet can leave the machine even if
-enforcement is broken."""
+enforcement is broken.
+
+Why this file is long: the tests share one compiled sensor for the session
+(enforce_sensor: one BCC compile); split into files they would compile it
+once per file."""
 from __future__ import annotations
 
 import ipaddress
