@@ -6,7 +6,11 @@ fail-closed property: the loading process SIGKILLed leaves the denials in force.
 Network tests run their workloads in a network namespace of the test's own
 whose only link is a veth to a second namespace of the test's own
 (fixtures_enforce.TestNet): no packet can leave the machine even if
-enforcement is broken."""
+enforcement is broken.
+
+Why this file is long: the tests share one compiled sensor for the session
+(enforce_sensor: one BCC compile); split into files they would compile it
+once per file."""
 from __future__ import annotations
 
 import ipaddress
@@ -573,6 +577,60 @@ def test_remove_sandbox_detaches_and_releases(enforce_sensor, enforce_cgroups, e
     assert all(v.value != sbx.cg.id for v in s._exempt.values())
     with pytest.raises(DsecError, match="not enforced"):
         s.exempt(sbx.cg.id, os.getpid())
+
+
+def test_remove_sandbox_finds_its_entries_without_walking_the_tables(enforce_sensor, enforce_cgroups, enforce_net):
+    """A sandbox whose cgroup is empty at removal (every close) has its exempt pids, violation counters
+    and learned destinations removed without a walk of the whole tables (enforce._forget): none of its
+    entries is left, and another sandbox's are kept. One whose cgroup still has a process is walked."""
+    from agent.sensors.enforce import _populated
+    h, net, s = enforce_sensor, enforce_net, enforce_sensor.sensor
+
+    def entries(cgid):
+        return {"viol": [k for k in s._viol.keys() if k.cgroup_id == cgid],
+                "dest": [k for k in s._dest.keys() if k.cgroup_id == cgid],
+                "exempt": [k.value for k, v in s._exempt.items() if v.value == cgid]}
+
+    # learn mode: two learned destinations; audit mode: violation counters
+    learn = policy("learn", egress={"default": "deny"}, syscalls={"default": "allow", "deny": ["ptrace"]})
+    sbx_l = h.sandbox(enforce_cgroups, learn)
+    work = run_workload(sbx_l.cg, [PYTHON, "-I", "-c", LEARN_WORKLOAD, "1", net.server_addr], netns=net.client,
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    work.stdin.write(b"\n")
+    work.stdin.close()
+    assert work.stdout.readline() == b"done\n" and work.wait(30) == 0
+    audit = policy("audit", syscalls={"default": "allow", "deny": ["ptrace", "mount"]})
+    sbx_a = h.sandbox(enforce_cgroups, audit)
+    p = run_workload(sbx_a.cg, [sys.executable, "-I", "-c", SYSCALL_WORKLOAD, json.dumps(audit.to_dict()), ROOT],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.wait(60) == 0
+    # an exempt pid that is not in the cgroup (so the cgroup is empty): this test process
+    s.exempt(sbx_a.cg.id, os.getpid())
+    # a bystander with a live exempt process, and a sandbox removed while a process still runs in it
+    other = h.sandbox(enforce_cgroups, audit)
+    sleeper = run_workload(other.cg, ["/bin/sleep", "60"])
+    s.exempt(other.cg.id, sleeper.pid)
+    busy = h.sandbox(enforce_cgroups, audit)
+    busy_p = run_workload(busy.cg, ["/bin/sleep", "60"])
+    s.exempt(busy.cg.id, busy_p.pid)
+    try:
+        h.settle()
+        assert len(entries(sbx_l.cg.id)["dest"]) == 2
+        assert len(entries(sbx_a.cg.id)["viol"]) == 2 and entries(sbx_a.cg.id)["exempt"] == [os.getpid()]
+        assert not _populated(sbx_l.cg.path) and not _populated(sbx_a.cg.path) and _populated(busy.cg.path)
+        totals_a = sbx_a.remove()
+        assert totals_a["violations"] == {"ptrace": 1000, "mount": 1}
+        assert len(sbx_l.remove()["destinations"]) == 2
+        busy.remove()
+        for sb in (sbx_l, sbx_a, busy):
+            assert entries(sb.cg.id) == {"viol": [], "dest": [], "exempt": []}
+        assert entries(other.cg.id)["exempt"] == [sleeper.pid]
+    finally:
+        for proc in (sleeper, busy_p):
+            proc.kill()
+            proc.wait()
+    other.remove()
+    assert entries(other.cg.id) == {"viol": [], "dest": [], "exempt": []}
 
 
 def test_sensor_can_be_closed_and_recreated():

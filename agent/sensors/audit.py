@@ -56,6 +56,7 @@ DEFAULT_BYTE_RATE = 8 << 20  # bytes of records per second per sandbox
 BYTE_BURST_SHARE = 8         # default byte burst: the ring buffer's size / this
 OVER_BUDGET = ("summarise", "stop")
 LABELS = ("policy_name", "policy_hash", "mode")
+REMOVAL_SETTLE_S = 0.005     # remove_sandbox: from the map removal to the ring's last consume
 
 
 # ---------------------------------------------------------------- features
@@ -278,14 +279,19 @@ class AuditSensor(RingSensor):
             if cgroup_id not in self.decoder.sandboxes:
                 return self._final(cgroup_id, "remove_sandbox")
             map_discard(self._sandboxes_map, self._sandboxes_map.Key(cgroup_id))
-            # programs already past the lookup finish within microseconds
-            self._consume()
-            time.sleep(0.005)
+            removed = time.monotonic()
             self._consume()
             self._decode_raw()
         # its exec records waiting for enrichment: its files read first, bounded, and
         # without the lock (unless the caller holds it: close()) so others keep decoding
         self._finish_enrichment(cgroup_id)
+        # programs already past the lookup finish (and commit their records) within
+        # microseconds: the ring is consumed again REMOVAL_SETTLE_S after the removal, and
+        # the wait holds no lock (it used to sleep under it: every other sandbox's
+        # add/step/remove and the poll thread waited with it)
+        settle = REMOVAL_SETTLE_S - (time.monotonic() - removed)
+        if settle > 0:
+            time.sleep(settle)
         with self._lock:
             if self._closed or cgroup_id not in self.decoder.sandboxes:
                 return self._final(cgroup_id, "remove_sandbox")     # removed meanwhile (close())

@@ -19,6 +19,7 @@ bpf/process.c net.c files.c) and the enforcement sensor
 """
 from __future__ import annotations
 
+import array
 import ctypes as ct
 import logging
 import os
@@ -330,6 +331,11 @@ FINALS_KEPT = 256
 ENDED = "the sandbox ended before its file was read"
 
 
+def _u64s(arr) -> list:
+    """A ctypes array of u64 as a list of ints (one copy, not one ctypes access per element)."""
+    return array.array("Q", bytes(arr)).tolist()
+
+
 class RingSensor:
     """Ring buffer -> Decoder -> backlog -> on_record, and loss reporting.
 
@@ -575,12 +581,16 @@ class RingSensor:
 
     def _state_counts(self, st) -> tuple[dict, dict]:
         """(emitted {kind: n}, lost {reason: {kind: n}}) of a state map value."""
-        nk = len(st.emitted)
+        # each ctypes array copied once into a list of ints (indexing a ctypes array per element
+        # was 3% of the agent's Python time at 32 live sandboxes: every poll period reads every state)
+        em, ls = _u64s(st.emitted), _u64s(st.lost)
+        nk = len(em)
         kinds = self.consts.kinds
         lost = {}
         for ridx, reason in self.consts.lost.items():
-            lost[reason] = {kinds.get(k, str(k)): st.lost[ridx * nk + k] for k in range(nk) if st.lost[ridx * nk + k]}
-        emitted = {kinds.get(k, str(k)): st.emitted[k] for k in range(nk) if st.emitted[k]}
+            row = ls[ridx * nk:(ridx + 1) * nk]
+            lost[reason] = {kinds.get(k, str(k)): n for k, n in enumerate(row) if n} if any(row) else {}
+        emitted = {kinds.get(k, str(k)): n for k, n in enumerate(em) if n}
         return emitted, lost
 
     def _report_losses(self, cgroup_id: int, info, step: int, lost: dict, unfinished: int = 0) -> None:

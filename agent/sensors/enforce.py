@@ -279,6 +279,19 @@ class _Sandbox:
     sock_keys: list = field(default_factory=list)   # (family, type) keys in sock_rules
 
 
+def _populated(cgroup_path: str) -> bool:
+    """Whether processes may still run in cgroup2 directory `cgroup_path` (or below it):
+    its cgroup.events says "populated 1", or it cannot be read (then assume so). A
+    cgroup that no longer exists is empty (only an empty cgroup can be removed)."""
+    try:
+        with open(os.path.join(cgroup_path, "cgroup.events"), "rb") as f:
+            return b"populated 0" not in f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
 def _mode_name(policy_mode: str, present: bool, learn_when_absent: bool = False) -> str:
     if policy_mode == "learn":
         return "learn" if (present or learn_when_absent) else "off"
@@ -1011,12 +1024,35 @@ class EnforcementSensor(RingSensor):
         self._bump_gen()
         self._drop_sockets(sb.idx, sb.sock_keys)
         self._drop_rules(sb.idx, sb.egress_entries, sb.exec_keys)
-        for k, v in list(self._exempt.items()):     # the exempt processes and their children
-            if v.value == cgid:
-                map_discard(self._exempt, k)
-        for m in (self._viol, self._dest):
-            for k in [k for k in list(m.keys()) if k.cgroup_id == cgid]:
-                map_discard(m, k)
+        if _populated(sb.path):
+            # processes of the sandbox may still run (and fork, and count violations): every
+            # entry of the sandbox is found by a walk of the whole tables (two syscalls a key)
+            for k, v in list(self._exempt.items()):     # the exempt processes and their children
+                if v.value == cgid:
+                    map_discard(self._exempt, k)
+            for m in (self._viol, self._dest):
+                for k in [k for k in list(m.keys()) if k.cgroup_id == cgid]:
+                    map_discard(m, k)
+        else:
+            # nothing of the sandbox runs any more (its cgroups are empty, as at every close):
+            # the kernel removed each exempt process's entry at its exit (sched_process_exit),
+            # and no entry can appear now. What is left is known without a walk: the exempt
+            # pids registered here (if another sandbox's by now, left alone), violation
+            # counters only if the kernel counted some (enf_state.sys_entries), learned
+            # destinations only in egress learn mode (a sandbox's mode never changes)
+            for pid in sb.exempt:
+                k = self._exempt.Key(pid)
+                try:
+                    if self._exempt[k].value == cgid:
+                        map_discard(self._exempt, k)
+                except KeyError:
+                    pass
+            st = self._state_entry(cgid)
+            for m, wanted in ((self._viol, st is None or st.sys_entries > 0),
+                              (self._dest, sb.modes["egress"] == "learn")):
+                if wanted:
+                    for k in [k for k in list(m.keys()) if k.cgroup_id == cgid]:
+                        map_discard(m, k)
         map_discard(self._state_map, self._state_map.Key(cgid))
         self._sbx.pop(cgid, None)
         self._untrack(cgid)
@@ -1084,6 +1120,11 @@ class EnforcementSensor(RingSensor):
     def _violations(self, cgroup_id: int) -> dict:
         from policies.syscalls import name_of
         from agent.sensors.decoder import syscall_name
+        st = self._state_entry(cgroup_id)
+        if st is not None and not st.sys_entries:
+            # the kernel counts a sandbox's sys_viol keys before inserting one: none is there
+            # now, which a walk of the whole table (two syscalls a key) would have found too
+            return {}
         return {syscall_name(k.nr): v.count for k, v in self._viol.items() if k.cgroup_id == cgroup_id}
 
     def _flush_syscalls(self, cgroup_id: int | None = None, final: bool = False) -> None:
