@@ -480,8 +480,11 @@ class RingSensor:
         r = self._reader
         if r is None:
             self.bpf.ring_buffer_poll(timeout_ms)
+            # the kernel wakes the reader at most every DSEC_WAKE_NS (bpf/common.h): records
+            # that came without a wake-up are taken here (libbpf's poll reads woken rings only)
+            self.bpf.ring_buffer_consume()
             return
-        if not r.wait(timeout_ms):
+        if not r.wait(timeout_ms) and not r.pending_bytes():
             return
         taken = 0
         while taken < r.size:
