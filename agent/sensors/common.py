@@ -36,7 +36,10 @@ from agent.errors import DsecError
 
 log = logging.getLogger("dsec.audit")
 
-BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf")
+# DSEC_BPF_DIR: the sensors' BPF sources from another bpf/ directory (benchmarks compare
+# two versions of the kernel side with the same userspace, e.g. bench/audit.py part 1)
+BPF_DIR = os.environ.get("DSEC_BPF_DIR") or \
+    os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf")
 TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 RINGBUF_MISSING = "BPF ring buffers unsupported by this kernel (needs Linux >= 5.8)"
 
