@@ -45,6 +45,37 @@ BPF_TABLE("lru_hash", u32, struct dsec_exit_info, exit_info, 65536);
  * group-wide fatal signal as SIGKILL at delivery) */
 BPF_TABLE("lru_hash", u32, u32, sig_generated, 16384);
 
+/* ---- ring buffer wake-ups ------------------------------------------------------
+ * The kernel's adaptive wake-up (flags 0) signals the reader for every record
+ * that finds it caught up -- nearly every record while the agent keeps up: an
+ * irq_work, a self-IPI and a cross-CPU wake-up, 4-20 us inside the program on
+ * this VM (bench/kcost.py; 0.5-1.5 us without). So the reader is woken at most
+ * once per DSEC_WAKE_NS while records flow: the first record after that long
+ * forces a wake-up, the others ask for none. Nothing waits longer than that
+ * while records keep coming, nor longer than the reader's poll timeout after
+ * the last one (the agent's poll thread waits 20 ms at most; epoll/poll on the
+ * ring's fd is level-triggered: a reader that comes back with records in the
+ * ring returns at once, common.py _ring_poll takes them after a timeout too). */
+#define DSEC_RB_NO_WAKEUP 1
+#define DSEC_RB_FORCE_WAKEUP 2
+#ifndef DSEC_WAKE_NS
+#define DSEC_WAKE_NS 4000000
+#endif
+BPF_ARRAY(ring_wake, u64, 1);
+
+static __always_inline u64 dsec_wake_flags(void)
+{
+    u32 zero = 0;
+    u64 *last = ring_wake.lookup(&zero);
+    if (!last)
+        return 0;
+    u64 now = bpf_ktime_get_ns();
+    u64 t = *(volatile u64 *)last;
+    if (now - t < DSEC_WAKE_NS || __sync_val_compare_and_swap(last, t, now) != t)
+        return DSEC_RB_NO_WAKEUP;   /* woken recently (or by another CPU just now) */
+    return DSEC_RB_FORCE_WAKEUP;
+}
+
 /* ---- accounting ------------------------------------------------------------ */
 
 static __always_inline void dsec_count_lost(struct dsec_sandbox *cfg, struct dsec_state *st,
@@ -207,7 +238,7 @@ static __always_inline struct dsec_event *dsec_reserve(struct dsec_sandbox *cfg,
 
 static __always_inline void dsec_submit(struct dsec_event *e, struct dsec_state *st, u32 kind)
 {
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, dsec_wake_flags());
     dsec_count_emitted(st, kind);
 }
 
@@ -241,59 +272,13 @@ static __always_inline void dsec_output(void *rec, u64 size, u64 max, u64 cgid, 
     struct dsec_sandbox *cfg = sandboxes.lookup(&cgid);
     if (!dsec_admit_bytes(cfg, st, kind, size))
         return;
-    if (events.ringbuf_output(rec, size, 0) == 0)
+    if (events.ringbuf_output(rec, size, dsec_wake_flags()) == 0)
         dsec_count_emitted(st, kind);
     else
         dsec_count_lost(cfg, st, DSEC_LOST_RINGBUF_FULL, kind);
 }
 
 /* ---- file and connect syscalls: enter stores, exit emits ------------------ */
-
-/* Admit a syscall of kind `kind` and return a zeroed record in the per-CPU
- * scratch with its header filled, or 0 (not a sandbox / counted as lost). */
-static __always_inline struct dsec_event_small *dsec_pending_begin(u32 kind)
-{
-    u64 cgid = 0;
-    struct dsec_sandbox *cfg = 0;
-    struct dsec_state *st = dsec_begin(kind, &cgid, &cfg);
-    if (!st)
-        return 0;
-    if (!dsec_pending_take(st)) {
-        dsec_inflight_lost(cfg, st, kind);
-        return 0;
-    }
-    u32 zero = 0;
-    struct dsec_event_small *e = file_scratch.lookup(&zero);
-    if (!e) {
-        dsec_pending_give(cgid);
-        dsec_inflight_lost(cfg, st, kind);
-        return 0;
-    }
-    __builtin_memset(&e->u, 0, sizeof(e->u));
-    dsec_fill_hdr(&e->h, kind, cgid, cfg->step);
-    return e;
-}
-
-static __always_inline void dsec_pending_store(struct dsec_event_small *e)
-{
-    u32 tid = e->h.tid;
-    u64 cgid = e->h.cgroup_id;
-    u32 kind = e->h.kind;
-    struct dsec_event_small *stale = pending.lookup(&tid);
-    if (stale) {
-        /* an entry whose exit was never seen: its accounting given back first */
-        u64 scg = stale->h.cgroup_id;
-        dsec_inflight_put(scg, stale->h.kind);
-        if (pending.delete(&tid) == 0)
-            dsec_pending_give(scg);
-    }
-    if (pending.update(&tid, e) != 0) {
-        dsec_pending_give(cgid);
-        struct dsec_state *st = sbx_state.lookup(&cgid);
-        if (st)
-            dsec_inflight_lost(sandboxes.lookup(&cgid), st, kind);
-    }
-}
 
 /* The paths of a file record, from the user pointers saved in its body:
  * path at buf[0], path2 (rename) right after it. */
@@ -332,35 +317,171 @@ static __always_inline void dsec_connect_addr(struct dsec_event_small *e)
         e->u.connect.status |= DSEC_ST_ADDR_FAULT;
 }
 
-static __always_inline int dsec_pending_finish(long ret)
+/* Interrupted syscalls. A signal (a stop, a freeze, a handler, even an ignored
+ * SIGCHLD that woke a thread) ends a blocked syscall with a restart code at
+ * sys_exit (-ERESTARTSYS ...: kernel-internal, never seen by the process); the
+ * kernel then either restarts it (the same syscall, same arguments, enters
+ * again: no handler runs -- a stop, a freeze, an ignored signal -- or a handler
+ * with SA_RESTART) or returns -EINTR (a handler without SA_RESTART). So the
+ * record is not emitted at that exit: it stays in `pending`, still in flight,
+ * with the restart code in its ret, and is settled by
+ *  - signal_deliver of a handler that makes it -EINTR (process.c): emitted, ret -EINTR;
+ *  - the thread's next file/connect syscall: its restart (same syscall and user
+ *    pointers) and the record waits on for the final result; anything else
+ *    (a handler's own syscall, a restart_syscall): emitted with ret -EINTR;
+ *  - the thread's exit (a fatal signal): emitted with ret -EINTR.
+ * One syscall of the process, one record. */
+#define DSEC_EINTR 4
+
+static __always_inline int dsec_restart_code(long ret)
 {
-    u32 tid = (u32)bpf_get_current_pid_tgid();
-    struct dsec_event_small *e = pending.lookup(&tid);
-    if (!e)
-        return 0;
+    /* ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND, ERESTART_RESTARTBLOCK */
+    return ret == -512 || ret == -513 || ret == -514 || ret == -516;
+}
+
+static __always_inline s64 *dsec_entry_ret(struct dsec_event_small *e)
+{
+    return e->h.kind == DSEC_KIND_CONNECT ? &e->u.connect.ret : &e->u.file.ret;
+}
+
+/* Emit the record of the current thread's (tid's) entry `e` of `pending` with
+ * result `ret` and take it out of flight. `late`: read a path/sockaddr that was
+ * not resident at entry again (the syscall ran: the kernel has faulted it in). */
+static __always_inline void dsec_pending_emit(u32 tid, struct dsec_event_small *e, long ret, int late)
+{
     u64 cgid = e->h.cgroup_id;
     u32 kind = e->h.kind;
     dsec_inflight_put(cgid, kind);
     if (kind == DSEC_KIND_CONNECT) {
         e->u.connect.ret = ret;
-        if (e->u.connect.status & DSEC_ST_ADDR_FAULT) {
-            /* not resident at enter; the kernel has faulted it in since */
+        if (late && (e->u.connect.status & DSEC_ST_ADDR_FAULT)) {
             dsec_connect_addr(e);
             if (!(e->u.connect.status & DSEC_ST_ADDR_FAULT))
                 e->u.connect.status |= DSEC_ST_LATE_READ;
         }
     } else {
         e->u.file.ret = ret;
-        if (e->u.file.status & (DSEC_ST_PATH_FAULT | DSEC_ST_PATH2_FAULT)) {
+        if (late && (e->u.file.status & (DSEC_ST_PATH_FAULT | DSEC_ST_PATH2_FAULT))) {
             dsec_file_paths(e);
             if (!(e->u.file.status & (DSEC_ST_PATH_FAULT | DSEC_ST_PATH2_FAULT)))
                 e->u.file.status |= DSEC_ST_LATE_READ;
         }
     }
-    e->h.ts_ns = bpf_ktime_get_ns();
     dsec_output(e, e->h.size, sizeof(struct dsec_event_small), cgid, kind);
     if (pending.delete(&tid) == 0)
         dsec_pending_give(cgid);
+}
+
+/* signal_deliver on the current thread (tid): a handler is about to run. Its
+ * interrupted syscall, if any, returns -EINTR unless the kernel restarts it
+ * after the handler (ERESTARTNOINTR, or ERESTARTSYS with SA_RESTART: then
+ * marked ERESTARTNOINTR, decided, for a second signal's handler). */
+#define DSEC_SA_RESTART 0x10000000
+static __always_inline void dsec_pending_signal(u32 tid, u64 handler, u64 flags)
+{
+    if (handler == 0 /* SIG_DFL */ || handler == 1 /* SIG_IGN */)
+        return;     /* no handler runs: restarted */
+    struct dsec_event_small *e = pending.lookup(&tid);
+    if (!e)
+        return;
+    s64 *ret = dsec_entry_ret(e);
+    s64 r = *ret;
+    if (!dsec_restart_code(r))
+        return;
+    if (r == -513 || (r == -512 && (flags & DSEC_SA_RESTART))) {
+        *ret = -513;
+        return;
+    }
+    dsec_pending_emit(tid, e, -DSEC_EINTR, 0);
+}
+
+/* The current thread enters syscall `sys` (user pointers p1, p2; connect: the
+ * sockaddr and the fd): settle what it still has in `pending`. 1: this is the
+ * restart of its interrupted syscall (the record waits on, as that syscall's);
+ * 0: nothing left (an interrupted one emitted with -EINTR, one whose exit was
+ * never seen given back). */
+static __always_inline int dsec_pending_settle(u32 sys, u64 p1, u64 p2)
+{
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct dsec_event_small *e = pending.lookup(&tid);
+    if (!e)
+        return 0;
+    s64 *ret = dsec_entry_ret(e);
+    if (dsec_restart_code(*ret)) {
+        int same = e->h.kind == DSEC_KIND_CONNECT
+            ? e->u.connect.sys == sys && e->u.connect.uaddr == p1 && (u64)(s64)e->u.connect.fd == p2
+            : e->u.file.sys == sys && e->u.file.upath == p1 && e->u.file.upath2 == p2;
+        if (same) {
+            *ret = 0;
+            return 1;
+        }
+        dsec_pending_emit(tid, e, -DSEC_EINTR, 0);
+        return 0;
+    }
+    /* an entry whose exit was never seen: its accounting given back */
+    u64 scg = e->h.cgroup_id;
+    dsec_inflight_put(scg, e->h.kind);
+    if (pending.delete(&tid) == 0)
+        dsec_pending_give(scg);
+    return 0;
+}
+
+/* Admit syscall `sys` of kind `kind` (user pointers p1, p2, see
+ * dsec_pending_settle) and return a zeroed record in the per-CPU scratch with
+ * its header filled, or 0 (not a sandbox / a restart / counted as lost). */
+static __always_inline struct dsec_event_small *dsec_pending_begin(u32 kind, u32 sys, u64 p1, u64 p2)
+{
+    u64 cgid = 0;
+    struct dsec_sandbox *cfg = dsec_sandbox(&cgid);
+    if (!cfg || dsec_pending_settle(sys, p1, p2))
+        return 0;
+    struct dsec_state *st = sbx_state.lookup(&cgid);
+    if (!st || !dsec_admit(cfg, st, kind) || !dsec_inflight_get(cfg, st, kind))
+        return 0;
+    if (!dsec_pending_take(st)) {
+        dsec_inflight_lost(cfg, st, kind);
+        return 0;
+    }
+    u32 zero = 0;
+    struct dsec_event_small *e = file_scratch.lookup(&zero);
+    if (!e) {
+        dsec_pending_give(cgid);
+        dsec_inflight_lost(cfg, st, kind);
+        return 0;
+    }
+    __builtin_memset(&e->u, 0, sizeof(e->u));
+    dsec_fill_hdr(&e->h, kind, cgid, cfg->step);
+    return e;
+}
+
+/* the record goes in flight (the thread's old entry was settled at begin) */
+static __always_inline void dsec_pending_store(struct dsec_event_small *e)
+{
+    u32 tid = e->h.tid;
+    u64 cgid = e->h.cgroup_id;
+    u32 kind = e->h.kind;
+    if (pending.update(&tid, e) != 0) {
+        dsec_pending_give(cgid);
+        struct dsec_state *st = sbx_state.lookup(&cgid);
+        if (st)
+            dsec_inflight_lost(sandboxes.lookup(&cgid), st, kind);
+    }
+}
+
+static __always_inline int dsec_pending_finish(long ret)
+{
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct dsec_event_small *e = pending.lookup(&tid);
+    if (!e)
+        return 0;
+    e->h.ts_ns = bpf_ktime_get_ns();
+    if (dsec_restart_code(ret)) {
+        /* interrupted: restarted or -EINTR, settled later (see dsec_pending_settle);
+         * stamped now, when the process was interrupted */
+        *dsec_entry_ret(e) = ret;
+        return 0;
+    }
+    dsec_pending_emit(tid, e, ret, 1);
     return 0;
 }
 

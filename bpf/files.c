@@ -18,7 +18,7 @@ static __always_inline int dsec_file_enter(u32 kind, u32 sys, int dirfd, const c
                                            int dirfd2, const char *path2,
                                            u64 flags, u64 mode, u64 resolve)
 {
-    struct dsec_event_small *e = dsec_pending_begin(kind);
+    struct dsec_event_small *e = dsec_pending_begin(kind, sys, (u64)path, (u64)path2);
     if (!e)
         return 0;
     e->u.file.sys = sys;

@@ -11,7 +11,8 @@
 
 TRACEPOINT_PROBE(syscalls, sys_enter_connect)
 {
-    struct dsec_event_small *e = dsec_pending_begin(DSEC_KIND_CONNECT);
+    struct dsec_event_small *e = dsec_pending_begin(DSEC_KIND_CONNECT, DSEC_SYS_CONNECT, (u64)args->uservaddr,
+                                                    (u64)(s64)(int)args->fd);
     if (!e)
         return 0;
     e->u.connect.fd = (int)args->fd;

@@ -407,6 +407,7 @@ TRACEPOINT_PROBE(signal, signal_deliver)
     u64 pt = bpf_get_current_pid_tgid();
     u32 tgid = pt >> 32;
     u32 tid = (u32)pt;
+    dsec_pending_signal(tid, args->sa_handler, args->sa_flags);
     int sig = args->sig;
     if (args->sa_handler != 0 /* SIG_DFL */ || !dsec_sig_fatal_default(sig)) {
         sig_generated.delete(&tid);
@@ -429,15 +430,20 @@ TRACEPOINT_PROBE(signal, signal_deliver)
     return 0;
 }
 
-/* a thread that dies inside a syscall leaves no pending record behind */
+/* a thread that dies inside a syscall leaves no pending record behind; one whose
+ * syscall was interrupted (common.h dsec_pending_settle) has it emitted, ret -EINTR */
 static __always_inline void dsec_drop_pending(u32 tid)
 {
     struct dsec_event_small *p = pending.lookup(&tid);
     if (p) {
         u64 cgid = p->h.cgroup_id;
-        dsec_inflight_put(cgid, p->h.kind);
-        if (pending.delete(&tid) == 0)
-            dsec_pending_give(cgid);
+        if (dsec_restart_code(*dsec_entry_ret(p))) {
+            dsec_pending_emit(tid, p, -DSEC_EINTR, 0);
+        } else {
+            dsec_inflight_put(cgid, p->h.kind);
+            if (pending.delete(&tid) == 0)
+                dsec_pending_give(cgid);
+        }
     }
     struct dsec_event *x = pending_exec.lookup(&tid);
     if (x) {

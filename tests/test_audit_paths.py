@@ -222,6 +222,93 @@ def test_opens_blocked_in_flight_hide_only_opens_and_are_accounted_by_kind(audit
     assert not any("connect" in _extra(r)["kinds"] for r in reported)
 
 
+INTERRUPTED = r"""
+import os, signal, sys, threading, time
+fifo, n, d = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+class Stop(Exception):
+    pass
+def stop(*a):
+    raise Stop()
+signal.signal(signal.SIGUSR1, stop)      # a handler without SA_RESTART: open() returns EINTR
+def block():
+    os.close(os.open(fifo, os.O_WRONLY))
+def waiting():
+    w = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/wchan") as f:
+                w += f.read().strip() == "wait_for_partner"
+        except OSError:
+            pass
+    return w
+def until(k):
+    deadline = time.monotonic() + 20
+    while waiting() < k and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return waiting()
+ts = [threading.Thread(target=block, daemon=True) for _ in range(n)]
+for t in ts:
+    t.start()
+print(until(n), flush=True)
+sys.stdin.readline()                      # the test stops and continues us (SIGSTOP, SIGCONT)
+print(until(n), flush=True)               # the opens were restarted: blocked again
+try:
+    os.open(fifo, os.O_WRONLY)            # blocked too, until SIGUSR1 interrupts it
+except Stop:
+    pass
+os.close(os.open(f"{d}/after", os.O_WRONLY | os.O_CREAT, 0o600))
+print("interrupted", flush=True)
+for t in ts:
+    t.join(30)
+print("done", flush=True)
+"""
+
+
+def _tgkill(tgid: int, tid: int, sig: int) -> None:
+    import ctypes
+    if ctypes.CDLL(None, use_errno=True).syscall(234, tgid, tid, sig) != 0:     # SYS_tgkill (x86-64)
+        raise OSError(ctypes.get_errno(), "tgkill")
+
+
+def test_an_interrupted_syscall_is_one_record_restarted_or_not(audit_sensor, audit_cgroups, tmp_path):
+    """A signal wakes a blocked open(fifo) with -ERESTARTSYS at sys_exit; the kernel
+    then restarts it (a stop and a continue, a freeze, a handler with SA_RESTART,
+    a signal with no handler) or returns EINTR. One syscall of the process, one
+    record: the restart's with the final result, not a second one with -512 (seen
+    as one fifo record too many in test_opens_blocked_in_flight_... when a SIGCHLD
+    woke a blocked thread); an open that really returned EINTR is recorded with
+    ret -4 (EINTR), before the thread's next syscall's record."""
+    h = audit_sensor
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    sbx = h.sandbox(audit_cgroups)
+    p = run_in_cgroup(sbx.cg, [PYTHON, "-I", "-B", "-c", INTERRUPTED, fifo, "4", str(tmp_path)],
+                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert int(p.stdout.readline()) == 4
+        os.kill(p.pid, signal.SIGSTOP)
+        assert h.poll_until(lambda: open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T", 10)
+        os.kill(p.pid, signal.SIGCONT)
+        p.stdin.write(b"\n")
+        p.stdin.flush()
+        assert int(p.stdout.readline()) == 4
+        assert h.poll_until(lambda: open(f"/proc/{p.pid}/wchan").read() == "wait_for_partner", 20)
+        _tgkill(p.pid, p.pid, signal.SIGUSR1)         # the main thread's open, not a worker's
+        assert p.stdout.readline().strip() == b"interrupted"
+        _release(fifo)
+        assert p.stdout.readline().strip() == b"done"
+        assert p.wait(30) == 0
+    finally:
+        _kill(p)
+    totals = sbx.remove()
+    assert totals["lost_total"] == 0, totals
+    opens = [r for r in sbx.of_kind("open_write") if r["path"] == fifo]
+    rets = sorted(r["ret"] for r in opens)
+    assert len(opens) == 5 and rets[0] == -4 and all(r >= 0 for r in rets[1:]), rets
+    main = [r for r in sbx.of_kind("open_write") if "tid" not in _extra(r)]
+    assert [r["path"] for r in main][-2:] == [fifo, str(tmp_path / "after")], [(r["path"], r["ret"]) for r in main]
+
+
 @pytest.fixture(scope="module")
 def small_table():
     """A sensor whose node-wide in-flight table holds 256 entries (64 of them the

@@ -37,7 +37,10 @@ from agent.errors import DsecError
 
 log = logging.getLogger("dsec.audit")
 
-BPF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf")
+# DSEC_BPF_DIR: the sensors' BPF sources from another bpf/ directory (benchmarks compare
+# two versions of the kernel side with the same userspace, e.g. bench/audit.py part 1)
+BPF_DIR = os.environ.get("DSEC_BPF_DIR") or \
+    os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf")
 TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 RINGBUF_MISSING = "BPF ring buffers unsupported by this kernel (needs Linux >= 5.8)"
 
@@ -486,8 +489,11 @@ class RingSensor:
         r = self._reader
         if r is None:
             self.bpf.ring_buffer_poll(timeout_ms)
+            # the kernel wakes the reader at most every DSEC_WAKE_NS (bpf/common.h): records
+            # that came without a wake-up are taken here (libbpf's poll reads woken rings only)
+            self.bpf.ring_buffer_consume()
             return
-        if not r.wait(timeout_ms):
+        if not r.wait(timeout_ms) and not r.pending_bytes():
             return
         taken = 0
         while taken < r.size:
