@@ -396,11 +396,11 @@ static __always_inline void dsec_pending_signal(u32 tid, u64 handler, u64 flags)
 }
 
 /* The current thread enters syscall `sys` (user pointers p1, p2; connect: the
- * sockaddr and the fd): settle what it still has in `pending`. 1: this is the
- * restart of its interrupted syscall (the record waits on, as that syscall's);
- * 0: nothing left (an interrupted one emitted with -EINTR, one whose exit was
- * never seen given back). */
-static __always_inline int dsec_pending_settle(u32 sys, u64 p1, u64 p2)
+ * sockaddr and the fd): settle what it still has in `pending`. Its entry: this
+ * is the restart of its interrupted syscall (the record waits on, as that
+ * syscall's); 0: nothing left (an interrupted one emitted with -EINTR, one
+ * whose exit was never seen given back). */
+static __always_inline struct dsec_event_small *dsec_pending_settle(u32 sys, u64 p1, u64 p2)
 {
     u32 tid = (u32)bpf_get_current_pid_tgid();
     struct dsec_event_small *e = pending.lookup(&tid);
@@ -413,7 +413,7 @@ static __always_inline int dsec_pending_settle(u32 sys, u64 p1, u64 p2)
             : e->u.file.sys == sys && e->u.file.upath == p1 && e->u.file.upath2 == p2;
         if (same) {
             *ret = 0;
-            return 1;
+            return e;
         }
         dsec_pending_emit(tid, e, -DSEC_EINTR, 0);
         return 0;
@@ -428,13 +428,22 @@ static __always_inline int dsec_pending_settle(u32 sys, u64 p1, u64 p2)
 
 /* Admit syscall `sys` of kind `kind` (user pointers p1, p2, see
  * dsec_pending_settle) and return a zeroed record in the per-CPU scratch with
- * its header filled, or 0 (not a sandbox / a restart / counted as lost). */
-static __always_inline struct dsec_event_small *dsec_pending_begin(u32 kind, u32 sys, u64 p1, u64 p2)
+ * its header filled, or 0 (not a sandbox / counted as lost). A restart: its
+ * entry in `pending`, *restart set (the caller reads the user memory again: the
+ * kernel does, and a thread of the process may have changed it while the call
+ * was blocked; the record names what the restart used). */
+static __always_inline struct dsec_event_small *dsec_pending_begin(u32 kind, u32 sys, u64 p1, u64 p2,
+                                                                    int *restart)
 {
     u64 cgid = 0;
     struct dsec_sandbox *cfg = dsec_sandbox(&cgid);
-    if (!cfg || dsec_pending_settle(sys, p1, p2))
+    if (!cfg)
         return 0;
+    struct dsec_event_small *again = dsec_pending_settle(sys, p1, p2);
+    if (again) {
+        *restart = 1;
+        return again;
+    }
     struct dsec_state *st = sbx_state.lookup(&cgid);
     if (!st || !dsec_admit(cfg, st, kind) || !dsec_inflight_get(cfg, st, kind))
         return 0;

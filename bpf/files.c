@@ -18,9 +18,14 @@ static __always_inline int dsec_file_enter(u32 kind, u32 sys, int dirfd, const c
                                            int dirfd2, const char *path2,
                                            u64 flags, u64 mode, u64 resolve)
 {
-    struct dsec_event_small *e = dsec_pending_begin(kind, sys, (u64)path, (u64)path2);
+    int restart = 0;
+    struct dsec_event_small *e = dsec_pending_begin(kind, sys, (u64)path, (u64)path2, &restart);
     if (!e)
         return 0;
+    if (restart) {
+        dsec_file_paths(e);     /* what the restart reads (common.h dsec_pending_begin) */
+        return 0;
+    }
     e->u.file.sys = sys;
     e->u.file.dirfd = dirfd;
     e->u.file.dirfd2 = dirfd2;

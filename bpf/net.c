@@ -11,10 +11,15 @@
 
 TRACEPOINT_PROBE(syscalls, sys_enter_connect)
 {
+    int restart = 0;
     struct dsec_event_small *e = dsec_pending_begin(DSEC_KIND_CONNECT, DSEC_SYS_CONNECT, (u64)args->uservaddr,
-                                                    (u64)(s64)(int)args->fd);
+                                                    (u64)(s64)(int)args->fd, &restart);
     if (!e)
         return 0;
+    if (restart) {
+        dsec_connect_addr(e);   /* what the restart reads (common.h dsec_pending_begin) */
+        return 0;
+    }
     e->u.connect.fd = (int)args->fd;
     e->u.connect.addrlen = (u32)args->addrlen;
     e->u.connect.sys = DSEC_SYS_CONNECT;

@@ -309,6 +309,53 @@ def test_an_interrupted_syscall_is_one_record_restarted_or_not(audit_sensor, aud
     assert [r["path"] for r in main][-2:] == [fifo, str(tmp_path / "after")], [(r["path"], r["ret"]) for r in main]
 
 
+SWAPPED = r"""
+import ctypes, os, sys, threading, time
+a, b = sys.argv[1].encode(), sys.argv[2].encode()
+libc = ctypes.CDLL(None, use_errno=True)
+buf = ctypes.create_string_buffer(a)
+fds = []
+t = threading.Thread(target=lambda: fds.append(libc.open(buf, os.O_WRONLY)), daemon=True)
+t.start()
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline and not os.path.exists(f"/proc/self/task/{t.native_id}/wchan"):
+    time.sleep(0.01)
+while time.monotonic() < deadline and open(f"/proc/self/task/{t.native_id}/wchan").read() != "wait_for_partner":
+    time.sleep(0.01)
+ctypes.memmove(buf, b, len(b))         # blocked on a; its restart reads b
+print(t.native_id, flush=True)
+t.join(30)
+print(fds[0] >= 0, flush=True)
+"""
+
+
+def test_a_restarted_syscall_is_recorded_with_what_its_restart_read(audit_sensor, audit_cgroups, tmp_path):
+    """The kernel reads a restarted syscall's arguments from user memory again: a
+    thread of the process can change them while the call is blocked (here: open(A)
+    blocked, the name swapped to B, a stop and a continue). The one record names B,
+    what the kernel opened, not A (which it would, read only at the first enter)."""
+    h = audit_sensor
+    fa, fb = str(tmp_path / "fifoA"), str(tmp_path / "fifoB")
+    os.mkfifo(fa)
+    os.mkfifo(fb)
+    sbx = h.sandbox(audit_cgroups)
+    p = run_in_cgroup(sbx.cg, [PYTHON, "-I", "-B", "-c", SWAPPED, fa, fb], stdout=subprocess.PIPE)
+    try:
+        tid = int(p.stdout.readline())
+        os.kill(p.pid, signal.SIGSTOP)
+        assert h.poll_until(lambda: open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T", 10)
+        os.kill(p.pid, signal.SIGCONT)
+        assert h.poll_until(lambda: open(f"/proc/{p.pid}/task/{tid}/wchan").read() == "wait_for_partner", 20)
+        _release(fb)
+        assert p.stdout.readline().strip() == b"True"
+        assert p.wait(30) == 0
+    finally:
+        _kill(p)
+    sbx.remove()
+    opens = [(r["path"], r["ret"] >= 0) for r in sbx.of_kind("open_write") if r["path"] in (fa, fb)]
+    assert opens == [(fb, True)], opens
+
+
 @pytest.fixture(scope="module")
 def small_table():
     """A sensor whose node-wide in-flight table holds 256 entries (64 of them the
