@@ -317,6 +317,34 @@ def _hostile_batch(sid: str, n: int, raw: bool = True) -> list[dict]:
     return out
 
 
+def test_otlp_wire_request_is_the_sdk_encoders(tmp_path, spool):
+    """The OTLP sink writes its ExportLogsServiceRequest as wire bytes
+    (exporters/otlp_wire.py); parsed, it must equal what the SDK's encoder
+    makes of the SDK's log records for the same rows: every record, resource,
+    attribute (raw bytes, arrays, counts past int64, unix sockets), severity,
+    trace/span id and body, in the same order."""
+    from audit_schema.events import normalize
+    rows = _hostile_batch("sb-w1", 150) + _hostile_batch("sb-w2", 50, raw=False)
+    rows += [normalize(r) for r in lifecycle("sb-w3")]
+    rows += [normalize({"event_id": "lost-1", "kind": "events_lost", "count": 7, "node": "node-b",
+                        "extra": json.dumps({"reason": "ringbuf_full"})}),
+             normalize({"event_id": "c-1", "kind": "connect", "sandbox_id": "sb-w1", "node": "node-a",
+                        "family": "unix", "addr": "/run/x.sock", "decision": "would-deny", "step": 2}),
+             normalize({"event_id": "d-1", "kind": "exec_denied", "sandbox_id": "sb-w2", "node": "node-a",
+                        "path": "/bin/nc", "signal": 9, "decision": "denied"})]
+    rows[3]["sandbox_id"] = ""                     # a record of no sandbox: the node's resource
+    sink = OtlpSink(spool, endpoint="http://127.0.0.1:1")
+    try:
+        now = time.time_ns()
+        ref = sink._logs_exporter()._translate_data(sink.log_records(rows, now))
+        got = sink.log_request(rows, now)
+        assert sum(len(sl.log_records) for rl in got.resource_logs for sl in rl.scope_logs) == len(rows)
+        assert got == ref
+        assert got.SerializeToString(deterministic=True) == ref.SerializeToString(deterministic=True)
+    finally:
+        sink.close()
+
+
 @pytest.mark.parametrize("frames", ["batch", "record"])
 def test_jsonl_batch_lines_are_exactly_json_line(tmp_path, frames):
     """The batch-shaped JSON-lines writer (one orjson call per record, no
