@@ -341,6 +341,9 @@ class RingSensor:
 
     WHAT = "sensor"          # "audit" | "enforcement", in error messages
     VERB = "watched"         # "audited" | "enforced"
+    # on_records(records, taken): the backlog in one call instead of on_record per record;
+    # taken[0] counts the records it has consumed, in order (a raise leaves the rest queued)
+    on_records = None
 
     def _init_records(self, ring, leaf_type, *, node: str | None, enricher) -> None:
         self.instance = uuid.uuid4().hex
@@ -584,6 +587,20 @@ class RingSensor:
 
     def _deliver(self) -> int:
         n = 0
+        if self.on_records is not None:
+            while self._backlog:
+                recs = list(self._backlog)
+                taken = [0]
+                try:
+                    self.on_records(recs, taken)
+                finally:
+                    if taken[0] >= len(self._backlog):
+                        self._backlog.clear()
+                    else:
+                        for _ in range(taken[0]):
+                            self._backlog.popleft()
+                    n += taken[0]
+            return n
         while self._backlog:
             rec = self._backlog[0]
             if self.on_record is not None:

@@ -104,6 +104,9 @@ class Recorder:
             if self.enforcer is not None:
                 self.enforcer.close()
             raise
+        self.sensor.on_records = self._on_records
+        if self.enforcer is not None:
+            self.enforcer.on_records = self._on_records
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dsec-audit-poll", daemon=True)
         self._thread.start()
@@ -120,24 +123,40 @@ class Recorder:
 
     # -- records ----------------------------------------------------------------------
     def _on_record(self, rec: dict):
-        if rec.get("kind") in INIT_OWN_KINDS and rec.get("pid") and \
-                rec.get("pid") == self.init_pids.get(rec.get("sandbox_id")):
-            # the sandbox's PID 1 is dsec-init (it never runs workload code: every step is a
-            # forked child that execs): its sysctls and its own oom_score_adj are dsec's doing,
-            # not the workload's; recorded they would be learned and flagged as the workload's.
-            # Counted, so that the kernel's emitted count still adds up (unwatch: "init_own")
-            sid = rec.get("sandbox_id")
-            self.init_own[sid] = self.init_own.get(sid, 0) + 1
-            return
-        img = self.images.get(rec.get("sandbox_id"))
-        if img and not rec.get("image_digest"):
-            rec["image_digest"] = img
-        pol = self.policies.get(rec.get("sandbox_id"))
-        if pol is not None and not rec.get("decision"):
-            if pol.mode == "enforce" and layout_refusal(rec):
-                mark_refused_anyway(rec, self.roots.refused_anyway(rec.get("sandbox_id"), rec))
-            rec["decision"] = decision(pol, rec)
-        self._queue(self.denials.offer(rec))
+        self._on_records([rec], [0])
+
+    def _on_records(self, recs: list[dict], taken: list) -> None:
+        """A sensor's backlog in one call (RingSensor.on_records), one queue
+        operation for the lot; taken[0]: how many are done (queued at the end,
+        also when one raises). Per record: a write of dsec-init's own (the
+        sandbox's PID 1 is dsec-init, it never runs workload code: every step is
+        a forked child that execs; its sysctls and its own oom_score_adj are
+        dsec's doing, and recorded they would be learned and flagged as the
+        workload's) is counted so that the kernel's emitted count still adds up
+        (unwatch: "init_own"), not kept; the rest get the image digest, the
+        policy's decision, and go through the denial aggregator."""
+        out = []
+        init_pids, images, policies, offer = self.init_pids, self.images, self.policies, self.denials.offer
+        try:
+            for rec in recs:
+                sid = rec.get("sandbox_id")
+                if rec.get("kind") in INIT_OWN_KINDS and rec.get("pid") and rec.get("pid") == init_pids.get(sid):
+                    self.init_own[sid] = self.init_own.get(sid, 0) + 1
+                    taken[0] += 1
+                    continue
+                img = images.get(sid)
+                if img and not rec.get("image_digest"):
+                    rec["image_digest"] = img
+                pol = policies.get(sid)
+                if pol is not None and not rec.get("decision"):
+                    if pol.mode == "enforce" and layout_refusal(rec):
+                        mark_refused_anyway(rec, self.roots.refused_anyway(sid, rec))
+                    rec["decision"] = decision(pol, rec)
+                out.extend(offer(rec))
+                taken[0] += 1
+        finally:
+            if out:
+                self._queue(out)
 
     def _queue(self, recs: list[dict]) -> int:
         """Queue records for the next append; returns the ticket of the last."""
