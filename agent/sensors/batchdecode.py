@@ -17,8 +17,9 @@ no union object, no normalize (the template has every field).
 Everything else goes through Decoder.decode, unchanged, in order: other
 kinds (exec with its enrichment job, rename, the enforcement sensor's), a
 relative path (resolved through /proc at decode time), a record shorter than
-the fixed part or of an unknown kind (decode makes it an events_lost record
-or counts it: never silent). tests/test_bpf_audit.py decodes the same kernel
+the fixed part or of an unknown kind, one whose fast decoding raised (decode
+makes it an events_lost record or counts it: never silent, and a chunk is
+never lost to one bad record). tests/test_batchdecode.py decodes the same kernel
 records both ways and compares every field.
 
 decode_many returns a list of records (dicts) and EnrichJobs (an exec whose
@@ -114,8 +115,11 @@ class BatchDecoder:
             ent = tmpl.get((cg, kind))
             if ent is None or ent[0] is not info:
                 ent = self._template(cg, kind, kname, info)
-            rec = fn(ent[1], blob, o, n, body(blob, o + body_off), o + buf_off, pid, tid, gid)
-            if rec is None:                       # not for the fast path (a relative path ...)
+            try:
+                rec = fn(ent[1], blob, o, n, body(blob, o + body_off), o + buf_off, pid, tid, gid)
+            except Exception:                     # noqa: BLE001 - decode() accounts for it (events_lost)
+                rec = None
+            if rec is None:                       # not for the fast path (a relative path ...), or failed
                 self._slow(blob[o:o + n], out)
                 continue
             # what Decoder._decode sets for every record, in its order of effects
