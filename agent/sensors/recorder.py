@@ -16,8 +16,9 @@ Two sensors, one per concern (Tetragon style): the audit sensor (exec, fork,
 exit, connect, file writes; agent/sensors/audit.py) and the enforcement sensor
 (egress, exec allowlist, syscall violations and learn-mode counts;
 agent/sensors/enforce.py). A background thread polls both and appends decoded
-records to a queue, and appends the queue to the spool after every poll
-(every 20 ms when idle) in one batch: one append_many, i.e. one write and one
+records to a queue, and appends the queue to the spool once 1,024 records
+wait or the oldest has waited 10 ms (COALESCE_*; ~20 ms when idle: the
+poll's wait) in one batch: one append_many, i.e. one write and one
 fdatasync per batch (group commit). The spool is the durable hand-off to the
 exporters. (A writer thread of its own was measured, bench/audit.py part 2:
 no gain -- the fdatasync is ~1% of the poll thread's time, the rest is
@@ -58,6 +59,8 @@ from agent.sensors.permcheck import SandboxRoots
 log = logging.getLogger("dsec.audit")
 # what dsec-init (PID 1) does on dsec's behalf and is not recorded as the sandbox's
 INIT_OWN_KINDS = ("open_write", "unlink", "rename")
+COALESCE_RECORDS = 1024     # the poll thread appends at this many records queued ...
+COALESCE_S = 0.01           # ... or once the oldest has waited this long (group commit)
 
 
 class Recorder:
@@ -67,6 +70,7 @@ class Recorder:
         self.node = node or os.uname().nodename
         self.spool = spool or Spool()
         self._pending: list[dict] = []
+        self._pending_since = 0.0                 # monotonic time the oldest pending record was queued
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()       # one append at a time: batches stay in order
         self._durable_cv = threading.Condition(self._lock)
@@ -161,9 +165,22 @@ class Recorder:
     def _queue(self, recs: list[dict]) -> int:
         """Queue records for the next append; returns the ticket of the last."""
         with self._lock:
+            if not self._pending:
+                self._pending_since = time.monotonic()
             self._pending.extend(recs)
             self._queued += len(recs)
             return self._queued
+
+    def _batch_ready(self) -> bool:
+        """The poll thread appends once COALESCE_RECORDS records wait or the oldest
+        has waited COALESCE_S: the decoder now keeps up in a few ms per poll, and
+        an append per poll made batches of tens of records (more fdatasyncs, and
+        frames under BATCH_MIN become frames of one record, which cost the
+        exporters several times more to read). flush()/catch_up()/unwatch() and
+        record(wait=True) append at once."""
+        with self._lock:
+            n = len(self._pending)
+            return n >= COALESCE_RECORDS or (n and time.monotonic() - self._pending_since >= COALESCE_S)
 
     def _on_over_budget(self, cgroup_id, sandbox_id, lost):
         """over_budget="stop": the kernel killed the process that overflowed; stop the
@@ -263,7 +280,8 @@ class Recorder:
                 self._poll_error = e
                 failed = True
             try:
-                self._flush_pending()
+                if failed or self._batch_ready():
+                    self._flush_pending()
             except BaseException:  # noqa: BLE001 - kept queued, logged, retried here
                 failed = True
             if failed:
