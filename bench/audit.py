@@ -369,7 +369,7 @@ class Pipeline:
         # per batch, never per record: a Python wrapper per record (even timing 1 call in 16)
         # cost ~15% of the poll thread (py-spy), which the agent CPU figure then included
         sensor = self.rec.sensor
-        self.stages.wrap(sensor, "_decode_raw", "decode (+ path resolution)", lambda a: len(sensor._raw))
+        self.stages.wrap(sensor, "_decode_raw", "decode (+ path resolution)", lambda a: sum(len(s) for _, s in sensor._raw))
         if getattr(sensor, "_reader", None) is not None:
             self.stages.wrap(sensor, "_take", "ring read (bulk copy, record walk)", lambda a: 0)
         self.stages.wrap(sensor, "_deliver", "recorder (policy stamps, denials)", lambda a: len(sensor._backlog))

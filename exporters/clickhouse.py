@@ -35,6 +35,7 @@ budget never evicts its backlog (exporters/spool.py).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 import threading
@@ -51,6 +52,7 @@ _MIGRATED: dict = {}         # (url, db, cluster, ddl) -> MigrationResult, migra
 
 
 _NAMES = tuple(f.name for f in FIELDS)
+_UTF8, _SURROGATEESCAPE = itertools.repeat("utf-8"), itertools.repeat("surrogateescape")
 _ROW = operator.itemgetter(*_NAMES)
 
 
@@ -92,7 +94,10 @@ def _converted(columns) -> list[list]:
     cols = []
     for f, col in zip(FIELDS, columns):
         if f.ch_type == "String":
-            vals = [enc(v, "utf-8", "surrogateescape") if v else b"" for v in col]
+            if None in col:
+                vals = [enc(v, "utf-8", "surrogateescape") if v else b"" for v in col]
+            else:              # every value a str ("" encodes to b""): one C-level map, no Python loop
+                vals = list(map(enc, col, _UTF8, _SURROGATEESCAPE))
         elif f.ch_type == "Array(String)":
             vals = [[enc(x, "utf-8", "surrogateescape") for x in v] if v else [] for v in col]
         else:

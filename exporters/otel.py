@@ -79,6 +79,7 @@ from exporters.spool import Spool
 from audit_schema.events import BY_NAME
 from exporters.base import RetryPolicy, SpoolSink
 from exporters.resource import agent_resource, base_resource, dsec_version as _version
+from exporters.otlp_wire import LogsEncoder
 
 log = logging.getLogger("dsec.exporter.otlp")
 
@@ -145,6 +146,7 @@ _ZERO_MEANS = {
 }
 _INT64_MAX = 2 ** 63 - 1
 _SEV_WARN_KINDS = ("access_denied",)
+_SAMPLED = 0x01          # opentelemetry.trace.TraceFlags.SAMPLED
 
 
 def attribute_name(field: str, kind: str) -> str | None:
@@ -205,15 +207,21 @@ def attributes_for(rec: dict) -> dict:
     return out
 
 
+_SEVERITIES = []         # (ERROR, WARN, INFO) as (SeverityNumber, text), imported once
+
+
 def _severity(rec):
-    from opentelemetry._logs import SeverityNumber
+    if not _SEVERITIES:
+        from opentelemetry._logs import SeverityNumber
+        _SEVERITIES[:] = [(SeverityNumber.ERROR, "ERROR"), (SeverityNumber.WARN, "WARN"),
+                          (SeverityNumber.INFO, "INFO")]
     kind = rec.get("kind")
     if kind == "events_lost":
-        return SeverityNumber.ERROR, "ERROR"
+        return _SEVERITIES[0]
     d = rec.get("decision")
     if (d and d != "allowed") or kind in _SEV_WARN_KINDS or (kind or "").endswith(("_denied", "_violation")):
-        return SeverityNumber.WARN, "WARN"
-    return SeverityNumber.INFO, "INFO"
+        return _SEVERITIES[1]
+    return _SEVERITIES[2]
 
 
 # --- ids ---------------------------------------------------------------------------
@@ -402,6 +410,7 @@ class OtlpSink(SpoolSink):
         self.total_spans = 0
         self._scope = None
         self._ids: dict = {}
+        self._wire = LogsEncoder()
 
     # -- exporters (the SDK's: env handling, headers, TLS, compression, channel)
     def _kw(self):
@@ -450,18 +459,22 @@ class OtlpSink(SpoolSink):
         self.reset_connection()
         super().close()
 
-    def _rpc(self, exp, items, what: str):
-        """One Export call on the exporter's stub; raises with the gRPC status."""
+    def _rpc(self, exp, items, what: str, request=None):
+        """One Export call on the exporter's stub; raises with the gRPC status.
+        request: the request already made (log_request), else the SDK's
+        translation of items (SDK objects). For logs, items are the rows."""
         import grpc
         client = getattr(exp, "_client", None)
         translate = getattr(exp, "_translate_data", None)
         if client is None or translate is None:       # an SDK without these internals: its own export()
+            if request is not None:
+                items = self.log_records(items)
             result = exp.export(items)
             if getattr(result, "name", "") != "SUCCESS":
                 raise OtlpError(f"OTLP {what} export to {self.endpoint} failed")
             return None
         try:
-            resp = client.Export(request=translate(items), metadata=getattr(exp, "_headers", ()) or (),
+            resp = client.Export(request=translate(items) if request is None else request, metadata=getattr(exp, "_headers", ()) or (),
                                  timeout=self.timeout)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
@@ -488,20 +501,12 @@ class OtlpSink(SpoolSink):
             self._resources[key] = r
         return r
 
-    def log_records(self, rows: list[dict]):
-        from opentelemetry._logs import LogRecord
-        from opentelemetry.context import Context
-        from opentelemetry.sdk._logs import ReadableLogRecord
-        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-        from opentelemetry.trace import TraceFlags
+    def _log_fields(self, rows: list[dict], now: int):
+        """Per record (the one mapping both encodings use): (resource, kwargs of a
+        log record: ts, observed, severity_number, severity_text, body, attrs,
+        event_name, trace_id, span_id, flags)."""
         from audit_schema.describe import detail
-        scope = self._scope or InstrumentationScope("dsec.audit", _version())
-        self._scope = scope
-        now = time.time_ns()
-        empty = Context()
-        sampled = TraceFlags(TraceFlags.SAMPLED)
         ids = self._ids
-        out = []
         for rec in rows:
             kind = rec.get("kind") or ""
             sev, sev_text = _severity(rec)
@@ -510,9 +515,7 @@ class OtlpSink(SpoolSink):
                 body = f"{kind}: {detail(rec)}".rstrip(": ")
             except Exception:  # noqa: BLE001 - a body is a courtesy
                 body = kind
-            lr = LogRecord(timestamp=rec.get("ts_ns") or now, observed_timestamp=now, context=empty,
-                           severity_text=sev_text, severity_number=sev, body=body,
-                           attributes=attributes_for(rec), event_name=f"dsec.{kind}")
+            trace_id = span_id = flags = 0
             if sid:
                 step = rec.get("step") or 0
                 key = (node, sid, step)
@@ -522,10 +525,52 @@ class OtlpSink(SpoolSink):
                         ids.clear()
                     tid_sid = ids[key] = (trace_id_of(node, sid), span_id_of(node, sid, "step", step)
                                           if step else span_id_of(node, sid))
-                lr.trace_id, lr.span_id = tid_sid
-                lr.trace_flags = sampled
-            out.append(ReadableLogRecord(lr, resource=self._resource(node, sid), instrumentation_scope=scope))
+                trace_id, span_id = tid_sid
+                flags = _SAMPLED
+            yield self._resource(node, sid), dict(
+                ts=rec.get("ts_ns") or now, observed=now, severity_number=sev.value, severity_text=sev_text,
+                body=body, attrs=attributes_for(rec), event_name=f"dsec.{kind}", trace_id=trace_id,
+                span_id=span_id, flags=flags)
+
+    def _scope_of(self):
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+        self._scope = self._scope or InstrumentationScope("dsec.audit", _version())
+        return self._scope
+
+    def log_records(self, rows: list[dict], now: int | None = None):
+        """The SDK's ReadableLogRecords of rows (the reference encoding: the
+        sink sends log_request's bytes, which tests compare with these)."""
+        from opentelemetry._logs import LogRecord, SeverityNumber
+        from opentelemetry.context import Context
+        from opentelemetry.sdk._logs import ReadableLogRecord
+        from opentelemetry.trace import TraceFlags
+        scope = self._scope_of()
+        now = time.time_ns() if now is None else now
+        empty = Context()
+        out = []
+        for res, f in self._log_fields(rows, now):
+            lr = LogRecord(timestamp=f["ts"], observed_timestamp=now, context=empty,
+                           severity_text=f["severity_text"], severity_number=SeverityNumber(f["severity_number"]),
+                           body=f["body"], attributes=f["attrs"], event_name=f["event_name"])
+            if f["trace_id"]:
+                lr.trace_id, lr.span_id = f["trace_id"], f["span_id"]
+                lr.trace_flags = TraceFlags(f["flags"])
+            out.append(ReadableLogRecord(lr, resource=res, instrumentation_scope=scope))
         return out
+
+    def log_request(self, rows: list[dict], now: int | None = None):
+        """The ExportLogsServiceRequest of rows, written as wire bytes
+        (exporters/otlp_wire.py: no SDK object per record) and parsed once."""
+        from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+        now = time.time_ns() if now is None else now
+        enc = self._wire
+        groups: dict = {}
+        for res, f in self._log_fields(rows, now):
+            g = groups.get(res)
+            if g is None:
+                g = groups[res] = []
+            g.append(enc.log_record(**f))
+        return ExportLogsServiceRequest.FromString(enc.request(list(groups.items()), self._scope_of()))
 
     def spans(self, span_dicts):
         from opentelemetry.sdk.trace import ReadableSpan
@@ -555,7 +600,7 @@ class OtlpSink(SpoolSink):
         if self.traces:
             spans, new_state = self._tracer.process(rows, self._span_state)
         if self.logs and rows:
-            resp = self._rpc(self._logs_exporter(), self.log_records(rows), "logs")
+            resp = self._rpc(self._logs_exporter(), rows, "logs", request=self.log_request(rows))
             self._partial(resp, "log records")
         if spans:
             resp = self._rpc(self._spans_exporter(), self.spans(spans), "traces")

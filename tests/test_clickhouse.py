@@ -261,6 +261,25 @@ def test_non_utf8_bytes_round_trip_exactly(clickhouse_url, clickhouse_client, sp
     assert n == 1
 
 
+def test_batch_frames_of_raw_bytes_arrive_exactly(clickhouse_url, clickhouse_client, spool):
+    """A batch of normalized records (batch frames, the columns inserted as
+    they are, String columns encoded by one map each) with raw bytes, NULs,
+    empty strings and non-ASCII: every row, every byte, once."""
+    from audit_schema.events import normalize
+    client, db = clickhouse_client
+    sid = new_sid()
+    paths = [b"/tmp/\xff\xfe/%d" % i if i % 3 == 0 else b"" if i % 3 == 1 else ("/caf\u00e9/\0/%d" % i).encode()
+             for i in range(64)]
+    recs = [normalize({"event_id": f"{sid}-{i:03d}", "ts_ns": 1000 + i, "sandbox_id": sid, "kind": "open_write",
+                       "path": from_bytes(p), "comm": from_bytes(b"\x80c%d" % i), "argv": [from_bytes(p), ""]})
+            for i, p in enumerate(paths)]
+    spool.append_many(recs)
+    assert ClickHouseExporter(spool, clickhouse_url).flush(timeout=30).ok
+    rows = client.execute(f"SELECT event_id, path, comm, argv FROM {db}.events FINAL WHERE sandbox_id = %(s)s "
+                          "ORDER BY event_id", {"s": sid}, settings={"strings_as_bytes": True})
+    assert rows == [(f"{sid}-{i:03d}".encode(), p, b"\x80c%d" % i, [p, b""]) for i, p in enumerate(paths)]
+
+
 def test_cli_events_table_and_bad_usage(clickhouse_url, spool):
     sid = new_sid()
     spool.append_many(events(sid, 6, path=from_bytes(b"/etc/\x1b[31mred\xff")))

@@ -300,6 +300,75 @@ def test_jsonl_lines_are_the_dsec_events_json_form(tmp_path, spool):
     sink.close()
 
 
+def _hostile_batch(sid: str, n: int, raw: bool = True) -> list[dict]:
+    """n normalized records (the recorder's shape: batch frames) whose strings hold
+    every character class a JSON writer can get wrong: controls, quotes,
+    backslashes, non-ASCII, U+2028, astral, and raw bytes (surrogateescape)."""
+    from audit_schema.events import normalize
+    specials = ["\x00\x01\x1f\x7f", '"q"\\', "\n\r\t\b\f", "caf\u00e9 \u2028\u2029 \U0001f600",
+                from_bytes(b"/raw-\xff\xfe") if raw else "/no-raw", "\ufeff\uffff", "plain"]
+    out = []
+    for i in range(n):
+        r = evs(sid, 1, start=i)[0]
+        r.update(path=f"/w/{specials[i % len(specials)]}{i}", comm=specials[(i + 3) % len(specials)],
+                 argv=[specials[i % len(specials)], str(i)], count=2**64 - 1 - i, ret=-i,
+                 extra=json.dumps({"i": i, "s": specials[(i + 1) % len(specials)]}))
+        out.append(normalize(r))
+    return out
+
+
+def test_otlp_wire_request_is_the_sdk_encoders(tmp_path, spool):
+    """The OTLP sink writes its ExportLogsServiceRequest as wire bytes
+    (exporters/otlp_wire.py); parsed, it must equal what the SDK's encoder
+    makes of the SDK's log records for the same rows: every record, resource,
+    attribute (raw bytes, arrays, counts past int64, unix sockets), severity,
+    trace/span id and body, in the same order."""
+    from audit_schema.events import normalize
+    rows = _hostile_batch("sb-w1", 150) + _hostile_batch("sb-w2", 50, raw=False)
+    rows += [normalize(r) for r in lifecycle("sb-w3")]
+    rows += [normalize({"event_id": "lost-1", "kind": "events_lost", "count": 7, "node": "node-b",
+                        "extra": json.dumps({"reason": "ringbuf_full"})}),
+             normalize({"event_id": "c-1", "kind": "connect", "sandbox_id": "sb-w1", "node": "node-a",
+                        "family": "unix", "addr": "/run/x.sock", "decision": "would-deny", "step": 2}),
+             normalize({"event_id": "d-1", "kind": "exec_denied", "sandbox_id": "sb-w2", "node": "node-a",
+                        "path": "/bin/nc", "signal": 9, "decision": "denied"})]
+    rows[3]["sandbox_id"] = ""                     # a record of no sandbox: the node's resource
+    sink = OtlpSink(spool, endpoint="http://127.0.0.1:1")
+    try:
+        now = time.time_ns()
+        ref = sink._logs_exporter()._translate_data(sink.log_records(rows, now))
+        got = sink.log_request(rows, now)
+        assert sum(len(sl.log_records) for rl in got.resource_logs for sl in rl.scope_logs) == len(rows)
+        assert got == ref
+        assert got.SerializeToString(deterministic=True) == ref.SerializeToString(deterministic=True)
+    finally:
+        sink.close()
+
+
+@pytest.mark.parametrize("frames", ["batch", "record"])
+def test_jsonl_batch_lines_are_exactly_json_line(tmp_path, frames):
+    """The batch-shaped JSON-lines writer (one orjson call per record, no
+    normalize for a batch of batch frames) writes exactly json_line's bytes
+    for every record, in order, none dropped or added, damage rows included."""
+    from audit_schema.describe import to_json_line
+    from audit_schema.events import normalize
+    sp = Spool(str(tmp_path / "spool"), fsync="never", frames=frames)
+    recs = _hostile_batch("sb-jb", 300) + _hostile_batch("sb-jc", 300, raw=False)   # + one orjson call a batch
+    sp.append_many(recs[:200])
+    sp.append_many(recs[200:300])
+    sp.append_many(recs[300:])
+    path = str(tmp_path / "b.jsonl")
+    sink = JsonlSink(sp, path=path, batch_records=128)
+    try:
+        assert sink.flush(5).sent == 600
+    finally:
+        sink.close()
+        sp.close()
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data == b"".join(to_json_line(normalize(r)).encode("utf-8") + b"\n" for r in recs)
+
+
 def test_jsonl_is_exactly_once_across_a_crash_between_write_and_commit(tmp_path, spool):
     path = str(tmp_path / "a.jsonl")
     open(path, "w").write("a line from before\n")

@@ -32,6 +32,7 @@ import uuid
 from collections import OrderedDict, deque
 
 from agent.sensors import bpfsys, ringbuf
+from agent.sensors.batchdecode import BatchDecoder
 from agent.sensors.decoder import Decoder
 from agent.errors import DsecError
 
@@ -349,6 +350,9 @@ class RingSensor:
 
     WHAT = "sensor"          # "audit" | "enforcement", in error messages
     VERB = "watched"         # "audited" | "enforced"
+    # on_records(records, taken): the backlog in one call instead of on_record per record;
+    # taken[0] counts the records it has consumed, in order (a raise leaves the rest queued)
+    on_records = None
 
     def _init_records(self, ring, leaf_type, *, node: str | None, enricher) -> None:
         self.instance = uuid.uuid4().hex
@@ -362,7 +366,9 @@ class RingSensor:
         self._close_by = None           # monotonic deadline of close()'s waits for enrichment
         self._enrich_warned: set[int] = set()   # cgroup ids whose skipped enrichment was logged
         self._lock = threading.RLock()
-        self._raw: list[bytes] = []
+        # (blob, [(offset, length)]) chunks of the ring not decoded yet (BCC's callback: one record each)
+        self._raw: list[tuple[bytes, list]] = []
+        self._batch = BatchDecoder(self.decoder) if os.environ.get("DSEC_DECODE", "batch") != "record" else None
         self._backlog: deque = deque()
         self._reported: dict[int, dict] = {}    # cgroup id -> {reason: {kind: count}} already reported
         self._last_flush_wall: dict[int, int] = {}
@@ -480,7 +486,7 @@ class RingSensor:
             self._flush_losses(cgid, self._read_state(cgid))
 
     def _on_raw(self, ctx, data, size):
-        self._raw.append(ct.string_at(data, size))
+        self._raw.append((ct.string_at(data, size), [(0, size)]))
         return 0
 
     def _ring_poll(self, timeout_ms: int) -> None:
@@ -506,7 +512,7 @@ class RingSensor:
         blob, spans = r.read()
         if not blob:
             return False
-        self._raw.extend([blob[o:o + n] for o, n in spans])
+        self._raw.append((blob, spans))
         return True
 
     def _consume(self) -> None:
@@ -521,23 +527,47 @@ class RingSensor:
             if len(self._raw) == before:
                 return
 
+    def _decoded(self, blob: bytes, spans) -> list:
+        """Records and EnrichJobs of one chunk, in ring order: many per call
+        (agent/sensors/batchdecode.py), or with DSEC_DECODE=record each
+        through Decoder.decode (the same records, one call each)."""
+        if self._batch is not None:
+            return self._batch.decode_many(blob, spans)
+        out = []
+        for o, n in spans:
+            rec = self.decoder.decode(blob[o:o + n])
+            job = self.decoder.take_job()
+            if job is not None:
+                out.append(job)
+            elif rec is not None:
+                out.append(rec)
+        return out
+
     def _decode_raw(self) -> None:
         raw, self._raw = self._raw, []
         worker = self.enrich_worker
-        for r in raw:
-            rec = self.decoder.decode(r)
-            job = self.decoder.take_job()
-            if job is None:
-                if rec is not None:
-                    self._accept(rec)
-            elif not worker.submit(job):       # comes back through _take_enriched()
-                why = worker.full_reason(job.cgroup_id)
-                job.skip(why)
-                self._accept(job.rec)
-                if job.cgroup_id not in self._enrich_warned:   # once per sandbox; each record says it
-                    self._enrich_warned.add(job.cgroup_id)
-                    log.warning("sandbox %s: exec records without sha256: %s", job.rec["sandbox_id"], why)
+        plain = type(self)._accept is RingSensor._accept      # no per-record hook of the sensor's own
+        for blob, spans in raw:
+            items = self._decoded(blob, spans)
+            if plain and all(i.__class__ is dict for i in items):
+                self._backlog.extend(items)
+                continue
+            for job in items:
+                if job.__class__ is dict:
+                    self._accept(job)
+                    continue
+                self._job_in(worker, job)
         self._take_enriched()
+
+    def _job_in(self, worker, job) -> None:
+        """An exec record whose file is to be read off the decode path."""
+        if not worker.submit(job):       # comes back through _take_enriched()
+            why = worker.full_reason(job.cgroup_id)
+            job.skip(why)
+            self._accept(job.rec)
+            if job.cgroup_id not in self._enrich_warned:   # once per sandbox; each record says it
+                self._enrich_warned.add(job.cgroup_id)
+                log.warning("sandbox %s: exec records without sha256: %s", job.rec["sandbox_id"], why)
 
     def _take_enriched(self) -> None:
         """Exec records whose files the Enricher has read (or skipped) since."""
@@ -569,6 +599,20 @@ class RingSensor:
 
     def _deliver(self) -> int:
         n = 0
+        if self.on_records is not None:
+            while self._backlog:
+                recs = list(self._backlog)
+                taken = [0]
+                try:
+                    self.on_records(recs, taken)
+                finally:
+                    if taken[0] >= len(self._backlog):
+                        self._backlog.clear()
+                    else:
+                        for _ in range(taken[0]):
+                            self._backlog.popleft()
+                    n += taken[0]
+            return n
         while self._backlog:
             rec = self._backlog[0]
             if self.on_record is not None:

@@ -16,8 +16,9 @@ Two sensors, one per concern (Tetragon style): the audit sensor (exec, fork,
 exit, connect, file writes; agent/sensors/audit.py) and the enforcement sensor
 (egress, exec allowlist, syscall violations and learn-mode counts;
 agent/sensors/enforce.py). A background thread polls both and appends decoded
-records to a queue, and appends the queue to the spool after every poll
-(every 20 ms when idle) in one batch: one append_many, i.e. one write and one
+records to a queue, and appends the queue to the spool once 1,024 records
+wait or the oldest has waited 10 ms (COALESCE_*; ~20 ms when idle: the
+poll's wait) in one batch: one append_many, i.e. one write and one
 fdatasync per batch (group commit). The spool is the durable hand-off to the
 exporters. (A writer thread of its own was measured, bench/audit.py part 2:
 no gain -- the fdatasync is ~1% of the poll thread's time, the rest is
@@ -58,6 +59,8 @@ from agent.sensors.permcheck import SandboxRoots
 log = logging.getLogger("dsec.audit")
 # what dsec-init (PID 1) does on dsec's behalf and is not recorded as the sandbox's
 INIT_OWN_KINDS = ("open_write", "unlink", "rename")
+COALESCE_RECORDS = 1024     # the poll thread appends at this many records queued ...
+COALESCE_S = 0.01           # ... or once the oldest has waited this long (group commit)
 
 
 class Recorder:
@@ -67,6 +70,7 @@ class Recorder:
         self.node = node or os.uname().nodename
         self.spool = spool or Spool()
         self._pending: list[dict] = []
+        self._pending_since = 0.0                 # monotonic time the oldest pending record was queued
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()       # one append at a time: batches stay in order
         self._durable_cv = threading.Condition(self._lock)
@@ -104,6 +108,9 @@ class Recorder:
             if self.enforcer is not None:
                 self.enforcer.close()
             raise
+        self.sensor.on_records = self._on_records
+        if self.enforcer is not None:
+            self.enforcer.on_records = self._on_records
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dsec-audit-poll", daemon=True)
         self._thread.start()
@@ -120,31 +127,60 @@ class Recorder:
 
     # -- records ----------------------------------------------------------------------
     def _on_record(self, rec: dict):
-        if rec.get("kind") in INIT_OWN_KINDS and rec.get("pid") and \
-                rec.get("pid") == self.init_pids.get(rec.get("sandbox_id")):
-            # the sandbox's PID 1 is dsec-init (it never runs workload code: every step is a
-            # forked child that execs): its sysctls and its own oom_score_adj are dsec's doing,
-            # not the workload's; recorded they would be learned and flagged as the workload's.
-            # Counted, so that the kernel's emitted count still adds up (unwatch: "init_own")
-            sid = rec.get("sandbox_id")
-            self.init_own[sid] = self.init_own.get(sid, 0) + 1
-            return
-        img = self.images.get(rec.get("sandbox_id"))
-        if img and not rec.get("image_digest"):
-            rec["image_digest"] = img
-        pol = self.policies.get(rec.get("sandbox_id"))
-        if pol is not None and not rec.get("decision"):
-            if pol.mode == "enforce" and layout_refusal(rec):
-                mark_refused_anyway(rec, self.roots.refused_anyway(rec.get("sandbox_id"), rec))
-            rec["decision"] = decision(pol, rec)
-        self._queue(self.denials.offer(rec))
+        self._on_records([rec], [0])
+
+    def _on_records(self, recs: list[dict], taken: list) -> None:
+        """A sensor's backlog in one call (RingSensor.on_records), one queue
+        operation for the lot; taken[0]: how many are done (queued at the end,
+        also when one raises). Per record: a write of dsec-init's own (the
+        sandbox's PID 1 is dsec-init, it never runs workload code: every step is
+        a forked child that execs; its sysctls and its own oom_score_adj are
+        dsec's doing, and recorded they would be learned and flagged as the
+        workload's) is counted so that the kernel's emitted count still adds up
+        (unwatch: "init_own"), not kept; the rest get the image digest, the
+        policy's decision, and go through the denial aggregator."""
+        out = []
+        init_pids, images, policies, offer = self.init_pids, self.images, self.policies, self.denials.offer
+        try:
+            for rec in recs:
+                sid = rec.get("sandbox_id")
+                if rec.get("kind") in INIT_OWN_KINDS and rec.get("pid") and rec.get("pid") == init_pids.get(sid):
+                    self.init_own[sid] = self.init_own.get(sid, 0) + 1
+                    taken[0] += 1
+                    continue
+                img = images.get(sid)
+                if img and not rec.get("image_digest"):
+                    rec["image_digest"] = img
+                pol = policies.get(sid)
+                if pol is not None and not rec.get("decision"):
+                    if pol.mode == "enforce" and layout_refusal(rec):
+                        mark_refused_anyway(rec, self.roots.refused_anyway(sid, rec))
+                    rec["decision"] = decision(pol, rec)
+                out.extend(offer(rec))
+                taken[0] += 1
+        finally:
+            if out:
+                self._queue(out)
 
     def _queue(self, recs: list[dict]) -> int:
         """Queue records for the next append; returns the ticket of the last."""
         with self._lock:
+            if not self._pending:
+                self._pending_since = time.monotonic()
             self._pending.extend(recs)
             self._queued += len(recs)
             return self._queued
+
+    def _batch_ready(self) -> bool:
+        """The poll thread appends once COALESCE_RECORDS records wait or the oldest
+        has waited COALESCE_S: the decoder now keeps up in a few ms per poll, and
+        an append per poll made batches of tens of records (more fdatasyncs, and
+        frames under BATCH_MIN become frames of one record, which cost the
+        exporters several times more to read). flush()/catch_up()/unwatch() and
+        record(wait=True) append at once."""
+        with self._lock:
+            n = len(self._pending)
+            return n >= COALESCE_RECORDS or (n and time.monotonic() - self._pending_since >= COALESCE_S)
 
     def _on_over_budget(self, cgroup_id, sandbox_id, lost):
         """over_budget="stop": the kernel killed the process that overflowed; stop the
@@ -244,7 +280,8 @@ class Recorder:
                 self._poll_error = e
                 failed = True
             try:
-                self._flush_pending()
+                if failed or self._batch_ready():
+                    self._flush_pending()
             except BaseException:  # noqa: BLE001 - kept queued, logged, retried here
                 failed = True
             if failed:
