@@ -22,7 +22,9 @@ each run --runs times in three places, interleaved: in the sandbox cgroup
 on the node), and -- the baseline -- with no BPF program loaded, measured
 before the sensors are loaded and again after they are closed. Printed per
 workload: the median per-operation time and the ratio to the baseline; per
-program: runs and ns per run (run_time_ns / run_cnt) in the sandbox.
+program: runs and ns per run (run_time_ns / run_cnt) while the loop ran in
+the sandbox, and while it ran outside any sandbox (the cost for the rest of
+the node: those counts include every other process's runs meanwhile).
 
     .venv/bin/python bench/kcost.py [--runs 5] [--quick]
 
@@ -229,9 +231,8 @@ def main(argv=None) -> int:
                     for where in ("sandbox", "other"):
                         s0 = loaded.progs.snap()
                         times[(w, f"{b}:{where}")].append(run_in(cgs[where] + "/cgroup.procs", argv_) / n)
-                        if where == "sandbox":
-                            for name, v in Progs.delta(s0, loaded.progs.snap()).items():
-                                prog_delta.setdefault((b, w, name), []).append(v)
+                        for name, v in Progs.delta(s0, loaded.progs.snap()).items():
+                            prog_delta.setdefault((b, w, where, name), []).append(v)
                 t = loaded.close()
                 loaded = None
                 lost[b] = lost.get(b, 0) + t["lost_total"]
@@ -258,12 +259,19 @@ def main(argv=None) -> int:
                         for pl in places[1:])
         print(f"{w:9}{b:>9.2f}{cells}")
     print("kernel lost in the sandbox: " + ", ".join(f"{b} {n}" for b, n in lost.items()))
-    print(f"\nper program in the sandbox (medians over runs): runs per op, ns per run, ns per op")
+    for where, title in (("sandbox", "in the sandbox"),
+                         ("other", "outside any sandbox (all programs that ran meanwhile, any process)")):
+        print_progs(prog_delta, wls, builds, where, title)
+    return 0
+
+
+def print_progs(prog_delta: dict, wls, builds, where: str, title: str) -> None:
+    print(f"\nper program {title} (medians over runs): runs per op, ns per run, ns per op")
     for w, n, _ in wls:
         for b, _ in builds:
             rows = []
-            for (bb, ww, name), xs in prog_delta.items():
-                if (bb, ww) != (b, w):
+            for (bb, ww, wh, name), xs in prog_delta.items():
+                if (bb, ww, wh) != (b, w, where):
                     continue
                 cnt = med(c for _, c in xs)
                 if cnt == 0:
@@ -274,7 +282,6 @@ def main(argv=None) -> int:
             print(f"  {w} [{b}]: BPF total {sum(r[0] for r in rows):.0f} ns per op")
             for per_op, name, rpo, nsr in rows[:10]:
                 print(f"    {name:52}{rpo:>7.2f}{nsr:>9.0f}{per_op:>9.0f}")
-    return 0
 
 
 if __name__ == "__main__":
