@@ -34,7 +34,12 @@ BPF_HASH(sbx_state, u64, struct dsec_state, DSEC_MAX_SANDBOXES);
  * programs run with preemption disabled, one slot per CPU */
 BPF_ARRAY(exec_scratch, struct dsec_event, DSEC_NCPU);
 BPF_PERCPU_ARRAY(file_scratch, struct dsec_event_small, 1);
-/* syscalls between enter and exit, by thread id; allocated on demand */
+/* syscalls between enter and exit, by thread id. An exec's record (process.c
+ * dsec_exec_store) waits in pending_exec_small when its path and argv fit
+ * DSEC_EXEC_SMALL_BUF (preallocated: ~2.3 KiB an entry, ~4.7 MiB), else in
+ * pending_exec (48 KiB values, allocated on demand). Copying a 48 KiB value in
+ * and allocating it was most of sys_enter_execve's time: bench/kcost.py. */
+BPF_TABLE("hash", u32, struct dsec_event_exec_small, pending_exec_small, DSEC_PENDING_EXEC_ENTRIES);
 BPF_F_TABLE("hash", u32, struct dsec_event, pending_exec, DSEC_PENDING_EXEC_ENTRIES, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", u32, struct dsec_event_small, pending, DSEC_PENDING_ENTRIES, BPF_F_NO_PREALLOC);
 /* entries of `pending` taken, all sandboxes (its fair sharing, see dsec_pending_take) */
@@ -151,16 +156,6 @@ static __always_inline int dsec_inflight_get(struct dsec_sandbox *cfg, struct ds
     return 1;
 }
 
-/* A syscall of the current task's sandbox, admitted and counted in flight:
- * its state (and *cfg, *cgid), or 0 (not a sandbox / counted as lost). */
-static __always_inline struct dsec_state *dsec_begin(u32 kind, u64 *cgid, struct dsec_sandbox **cfg)
-{
-    struct dsec_state *st = dsec_admit_task(kind, cgid, cfg);
-    if (!st || !dsec_inflight_get(*cfg, st, kind))
-        return 0;
-    return st;
-}
-
 static __always_inline void dsec_inflight_put(u64 cgid, u32 kind)
 {
     struct dsec_state *st = sbx_state.lookup(&cgid);
@@ -193,16 +188,20 @@ static __always_inline int dsec_pending_take(struct dsec_state *st)
     return 1;
 }
 
-/* an entry of `pending` given back (its sandbox may be gone by now) */
-static __always_inline void dsec_pending_give(u64 cgid)
+/* an entry of `pending` given back; st: its sandbox's state (0: gone by now) */
+static __always_inline void dsec_pending_give_st(struct dsec_state *st)
 {
     u32 zero = 0;
     s64 *used = pending_used.lookup(&zero);
     if (used)
         __sync_fetch_and_add(used, -1);
-    struct dsec_state *st = sbx_state.lookup(&cgid);
     if (st)
         __sync_fetch_and_add(&st->pending_held, -1);
+}
+
+static __always_inline void dsec_pending_give(u64 cgid)
+{
+    dsec_pending_give_st(sbx_state.lookup(&cgid));
 }
 
 /* The byte budget (shared.h): a record of `size` bytes of an admitted event
@@ -262,12 +261,13 @@ static __always_inline u32 dsec_read_path(char *dst, const char *src, u32 *statu
     return n - 1;
 }
 
-/* Emit a record held in a map value (variable size); counts it either way. */
-static __always_inline void dsec_output(void *rec, u64 size, u64 max, u64 cgid, u32 kind)
+/* Emit a record held in a map value (variable size) of sandbox cgid, whose
+ * state is st (0: removed while the syscall was in flight); counts it either way. */
+static __always_inline void dsec_output_st(void *rec, u64 size, u64 max, u64 cgid, u32 kind,
+                                           struct dsec_state *st)
 {
-    struct dsec_state *st = sbx_state.lookup(&cgid);
     if (!st)
-        return;   /* sandbox removed while the syscall was in flight */
+        return;
     size = dsec_record_size(size, max);
     struct dsec_sandbox *cfg = sandboxes.lookup(&cgid);
     if (!dsec_admit_bytes(cfg, st, kind, size))
@@ -276,6 +276,11 @@ static __always_inline void dsec_output(void *rec, u64 size, u64 max, u64 cgid, 
         dsec_count_emitted(st, kind);
     else
         dsec_count_lost(cfg, st, DSEC_LOST_RINGBUF_FULL, kind);
+}
+
+static __always_inline void dsec_output(void *rec, u64 size, u64 max, u64 cgid, u32 kind)
+{
+    dsec_output_st(rec, size, max, cgid, kind, sbx_state.lookup(&cgid));
 }
 
 /* ---- file and connect syscalls: enter stores, exit emits ------------------ */
@@ -351,7 +356,12 @@ static __always_inline void dsec_pending_emit(u32 tid, struct dsec_event_small *
 {
     u64 cgid = e->h.cgroup_id;
     u32 kind = e->h.kind;
-    dsec_inflight_put(cgid, kind);
+    /* one lookup of the sandbox's state for the whole exit */
+    struct dsec_state *st = sbx_state.lookup(&cgid);
+    if (st) {
+        __sync_fetch_and_add(&st->inflight, -1);
+        __sync_fetch_and_add(dsec_inflight_slot(st, kind), -1);
+    }
     if (kind == DSEC_KIND_CONNECT) {
         e->u.connect.ret = ret;
         if (late && (e->u.connect.status & DSEC_ST_ADDR_FAULT)) {
@@ -367,9 +377,9 @@ static __always_inline void dsec_pending_emit(u32 tid, struct dsec_event_small *
                 e->u.file.status |= DSEC_ST_LATE_READ;
         }
     }
-    dsec_output(e, e->h.size, sizeof(struct dsec_event_small), cgid, kind);
+    dsec_output_st(e, e->h.size, sizeof(struct dsec_event_small), cgid, kind, st);
     if (pending.delete(&tid) == 0)
-        dsec_pending_give(cgid);
+        dsec_pending_give_st(st);
 }
 
 /* signal_deliver on the current thread (tid): a handler is about to run. Its

@@ -62,7 +62,10 @@
 #define DSEC_PENDING_FAIR 16           /* per sandbox: in flight that may come out of the reserve */
 #endif
 #ifndef DSEC_PENDING_EXEC_ENTRIES
-#define DSEC_PENDING_EXEC_ENTRIES 2048 /* all sandboxes: in-flight execs */
+#define DSEC_PENDING_EXEC_ENTRIES 2048 /* all sandboxes: in-flight execs (each table, below) */
+#endif
+#ifndef DSEC_EXEC_SMALL_BUF
+#define DSEC_EXEC_SMALL_BUF 2048       /* string area of an exec record in flight in the small table */
 #endif
 #ifndef DSEC_MAX_SANDBOXES
 #define DSEC_MAX_SANDBOXES 4096
@@ -289,6 +292,14 @@ struct dsec_event_small {
     struct dsec_hdr h;
     union dsec_body u;
     char buf[DSEC_FILE_BUF_BYTES];
+};
+
+/* exec records in flight whose path and argv fit DSEC_EXEC_SMALL_BUF (nearly
+ * all): same layout, the string area cut (process.c dsec_exec_store) */
+struct dsec_event_exec_small {
+    struct dsec_hdr h;
+    union dsec_body u;
+    char buf[DSEC_EXEC_SMALL_BUF];
 };
 
 #define DSEC_FIXED_BYTES (sizeof(struct dsec_hdr) + sizeof(union dsec_body))

@@ -4,8 +4,9 @@
  * fork:  task/task_newtask (clone flags known; threads are not reported),
  *        parent recorded in `parents` for every later event's ppid.
  * exec:  path and argv captured at sys_enter_execve/execveat, the record waits
- *        in pending_exec and is emitted at sched_process_exec (success, with
- *        the new comm) or at sys_exit_execve/execveat (failure, with -errno).
+ *        in pending_exec_small (pending_exec when it is big) and is emitted
+ *        at sched_process_exec (success, with the new comm) or at
+ *        sys_exit_execve/execveat (failure, with -errno).
  *        An exec seen only at sched_process_exec (args not captured, e.g. a
  *        32-bit syscall) is still emitted, with the kernel's filename and
  *        DSEC_ST_NO_ARGV.
@@ -153,13 +154,79 @@ static __always_inline struct dsec_event *dsec_exec_scratch(struct dsec_sandbox 
     return e;
 }
 
+/* The current thread's (tid's) exec records in flight whose exit was never seen:
+ * taken out of flight (their accounting given back), never mistaken for the
+ * record of the exec that comes next. Also the exec part of a dying thread's
+ * cleanup (dsec_drop_pending). */
+static __always_inline void dsec_exec_settle(u32 tid)
+{
+    struct dsec_event_exec_small *s = pending_exec_small.lookup(&tid);
+    if (s) {
+        dsec_inflight_put(s->h.cgroup_id, DSEC_KIND_EXEC);
+        pending_exec_small.delete(&tid);
+    }
+    struct dsec_event *x = pending_exec.lookup(&tid);
+    if (x) {
+        dsec_inflight_put(x->h.cgroup_id, DSEC_KIND_EXEC);
+        pending_exec.delete(&tid);
+    }
+}
+
+/* The exec record built in this CPU's scratch goes in flight: into
+ * pending_exec_small when it fits (the map update copies its value size,
+ * ~2.3 KiB, into a preallocated entry), else -- or when that table is full --
+ * into pending_exec (48 KiB, allocated on demand). No room in either: counted
+ * lost (inflight_full). */
+static __always_inline void dsec_exec_store(struct dsec_sandbox *cfg, struct dsec_state *st,
+                                            struct dsec_event *e)
+{
+    u32 tid = e->h.tid;
+    if (e->h.size <= sizeof(struct dsec_event_exec_small) &&
+        pending_exec_small.update(&tid, (struct dsec_event_exec_small *)e) == 0)
+        return;
+    if (pending_exec.update(&tid, e) != 0)
+        dsec_inflight_lost(cfg, st, DSEC_KIND_EXEC);
+}
+
+/* Thread tid's exec record in flight, taken at its exit or sched_process_exec:
+ * from the small table copied into this CPU's scratch (and taken out of the
+ * table), or pending_exec's entry itself (*big = 1: the caller deletes it once
+ * emitted). 0: none (*found = 0), or -- the scratch unavailable, which the
+ * loader's DSEC_NCPU rules out -- out of flight and counted lost (*found = 1). */
+static __always_inline struct dsec_event *dsec_exec_take(u32 tid, int *big, int *found)
+{
+    struct dsec_event_exec_small *s = pending_exec_small.lookup(&tid);
+    if (!s) {
+        struct dsec_event *x = pending_exec.lookup(&tid);
+        *big = 1;
+        *found = x != 0;
+        return x;
+    }
+    *found = 1;
+    u64 cgid = s->h.cgroup_id;
+    u32 cpu = bpf_get_smp_processor_id();
+    struct dsec_event *e = exec_scratch.lookup(&cpu);
+    if (e && bpf_probe_read_kernel(e, dsec_record_size(s->h.size, sizeof(*s)), s) != 0)
+        e = 0;
+    pending_exec_small.delete(&tid);
+    if (!e) {
+        struct dsec_state *st = sbx_state.lookup(&cgid);
+        if (st)
+            dsec_inflight_lost(sandboxes.lookup(&cgid), st, DSEC_KIND_EXEC);
+    }
+    return e;
+}
+
 static __always_inline int dsec_exec_enter(u32 sys, int dirfd, const char *path,
                                            const char *const *argv, u32 at_flags)
 {
     u64 cgid = 0;
-    struct dsec_sandbox *cfg = 0;
-    struct dsec_state *st = dsec_begin(DSEC_KIND_EXEC, &cgid, &cfg);
-    if (!st)
+    struct dsec_sandbox *cfg = dsec_sandbox(&cgid);
+    if (!cfg)
+        return 0;
+    dsec_exec_settle((u32)bpf_get_current_pid_tgid());
+    struct dsec_state *st = sbx_state.lookup(&cgid);
+    if (!st || !dsec_admit(cfg, st, DSEC_KIND_EXEC) || !dsec_inflight_get(cfg, st, DSEC_KIND_EXEC))
         return 0;
     struct dsec_event *e = dsec_exec_scratch(cfg, cgid);
     if (!e) {
@@ -175,10 +242,7 @@ static __always_inline int dsec_exec_enter(u32 sys, int dirfd, const char *path,
     e->u.exec.path_len = plen;
     e->u.exec.status = status;
     dsec_read_argv(e, argv, (u64)plen + 1);
-
-    u32 tid = e->h.tid;
-    if (pending_exec.update(&tid, e) != 0)
-        dsec_inflight_lost(cfg, st, DSEC_KIND_EXEC);
+    dsec_exec_store(cfg, st, e);
     return 0;
 }
 
@@ -205,19 +269,32 @@ static __always_inline void dsec_exec_late_path(struct dsec_event *e, const char
     e->h.size = DSEC_FIXED_BYTES + off + n;
 }
 
+/* an exec of sandbox cgid out of flight: its state (one lookup for the whole exit) */
+static __always_inline struct dsec_state *dsec_exec_done(u64 cgid)
+{
+    struct dsec_state *st = sbx_state.lookup(&cgid);
+    if (st) {
+        __sync_fetch_and_add(&st->inflight, -1);
+        __sync_fetch_and_add(dsec_inflight_slot(st, DSEC_KIND_EXEC), -1);
+    }
+    return st;
+}
+
 static __always_inline int dsec_exec_exit(long ret)
 {
     u32 tid = (u32)bpf_get_current_pid_tgid();
-    struct dsec_event *e = pending_exec.lookup(&tid);
+    int big = 0, found = 0;
+    struct dsec_event *e = dsec_exec_take(tid, &big, &found);
     if (!e)
         return 0;   /* not captured, or already emitted at sched_process_exec */
     u64 cgid = e->h.cgroup_id;
-    dsec_inflight_put(cgid, DSEC_KIND_EXEC);
+    struct dsec_state *st = dsec_exec_done(cgid);
     e->u.exec.ret = ret;
     dsec_exec_late_path(e, (const char *)e->u.exec.upath, 0);
     e->h.ts_ns = bpf_ktime_get_ns();
-    dsec_output(e, e->h.size, sizeof(struct dsec_event), cgid, DSEC_KIND_EXEC);
-    pending_exec.delete(&tid);
+    dsec_output_st(e, e->h.size, sizeof(struct dsec_event), cgid, DSEC_KIND_EXEC, st);
+    if (big)
+        pending_exec.delete(&tid);
     return 0;
 }
 
@@ -303,11 +380,12 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
      * (de_thread delivers SIGKILL to the other threads) */
     exit_info.delete(&tgid);
 
-    struct dsec_event *e = pending_exec.lookup(&old);
+    int big = 0, found = 0;
+    struct dsec_event *e = dsec_exec_take(old, &big, &found);
     if (e) {
         u64 cgid = e->h.cgroup_id;
         u64 ug = bpf_get_current_uid_gid();
-        dsec_inflight_put(cgid, DSEC_KIND_EXEC);
+        struct dsec_state *st = dsec_exec_done(cgid);
         e->h.ts_ns = bpf_ktime_get_ns();
         e->h.pid = tgid;
         e->h.tid = (u32)pt;
@@ -319,10 +397,13 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
         u32 floc = args->data_loc_filename & 0xFFFF;
         dsec_exec_late_path(e, (const char *)args + floc, 1);
         dsec_exec_cwd(e, tgid);
-        dsec_output(e, e->h.size, sizeof(struct dsec_event), cgid, DSEC_KIND_EXEC);
-        pending_exec.delete(&old);
+        dsec_output_st(e, e->h.size, sizeof(struct dsec_event), cgid, DSEC_KIND_EXEC, st);
+        if (big)
+            pending_exec.delete(&old);
         return 0;
     }
+    if (found)
+        return 0;   /* captured, but no scratch to finish it in: counted lost */
 
     /* not captured at enter: still report the exec, without argv */
     u64 cgid = 0;
@@ -445,11 +526,7 @@ static __always_inline void dsec_drop_pending(u32 tid)
                 dsec_pending_give(cgid);
         }
     }
-    struct dsec_event *x = pending_exec.lookup(&tid);
-    if (x) {
-        dsec_inflight_put(x->h.cgroup_id, DSEC_KIND_EXEC);
-        pending_exec.delete(&tid);
-    }
+    dsec_exec_settle(tid);
 }
 
 TRACEPOINT_PROBE(sched, sched_process_exit)
