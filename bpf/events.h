@@ -414,6 +414,12 @@ struct dsec_cg_cache {      /* sbx_cgcache (membership.h): task cgroup id -> its
     __u64 sandbox;
 };
 
+struct dsec_cg_l1 {         /* sbx_l1 (membership.h): one CPU's direct-mapped slot of the same */
+    __u64 id;               /* the task cgroup id it answers for */
+    __u64 gen;
+    __u64 sandbox;
+};
+
 struct dsec_port_range {
     __u16 lo;               /* inclusive, host byte order */
     __u16 hi;

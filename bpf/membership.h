@@ -23,53 +23,79 @@ BPF_HASH(sandboxes, u64, DSEC_SBX_T, DSEC_MAX_SANDBOXES);
 BPF_ARRAY(sbx_gen, u64, 1);
 /* task cgroup id -> its sandbox (0: none), as of sbx_gen[0] */
 BPF_TABLE("lru_hash", u64, struct dsec_cg_cache, sbx_cgcache, 16384);
+/* in front of it, per CPU: a direct-mapped slot by cgroup id (an array: the
+ * lookup is inlined, no hashing, no LRU bookkeeping). The programs that read it
+ * run in task context with preemption off and do not nest on a CPU, so a slot
+ * is never seen half-written. */
+#define DSEC_L1_SLOTS 256
+BPF_PERCPU_ARRAY(sbx_l1, struct dsec_cg_l1, DSEC_L1_SLOTS);
 /* process tree of sandbox tasks: child tgid -> parent tgid, filled at fork */
 BPF_TABLE("lru_hash", u32, u32, parents, 65536);
 
 /* The sandbox of the current task: its cgroup2 or the nearest registered
- * ancestor (a sandbox may create sub-cgroups). Processes outside any sandbox
- * pay one helper call and three lookups: the per-cgroup answer is cached, and
- * the cache is invalidated by userspace bumping sbx_gen when it registers a
- * sandbox. */
+ * ancestor (a sandbox may create sub-cgroups). The per-cgroup answer is cached
+ * -- this CPU's slot (sbx_l1), then sbx_cgcache -- and every cache entry is
+ * invalidated by userspace bumping sbx_gen when it registers a sandbox (read
+ * first: an answer computed across a registration is stale at once). A task
+ * outside any sandbox pays one helper call and two inlined array reads; a
+ * sandbox's task one hash lookup more (its configuration). */
 static __always_inline DSEC_SBX_T *dsec_sandbox(u64 *cgid)
 {
     u64 id = bpf_get_current_cgroup_id();
-    DSEC_SBX_T *cfg = sandboxes.lookup(&id);
-    if (cfg) {
-        *cgid = id;
-        return cfg;
-    }
     u32 zero = 0;
     u64 *genp = sbx_gen.lookup(&zero);
     u64 gen = genp ? *genp : 0;
-    struct dsec_cg_cache *c = sbx_cgcache.lookup(&id);
-    if (c && c->gen == gen) {
-        u64 sb = c->sandbox;
+    u32 slot = id & (DSEC_L1_SLOTS - 1);
+    struct dsec_cg_l1 *l1 = sbx_l1.lookup(&slot);
+    DSEC_SBX_T *cfg = 0;
+    if (l1 && l1->id == id && l1->gen == gen) {
+        u64 sb = l1->sandbox;
         if (!sb)
             return 0;
         cfg = sandboxes.lookup(&sb);
-        if (cfg)
-            *cgid = sb;
-        return cfg;
-    }
-    struct dsec_cg_cache nc = {};
-    nc.gen = gen;
-    cfg = 0;
-    /* kept a loop (the verifier walks bounded loops): unrolled, its 15 levels were
-     * ~200 instructions in every program of both sensors, each compiled apiece */
-#pragma nounroll
-    for (int lvl = 1; lvl < DSEC_MAX_LEVEL; lvl++) {
-        u64 anc = bpf_get_current_ancestor_cgroup_id(lvl);
-        if (anc == 0 || anc == id)
-            break;
-        cfg = sandboxes.lookup(&anc);
         if (cfg) {
-            nc.sandbox = anc;
-            *cgid = anc;
-            break;
+            *cgid = sb;
+            return cfg;
+        }
+        /* that sandbox is gone (removal bumps no generation): asked again below */
+    }
+    u64 sb = 0;
+    cfg = sandboxes.lookup(&id);
+    if (cfg) {
+        sb = id;
+    } else {
+        struct dsec_cg_cache *c = sbx_cgcache.lookup(&id);
+        if (c && c->gen == gen) {
+            sb = c->sandbox;
+            if (sb)
+                cfg = sandboxes.lookup(&sb);
+        } else {
+            struct dsec_cg_cache nc = {};
+            nc.gen = gen;
+            /* kept a loop (the verifier walks bounded loops): unrolled, its 15 levels were
+             * ~200 instructions in every program of both sensors, each compiled apiece */
+#pragma nounroll
+            for (int lvl = 1; lvl < DSEC_MAX_LEVEL; lvl++) {
+                u64 anc = bpf_get_current_ancestor_cgroup_id(lvl);
+                if (anc == 0 || anc == id)
+                    break;
+                cfg = sandboxes.lookup(&anc);
+                if (cfg) {
+                    sb = anc;
+                    break;
+                }
+            }
+            nc.sandbox = sb;
+            sbx_cgcache.update(&id, &nc);
         }
     }
-    sbx_cgcache.update(&id, &nc);
+    if (l1) {
+        l1->id = id;
+        l1->gen = gen;
+        l1->sandbox = cfg ? sb : 0;
+    }
+    if (cfg)
+        *cgid = sb;
     return cfg;
 }
 
