@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="fewer operations per run")
-    ap.add_argument("--compare", metavar="REV", help="also load the sensors from REV's bpf/ (git), alternately")
+    ap.add_argument("--compare", metavar="REV", help="also load the sensors from REV's bpf/ (git; or a bpf/ directory), alternately")
     a = ap.parse_args(argv)
     from agent.sensors.audit import cgroup2_mount
     from agent.sensors import common
@@ -197,7 +197,9 @@ def main(argv=None) -> int:
     for p in cgs.values():
         os.mkdir(p)
     builds = [("head", common.BPF_DIR)]
-    if a.compare:
+    if a.compare and os.path.isdir(a.compare):
+        builds.insert(0, ("dir", os.path.abspath(a.compare)))      # a bpf/ directory as it is
+    elif a.compare:
         rd = f"{d}-rev"
         os.mkdir(rd)
         arch = subprocess.run(["git", "-C", os.path.dirname(common.BPF_DIR), "archive", a.compare, "bpf"],
