@@ -154,24 +154,6 @@ static __always_inline struct dsec_event *dsec_exec_scratch(struct dsec_sandbox 
     return e;
 }
 
-/* The current thread's (tid's) exec records in flight whose exit was never seen:
- * taken out of flight (their accounting given back), never mistaken for the
- * record of the exec that comes next. Also the exec part of a dying thread's
- * cleanup (dsec_drop_pending). */
-static __always_inline void dsec_exec_settle(u32 tid)
-{
-    struct dsec_event_exec_small *s = pending_exec_small.lookup(&tid);
-    if (s) {
-        dsec_inflight_put(s->h.cgroup_id, DSEC_KIND_EXEC);
-        pending_exec_small.delete(&tid);
-    }
-    struct dsec_event *x = pending_exec.lookup(&tid);
-    if (x) {
-        dsec_inflight_put(x->h.cgroup_id, DSEC_KIND_EXEC);
-        pending_exec.delete(&tid);
-    }
-}
-
 /* The exec record built in this CPU's scratch goes in flight: into
  * pending_exec_small when it fits (the map update copies its value size,
  * ~2.3 KiB, into a preallocated entry), else -- or when that table is full --
@@ -217,6 +199,81 @@ static __always_inline struct dsec_event *dsec_exec_take(u32 tid, int *big, int 
     return e;
 }
 
+/* an exec of sandbox cgid out of flight: its state (one lookup for the whole exit) */
+static __always_inline struct dsec_state *dsec_exec_done(u64 cgid)
+{
+    struct dsec_state *st = sbx_state.lookup(&cgid);
+    if (st) {
+        __sync_fetch_and_add(&st->inflight, -1);
+        __sync_fetch_and_add(dsec_inflight_slot(st, DSEC_KIND_EXEC), -1);
+    }
+    return st;
+}
+
+/* Thread tid's exec record in flight emitted now, with ret. */
+static __always_inline void dsec_exec_emit(u32 tid, long ret)
+{
+    int big = 0, found = 0;
+    struct dsec_event *e = dsec_exec_take(tid, &big, &found);
+    if (!e)
+        return;
+    u64 cgid = e->h.cgroup_id;
+    struct dsec_state *st = dsec_exec_done(cgid);
+    e->u.exec.ret = ret;
+    dsec_output_st(e, e->h.size, sizeof(struct dsec_event), cgid, DSEC_KIND_EXEC, st);
+    if (big)
+        pending_exec.delete(&tid);
+}
+
+/* Interrupted execs, as interrupted file syscalls (common.h dsec_pending_settle):
+ * an execve that a signal ends with a restart code (-ERESTARTNOINTR: it waited
+ * for the process's cred_guard_mutex, e.g. behind another thread's exec, whose
+ * de_thread kills it; -ERESTARTNOHAND: a fatal signal while its strings were
+ * copied) is not emitted at its sys_exit: its record stays in flight, stamped
+ * then, and is settled by what the thread does next --
+ *  - its restart (execve again, same syscall and filename pointer): out of
+ *    flight unemitted, the restart's enter records afresh what it reads;
+ *  - any other exec: emitted with ret -EINTR;
+ *  - the thread's exit (sched_process_exit): emitted with ret -EINTR.
+ * An exec whose exit was never seen is taken out of flight unemitted (its
+ * accounting given back), never mistaken for the next one's record. sys = 0:
+ * the thread's exit (nothing is its restart). */
+static __always_inline void dsec_exec_settle(u32 tid, u32 sys, u64 upath)
+{
+    struct dsec_event_exec_small *s = pending_exec_small.lookup(&tid);
+    struct dsec_event *x = s ? 0 : pending_exec.lookup(&tid);
+    struct dsec_exec *b = s ? &s->u.exec : x ? &x->u.exec : 0;
+    if (!b)
+        return;
+    if (dsec_restart_code(b->ret) && !(sys && b->sys == sys && b->upath == upath)) {
+        dsec_exec_emit(tid, -DSEC_EINTR);
+        return;
+    }
+    if (s) {
+        dsec_inflight_put(s->h.cgroup_id, DSEC_KIND_EXEC);
+        pending_exec_small.delete(&tid);
+    } else {
+        dsec_inflight_put(x->h.cgroup_id, DSEC_KIND_EXEC);
+        pending_exec.delete(&tid);
+    }
+}
+
+/* sys_exit of an exec with a restart code: its record waits on (dsec_exec_settle),
+ * stamped now, when the thread was interrupted */
+static __always_inline void dsec_exec_interrupted(u32 tid, long ret)
+{
+    struct dsec_event_exec_small *s = pending_exec_small.lookup(&tid);
+    struct dsec_event *x = s ? 0 : pending_exec.lookup(&tid);
+    struct dsec_exec *b = s ? &s->u.exec : x ? &x->u.exec : 0;
+    if (!b)
+        return;
+    b->ret = ret;
+    if (s)
+        s->h.ts_ns = bpf_ktime_get_ns();
+    else
+        x->h.ts_ns = bpf_ktime_get_ns();
+}
+
 static __always_inline int dsec_exec_enter(u32 sys, int dirfd, const char *path,
                                            const char *const *argv, u32 at_flags)
 {
@@ -224,7 +281,7 @@ static __always_inline int dsec_exec_enter(u32 sys, int dirfd, const char *path,
     struct dsec_sandbox *cfg = dsec_sandbox(&cgid);
     if (!cfg)
         return 0;
-    dsec_exec_settle((u32)bpf_get_current_pid_tgid());
+    dsec_exec_settle((u32)bpf_get_current_pid_tgid(), sys, (u64)path);
     struct dsec_state *st = sbx_state.lookup(&cgid);
     if (!st || !dsec_admit(cfg, st, DSEC_KIND_EXEC) || !dsec_inflight_get(cfg, st, DSEC_KIND_EXEC))
         return 0;
@@ -269,20 +326,13 @@ static __always_inline void dsec_exec_late_path(struct dsec_event *e, const char
     e->h.size = DSEC_FIXED_BYTES + off + n;
 }
 
-/* an exec of sandbox cgid out of flight: its state (one lookup for the whole exit) */
-static __always_inline struct dsec_state *dsec_exec_done(u64 cgid)
-{
-    struct dsec_state *st = sbx_state.lookup(&cgid);
-    if (st) {
-        __sync_fetch_and_add(&st->inflight, -1);
-        __sync_fetch_and_add(dsec_inflight_slot(st, DSEC_KIND_EXEC), -1);
-    }
-    return st;
-}
-
 static __always_inline int dsec_exec_exit(long ret)
 {
     u32 tid = (u32)bpf_get_current_pid_tgid();
+    if (dsec_restart_code(ret)) {
+        dsec_exec_interrupted(tid, ret);
+        return 0;
+    }
     int big = 0, found = 0;
     struct dsec_event *e = dsec_exec_take(tid, &big, &found);
     if (!e)
@@ -526,7 +576,7 @@ static __always_inline void dsec_drop_pending(u32 tid)
                 dsec_pending_give(cgid);
         }
     }
-    dsec_exec_settle(tid);
+    dsec_exec_settle(tid, 0, 0);
 }
 
 TRACEPOINT_PROBE(sched, sched_process_exit)

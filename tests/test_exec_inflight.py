@@ -5,7 +5,9 @@ small entries, a bigger one in the 48 KiB table; either way the decoder sees
 the same record. Checked at the boundary (the largest record the small table
 holds and one byte more), for execs that succeed and fail, from a thread, and
 with the path read late (not resident at enter: read from the kernel's copy at
-sched_process_exec, or from user memory at a failed exec's exit).
+sched_process_exec, or from user memory at a failed exec's exit). And an
+exec interrupted with a restart code (two threads exec'ing at once) is settled
+like an interrupted file syscall: never recorded with the kernel-internal code.
 
 Real kernel, real sensor (tests/fixtures_bpf.py).
 """
@@ -100,3 +102,52 @@ def test_exec_records_are_whole_whichever_table_they_waited_in(audit_sensor, aud
     totals = sbx.remove()
     assert totals["lost_total"] == 0, totals
 
+
+
+RACE = r'''
+import ctypes, os, sys, threading
+n = int(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+env = (ctypes.c_char_p * 1)(None)
+for i in range(n):
+    pid = os.fork()
+    if pid == 0:
+        go = threading.Barrier(2)
+        def ex(tag):
+            args = (ctypes.c_char_p * 3)(b"/bin/true", tag, None)
+            go.wait()
+            libc.execve(b"/bin/true", args, env)
+        t = threading.Thread(target=ex, args=(b"race-thread",))
+        t.start()
+        ex(b"race-main")
+        os._exit(1)
+    os.waitpid(pid, 0)
+print("done", flush=True)
+'''
+
+
+def test_execs_racing_in_one_process_never_record_a_restart_code(audit_sensor, audit_cgroups):
+    """Two threads of a process execve at once: the one that waits for the other's
+    exec (cred_guard_mutex, interruptibly) is killed by its de_thread and leaves
+    execve with -ERESTARTNOINTR (or -ERESTARTNOHAND, killed while its strings
+    were copied), kernel-internal codes. Its record is settled like an
+    interrupted file syscall's (process.c dsec_exec_settle): emitted at the
+    thread's exit with ret -EINTR, never with the restart code; each process has
+    exactly one successful exec."""
+    n = 60
+    sbx = audit_sensor.sandbox(audit_cgroups)
+    p = run_in_cgroup(sbx.cg, [PYTHON, "-c", RACE, str(n)], stdout=subprocess.PIPE, text=True)
+    assert p.communicate(timeout=120)[0].strip() == "done"
+
+    def ours(r):
+        return r["argv"][:1] == ["/bin/true"] and r["argv"][1:] in (["race-thread"], ["race-main"])
+
+    assert audit_sensor.poll_until(lambda: len([r for r in sbx.of_kind("exec") if ours(r) and r["ret"] == 0]) >= n)
+    audit_sensor.poll_until(lambda: False, timeout_s=0.5)
+    got = [r for r in sbx.of_kind("exec") if ours(r)]
+    rets = sorted({r["ret"] for r in got})
+    assert not {-512, -513, -514, -516} & set(rets), rets     # before: [-514, -513, -7, 0]
+    assert all(r >= -133 for r in rets), rets                  # errnos only (-7: what the kernel returned)
+    assert len([r for r in got if r["ret"] == 0]) == n
+    totals = sbx.remove()
+    assert totals["lost_total"] == 0, totals
