@@ -418,6 +418,7 @@ struct dsec_cg_l1 {         /* sbx_l1 (membership.h): one CPU's direct-mapped sl
     __u64 id;               /* the task cgroup id it answers for */
     __u64 gen;
     __u64 sandbox;
+    __u64 check;            /* DSEC_L1_CHECK(id, gen, sandbox), written last: a torn slot is a miss */
 };
 
 struct dsec_port_range {

@@ -24,10 +24,16 @@ BPF_ARRAY(sbx_gen, u64, 1);
 /* task cgroup id -> its sandbox (0: none), as of sbx_gen[0] */
 BPF_TABLE("lru_hash", u64, struct dsec_cg_cache, sbx_cgcache, 16384);
 /* in front of it, per CPU: a direct-mapped slot by cgroup id (an array: the
- * lookup is inlined, no hashing, no LRU bookkeeping). The programs that read it
- * run in task context with preemption off and do not nest on a CPU, so a slot
- * is never seen half-written. */
+ * lookup is inlined, no hashing, no LRU bookkeeping). A slot can be seen
+ * half-written: the cgroup sock_addr programs (egress) run with migration, not
+ * preemption, disabled, so on a preemptible kernel another task's program can
+ * run on the same CPU between two of their loads or stores (on this kernel,
+ * preempt=none, it cannot). A mixed slot must never answer: the slot carries a
+ * check over its three words, stored last and verified on every read, and a
+ * mismatch is a miss (the hash lookups below, each atomic). */
 #define DSEC_L1_SLOTS 256
+#define DSEC_L1_CHECK(id, gen, sb) \
+    (((id) ^ ((gen) * 0x9E3779B97F4A7C15ULL) ^ ((sb) * 0xC2B2AE3D27D4EB4FULL)) | 1)
 BPF_PERCPU_ARRAY(sbx_l1, struct dsec_cg_l1, DSEC_L1_SLOTS);
 /* process tree of sandbox tasks: child tgid -> parent tgid, filled at fork */
 BPF_TABLE("lru_hash", u32, u32, parents, 65536);
@@ -48,8 +54,11 @@ static __always_inline DSEC_SBX_T *dsec_sandbox(u64 *cgid)
     u32 slot = id & (DSEC_L1_SLOTS - 1);
     struct dsec_cg_l1 *l1 = sbx_l1.lookup(&slot);
     DSEC_SBX_T *cfg = 0;
-    if (l1 && l1->id == id && l1->gen == gen) {
-        u64 sb = l1->sandbox;
+    volatile struct dsec_cg_l1 *v = l1;     /* each word loaded once, in this order */
+    if (v && v->id == id && v->gen == gen) {
+        u64 sb = v->sandbox;
+        if (v->check != DSEC_L1_CHECK(id, gen, sb))
+            goto slow;
         if (!sb)
             return 0;
         cfg = sandboxes.lookup(&sb);
@@ -59,6 +68,7 @@ static __always_inline DSEC_SBX_T *dsec_sandbox(u64 *cgid)
         }
         /* that sandbox is gone (removal bumps no generation): asked again below */
     }
+slow:;
     u64 sb = 0;
     cfg = sandboxes.lookup(&id);
     if (cfg) {
@@ -89,10 +99,12 @@ static __always_inline DSEC_SBX_T *dsec_sandbox(u64 *cgid)
             sbx_cgcache.update(&id, &nc);
         }
     }
-    if (l1) {
-        l1->id = id;
-        l1->gen = gen;
-        l1->sandbox = cfg ? sb : 0;
+    if (v) {
+        u64 ans = cfg ? sb : 0;
+        v->id = id;
+        v->gen = gen;
+        v->sandbox = ans;
+        v->check = DSEC_L1_CHECK(id, gen, ans);
     }
     if (cfg)
         *cgid = sb;

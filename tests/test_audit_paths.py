@@ -356,6 +356,29 @@ def test_a_restarted_syscall_is_recorded_with_what_its_restart_read(audit_sensor
     assert opens == [(fb, True)], opens
 
 
+def test_a_mixed_membership_slot_never_answers(audit_sensor, audit_cgroups, tmp_path):
+    """bpf/membership.h's per-CPU slot in front of the sandbox lookup can be seen
+    half-written on a preemptible kernel (the egress programs run with migration,
+    not preemption, disabled). Forged here on every CPU: this sandbox's cgroup id
+    and the current generation with "no sandbox" and no valid check, as two
+    interleaved writers could leave it. Before the check word, the sandbox's
+    process was nobody's: its open went unrecorded (egress unenforced, the same way)."""
+    h = audit_sensor
+    sbx = h.sandbox(audit_cgroups)
+    b = h.sensor.bpf
+    gen = b[b"sbx_gen"][b[b"sbx_gen"].Key(0)].value
+    l1 = b[b"sbx_l1"]
+    slots = l1.Leaf()
+    for i in range(len(slots)):
+        slots[i].id, slots[i].gen, slots[i].sandbox = sbx.cg.id, gen, 0
+    l1[l1.Key(sbx.cg.id & 255)] = slots
+    target = str(tmp_path / "seen")
+    p = run_in_cgroup(sbx.cg, [PYTHON, "-I", "-B", "-c", f"open({target!r}, 'w').close()"])
+    assert p.wait(30) == 0
+    assert h.poll_until(lambda: any(r["path"] == target for r in sbx.of_kind("open_write")), 10), sbx.records
+    sbx.remove()
+
+
 @pytest.fixture(scope="module")
 def small_table():
     """A sensor whose node-wide in-flight table holds 256 entries (64 of them the
