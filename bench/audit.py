@@ -60,16 +60,25 @@ ClickHouse (exporters/clickhouse.py), OTLP/gRPC (exporters/otel.py, to a real
 receiver in its own process: tests/otlp_receiver.py, which counts the log
 records and their distinct log.record.uid per sandbox) and JSON lines
 (exporters/jsonl.py, a file under /dev/shm, fsync on). Paced open_write
-generator as in part 2; probes of 3 s (2 s with --quick) doubling from
-2000/s, one bisection, then a 10 s (5 s) hold at the best rate. A step
+generator as in part 2; probes of 4 s (3 s with --quick) doubling from
+4000/s, two bisections (one with --quick), then a 10 s (8 s) hold at the
+best rate. The sensor has a --sink-ring MiB ring buffer (default 256, the
+agent's is 32): with room for every probe's backlog, and the sandbox's
+byte budget off as well as its event budget (before, the default 8 MiB/s
+byte budget refused a probe's records past ~40,000/s: kernel loss, reason
+byte_budget, which read as the ladder's ceiling of 32,000/s), the verdict
+is the sink's own (falling behind: everything delivered at most
+--max-lag s after the generator stopped, i.e. the sink put through at least
+duration / (duration + max-lag) of the rate). A step
 passes when the kernel lost nothing, the generator kept its rate, the sink
 had everything at most --max-lag seconds after the generator stopped, and
 the destination holds exactly the emitted events, each once (ClickHouse:
 count() FINAL; OTLP: records == distinct uids == emitted; JSON lines: lines
 == distinct event_ids == emitted). Reported per sink: the highest zero-loss
-rate held, and the agent process's CPU (user+system of this process:
-recorder, decoder, spool, sink; not the generator, not the destination) per
-10 000 events at that rate.
+rate held, what it put through at the first failing probe (events / (the
+probe + its drain): the sink's ceiling, roughly), and the agent process's CPU
+(user+system of this process: recorder, decoder, spool, sink; not the
+generator, not the destination) per 10 000 events at the rate held.
 
 Part 4, bytes per event stored in ClickHouse. The rows of each workload of
 parts 1 and 2 (FINAL, at most 200k) are copied into a table of the dsec schema
@@ -386,7 +395,7 @@ class Pipeline:
         self.stages.wrap(self.exporter.reader, "read", "spool read (parse, CRC, JSON, validate)",
                          lambda a: 0)
         self.stages.wrap(self.exporter, "insert", "ClickHouse insert (columns + native INSERT)",
-                         lambda a: len(a[0]))
+                         lambda a: len(a[1][0]) if len(a) > 1 and a[1] else len(a[0]))
         self.stages.wrap(self.exporter.reader, "commit", "cursor commit (atomic write, fsync)", lambda a: 0)
         self.thread = threading.Thread(target=self.exporter.run, args=(self.stop,), name="bench-exporter",
                                        daemon=True)
@@ -699,12 +708,12 @@ RECEIVER = os.path.join(ROOT, "tests", "otlp_receiver.py")
 class SinkBench:
     """Recorder (compiled once) -> one spool -> one sink at a time."""
 
-    def __init__(self, url, tmp, cg_root):
+    def __init__(self, url, tmp, cg_root, ring_mib=256):
         from agent.sensors.recorder import Recorder
         from exporters.spool import Spool
         self.url, self.tmp, self.cg_root = url, tmp, cg_root
         self.spool = Spool(os.path.join(tmp, "spool-sinks"), fsync="never")
-        self.rec = Recorder(node="bench", spool=self.spool, enforce=False)
+        self.rec = Recorder(node="bench", spool=self.spool, enforce=False, ring_bytes=ring_mib << 20)
         self.gen_dir = tempfile.mkdtemp(prefix="dsec-bench-gen3-", dir="/dev/shm")
         self.jsonl_path = os.path.join(tempfile.mkdtemp(prefix="dsec-bench-jsonl-", dir="/dev/shm"), "audit.jsonl")
         self.rx = None
@@ -791,7 +800,9 @@ class SinkBench:
         self.cgroups.append(path)
         cgid = os.stat(path).st_ino
         sid = f"sink-{self.kind}-{int(rate)}-{uuid.uuid4().hex[:6]}"
-        self.rec.watch(sid, cgid, rate=0)
+        # the sandbox's budgets (events, bytes): unlimited -- with the default byte budget (8 MiB/s)
+        # the kernel refused a probe's records past ~40,000 open_writes/s (reason byte_budget)
+        self.rec.watch(sid, cgid, rate=0, byte_rate=0)
         base_sent = self.sink.total_sent
         self.jsonl_off = os.path.getsize(self.jsonl_path) if os.path.exists(self.jsonl_path) else 0
         t_cpu = os.times()
@@ -844,10 +855,11 @@ class SinkBench:
         except OSError:
             pass
         verdict = "ok"
+        loss = "kernel loss (" + ", ".join(f"{k} {sum(v.values())}" for k, v in sorted(totals["lost"].items())) + ")"
         if aborted:
-            verdict = aborted
+            verdict = loss if aborted == "kernel loss" else aborted
         elif totals["lost_total"]:
-            verdict = "kernel loss"
+            verdict = loss
         elif achieved is None or achieved < 0.97 * rate:
             verdict = "generator limit"
         elif drain > max_lag_s:
@@ -885,13 +897,14 @@ def _free_port():
     return port
 
 
-def part_sinks(url, tmp, quick, max_lag_s, client, db, cg_root):
-    probe = 2.0 if quick else 3.0
-    hold = 5.0 if quick else 10.0
-    print(f"== part 3: kernel -> each sink, highest zero-loss rate (open_write events; probes {probe:.0f}s "
-          f"doubling from 2000/s, one bisection, then {hold:.0f}s at the best rate; agent CPU = this process)",
-          flush=True)
-    bench = SinkBench(url, tmp, cg_root)
+def part_sinks(url, tmp, quick, max_lag_s, client, db, cg_root, ring_mib=256):
+    probe = 3.0 if quick else 4.0
+    hold = 8.0 if quick else 10.0
+    halvings = 1 if quick else 2
+    print(f"== part 3: kernel -> each sink, highest zero-loss rate (open_write events; BPF ring {ring_mib} MiB; "
+          f"probes {probe:.0f}s doubling from 4000/s, {halvings} bisection(s), then {hold:.0f}s at the best rate; "
+          f"agent CPU = this process)", flush=True)
+    bench = SinkBench(url, tmp, cg_root, ring_mib)
     results = {}
     ok = True
     try:
@@ -908,17 +921,23 @@ def part_sinks(url, tmp, quick, max_lag_s, client, db, cg_root):
                       f"{r['drain']:>7.2f} {r['through']:>8.0f} {r['cpu']:>6.2f} {r['cpu_10k']:>7.2f}s  "
                       f"{r['verdict']}", flush=True)
                 return r
-            good, bad, rate = 0.0, None, 2000.0
-            for _ in range(7):                                 # bounded ramp: 2k .. 128k
-                if step(rate, probe)["verdict"] != "ok":
-                    bad = rate
+            good, bad, rate, ceiling = 0.0, None, 4000.0, None
+            for _ in range(6):                                 # bounded ramp: 4k .. 128k
+                r = step(rate, probe)
+                if r["verdict"] != "ok":
+                    bad, ceiling = rate, r
                     break
                 good = rate
                 rate *= 2
-            if bad is not None and good:
+            for _ in range(halvings if bad is not None and good else 0):
                 mid = round((good + bad) / 2, -2)
-                if step(mid, probe)["verdict"] == "ok":
+                if mid <= good or mid >= bad:
+                    break
+                r = step(mid, probe)
+                if r["verdict"] == "ok":
                     good = mid
+                else:
+                    bad, ceiling = mid, r
             final = None
             rate = good
             for _ in range(2):                                 # hold; one step down on failure
@@ -930,15 +949,20 @@ def part_sinks(url, tmp, quick, max_lag_s, client, db, cg_root):
                     break
                 rate = round(min(rate * 0.85, r["through"] * 0.95), -2)
             results[kind] = final
+            if final is not None and ceiling is not None:
+                final["ceiling"] = (ceiling["rate"], ceiling["through"], ceiling["verdict"])
             ok &= final is not None
         print()
-        print(f"   {'sink':12} {'zero-loss events/s':>18} {'agent CPU per 10k events':>26}")
+        print(f"   {'sink':12} {'zero-loss events/s':>18} {'agent CPU per 10k events':>26}   first failing probe")
         for kind, r in results.items():
             if r is None:
                 print(f"   {kind:12} {'!! none held':>18}")
             else:
-                print(f"   {kind:12} {r['rate']:>18.0f} {r['cpu_10k']:>24.2f} s   (held {r['duration']:.0f}s, "
-                      f"{r['emitted']} events, all at the destination once)")
+                c = r.get("ceiling")
+                fail = (f"{c[0]:.0f}/s ({c[2]}; put through {c[1]:.0f}/s)" if c
+                        else "none up to the ramp limit")
+                print(f"   {kind:12} {r['rate']:>18.0f} {r['cpu_10k']:>24.2f} s   {fail}; held {r['duration']:.0f}s, "
+                      f"{r['emitted']} events, all at the destination once")
         print(flush=True)
     finally:
         bench.close()
@@ -1191,6 +1215,9 @@ def main():
     ap.add_argument("--burst-ring", type=int, default=256, metavar="MIB",
                     help="part 5: the BPF ring buffer's size in MiB, a power of 2 (default 256; the agent's "
                          "default is 32)")
+    ap.add_argument("--sink-ring", type=int, default=256, metavar="MIB",
+                    help="part 3: the BPF ring buffer's size in MiB, a power of 2 (default 256: room for a "
+                         "probe's backlog, so the sink is measured, not the ring)")
     ap.add_argument("--exporter", default="thread,process", metavar="thread,process",
                     help="part 2: where the ClickHouse exporter runs, one run each (default both: a thread of the "
                          "agent's process, as the node agent does, and a process of its own, as `dsec export "
@@ -1206,6 +1233,8 @@ def main():
         ap.error("--burst: 1000..2000000")
     if a.burst_ring not in [1 << i for i in range(11)]:
         ap.error("--burst-ring: a power of 2 from 1 to 1024 (MiB)")
+    if a.sink_ring not in [1 << i for i in range(11)]:
+        ap.error("--sink-ring: a power of 2 from 1 to 1024 (MiB)")
     if os.geteuid() != 0:
         sys.exit("bench/audit.py: must run as root (sandboxes, cgroups, eBPF)")
     if not os.access(DSEC, os.X_OK):
@@ -1246,7 +1275,7 @@ def main():
                 if final is not None:
                     groups.append((f"open_write hold (part 2, {mode})", [final["sid"]]))
         if not a.skip_sinks:
-            _, good = part_sinks(url, tmp, a.quick, a.max_lag, client, db, cg_root)
+            _, good = part_sinks(url, tmp, a.quick, a.max_lag, client, db, cg_root, a.sink_ring)
             ok &= good
         if not a.skip_storage:
             if groups:

@@ -170,10 +170,11 @@ class SpoolSink:
     def deliver(self, records: list[dict]) -> None:
         raise NotImplementedError
 
-    def deliver_batch(self, batch: Batch, rows: list[dict]) -> None:
-        """Deliver one batch (rows: its records and damage rows). A sink that can use
-        the batch's columns (Batch.columns) overrides this; the default is deliver(rows)."""
-        self.deliver(rows)
+    def deliver_batch(self, batch: Batch) -> None:
+        """Deliver one batch: its records and an events_lost row per damage. A sink
+        that can use the batch's columns (Batch.columns, no dict per record)
+        overrides this; the default is deliver(self.rows_of(batch))."""
+        self.deliver(self.rows_of(batch))
 
     def committed_state(self):
         """JSON-able state committed with the cursor after a delivery (Spool._KEEP: unchanged)."""
@@ -189,28 +190,32 @@ class SpoolSink:
 
     def rows_of(self, batch: Batch) -> list[dict]:
         """The batch's records plus an events_lost record per damage."""
-        rows = list(batch.records)
-        for d in batch.damage:
-            rows.append(normalize(damage_event(d, self.spool, self.sink)))
-        return rows
+        return list(batch.records) + self.damage_rows(batch)
+
+    def damage_rows(self, batch: Batch) -> list[dict]:
+        """An events_lost record per damage of the batch."""
+        return [normalize(damage_event(d, self.spool, self.sink)) for d in batch.damage]
 
     def _send(self, batch: Batch) -> int:
-        rows = self.rows_of(batch)
-        if rows:
+        n = batch.count
+        if n or batch.damage:
             t = time.monotonic()
-            self.deliver_batch(batch, rows)
+            self.deliver_batch(batch)
             m = _metrics()
             m.record("dsec.export.duration", time.monotonic() - t, sink=self.sink)
-            oldest = min((r.get("ts_ns") or 0 for r in batch.records if r.get("ts_ns")), default=0)
+            if batch.columns and "ts_ns" in batch.columns:      # batch frames: no dicts to walk
+                oldest = min(filter(None, batch.columns["ts_ns"]), default=0)
+            else:
+                oldest = min((r.get("ts_ns") or 0 for r in batch.records if r.get("ts_ns")), default=0)
             if oldest:
                 m.record("dsec.export.latency", max(0.0, (time.time_ns() - oldest) / 1e9), sink=self.sink)
         self.reader.commit(batch, self.committed_state())
         m = _metrics()
-        m.add("dsec.events.exported", len(batch.records), sink=self.sink)
+        m.add("dsec.events.exported", n, sink=self.sink)
         for d in batch.damage:
             if d.cause == "spool_damage":      # evictions were counted when they happened
                 m.add("dsec.events.lost", d.frames, reason=d.cause, sink=self.sink)
-        return len(batch.records)
+        return n
 
     def flush(self, timeout: float = 30.0) -> FlushResult:
         """Deliver everything in the spool now, retrying until `timeout` seconds

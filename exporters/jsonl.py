@@ -172,12 +172,11 @@ class JsonlSink(SpoolSink):
         st = os.fstat(fd)
         return {"path": self.path, "dev": st.st_dev, "ino": st.st_ino, "size": st.st_size}
 
-    def deliver_batch(self, batch: Batch, rows: list[dict]) -> None:
-        n = len(batch.records)
-        if n and _normalized(batch):
-            self._write(json_lines(rows[:n], normalized=True) + json_lines(rows[n:]))
+    def deliver_batch(self, batch: Batch) -> None:
+        if batch.count and _normalized(batch):
+            self._write(json_lines(batch.records, normalized=True) + json_lines(self.damage_rows(batch)))
         else:
-            self._write(json_lines(rows))
+            self._write(json_lines(self.rows_of(batch)))
 
     def deliver(self, rows: list[dict]) -> None:
         self._write(json_lines(rows))

@@ -171,10 +171,20 @@ class AgentMetrics:
         self._sandbox_source = fn
 
     # -- derived from the records the spool sees -----------------------------------------
-    def observe_records(self, records, now_ns: int | None = None):
+    def observe_records(self, records, now_ns: int | None = None, columns: dict | None = None,
+                        kinds=None):
         """Called by the spool with every batch it appended: received/spooled are
-        counted by the spool itself; this derives lag, losses, lifecycle figures."""
+        counted by the spool itself; this derives lag, losses, lifecycle figures.
+        `columns` ({field: values} of the records) and `kinds` (their count by
+        kind): a batch of kernel records only (the usual one) is then read by
+        column, with no Python step per record."""
         now = now_ns or time.time_ns()
+        if columns is not None and kinds is not None and KERNEL_KINDS.issuperset(kinds) \
+                and "ts_ns" in columns:
+            oldest = min(filter(None, columns["ts_ns"]), default=0)
+            if oldest:
+                self.record("dsec.ringbuf.lag", max(0.0, (now - oldest) / 1e9))
+            return
         oldest = 0
         lost: dict[str, int] = {}
         launches = []

@@ -231,6 +231,8 @@ def _column_ok(name: str, vals) -> bool:
     if check == "Array(String)":
         if not classes <= {list, tuple}:
             return False
+        if not any(vals):
+            return True                # every list empty (every kind but exec): nothing to walk
         items = [x for v in vals for x in v]
         return not set(map(type, items)) - {str} and _encodable("".join(items))
     return False
@@ -404,16 +406,17 @@ def _transposed(records: list):
     same fields (in the same order), else None."""
     if not records or records[0].__class__ is not dict:
         return None
-    keys = records[0].keys()
-    for r in records:
-        if r.__class__ is not dict or r.keys() != keys:
-            return None
-    names = tuple(keys)
-    if not names:
+    names = tuple(records[0])
+    if not names or set(map(type, records)) != {dict} or set(map(len, records)) != {len(names)}:
         return None
-    if len(names) == 1:
-        return names, [tuple(r[names[0]] for r in records)]
-    return names, list(zip(*map(operator.itemgetter(*names), records)))
+    # the same number of fields and every one of the first record's present (else KeyError):
+    # the same fields -- checked in C, not by a keys() comparison per record
+    try:
+        if len(names) == 1:
+            return names, [tuple(map(operator.itemgetter(names[0]), records))]
+        return names, list(zip(*map(operator.itemgetter(*names), records)))
+    except KeyError:
+        return None
 
 
 def _batch_frame(count: int, names, cols):
@@ -548,19 +551,76 @@ class Damage:
                 f"{self.reason} (~{self.frames} record(s))")
 
 
-@dataclass
 class Batch:
-    start: Position
-    end: Position
-    records: list = field(default_factory=list)
-    damage: list = field(default_factory=list)
-    positions: list = field(default_factory=list, repr=False)   # (segment, offset) of each record
-    # {field: [values]} of exactly `records`, when they all came from batch frames of the same
-    # fields (a sink may insert these columns as they are); None otherwise. {}: nothing yet
-    columns: dict | None = field(default_factory=dict, repr=False)
+    """One read of a sink: its records (dicts), the damage found, where it starts
+    and ends. `columns`: {field: [values]} of exactly `records` when they all
+    came from batch frames of the same fields (a sink may insert these columns
+    as they are); None otherwise; {}: nothing yet. While the records came only
+    from batch frames, their dicts are not built until `records` is first read
+    (issue 15: a sink that takes the columns never pays ~3 us a record for a
+    dict); `count` is their number either way."""
+
+    __slots__ = ("start", "end", "_records", "damage", "positions", "columns", "_n")
+
+    def __init__(self, start: Position, end: Position, records: list | None = None, damage: list | None = None,
+                 positions: list | None = None, columns: dict | None = None):
+        self.start, self.end = start, end
+        self._records = [] if records is None else records     # None: the columns' rows, not built yet
+        self.damage = [] if damage is None else damage
+        self.positions = [] if positions is None else positions  # (segment, offset) of each record
+        self.columns = {} if columns is None else columns
+        self._n = len(self._records)
+
+    @property
+    def records(self) -> list:
+        if self._records is None:         # built once, from the columns (which stay as they are)
+            cols = self.columns
+            self._records = [dict(zip(cols, row)) for row in zip(*cols.values())] if cols else []
+        return self._records
+
+    @property
+    def count(self) -> int:
+        """How many records (without building them)."""
+        return self._n if self._records is None else len(self._records)
+
+    def _add_columns(self, names, cols, count: int) -> None:
+        """Records of a batch frame, as columns: kept as columns while every
+        record so far came from batch frames of the same fields."""
+        have = self.columns
+        if have is not None and not have and not self.count:
+            self.columns = dict(zip(names, cols))
+            self._records, self._n = None, count
+            return
+        if have and list(have) == names:
+            if self._records is None:
+                for n, c in zip(names, cols):
+                    have[n].extend(c)
+                self._n += count
+                return
+            for n, c in zip(names, cols):
+                have[n].extend(c)
+        else:
+            self._no_columns()
+        self._records.extend([dict(zip(names, row)) for row in zip(*cols)])
+
+    def _no_columns(self) -> None:
+        """From here on the records are dicts (a frame of one record, or of other fields)."""
+        if self._records is None:
+            self.records
+        self.columns = None
+
+    def ts_of(self, i: int):
+        """ts_ns of record i (without building the records)."""
+        if self._records is None:
+            c = self.columns.get("ts_ns")
+            return c[i] if c is not None else None
+        return self._records[i].get("ts_ns")
 
     def __bool__(self):
-        return bool(self.records or self.damage or self.end != self.start)
+        return bool(self.count or self.damage or self.end != self.start)
+
+    def __repr__(self):
+        return f"Batch({self.start}, {self.end}, {self.count} record(s), {len(self.damage)} damage)"
 
 
 # --- the spool -----------------------------------------------------------------
@@ -598,21 +658,27 @@ def _METRICS():
     return METRICS
 
 
-def _count(records, spooled: bool, lost_markers: bool = True):
+def _count(records, spooled: bool, lost_markers: bool = True, columns: dict | None = None):
     """Metrics of one append: received (and spooled) by kind; the records'
-    own figures (ring-buffer lag, losses they report, lifecycles)."""
+    own figures (ring-buffer lag, losses they report, lifecycles). `columns`:
+    the records by field (an append framed by column), counted from them."""
     m = _METRICS()
-    kinds: dict = {}
-    for r in records:
-        k = r.get("kind")
-        kinds[k] = kinds.get(k, 0) + 1
+    if columns is not None and "kind" in columns:
+        from collections import Counter
+        kinds = Counter(columns["kind"])        # one C-level pass, not a dict lookup per record
+    else:
+        kinds = {}
+        for r in records:
+            k = r.get("kind")
+            kinds[k] = kinds.get(k, 0) + 1
     for k, n in kinds.items():
         m.add("dsec.events.received", n, kind=k)
         if spooled:
             m.add("dsec.events.spooled", n, kind=k)
     if spooled and lost_markers:
         try:
-            m.observe_records(records)
+            m.observe_records(records, columns=columns if columns is not None and "kind" in columns else None,
+                              kinds=kinds)
         except Exception:  # noqa: BLE001 - telemetry never breaks the audit
             log.debug("metrics: observe_records failed", exc_info=True)
 
@@ -797,7 +863,9 @@ class Spool:
         Raises ExportError naming the bad record, or an I/O failure."""
         records = records if isinstance(records, list) else list(records)
         tr = _transposed(records) if self.frames == "batch" and len(records) >= BATCH_MIN else None
+        by = None
         if tr is not None and _column_lists_valid(*tr):
+            by = dict(zip(*tr))
             data = b"".join(encode_frames(records, tr))      # validated as columns, framed as columns
         else:
             validate_records(records)
@@ -825,7 +893,7 @@ class Spool:
                 self._drop(records, dropped)
             if self._lost:
                 self._emit_losses()
-        _count(records, dropped is None)
+        _count(records, dropped is None, columns=by)
         return 0 if dropped else len(records)
 
     def _write(self, data: bytes):
@@ -1208,7 +1276,7 @@ class SpoolReader:
         batch = Batch(start, start)
         nbytes = 0
         chunk = _SMALL_CHUNK
-        while len(batch.records) < max_records and nbytes < max_bytes:
+        while batch.count < max_records and nbytes < max_bytes:
             segs = self.spool.segments()
             later = [s for s in segs if s > pos.segment]
             if pos.segment not in segs:
@@ -1285,7 +1353,7 @@ class SpoolReader:
             i = bisect.bisect_left(batch.positions, (d.segment, d.offset))
             near = [j for j in (i - 1, i) if 0 <= j < len(batch.positions)
                     and batch.positions[j][0] == d.segment]
-            ts = next((batch.records[j].get("ts_ns") for j in near if batch.records[j].get("ts_ns")), None)
+            ts = next((t for j in near if (t := batch.ts_of(j))), None)
             if ts is None:
                 try:
                     ts = os.stat(self.spool.seg_path(d.segment)).st_mtime_ns
@@ -1306,7 +1374,7 @@ class SpoolReader:
         n = len(buf)
         base = pos.offset
         parsed = []            # (record, offset, frame end): validated together at the end (by column)
-        room = max_records - len(batch.records)
+        room = max_records - batch.count
         taken = 0              # records parsed (a batch frame counts its records)
         try:
             while p < n and taken < room:
@@ -1316,7 +1384,7 @@ class SpoolReader:
                     try:
                         if buf[p + 2] == 2:             # MAGIC_BATCH: (count, names, columns)
                             count = _U32.unpack_from(payload)[0]
-                            if taken + len(batch.records) and taken + count > room:
+                            if taken + batch.count and taken + count > room:
                                 self._held = True           # not split: it starts the next read
                                 return base + p, p, None
                             parsed.append(((count, *_decode_batch(payload[4:], count)), p, val))
@@ -1361,7 +1429,7 @@ class SpoolReader:
             return
         if any(r.__class__ is tuple for r, _, _ in parsed):
             return self._take_mixed(parsed, buf, pos, batch)
-        batch.columns = None
+        batch._no_columns()
         recs = [r for r, _, _ in parsed]
         ok = _columns_valid(recs)
         base = pos.offset
@@ -1380,10 +1448,12 @@ class SpoolReader:
 
     def _take_mixed(self, parsed, buf, pos: Position, batch: Batch):
         """_take_parsed with batch frames among the frames: each batch frame's
-        columns are checked as columns (no dicts to transpose); its records are
-        built once, by zip; the batch keeps the columns for a sink that inserts
-        them (Batch.columns) while every record so far came from batch frames
-        of the same fields. Frames of one record go through _take_parsed."""
+        columns are checked as columns (no dicts to transpose); the batch keeps
+        the columns for a sink that inserts them (Batch.columns) while every
+        record so far came from batch frames of the same fields, and builds
+        their dicts only when a sink reads Batch.records (or a frame of one
+        record or of other fields follows). Frames of one record go through
+        _take_parsed."""
         base = pos.offset
         singles = []
         for item in parsed:
@@ -1396,19 +1466,10 @@ class SpoolReader:
                 singles = []
             count, names, cols = obj
             if _column_lists_valid(names, cols):
-                have = batch.columns
-                if have is not None:
-                    if not have and not batch.records:
-                        batch.columns = dict(zip(names, cols))
-                    elif have and list(have) == names:
-                        for n, c in zip(names, cols):
-                            have[n].extend(c)
-                    else:
-                        batch.columns = None
-                batch.records.extend([dict(zip(names, row)) for row in zip(*cols)])
+                batch._add_columns(names, cols, count)
                 batch.positions.extend([(pos.segment, base + p)] * count)
                 continue
-            batch.columns = None
+            batch._no_columns()
             for i, row in enumerate(zip(*cols)):
                 rec = dict(zip(names, row))
                 try:

@@ -49,13 +49,22 @@ except OSError:
     pass
 for i in range(40):
     os.unlink(f"{d}/a{i}.txt")
-os.rename("rel.txt", "moved.txt")
+os.rename("rel.txt", "moved.txt")                                  # relative: through decode()
+os.rename(f"{d}/moved.txt", f"{d}/abs-\xe9.txt")                   # absolute: the fast path
+os.rename(os.fsencode(d) + b"/abs-\xc3\xa9.txt", os.fsencode(d) + b"/raw-\xff.txt")
 for code in (0, 3):
     pid = os.fork()
     if pid == 0:
         os._exit(code)
     os.waitpid(pid, 0)
 subprocess.run(["/bin/true"])
+subprocess.run(["/bin/sh", "-c", "exit 0", "arg\xe9", ""])            # argv with non-ASCII and empty items
+subprocess.run([f"{d}/script.sh", "x"])                               # a script: shebang, interpreter
+try:
+    subprocess.run([f"{d}/missing-binary"])                           # a failed exec
+except OSError:
+    pass
+os.chdir(d); subprocess.run(["./script.sh"])                          # a relative exec
 for fam, addr in ((socket.AF_INET, ("127.0.0.1", int(port))), (socket.AF_INET, ("127.0.0.1", int(closed))),
                   (socket.AF_INET6, ("::1", int(closed))), (socket.AF_UNIX, unix_path)):
     s = socket.socket(fam, socket.SOCK_STREAM)
@@ -122,7 +131,16 @@ def test_batch_decode_gives_what_decode_gives(audit_sensor, audit_cgroups, tmp_p
 
     d = tmp_path / "w"
     d.mkdir()
+    _write(d / "script.sh", "#!/bin/sh\nexit 0\n", 0o755)
     workload = _write(tmp_path / "batch.py", BATCH_WORKLOAD)
+    assert {v[2] for v in bd._fast.values()} >= {"open_write", "unlink", "rename", "fork", "exit", "connect", "exec"}
+    slow_kinds = []
+    real_slow = bd._slow
+
+    def slow(raw, out):
+        n = len(out)
+        real_slow(raw, out)
+        slow_kinds.extend(as_rec(i) for i in out[n:])
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
@@ -132,6 +150,7 @@ def test_batch_decode_gives_what_decode_gives(audit_sensor, audit_cgroups, tmp_p
     u.listen(4)
     sbx = h.sandbox(audit_cgroups)
     bd.decode_many = compared
+    bd._slow = slow
     p = run_in_cgroup(sbx.cg, [PYTHON, "-I", "-B", workload, str(d), str(listener.getsockname()[1]),
                                str(_free_port()), unix_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
@@ -143,6 +162,7 @@ def test_batch_decode_gives_what_decode_gives(audit_sensor, audit_cgroups, tmp_p
         assert h.poll_until(lambda: any(r["kind"] == "exit" and r["pid"] == p.pid for r in sbx.records), 20)
     finally:
         del bd.decode_many
+        del bd._slow
         _kill(p)
         listener.close()
         u.close()
@@ -156,6 +176,18 @@ def test_batch_decode_gives_what_decode_gives(audit_sensor, audit_cgroups, tmp_p
     assert any(r["path"].endswith("/bad-\udcff\udcfe.txt") for r in mine)
     assert any('"tid"' in r["extra"] for r in mine if r["kind"] == "open_write")
     assert {r["family"] for r in mine if r["kind"] == "connect"} >= {"ipv4", "ipv6", "unix"}
+    renames = [r for r in mine if r["kind"] == "rename"]
+    assert {r["path_resolution"] for r in renames} == {"exact", "best_effort"}
+    assert any(r["path2"].endswith("/raw-\udcff.txt") for r in renames)
+    execs = [r for r in mine if r["kind"] == "exec"]
+    assert any(r["argv"] == ["/bin/sh", "-c", "exit 0", "arg\xe9", ""] for r in execs)
+    assert any(r["ret"] < 0 for r in execs) and any(r["path"].endswith("/script.sh") and r["ret"] == 0
+                                                    for r in execs)
+    assert any(r["path_raw"] == "./script.sh" for r in execs)
+    # the fast path took the absolute renames and every exec: decode() only the relative names
+    mine_slow = [r for r in slow_kinds if r["sandbox_id"] == sbx.sandbox_id]
+    assert not [r for r in mine_slow if r["kind"] in ("exec", "fork", "exit", "connect")], mine_slow[:1]
+    assert all(r["path_resolution"] != "exact" for r in mine_slow if r["kind"] in ("rename", "open_write", "unlink"))
     # and the records the sensor delivered are exactly the ones compared (an exec's after its
     # enrichment, so compared as a set), with the same content
     delivered = {r["event_id"]: r for r in sbx.records if r["kind"] != "events_lost"}

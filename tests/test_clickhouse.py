@@ -280,6 +280,40 @@ def test_batch_frames_of_raw_bytes_arrive_exactly(clickhouse_url, clickhouse_cli
     assert rows == [(f"{sid}-{i:03d}".encode(), p, b"\x80c%d" % i, [p, b""]) for i, p in enumerate(paths)]
 
 
+def test_batch_frames_are_inserted_from_their_columns_with_the_gap_beside_them(clickhouse_url, clickhouse_client,
+                                                                              spool):
+    """A read of batch frames is inserted from its columns, no dict per record
+    ever built (Batch.records stays unbuilt); bit rot in the middle frame is an
+    events_lost row in the same insert; the rows are the records, field for field."""
+    from audit_schema.events import FIELD_NAMES, normalize
+    from exporters.spool import MAGIC_BATCH
+    client, db = clickhouse_client
+    sid = new_sid()
+    recs = [normalize(dict(e, argv=[] if i % 2 else ["sh", "-c", f"x{i}"]))
+            for i, e in enumerate(events(sid, 120))]
+    for k in range(3):
+        spool.append_many(recs[40 * k:40 * (k + 1)])          # three batch frames of 40
+    seg = spool.seg_path(spool.segments()[-1])
+    data = bytearray(open(seg, "rb").read())
+    second = data.index(MAGIC_BATCH, 1)
+    data[second + HEADER_BYTES + 60] ^= 0x20                  # the middle frame's CRC fails
+    open(seg, "wb").write(bytes(data))
+    exp = ClickHouseExporter(spool, clickhouse_url)
+    b = exp.reader.read(10_000)
+    assert b.count == 80 and len(b.damage) == 1 and b.columns
+    exp._send(b)
+    assert b._records is None                                 # the dicts were never built
+    exp.close()
+    cols = ", ".join(FIELD_NAMES)
+    rows = client.execute(f"SELECT {cols} FROM {db}.events FINAL WHERE sandbox_id = %(s)s ORDER BY event_id",
+                          {"s": sid})
+    want = sorted(recs[:40] + recs[80:], key=lambda r: r["event_id"])
+    assert [dict(zip(FIELD_NAMES, r)) for r in rows] == [dict(r, argv=list(r["argv"])) for r in want]
+    gaps = client.execute(f"SELECT count FROM {db}.events FINAL WHERE kind = 'events_lost' AND sandbox_id = '' "
+                          f"AND extra LIKE %(p)s", {"p": f"%{spool.path}%"})
+    assert gaps == [(40,)]
+
+
 def test_cli_events_table_and_bad_usage(clickhouse_url, spool):
     sid = new_sid()
     spool.append_many(events(sid, 6, path=from_bytes(b"/etc/\x1b[31mred\xff")))

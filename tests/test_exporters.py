@@ -281,6 +281,37 @@ def test_agent_metrics_over_otlp(receiver, spool):
         sink.close()
 
 
+def test_an_append_framed_by_column_is_counted_as_one_framed_by_record(tmp_path):
+    """The spool counts an append of normalized kernel records from its columns
+    (no Python step per record): the same received/spooled counts by kind and
+    the same ring-buffer lag as the same records framed one by one; a batch with
+    the launcher's records in it takes the per-record path (losses, lifecycles)."""
+    from audit_schema.events import normalize
+    from exporters.spool import Spool
+    now = T0 + 10**9
+    got = []
+    for frames in ("batch", "record"):
+        METRICS.reset()
+        s = Spool(str(tmp_path / frames), fsync="never", frames=frames)
+        real = METRICS.observe_records
+        METRICS.observe_records = lambda recs, now_ns=None, **kw: real(recs, now, **kw)
+        try:
+            s.append_many([normalize(r) for r in evs("sb-c", 90)])
+            s.append_many([normalize(r) for r in evs("sb-c", 40, start=90) + [
+                {"event_id": "sb-c-l", "ts_ns": T0, "sandbox_id": "sb-c", "kind": "events_lost", "count": 7,
+                 "extra": json.dumps({"reason": "ringbuf_full"})}]])
+        finally:
+            del METRICS.observe_records
+        got.append((METRICS.counters("dsec.events.spooled"), METRICS.counters("dsec.events.received"),
+                     METRICS.counter("dsec.events.lost", reason="ringbuf_full"),
+                     METRICS.histogram("dsec.ringbuf.lag")))
+        s.close()
+    assert got[0] == got[1]
+    spooled, _, lost, lag = got[0]
+    assert spooled[(("kind", "open_write"),)] == 43 and lost == 7 and lag["count"] == 2 and lag["max"] == 1.0
+    METRICS.reset()
+
+
 # --- JSON lines -----------------------------------------------------------------------
 
 def test_jsonl_lines_are_the_dsec_events_json_form(tmp_path, spool):

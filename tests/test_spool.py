@@ -355,6 +355,9 @@ def test_batch_frames_roundtrip_exactly_and_carry_their_columns(spool):
     r = spool.reader("t")
     assert r.backlog()[0] == len(records)           # counted from the frames' headers
     b = r.read(100_000)
+    # the columns as read, no dict per record built until a sink asks for the records
+    assert b.count == len(records) and b._records is None and b.ts_of(7) == records[7]["ts_ns"]
+    assert columns_of(b.columns, b.count) == columns_for(records)
     assert b.damage == [] and b.records == records
     assert b.columns is not None and len(b.columns["event_id"]) == len(records)
     assert columns_of(b.columns, len(records)) == columns_for(records)
@@ -364,7 +367,7 @@ def test_batch_frames_roundtrip_exactly_and_carry_their_columns(spool):
     spool.append_many([full(i) for i in range(5)])
     spool.append_many([full(i) for i in range(40)])
     b = r.read(100_000)
-    assert len(b.records) == 45 and b.columns is None
+    assert len(b.records) == 45 and b.count == 45 and b.columns is None
     # records of different fields are framed one by one
     mixed = [rec(i) if i % 2 else full(i, argv=[]) for i in range(40)]
     spool.append_many(mixed)

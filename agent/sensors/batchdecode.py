@@ -5,7 +5,11 @@
 
 decoder.py holds the one definition of what a record becomes; this is its
 fast path for the kinds a busy sandbox makes by the ten thousand (open_write,
-unlink, fork, exit, connect) and must give exactly the same records. Per
+unlink, rename, fork, exit, connect, exec) and must give exactly the same
+records. An exec's own fields and enrichment are Decoder.exec_fields itself
+(the one definition), called with the body already unpacked; an exec whose
+file is read off the decode path comes out as its EnrichJob, as decode() +
+take_job() give it. Per
 record: one struct unpack of the header and one of the kind's fixed part
 (formats built from BCC's ctypes layout, as decoder.fast_view: nothing here
 mirrors bpf/events.h; the field names are checked at start and the fast path
@@ -15,8 +19,8 @@ sockaddrs remembered by their bytes (the usual few repeat), no namedtuple,
 no union object, no normalize (the template has every field).
 
 Everything else goes through Decoder.decode, unchanged, in order: other
-kinds (exec with its enrichment job, rename, the enforcement sensor's), a
-relative path (resolved through /proc at decode time), a record shorter than
+kinds (the enforcement sensor's), a relative open, unlink or rename path
+(resolved through /proc at decode time), a record shorter than
 the fixed part or of an unknown kind, one whose fast decoding raised (decode
 makes it an events_lost record or counts it: never silent, and a chunk is
 never lost to one bad record). tests/test_batchdecode.py decodes the same kernel
@@ -33,6 +37,7 @@ import json
 import struct
 
 from agent.sensors.decoder import _TEMPLATE, AT_FDCWD, decode_sockaddr, dirfd_name
+from audit_schema.events import normalize
 
 _HDR = ("ts_ns", "cgroup_id", "kind", "size", "pid", "tid", "ppid", "uid", "gid", "step", "comm")
 _BODIES = {
@@ -41,6 +46,8 @@ _BODIES = {
     "fork": ("clone_flags", "child_pid", "_pad"),
     "exit": ("exit_code", "signal", "how", "_pad"),
     "connect": ("ret", "fd", "addrlen", "sys", "status", "uaddr", "addr"),
+    "exec": ("ret", "dirfd", "at_flags", "sys", "status", "path_len", "argv_off", "argv_len", "argc", "old_tid",
+             "late_len", "late_off", "cwd_len", "upath"),
 }
 _CACHE_MAX = 4096
 
@@ -71,17 +78,24 @@ class BatchDecoder:
         for name, want in _BODIES.items():
             b = _fmt(bodies[name]) if name in bodies else None
             if b is None or b[1] != list(want):
+                if name == "exec":
+                    continue             # exec records go through decode(); the rest stays fast
                 return
             self._body[name] = struct.Struct("<" + b[0]).unpack_from
         if dec.hdr_off + self._hdr.size > dec.body_off:
             return
+        if "exec" in self._body:
+            from agent.sensors.decoder import fast_view
+            self._exec_view = fast_view(bodies["exec"])[1]._make     # exec_fields reads it by name
         nums = dec.consts.kind_numbers
         self._fast = {}              # kind number -> (handler, body unpack, kind name)
         for kind, body, fn in (("open_write", "file", self._open_write), ("unlink", "file", self._unlink),
-                               ("fork", "fork", self._fork), ("exit", "exit", self._exit),
-                               ("connect", "connect", self._connect)):
-            if kind in nums:
+                               ("rename", "file", self._rename), ("fork", "fork", self._fork),
+                               ("exit", "exit", self._exit), ("connect", "connect", self._connect),
+                               ("exec", "exec", self._exec)):
+            if kind in nums and body in self._body:
                 self._fast[nums[kind]] = (fn, self._body[body], kind)
+        self._exec_job = None        # (Pending, extra) of the exec just decoded (Decoder._pending's)
         self.enabled = True
 
     # -- the loop -------------------------------------------------------------------------
@@ -116,9 +130,10 @@ class BatchDecoder:
             if ent is None or ent[0] is not info:
                 ent = self._template(cg, kind, kname, info)
             try:
-                rec = fn(ent[1], blob, o, n, body(blob, o + body_off), o + buf_off, pid, tid, gid)
+                rec = fn(ent[1], blob, o, n, body(blob, o + body_off), o + buf_off, pid, tid, gid, info)
             except Exception:                     # noqa: BLE001 - decode() accounts for it (events_lost)
                 rec = None
+                self._drop_exec_job()
             if rec is None:                       # not for the fast path (a relative path ...), or failed
                 self._slow(blob[o:o + n], out)
                 continue
@@ -144,8 +159,18 @@ class BatchDecoder:
                 rp = info.recent_pids
                 if not rp or rp[-1] != pid:
                     info.saw(pid)
+            if kname == "exec" and self._exec_job is not None:
+                from agent.sensors.elfinfo import EnrichJob
+                (pending, ex), self._exec_job = self._exec_job, None
+                out.append(EnrichJob(rec, ex, pending, info.cgroup_id))   # as decode() + take_job()
+                continue
             out.append(rec)
         return out
+
+    def _drop_exec_job(self) -> None:
+        if self._exec_job is not None:
+            self._exec_job[0].discard()           # its fds closed; decode() starts it again
+            self._exec_job = None
 
     def _slow(self, raw: bytes, out: list) -> None:
         dec = self.dec
@@ -217,7 +242,7 @@ class BatchDecoder:
             return extra
         return self._extra_json((kname, tid if tid != pid else None, gid, sys_, status, mode, resolve), build)
 
-    def _open_write(self, t, blob, o, n, b, bo, pid, tid, gid):
+    def _open_write(self, t, blob, o, n, b, bo, pid, tid, gid, info):
         got = self._file(t, blob, b, bo, o + n)
         if got is None:
             return None
@@ -225,7 +250,46 @@ class BatchDecoder:
         rec["extra"] = self._file_extra("open_write", pid, tid, gid, sys_, status, mode, resolve)
         return rec
 
-    def _unlink(self, t, blob, o, n, b, bo, pid, tid, gid):
+    def _rename(self, t, blob, o, n, b, bo, pid, tid, gid, info):
+        end = o + n
+        p2o, p2n = b[9], b[10]
+        a = min(bo + p2o, end)
+        raw2 = blob[a:min(a + p2n, end)]             # as decode's buf[path2_off:path2_off + path2_len]
+        if raw2[:1] != b"/":
+            return None                  # relative (or empty): resolved through /proc by Decoder.decode
+        got = self._file(t, blob, b, bo, end)
+        if got is None:
+            return None
+        rec, _ret, _flags, _mode, _resolve, sys_, status = got
+        p2 = raw2.decode("utf-8", "surrogateescape")
+        rec["path2"] = p2
+        extra = self._common_extra({}, pid, tid, gid)
+        extra["syscall"] = self.dec.consts.syscalls.get(sys_, str(sys_))
+        st = self.dec._status(status)
+        if st:
+            extra["status"] = st
+        extra["path2_raw"] = p2
+        extra["dirfd2"] = dirfd_name(b[5])
+        extra["path2_resolution"] = "exact"
+        rec["extra"] = json.dumps(extra, sort_keys=True)
+        return rec
+
+    def _exec(self, t, blob, o, n, b, bo, pid, tid, gid, info):
+        """decode()'s exec: the same Decoder.exec_fields (paths, argv, enrichment or
+        its Pending), from the body already unpacked and the record's string area."""
+        dec = self.dec
+        rec = t.copy()
+        extra = self._common_extra({}, pid, tid, gid)
+        dec._pending = None
+        try:
+            dec.exec_fields(rec, extra, pid, self._exec_view(b), blob[bo:o + n], info)
+        finally:
+            self._exec_job, dec._pending = dec._pending, None     # a raise below: the loop discards it
+        if extra:
+            rec["extra"] = dec._dump_extra(extra)
+        return normalize(rec)        # enrichment may set None (decode normalizes every exec)
+
+    def _unlink(self, t, blob, o, n, b, bo, pid, tid, gid, info):
         got = self._file(t, blob, b, bo, o + n)
         if got is None:
             return None
@@ -233,7 +297,7 @@ class BatchDecoder:
         rec["extra"] = self._file_extra("unlink", pid, tid, gid, sys_, status, 0, 0)
         return rec
 
-    def _fork(self, t, blob, o, n, b, bo, pid, tid, gid):
+    def _fork(self, t, blob, o, n, b, bo, pid, tid, gid, info):
         clone_flags, child, _pad = b
         rec = t.copy()
         rec["child_pid"] = child
@@ -250,7 +314,7 @@ class BatchDecoder:
                                             build)
         return rec
 
-    def _exit(self, t, blob, o, n, b, bo, pid, tid, gid):
+    def _exit(self, t, blob, o, n, b, bo, pid, tid, gid, info):
         code, sig, how, _pad = b
         rec = t.copy()
         rec["exit_code"] = code
@@ -264,7 +328,7 @@ class BatchDecoder:
         rec["extra"] = self._extra_json(("exit", tid if tid != pid else None, gid, how), build)
         return rec
 
-    def _connect(self, t, blob, o, n, b, bo, pid, tid, gid):
+    def _connect(self, t, blob, o, n, b, bo, pid, tid, gid, info):
         ret, fd, addrlen, _sys, status, _uaddr, addr = b
         key = addr[:max(0, min(addrlen, len(addr)))]
         s = self._sock.get(key)

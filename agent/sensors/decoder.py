@@ -561,7 +561,13 @@ class Decoder:
         given["path2_resolution" if second else "path_resolution"] = how
 
     def _exec(self, rec, extra, h, u, buf, info):
-        e = u.exec
+        self.exec_fields(rec, extra, h.pid, u.exec, buf, info)
+
+    def exec_fields(self, rec, extra, pid: int, e, buf: bytes, info) -> None:
+        """An exec record's own fields from its body `e` (the exec member, as
+        fast_view reads it) and string area `buf`, its enrichment (or the
+        Pending of one read off the decode path, in self._pending): the one
+        definition, shared by decode() and the batch decoder."""
         raw_path = buf[: e.path_len]
         if e.status & self.consts.values["DSEC_ST_LATE_READ"]:
             raw_path = buf[e.late_off: e.late_off + e.late_len]
@@ -573,12 +579,12 @@ class Decoder:
         if e.cwd_len and e.status & self._st_cwd_joined:
             self._verified_cwd(rec, extra, e, buf, raw_path)
         else:
-            self._path(rec, extra, h.pid, raw_path, e.dirfd)
+            self._path(rec, extra, pid, raw_path, e.dirfd)
         if e.sys:
             extra["syscall"] = self.consts.syscalls.get(e.sys, str(e.sys))
         if e.at_flags:
             extra["at_flags"] = e.at_flags
-        if e.old_tid and e.old_tid != h.pid:
+        if e.old_tid and e.old_tid != pid:
             extra["old_tid"] = e.old_tid
         status = self._status(e.status)
         if status:
@@ -587,15 +593,15 @@ class Decoder:
             exe_path = os.fsencode(rec["path"]) if rec["path"].startswith("/") else raw_path
             # only processes still in this sandbox: never the host's view of a path
             live = []
-            for p in dict.fromkeys([h.pid, info.root_pid] + info.recent_pids[::-1]):
+            for p in dict.fromkeys([pid, info.root_pid] + info.recent_pids[::-1]):
                 if p and in_cgroup(p, info.cgroup_id, self.cgroup2_root, self.proc):
                     live.append(p)
                     if len(live) == 3:
                         break
             lazy = self.enrich_async
             try:
-                if live and live[0] == h.pid:
-                    found = self.enricher.for_exec(h.pid, exe_path, live[1:], cached_only=lazy)
+                if live and live[0] == pid:
+                    found = self.enricher.for_exec(pid, exe_path, live[1:], cached_only=lazy)
                 elif live:
                     found = self.enricher.for_exec(live[0], exe_path, live[1:], use_exe=False, cached_only=lazy)
                 else:

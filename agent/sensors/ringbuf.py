@@ -33,9 +33,11 @@ On other architectures they do not: supported() is False off x86-64 and the
 sensor keeps BCC's callback reader (slower, but correct).
 
 Wake-ups: epoll on the map fd (level-triggered: ready while consumer_pos !=
-producer_pos). The BPF side submits with adaptive wake-ups (the kernel
-signals only when the consumer has caught up with the record being
-committed), so a reader must empty the ring before it sleeps; poll() does.
+producer_pos). The BPF side asks for a wake-up at most every 4 ms while
+records flow (bpf/common.h DSEC_WAKE_NS: BPF_RB_FORCE_WAKEUP on the first
+record after that, BPF_RB_NO_WAKEUP otherwise), so a reader must empty the
+ring before it sleeps and read after a wait() that timed out too (the
+sensor's _ring_poll, agent/sensors/common.py, does both).
 """
 from __future__ import annotations
 
