@@ -28,6 +28,8 @@ Measures, N times each, interleaved so that machine noise hits all alike:
                 Exec /bin/true + CloseSandbox, from the Python SDK
   agent-warm    the same, the request matching the agent's warm-pool profile (4 sandboxes kept
                 ready, refilled in the background); the share of requests served warm is printed
+  agent-once-cold, agent-once-warm  the same two as one RunOnce call (Client.run_once: create +
+                exec + close in one unary call), against the same agent in the same run
   agent-step    one more step (Exec /bin/true) in a live sandbox of that agent, from the SDK
   dsec-cli-agent `dsec run -- /bin/true` with the agent running (the CLI's start-up + the agent;
                 it returns once the run's audit record is durable in the agent's spool); this is
@@ -38,12 +40,15 @@ Prints min / median / p90 / p99 in ms and the ratios against bwrap and fork+exec
 
 Then sandboxes per second through the agent (create + exec /bin/true + close,
 64 MiB each, no CPU quota, cold) at concurrency 1, 8 and 32, each for
---sustain seconds (default 15), with the agent's CPU per sandbox (utime + stime).
+--sustain seconds (default 15), with the agent's CPU per sandbox (utime + stime):
+three calls (CreateSandbox, Exec, CloseSandbox) and one RunOnce, alternating at
+each level, so the ratio once / calls comes from the same minute.
 
 Then, each with an agent of its own:
   burst         --burst requests (default 1,000; create + exec /bin/true + close in the warm
-                profile's shape), 32 in flight, from a warm pool of --burst-pool (default 100)
-                that refills as it drains: wall time, how many were served warm, failures,
+                profile's shape, one RunOnce each), 32 in flight, from a warm pool of
+                --burst-pool (default 100) that refills as it drains: wall time, how many were
+                served warm, failures,
                 agent CPU per request; requests not started within 120 s are not sent
   idle          --idle idle live sandboxes (default 500; 32 MiB, 16 pids, 0.1 CPU): memory per
                 sandbox = PSS of its dsec-init + the agent's PSS growth / N, then all closed
@@ -225,9 +230,9 @@ class BenchAgent:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def sustained(agent, concurrency: int, seconds: float) -> tuple[int, float, int]:
-    """Sandboxes (create + exec /bin/true + close) completed per second by `concurrency`
-    SDK threads for `seconds`. Returns (completed, rate, failures)."""
+def sustained(agent, concurrency: int, seconds: float, once: bool = False) -> tuple[int, float, int]:
+    """Sandboxes (create + exec /bin/true + close; once: one RunOnce call) completed per second
+    by `concurrency` SDK threads for `seconds`. Returns (completed, rate, failures)."""
     import threading
     from agent.node.client import AgentError
     stop_at = time.monotonic() + seconds
@@ -237,9 +242,12 @@ def sustained(agent, concurrency: int, seconds: float) -> tuple[int, float, int]
     def worker():
         while time.monotonic() < stop_at:
             try:
-                sb = agent.client.create(memory="64M", pids=64, warm=False)   # no CPU quota
-                r = sb.exec(["/bin/true"])
-                sb.close()
+                if once:
+                    r = agent.client.run_once(["/bin/true"], memory="64M", pids=64, warm=False)
+                else:
+                    sb = agent.client.create(memory="64M", pids=64, warm=False)   # no CPU quota
+                    r = sb.exec(["/bin/true"])
+                    sb.close()
                 ok = r.code == 0
             except AgentError:
                 ok = False
@@ -308,11 +316,16 @@ def burst(n: int, pool: int, concurrency: int, limit_s: float = 120.0) -> dict:
             if time.monotonic() > give_up[0]:
                 return
             try:
-                sb = agent.client.create(memory="128M", pids=256)
-                r = sb.exec(["/bin/true"])
-                sb.close()
+                if hasattr(agent.client, "run_once"):
+                    r = agent.client.run_once(["/bin/true"], memory="128M", pids=256)
+                    warm = r.warm
+                else:                               # an older SDK: three calls
+                    sb = agent.client.create(memory="128M", pids=256)
+                    r = sb.exec(["/bin/true"])
+                    sb.close()
+                    warm = sb.created.warm
                 with lock:
-                    hits[0] += sb.created.warm
+                    hits[0] += warm
                     if r.code != 0:
                         failed.append(f"exit {r.code}")
             except AgentError as e:
@@ -324,7 +337,7 @@ def burst(n: int, pool: int, concurrency: int, limit_s: float = 120.0) -> dict:
             list(ex.map(one, range(n)))
         wall = time.monotonic() - t0
         cpu = cpu_seconds(agent.proc.pid) - cpu0
-        return {"n": n, "pool": pool, "pool_ready": ready, "wall_s": wall, "warm": hits[0], "failed": failed,
+        return {"n": n, "once": hasattr(agent.client, "run_once"), "pool": pool, "pool_ready": ready, "wall_s": wall, "warm": hits[0], "failed": failed,
                 "agent_cpu_ms": cpu * 1000 / n}
     finally:
         agent.stop()
@@ -379,6 +392,8 @@ def main():
     ap.add_argument("--burst", type=int, default=1000, help="requests of the warm-pool burst (0: skip)")
     ap.add_argument("--burst-pool", type=int, default=100, help="the warm pool the burst is served from")
     ap.add_argument("--idle", type=int, default=500, help="idle live sandboxes for the memory figure (0: skip)")
+    ap.add_argument("--skip", default="", help="latency cases to leave out, comma-separated (e.g. dsec-cli: "
+                                               "~6 s a run in-process)")
     a = ap.parse_args()
     from agent.sandbox.launcher import SandboxSpec, launch
 
@@ -420,7 +435,7 @@ def main():
     cases.update({"py-start": py_start, "py-imports": py_imports, "dsec-cli": dsec_cli, "dsec-inproc": dsec_inproc})
     agent = None
     live = []
-    warm_hits = [0, 0]
+    warm_hits = [0, 0, 0, 0]
     if not a.no_agent:
         agent = BenchAgent(warm_count=4)
         agent_env = dict(os.environ, DSEC_AGENT_SOCKET=agent.socket)
@@ -438,6 +453,15 @@ def main():
             assert sb.exec(["/bin/true"]).code == 0
             sb.close()
 
+        def agent_once_cold():
+            assert agent.client.run_once(["/bin/true"], memory="128M", pids=256, warm=False).code == 0
+
+        def agent_once_warm():
+            r = agent.client.run_once(["/bin/true"], memory="128M", pids=256)
+            warm_hits[2] += r.warm
+            warm_hits[3] += 1
+            assert r.code == 0
+
         def agent_step():
             if not live:
                 live.append(agent.client.create(memory="128M", pids=256, warm=False))
@@ -450,12 +474,19 @@ def main():
         def dsec_cli_agent_export():
             subprocess.run([DSEC, "run", "--wait-export", "--", "/bin/true"], check=True, stdout=devnull,
                            stderr=devnull, env=agent_env)
-        cases.update({"agent-cold": agent_cold, "agent-warm": agent_warm, "agent-step": agent_step,
+        cases.update({"agent-cold": agent_cold, "agent-warm": agent_warm, "agent-once-cold": agent_once_cold,
+                      "agent-once-warm": agent_once_warm, "agent-step": agent_step,
                       "dsec-cli-agent": dsec_cli_agent, "dsec-cli-agent-export": dsec_cli_agent_export})
+        if not hasattr(agent.client, "run_once"):     # an older SDK (this bench run against an older tree)
+            del cases["agent-once-cold"], cases["agent-once-warm"]
+    for k in filter(None, a.skip.split(",")):
+        if k not in cases:
+            raise SystemExit(f"bench: --skip {k}: no such case ({', '.join(cases)})")
+        del cases[k]
     try:
         for fn in cases.values():   # warm caches (base rootfs, page cache)
             fn()
-        warm_hits[:] = [0, 0]
+        warm_hits[:] = [0, 0, 0, 0]
         res = {k: [] for k in cases}
         for i in range(a.runs):
             for k, fn in cases.items():
@@ -471,10 +502,15 @@ def main():
         med = {k: statistics.median(v) for k, v in res.items()}
         print("ratios of medians:")
         anchors = [b for b in ("bwrap", "crun", "fork+exec") if b in med]
-        for k in ("dsec-cli", "dsec-inproc", "agent-cold", "agent-warm", "agent-step", "dsec-cli-agent",
-                  "dsec-cli-agent-export"):
+        for k in ("dsec-cli", "dsec-inproc", "agent-cold", "agent-warm", "agent-once-cold", "agent-once-warm",
+                  "agent-step", "dsec-cli-agent", "dsec-cli-agent-export"):
             if k in med:
                 print(f"  {k:22} " + "  ".join(f"{med[k] / med[b]:7.2f}x {b}" for b in anchors))
+        for k in ("cold", "warm"):
+            if f"agent-once-{k}" in med:
+                print(f"  agent-once-{k} / agent-{k}: {med[f'agent-once-{k}'] / med[f'agent-{k}']:.2f}x "
+                      f"(one RunOnce call vs three calls; p99 {pct(res[f'agent-once-{k}'], 99):.1f} vs "
+                      f"{pct(res[f'agent-{k}'], 99):.1f} ms)")
         if "agent-step" in med:
             print(f"  agent-step - fork+exec: {med['agent-step'] - med['fork+exec']:.2f} ms "
                   f"(target <= 1 ms); p99 {pct(res['agent-step'], 99):.2f} ms (target <= 5 ms)")
@@ -482,18 +518,25 @@ def main():
             print(f"  dsec-cli-agent {med['dsec-cli-agent']:.1f} ms, of which interpreter start-up "
                   f"{med['py-start']:.1f} ms and imports {med['py-imports'] - med['py-start']:.1f} ms")
         if agent is not None:
-            print(f"agent-warm: {warm_hits[0]} of {warm_hits[1]} requests took a warm sandbox "
-                  f"(the pool of 4 refills in the background)")
+            print(f"agent-warm: {warm_hits[0]} of {warm_hits[1]} requests took a warm sandbox, agent-once-warm "
+                  f"{warm_hits[2]} of {warm_hits[3]} (the pool of 4 refills in the background)")
             print(f"\nsandboxes per second through the agent (create + exec /bin/true + close, cold, "
-                  f"{a.sustain:g} s each):")
+                  f"{a.sustain:g} s each; three calls, then one RunOnce):")
             base = None
             for conc in (1, 8, 32):
-                cpu0 = cpu_seconds(agent.proc.pid)
-                n, rate, failed = sustained(agent, conc, a.sustain)
-                cpu = (cpu_seconds(agent.proc.pid) - cpu0) * 1000 / max(1, n)
-                base = base or rate
-                print(f"  concurrency {conc:2d}: {rate:6.1f}/s ({n} sandboxes, {failed} failed, "
-                      f"{rate / base:4.2f}x concurrency 1; agent CPU {cpu:.1f} ms per sandbox) (target >= 100/s)")
+                got = {}
+                for once in (False, True) if hasattr(agent.client, "run_once") else (False,):
+                    cpu0 = cpu_seconds(agent.proc.pid)
+                    n, rate, failed = sustained(agent, conc, a.sustain, once=once)
+                    cpu = (cpu_seconds(agent.proc.pid) - cpu0) * 1000 / max(1, n)
+                    got[once] = (rate, cpu)
+                    base = base or rate
+                    print(f"  concurrency {conc:2d} {'RunOnce' if once else '3 calls'}: {rate:6.1f}/s ({n} sandboxes, "
+                          f"{failed} failed, {rate / base:4.2f}x concurrency 1; agent CPU {cpu:.1f} ms per sandbox) "
+                          f"(target >= 100/s)")
+                if True in got:
+                    print(f"  concurrency {conc:2d} RunOnce / 3 calls: {got[True][0] / got[False][0]:.2f}x "
+                          f"sandboxes/s, {got[True][1] / max(got[False][1], 1e-9):.2f}x agent CPU per sandbox")
     finally:
         for sb in live:
             sb.close()
@@ -502,7 +545,8 @@ def main():
         crun.close()
     if agent is not None and a.burst:
         b = burst(a.burst, a.burst_pool, 32)
-        print(f"\nburst: {b['n']} requests (create + exec /bin/true + close), 32 at a time, from a warm pool of "
+        how = "one RunOnce" if b["once"] else "three calls"
+        print(f"\nburst: {b['n']} requests (create + exec /bin/true + close: {how}), 32 at a time, from a warm pool of "
               f"{b['pool']} ({'ready' if b['pool_ready'] else 'NOT fully ready'} at the start, refilled as it "
               f"drains): {b['wall_s']:.1f} s (target <= 15 s), {b['warm']} served warm, {len(b['failed'])} failed"
               f"{' ' + repr(b['failed'][:2]) if b['failed'] else ''}; agent CPU {b['agent_cpu_ms']:.1f} ms per request")

@@ -182,6 +182,83 @@ def test_cache_by_identity(tmp_path):
     assert len(small._cache) == 2
 
 
+# ---------------------------------------------------------------- one entry for every sandbox
+
+@pytest.fixture
+def overlays(tmp_path):
+    """Two overlay mounts over one lower directory (as the launcher mounts /usr
+    for each sandbox), each with an upper layer of its own."""
+    lower = tmp_path / "lower"
+    lower.mkdir()
+    make_elf(lower / "tool", interp=b"/lib64/ld-linux-x86-64.so.2", build_id=bytes(range(20)))
+    (lower / "other").write_bytes(b"#!/bin/sh\necho other\n")
+    mounts = []
+    try:
+        for n in (1, 2):
+            for d in (f"u{n}", f"w{n}", f"m{n}"):
+                (tmp_path / d).mkdir()
+            subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                            f"lowerdir={lower},upperdir={tmp_path}/u{n},workdir={tmp_path}/w{n}",
+                            str(tmp_path / f"m{n}")], check=True)
+            mounts.append(tmp_path / f"m{n}")
+        yield lower, mounts
+    finally:
+        for m in mounts:
+            subprocess.run(["umount", str(m)], check=True)
+
+
+def test_overlay_lower_file_is_read_once_for_every_mount(overlays):
+    """Keyed by st_dev, every sandbox's overlay was a new file to the cache: the
+    lower file is now read once, whichever mount (or the host path) shows it."""
+    lower, (m1, m2) = overlays
+    cache = ElfInfoCache()
+    first = cache.info_for_path(str(m1 / "tool"))
+    assert cache.reads == 1 and first.build_id == bytes(range(20)).hex()
+    assert cache.info_for_path(str(m2 / "tool")) is first
+    assert cache.info_for_path(str(lower / "tool")) is first
+    assert cache.reads == 1 and cache.lower.decoded == 2
+    # off the decode path too: a cached_only lookup in a mount not seen before is a hit
+    fd = os.open(m2 / "other", os.O_RDONLY)
+    try:
+        with pytest.raises(Exception):
+            cache.info_for_fd(fd, cached_only=True)              # not read yet: deferred
+        assert cache.info_for_fd(fd).shebang == b"/bin/sh" and cache.reads == 2
+    finally:
+        os.close(fd)
+    fd = os.open(m1 / "other", os.O_RDONLY)
+    try:
+        assert cache.info_for_fd(fd, cached_only=True).shebang == b"/bin/sh" and cache.reads == 2
+    finally:
+        os.close(fd)
+    cache.lower.close()
+
+
+def test_overlay_upper_files_never_share_the_lower_entry(overlays):
+    """A copied-up file keeps its origin's file handle: with the same content,
+    size and mtime it is still read on its own; changed to another content of the
+    same size and mtime it carries its own sha256; a new upper file too."""
+    lower, (m1, m2) = overlays
+    cache = ElfInfoCache()
+    orig = cache.info_for_path(str(m1 / "tool"))
+    st = os.stat(lower / "tool")
+    data = (lower / "tool").read_bytes()
+    with open(m2 / "tool", "r+b") as f:                       # copy-up, same bytes
+        f.write(data[:4])
+    os.utime(m2 / "tool", ns=(st.st_atime_ns, st.st_mtime_ns))
+    same = cache.info_for_path(str(m2 / "tool"))
+    assert same is not orig and same.sha256 == orig.sha256 and cache.reads == 2
+    changed = data[:-1] + bytes([data[-1] ^ 0xFF])
+    with open(m2 / "tool", "r+b") as f:
+        f.write(changed)
+    os.utime(m2 / "tool", ns=(st.st_atime_ns, st.st_mtime_ns))
+    got = cache.info_for_path(str(m2 / "tool"))
+    assert got.sha256 == hashlib.sha256(changed).hexdigest() != orig.sha256
+    assert cache.info_for_path(str(m1 / "tool")) is orig             # the other sandbox still sees the lower file
+    (m1 / "new").write_bytes(data)
+    assert cache.info_for_path(str(m1 / "new")) is not orig and cache.reads == 4
+    cache.lower.close()
+
+
 # ---------------------------------------------------------------- the sandbox's view
 
 @pytest.fixture

@@ -65,6 +65,38 @@ def test_five_steps_share_state_and_events_carry_steps(recorder, clickhouse_url,
     assert writes == {"/workspace/state": 1, "/workspace/two": 2}
 
 
+def test_two_sandboxes_exec_one_binary_read_once_both_records_carry_sha256(recorder, clickhouse_url, sid):
+    """Each sandbox sees /usr through an overlay of its own (another st_dev): the exec
+    enrichment cache keys the file by the real lower file, so the second sandbox's exec of
+    the same binary is a hit; both exec records carry its sha256 and build-id."""
+    import hashlib
+    from replay.store import AuditStore
+    cache = recorder.sensor.decoder.enricher
+    binary = "/usr/bin/expr"
+    with open(os.path.realpath(binary), "rb") as f:
+        want = hashlib.sha256(f.read()).hexdigest()
+    reads = cache.reads
+    ids = [f"{sid}-a", f"{sid}-b"]
+    boxes = []
+    try:
+        for i in ids:                       # both live: two overlay mounts, two st_devs (a closed
+            boxes.append(_audited_sandbox(recorder, sandbox_id=i))    # one's number is reused)
+        for sb in boxes:
+            assert sb.exec([binary, "1", "+", "1"]).code == 0
+            recorder.catch_up()
+            assert recorder.sensor.enrich_worker.wait_all(10)        # read before the next exec
+    finally:
+        for sb in boxes:
+            sb.close()
+    assert cache.reads - reads == 1
+    res = flush(recorder.spool, url=clickhouse_url, timeout=20)
+    assert res.ok, res.summary()
+    with AuditStore(clickhouse_url) as store:
+        for i in ids:
+            (ev,) = [e for e in store.events(i) if e["kind"] == "exec" and e["path"] == binary]
+            assert ev["sha256"] == want and ev["build_id"], (i, ev)
+
+
 def test_background_process_survives_steps_until_close(recorder):
     sb = _audited_sandbox(recorder)
     try:

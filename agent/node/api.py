@@ -23,6 +23,7 @@ from agent.node.proto import pb, pb_grpc  # sets GRPC_ENABLE_FORK_SUPPORT=0 befo
 import grpc  # noqa: E402
 
 from agent.node.daemon import Agent, ApiError, to_json  # noqa: E402
+from agent.node.requests import check_exec  # noqa: E402
 from agent.errors import DsecError, ReportedError  # noqa: E402
 
 log = logging.getLogger("dsec.agent.node.api")
@@ -128,6 +129,22 @@ def _start_dict(s) -> dict:
             "close_after": s.close_after, "wait_export": s.wait_export}
 
 
+RUN_ONCE_OUTPUT = 4 << 20          # RunOnce keeps this much of each stream unless asked otherwise
+
+
+def _exit_message(ex: dict) -> "pb.ExitStatus":
+    st = pb.ExitStatus(step=ex["step"], code=ex["code"], signal=ex["signal"] or 0,
+                       timed_out=ex["timed_out"], oom_killed=bool(ex["oom_killed"]),
+                       error=ex["error"] or "", wall_ms=ex["wall_ms"] or 0, cpu_ms=ex["cpu_ms"] or 0,
+                       max_rss_bytes=ex["max_rss_bytes"] or 0, sandbox_state=ex["sandbox_state"],
+                       sandbox_reason=ex["sandbox_reason"] or "", preempted=ex["preempted"])
+    if ex.get("exit_code") is not None:
+        st.exit_code = ex["exit_code"]
+    if ex.get("summary") is not None:
+        st.summary_json = json.dumps(ex["summary"], ensure_ascii=True, default=str)
+    return st
+
+
 def _deadline(context):
     def remaining():
         return context.time_remaining()
@@ -211,21 +228,66 @@ class AgentServicer(pb_grpc.AgentServicer):
                 elif kind == "stderr":
                     yield pb.ExecOutput(stderr=item[1])
                 elif kind == "exit":
-                    ex = item[1]
-                    st = pb.ExitStatus(step=ex["step"], code=ex["code"], signal=ex["signal"] or 0,
-                                       timed_out=ex["timed_out"], oom_killed=bool(ex["oom_killed"]),
-                                       error=ex["error"] or "", wall_ms=ex["wall_ms"] or 0, cpu_ms=ex["cpu_ms"] or 0,
-                                       max_rss_bytes=ex["max_rss_bytes"] or 0, sandbox_state=ex["sandbox_state"],
-                                       sandbox_reason=ex["sandbox_reason"] or "", preempted=ex["preempted"])
-                    if ex.get("exit_code") is not None:
-                        st.exit_code = ex["exit_code"]
-                    if ex.get("summary") is not None:
-                        st.summary_json = json.dumps(ex["summary"], ensure_ascii=True, default=str)
-                    yield pb.ExecOutput(exit=st)
+                    yield pb.ExecOutput(exit=_exit_message(item[1]))
         except ApiError as e:
             _abort(context, e)
         except ReportedError as e:
             _abort(context, ApiError("FAILED_PRECONDITION", e.message))
+
+    def RunOnce(self, request, context):
+        """CreateSandbox(wait_running) + ExecOnce(close_after) in one unary call (as
+        agent/node/runsock.py does for `dsec run`): the output is kept up to the cap."""
+        def run():
+            if request.exec.sandbox_id:
+                raise ApiError("INVALID_ARGUMENT", "exec.sandbox_id: must be empty in RunOnce (the sandbox is "
+                                                   "named by create.sandbox_id)")
+            caller = self._caller(context)
+            cap = min(request.max_output_bytes or RUN_ONCE_OUTPUT,
+                      max(0, (self.agent.cfg.limits.max_message_bytes - (256 << 10)) // 2))
+            start = _start_dict(request.exec)
+            check_exec(dict(start, sandbox_id="-"))     # a bad step is refused before any sandbox is made
+            a = self.agent
+            rec = a.create(create_dict(request.create), caller)
+            rem = context.time_remaining()
+            info, timed_out = a.wait(rec.id, "running", rem, context.is_active, caller)
+            reply = pb.RunOnceReply()
+            if not context.is_active():         # the caller went away before its sandbox ran: it ends
+                a.close(rec.id)
+                return reply
+            if timed_out:                       # still queued at the call's deadline: a one-shot run ends
+                a.close(rec.id)
+                raise ApiError("DEADLINE_EXCEEDED", f"sandbox {rec.id} was still {info.get('state')} at the "
+                                                    f"call's deadline: closed")
+            reply.sandbox.CopyFrom(info_message(info))
+            if info.get("state") != "running":  # failed (or ended) before its step: the SDK raises
+                return reply
+            start.update(sandbox_id=rec.id, close_stdin=True, close_after=True)
+            kept = {"stdout": bytearray(), "stderr": bytearray()}
+            dropped = {"stdout": 0, "stderr": 0}
+            try:
+                for item in a.exec_step(start, None, context.add_callback, _deadline(context), caller):
+                    kind = item[0]
+                    if kind in kept:
+                        buf, data = kept[kind], item[1]
+                        room = cap - len(buf)
+                        buf += data[:max(room, 0)]
+                        dropped[kind] += max(len(data) - max(room, 0), 0)
+                    elif kind == "exit":
+                        reply.exit.CopyFrom(_exit_message(item[1]))
+            except ApiError as e:
+                if not reply.HasField("exit"):
+                    raise
+                reply.error_code, reply.error_message = e.code, e.message    # stopped under the step
+            finally:
+                if not reply.HasField("exit"):  # no step ran to its end here (refused, cancelled): it ends
+                    try:
+                        a.close(rec.id)
+                    except (ApiError, ReportedError):
+                        pass
+            reply.stdout, reply.stderr = bytes(kept["stdout"]), bytes(kept["stderr"])
+            reply.stdout_dropped_bytes, reply.stderr_dropped_bytes = dropped["stdout"], dropped["stderr"]
+            return reply
+        return self._call(context, run)
 
     def Wait(self, request, context):
         def run():

@@ -116,7 +116,10 @@ def _convert(e, result=None) -> AgentError:
         return e
     code = e.code()
     name = code.name if code is not None else "UNKNOWN"
-    msg = e.details() or name
+    return _status_error(name, e.details() or name, result)
+
+
+def _status_error(name: str, msg: str, result=None) -> AgentError:
     if name == "ABORTED":
         cls = SandboxPreempted if "preempted" in msg else SandboxStopped
         return cls(name, msg, result)
@@ -155,6 +158,10 @@ class ExecResult:
     sandbox_reason: str = ""
     preempted: bool = False
     summary: dict | None = None
+    sandbox_id: str = ""               # run_once: the sandbox it ran in
+    warm: bool = False                 # run_once: it was a warm sandbox
+    stdout_dropped: int = 0            # run_once: output past max_output, read but not returned
+    stderr_dropped: int = 0
 
     @property
     def ok(self) -> bool:
@@ -382,6 +389,40 @@ def _exec_item(m, out: bytearray, err: bytearray):
     return None
 
 
+RUN_ONCE_OUTPUT = 4 << 20           # what run_once keeps of each stream by default (as the agent)
+
+
+def _run_once_request(argv, *, stdin=None, timeout=None, grace=None, wait_export=False, max_output=None,
+                      **spec):
+    from agent.node.proto import pb
+    ex = _exec_start("", argv, stdin=stdin, close_stdin=True, timeout=timeout, grace=grace, close_after=True,
+                     wait_export=wait_export).start
+    if max_output is not None and (not isinstance(max_output, int) or max_output < 1):
+        raise InvalidArgument("INVALID_ARGUMENT", f"max_output: a number of bytes >= 1, got {max_output!r}")
+    return pb.RunOnceRequest(create=_create_request(wait=True, **spec), exec=ex,
+                             max_output_bytes=max_output or 0)
+
+
+def _run_once_result(m) -> ExecResult:
+    info = _info(m.sandbox)
+    if not m.HasField("exit"):
+        raise SandboxFailed("FAILED_PRECONDITION", f"sandbox {info.sandbox_id} failed: {info.reason}", info.reason)
+    r = _exit(m.exit, m.stdout, m.stderr)
+    r.sandbox_id, r.stdout_dropped, r.stderr_dropped = info.sandbox_id, m.stdout_dropped_bytes, m.stderr_dropped_bytes
+    r.warm = info.warm
+    if m.error_code:                    # stopped under the step: what Exec raises after its exit
+        raise _status_error(m.error_code, m.error_message, r)
+    return r
+
+
+def _capped(r: ExecResult, sb, cap: int) -> ExecResult:
+    """A fallback run_once's result as RunOnce returns it (the first `cap` bytes of each stream)."""
+    r.sandbox_id, r.warm = sb.id, bool(sb.created and sb.created.warm)
+    r.stdout_dropped, r.stderr_dropped = max(len(r.stdout) - cap, 0), max(len(r.stderr) - cap, 0)
+    r.stdout, r.stderr = r.stdout[:cap], r.stderr[:cap]
+    return r
+
+
 def default_target() -> str:
     return "unix:" + (os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET)
 
@@ -489,6 +530,7 @@ class Client:
         self.connect_timeout = connect_timeout
         self._ready = False
         self._no_exec_once = False          # the agent predates ExecOnce (answered UNIMPLEMENTED)
+        self._no_run_once = False           # ... RunOnce
 
     def _connect(self):
         if self._ready:
@@ -549,6 +591,29 @@ class Client:
             raise SandboxFailed("FAILED_PRECONDITION", f"sandbox {info.sandbox_id} failed: {info.reason}",
                                 info.reason)
         return Sandbox(self, info.sandbox_id, info)
+
+    def run_once(self, argv, *, stdin=None, timeout=None, grace=None, wait_export=False, max_output=None,
+                 call_timeout: float | None = None, **spec) -> ExecResult:
+        """A one-shot run: create a sandbox (spec: as create()), run `argv` in it (stdin: all of
+        it, bytes), close it, in one RunOnce call (an agent that predates RunOnce gets create +
+        exec(close_after)). Returns the ExecResult with .summary and .sandbox_id; its stdout and
+        stderr are the first `max_output` bytes of each (default 4 MiB), .stdout_dropped and
+        .stderr_dropped count the rest. Raises as create() and exec() do. call_timeout: the
+        whole call's deadline (default none; the step's own is `timeout`)."""
+        req = _run_once_request(argv, stdin=stdin, timeout=timeout, grace=grace, wait_export=wait_export,
+                                max_output=max_output, **spec)
+        if not self._no_run_once:
+            self._connect()
+            try:
+                return _run_once_result(self.stub.RunOnce(req, timeout=call_timeout))
+            except Exception as e:  # noqa: BLE001
+                if not _unimplemented(e):
+                    raise _convert(e) from None
+                self._no_run_once = True
+        sb = self.create(timeout=call_timeout, **spec)
+        r = self.exec(sb.id, argv, stdin=stdin, timeout=timeout, grace=grace, close_after=True,
+                      wait_export=wait_export)
+        return _capped(r, sb, max_output or RUN_ONCE_OUTPUT)
 
     def snapshot(self, sandbox_id: str, timeout: float | None = None) -> dict:
         """Snapshot a running sandbox (frozen while its writable layer is copied): the
@@ -837,6 +902,7 @@ class AsyncClient:
         self.stub = pb_grpc.AgentStub(self._channel)
         self._ready = False
         self._no_exec_once = False          # the agent predates ExecOnce (answered UNIMPLEMENTED)
+        self._no_run_once = False           # ... RunOnce
 
     async def _connect(self):
         if self._ready:
@@ -878,6 +944,25 @@ class AsyncClient:
 
     def sandbox(self, sandbox_id: str) -> "AsyncSandbox":
         return AsyncSandbox(self, sandbox_id)
+
+    async def run_once(self, argv, *, stdin=None, timeout=None, grace=None, wait_export=False, max_output=None,
+                       call_timeout: float | None = None, **spec) -> ExecResult:
+        """As Client.run_once: create + one step + close in one RunOnce call. Cancelling the task
+        cancels the call: the agent stops the step and ends the sandbox."""
+        req = _run_once_request(argv, stdin=stdin, timeout=timeout, grace=grace, wait_export=wait_export,
+                                max_output=max_output, **spec)
+        if not self._no_run_once:
+            await self._connect()
+            try:
+                return _run_once_result(await self.stub.RunOnce(req, timeout=call_timeout))
+            except Exception as e:  # noqa: BLE001
+                if not _unimplemented(e):
+                    raise _convert(e) from None
+                self._no_run_once = True
+        sb = await self.create(timeout=call_timeout, **spec)
+        r = await self.exec(sb.id, argv, stdin=stdin, timeout=timeout, grace=grace, close_after=True,
+                            wait_export=wait_export)
+        return _capped(r, sb, max_output or RUN_ONCE_OUTPUT)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         from agent.node.proto import pb

@@ -28,6 +28,20 @@ cannot block); the shebang read is bounded (BINPRM_BUF_SIZE); sha256 streams
 in 1 MiB chunks and stops at max_hash_bytes; ELF parsing touches headers,
 PT_INTERP (<= 4 KiB) and PT_NOTE segments (<= 64 KiB, <= 64 notes) only; any
 parse error becomes an `enrich_error` note instead of an exception.
+
+One entry for every sandbox (LowerFiles below). A sandbox sees its system
+files through an overlay mount of its own, whose st_dev differs per mount: keyed
+by it, every sandbox re-read /bin/true. An overlay file that is a lower-layer
+file is keyed by that real lower file instead: its overlay file handle
+(name_to_handle_at AT_HANDLE_FID, the same in every sandbox) is decoded on the
+lower filesystem (open_by_handle_at) and used only if the real file's size,
+mtime and ctime are the overlay file's: the key is then the real file's own
+(device, inode, size, mtime, ctime), as if the host file had been read. A file
+of the upper layer never shares it: a new one's handle is marked upper, and a
+copied-up one (whose handle is still its origin's) carries the upper inode's
+ctime, set by the kernel at copy-up, never the lower file's. The file is read
+through the sandbox's fd either way, and the rule above holds: a file whose
+identity changed between the exec and the read is not vouched for.
 """
 from __future__ import annotations
 
@@ -38,6 +52,7 @@ import io
 import itertools
 import json
 import os
+import re
 import stat
 import threading
 import time
@@ -240,6 +255,179 @@ def _key(st: os.stat_result) -> tuple:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+OVERLAYFS_SUPER_MAGIC = 0x794C7630
+AT_EMPTY_PATH = 0x1000
+AT_HANDLE_FID = 0x200
+MAX_HANDLE_SZ = 128
+OVL_FH_MAGIC = 0xFB
+OVL_FH_FLAG_PATH_UPPER = 1 << 2
+LOWER_FS_MAX = 64                 # lower filesystems LowerFiles keeps a descriptor of
+MOUNTS_SEEN_MAX = 4096
+
+
+class _FileHandle(ctypes.Structure):
+    _fields_ = [("handle_bytes", ctypes.c_uint), ("handle_type", ctypes.c_int),
+                ("f_handle", ctypes.c_ubyte * MAX_HANDLE_SZ)]
+
+
+_libc.name_to_handle_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p,
+                                    ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+_libc.open_by_handle_at.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+_libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+
+
+def fs_type(fd: int) -> int:
+    """statfs f_type of the file's filesystem (0 when fstatfs fails)."""
+    buf = ctypes.create_string_buffer(128)           # struct statfs is 120 bytes; f_type first
+    if _libc.fstatfs(fd, buf) != 0:
+        return 0
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def overlay_origin(fd: int):
+    """(mount id, lower handle type, lower handle bytes) of an overlay file
+    that is not an upper-layer-only file, or None. The overlay's handle is
+    struct ovl_fh: 3 pad bytes, version, magic, len, flags, type, uuid[16],
+    then the real filesystem's handle."""
+    fh = _FileHandle(MAX_HANDLE_SZ, 0)
+    mnt = ctypes.c_int(0)
+    if _libc.name_to_handle_at(fd, b"", ctypes.byref(fh), ctypes.byref(mnt),
+                               AT_EMPTY_PATH | AT_HANDLE_FID) != 0:
+        return None
+    raw = bytes(fh.f_handle[: fh.handle_bytes])
+    if len(raw) < 25 or raw[3] != 0 or raw[4] != OVL_FH_MAGIC:
+        return None
+    flen, flags, ftype = raw[5], raw[6], raw[7]
+    if flags & OVL_FH_FLAG_PATH_UPPER or flen <= 21 or 3 + flen > len(raw):
+        return None                                  # an upper-layer file, or not a format known here
+    return mnt.value, ftype, raw[24: 3 + flen]
+
+
+def _unescape(s: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)
+
+
+def overlay_lowerdirs(mount_id: int, pids=()) -> list[str]:
+    """The lower directories of overlay mount `mount_id`, from the mountinfo
+    of the first of `pids` ("self" when none) that can be read."""
+    for pid in list(pids) or ["self"]:
+        try:
+            with open(f"/proc/{pid}/mountinfo", "rb") as f:
+                lines = f.read().decode("utf-8", "surrogateescape").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if not line.startswith(f"{mount_id} "):
+                continue
+            parts = line.split(" - ", 1)
+            if len(parts) != 2:
+                return []
+            fields = parts[1].split(" ")
+            if len(fields) < 3 or fields[0] != "overlay":
+                return []
+            dirs = []
+            for opt in fields[2].split(","):
+                name, _, value = opt.partition("=")
+                if name == "lowerdir":
+                    dirs += [_unescape(d).replace("\\:", ":")
+                             for d in re.split(r"(?<!\\):+", value) if d]
+                elif name in ("lowerdir+", "datadir+"):
+                    dirs.append(_unescape(value))
+            return dirs
+        return []
+    return []
+
+
+class LowerFiles:
+    """Keys overlay files that are lower-layer files by the real lower file
+    (see the module's opening comment). Holds a read-only descriptor of a
+    directory on each lower filesystem met (at most LOWER_FS_MAX): the handle
+    is decoded on each in turn. Which filesystems those are comes from an
+    overlay mount's lowerdir option, read once per mount in the mountinfo of
+    one of the sandbox's processes (never on the decode path: cached_only
+    lookups only try the filesystems already known)."""
+
+    UNKNOWN = object()             # might be a lower file of a filesystem not known yet
+
+    def __init__(self):
+        self._mu = threading.Lock()
+        self._fs: OrderedDict = OrderedDict()       # st_dev -> O_PATH fd on that filesystem
+        self._mounts_seen: OrderedDict = OrderedDict()   # (mount id, overlay st_dev): lowerdirs read
+        self.decoded = 0                            # overlay files keyed by their lower file
+
+    def key(self, fd: int, st: os.stat_result, pids=(), discover: bool = True):
+        """The real lower file's key, None (key the overlay file itself), or
+        UNKNOWN (discover=False and no known filesystem has it)."""
+        if not stat.S_ISREG(st.st_mode) or fs_type(fd) != OVERLAYFS_SUPER_MAGIC:
+            return None
+        origin = overlay_origin(fd)
+        if origin is None:
+            return None
+        mount_id, ftype, fid = origin
+        found = self._decode(ftype, fid, st)
+        if found is not None:
+            return found
+        seen = (mount_id, st.st_dev)
+        with self._mu:
+            if seen in self._mounts_seen:
+                return None                          # its lower filesystems are known: upper or changed
+        if not discover:
+            return self.UNKNOWN
+        for d in overlay_lowerdirs(mount_id, pids):
+            self._add_fs(d)
+        with self._mu:
+            self._mounts_seen[seen] = True
+            if len(self._mounts_seen) > MOUNTS_SEEN_MAX:
+                self._mounts_seen.popitem(last=False)
+        found = self._decode(ftype, fid, st)
+        return found
+
+    def _add_fs(self, path: str) -> None:
+        try:
+            dev = os.stat(path).st_dev
+        except OSError:
+            return
+        with self._mu:
+            if dev in self._fs:
+                return
+        try:
+            dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)   # not O_PATH: refused as a mount fd
+        except OSError:
+            return
+        with self._mu:
+            if dev in self._fs or os.fstat(dfd).st_dev != dev:
+                os.close(dfd)
+                return
+            self._fs[dev] = dfd
+            if len(self._fs) > LOWER_FS_MAX:
+                os.close(self._fs.popitem(last=False)[1])
+
+    def _decode(self, ftype: int, fid: bytes, st: os.stat_result):
+        fh = _FileHandle(len(fid), ftype)
+        ctypes.memmove(fh.f_handle, fid, len(fid))
+        with self._mu:
+            for dev, mfd in reversed(self._fs.items()):
+                real = _libc.open_by_handle_at(mfd, ctypes.byref(fh), os.O_PATH | os.O_CLOEXEC)
+                if real < 0:
+                    continue
+                try:
+                    rst = os.fstat(real)
+                finally:
+                    os.close(real)
+                if (stat.S_ISREG(rst.st_mode) and rst.st_size == st.st_size
+                        and rst.st_mtime_ns == st.st_mtime_ns and rst.st_ctime_ns == st.st_ctime_ns):
+                    self._fs.move_to_end(dev)
+                    self.decoded += 1
+                    return _key(rst)
+        return None
+
+    def close(self) -> None:
+        with self._mu:
+            for dfd in self._fs.values():
+                os.close(dfd)
+            self._fs.clear()
+
+
 class _Miss(Exception):
     """A file to be read off the decode path (for_exec(cached_only=True))."""
 
@@ -252,8 +440,8 @@ class Pending:
     until finish() or discard()), their identities when the exec was decoded,
     and what for_exec found so far."""
 
-    def __init__(self, cache, fds: dict, problems: list):
-        self.cache, self.fds, self.problems = cache, fds, problems
+    def __init__(self, cache, fds: dict, problems: list, pids=()):
+        self.cache, self.fds, self.problems, self.pids = cache, fds, problems, pids
         self.keys = {name: _key(os.fstat(fd)) for name, fd in fds.items()}
 
     def finish(self) -> dict:
@@ -262,7 +450,7 @@ class Pending:
         try:
             if any(_key(os.fstat(fd)) != self.keys[name] for name, fd in self.fds.items()):
                 return {"extra": {"sha256_skipped": CHANGED}}
-            return self.cache._choose(self.fds, self.problems)
+            return self.cache._choose(self.fds, self.problems, pids=self.pids)
         finally:
             self.discard()
 
@@ -273,8 +461,10 @@ class Pending:
 
 
 class ElfInfoCache:
-    """inspect_fd results by (dev, inode, size, mtime, ctime), LRU-bounded.
-    Thread-safe: the decoder reads it, the Enricher's worker fills it."""
+    """inspect_fd results by (dev, inode, size, mtime, ctime), LRU-bounded; an
+    overlay's lower-layer file by the real lower file's (LowerFiles).
+    Thread-safe: the decoder reads it, the Enricher's worker fills it.
+    `reads`: files read (hashed and parsed)."""
 
     def __init__(self, max_entries: int = 4096, max_hash_bytes: int = MAX_HASH_BYTES,
                  proc: str = "/proc"):
@@ -285,11 +475,19 @@ class ElfInfoCache:
         self._mu = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self.reads = 0
+        self.lower = LowerFiles()
 
-    def info_for_fd(self, fd: int, cached_only: bool = False) -> FileInfo:
-        """cached_only: raise _Miss instead of reading a file that is not cached."""
+    def info_for_fd(self, fd: int, cached_only: bool = False, pids=()) -> FileInfo:
+        """cached_only: raise _Miss instead of reading a file that is not cached
+        (or whose lower filesystem is not known yet). pids: processes in whose
+        mount namespace the file was opened (for an overlay's lowerdir)."""
         st = os.fstat(fd)
-        key = _key(st)
+        key = self.lower.key(fd, st, pids, discover=not cached_only)
+        if key is LowerFiles.UNKNOWN:
+            raise _Miss()
+        if key is None:
+            key = _key(st)
         with self._mu:
             hit = self._cache.get(key)
             if hit is not None:
@@ -299,9 +497,12 @@ class ElfInfoCache:
             if cached_only:
                 raise _Miss()
             self.misses += 1
+            self.reads += 1
         info = inspect_fd(fd, self.max_hash_bytes)
         if "changed while" in info.notes.get("sha256_skipped", ""):
             return info                 # not what the file is: not cached
+        if _key(os.fstat(fd)) != _key(st):
+            return info                 # changed after the key was taken (e.g. copied up): not cached
         with self._mu:
             self._cache[key] = info
             if len(self._cache) > self.max_entries:
@@ -346,32 +547,33 @@ class ElfInfoCache:
                     fds["exe"] = open_exe(pid, self.proc)
                 except OSError as e:
                     problems.append(f"exe: {e.strerror}")
+            pids = (pid, *[p for p in fallback_pids if p and p != pid])
             try:
-                return self._choose(fds, problems, cached_only)
+                return self._choose(fds, problems, cached_only, pids)
             except _Miss:
-                pending, fds = Pending(self, fds, problems), {}     # the fds are the Pending's now
+                pending, fds = Pending(self, fds, problems, pids), {}     # the fds are the Pending's now
                 return pending
         finally:
             for fd in fds.values():
                 os.close(fd)
 
-    def _choose(self, fds: dict, problems: list, cached_only: bool = False) -> dict:
+    def _choose(self, fds: dict, problems: list, cached_only: bool = False, pids=()) -> dict:
         exe = fds.get("exe")
         named = fds.get("path", fds.get("root_pid"))
         named_src = "path" if "path" in fds else "other_root"
         extra = {}
         if named is not None and exe is not None and _key(os.fstat(named))[:2] == _key(os.fstat(exe))[:2]:
-            info, extra["enrich_source"] = self.info_for_fd(exe, cached_only), "exe"
+            info, extra["enrich_source"] = self.info_for_fd(exe, cached_only, pids), "exe"
         elif named is not None:
-            info, extra["enrich_source"] = self.info_for_fd(named, cached_only), named_src
+            info, extra["enrich_source"] = self.info_for_fd(named, cached_only, pids), named_src
             if info.file_type == "script" and exe is not None:
-                interp_info = self.info_for_fd(exe, cached_only)
+                interp_info = self.info_for_fd(exe, cached_only, pids)
                 extra["exe_sha256"] = interp_info.sha256
                 if interp_info.build_id:
                     extra["exe_build_id"] = interp_info.build_id
         elif exe is not None:
             # the path is gone from view; the running image may be a later exec
-            info, extra["enrich_source"] = self.info_for_fd(exe, cached_only), "exe_unverified"
+            info, extra["enrich_source"] = self.info_for_fd(exe, cached_only, pids), "exe_unverified"
         else:
             return {"extra": {"enrich_error": "; ".join(problems) or "nothing to open"}}
         extra["file_type"] = info.file_type
