@@ -63,6 +63,7 @@ def test_completeness_exact_events_and_nothing_from_outside(audit_env, sid, tmp_
     r = dsec("run", "--sandbox-id", sid, "--summary-json", str(out), "--", "python3", "-B", "-c", WORKLOAD, marker,
              env=audit_env)
     assert host.wait(timeout=60) == 0
+    os.unlink(f"/tmp/c-host{marker}")             # the host run's renamed file (the sandbox's /tmp is its own)
     assert r.returncode == 0, r.stderr
     s = json.loads(out.read_text())
     assert s["audit"]["lost"] == 0 and s["audit"]["pending"] == 0

@@ -216,7 +216,8 @@ class Chromium:
         self.proc = subprocess.Popen([self.binary, *CHROMIUM_FLAGS, f"--user-data-dir={self.profile}",
                                       "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
                                       "--enable-logging=stderr", "--v=0", "about:blank"],
-                                     stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+                                     stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+                                     env={**os.environ, "TMPDIR": self.profile})   # its Singleton dir too
         err.close()
         port_file = os.path.join(self.profile, "DevToolsActivePort")
         deadline = time.monotonic() + 60
