@@ -8,27 +8,7 @@ import socket
 import subprocess
 
 from fixtures_bpf import PYTHON, run_in_cgroup
-
-
-def _write(path, text, mode=0o644):
-    with open(path, "w") as f:
-        f.write(text)
-    os.chmod(path, mode)
-    return str(path)
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def _kill(p):
-    if p.poll() is None:
-        p.kill()
-        p.wait(10)
+from test_bpf_audit import _free_port, _kill, _write
 
 
 BATCH_WORKLOAD = r'''

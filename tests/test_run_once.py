@@ -15,14 +15,14 @@ import grpc
 import pytest
 
 from agent.node.client import AsyncClient, Client, InvalidArgument, SandboxFailed
-from agents import AgentProc
+from agents import ROOMY, AgentProc
 from test_agent import _events, _states
 
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory, clickhouse_url):
     a = AgentProc(str(tmp_path_factory.mktemp("agent")), clickhouse_url, {
-        "capacity": {"cpus": 4, "memory": "16G", "reserve_memory": 0, "cpu_oversubscription": 8},
+        **ROOMY,
         "warm_pool": [{"name": "small", "count": 1, "memory": "256M", "pids": 256}],
         "scheduling": {"tick_seconds": 0.2},
     }).start()
