@@ -38,13 +38,11 @@ _FINDER = _SiteOnFirstMiss()
 
 
 def load_site() -> None:
-    """What `site` does at an ordinary start-up, once (a no-op when it ran)."""
-    if _FINDER in sys.meta_path:
-        sys.meta_path.remove(_FINDER)
-    if sys.flags.no_site and not getattr(load_site, "done", False):
-        load_site.done = True
-        import site
-        site.main()
+    """What `site` does at an ordinary start-up, once: the finder leaves
+    sys.meta_path first, so it never asks again."""
+    sys.meta_path.remove(_FINDER)
+    import site
+    site.main()
 
 
 def main() -> int:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import struct
+import time
 
 INIT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "init")
 PROTO_H = os.path.join(INIT_DIR, "proto.h")
@@ -115,8 +117,6 @@ def fields(items) -> dict[int, list[bytes]]:
 def await_hello(sock, timeout: float) -> str:
     """Wait for dsec-init's first message on `sock`, HELLO (its exec and its own
     set-up are done). Returns "" on HELLO, else why not (one line)."""
-    import select
-    import time
     p = select.poll()
     p.register(sock, select.POLLIN)
     deadline = time.monotonic() + timeout
