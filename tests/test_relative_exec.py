@@ -88,6 +88,18 @@ def _events(sid, env):
     return [json.loads(x) for x in out]
 
 
+def _trail(sid, env):
+    """What else the record says of the relative execs, for a failure's message: the
+    audit sensor's exec records (their status comes from the same cwd maps as the
+    check's), losses and aggregated summaries."""
+    out = []
+    for e in _events(sid, env):
+        if e["kind"] == "exec" and not e["path_raw"].startswith("/") or e["kind"] == "events_lost" \
+                or '"aggregated"' in (e.get("extra") or ""):
+            out.append((e["kind"], e["pid"], e["path_raw"], e["path"], e.get("decision"), e.get("extra")))
+    return out
+
+
 @pytest.fixture
 def env(tmp_path, clickhouse_url):
     return {"DSEC_CLICKHOUSE_URL": clickhouse_url, "DSEC_SPOOL_DIR": str(tmp_path / "spool")}
@@ -115,7 +127,7 @@ def test_relative_execs_by_mode(mode, tmp_path, env, sid):
         assert ex["reason"].startswith("relative exec"), ex
     true = {"cwd_joined", "cwd_unknown"} if mode == "audit" else {"cwd_unknown"}
     assert got == {"./id": {"cwd_joined"}, "../bin/true": {"not_canonical"}, "usr/./bin/true": {"not_canonical"},
-                   "./true": true}, den
+                   "./true": true}, (den, _trail(sid, env))
     by_reason = {json.loads(e["extra"])["status"][-1]: e for e in den if e["path_raw"] == "./true"}
     if mode == "audit":
         # the copy in /tmp/x: joined to the cwd the kernel knows, placed there in the record
