@@ -61,7 +61,9 @@ class ZooKeeper:
         log = open(os.path.join(self.home, "zk.log"), "ab")
         # ZooKeeperServerMain PORT DATADIR: standalone, no admin server, loopback only
         self.proc = subprocess.Popen(
-            [java, "-Xmx256m", "-Dzookeeper.admin.enableServer=false", "-Dzookeeper.4lw.commands.whitelist=ruok",
+            # -XX:-UsePerfData: no /tmp/hsperfdata_<user> left behind by the JVM
+            [java, "-Xmx256m", "-XX:-UsePerfData", "-Dzookeeper.admin.enableServer=false",
+             "-Dzookeeper.4lw.commands.whitelist=ruok",
              f"-Dzookeeper.clientPortAddress=127.0.0.1", "-cp", f"/etc/zookeeper/conf:{ZK_JAR}",
              "org.apache.zookeeper.server.ZooKeeperServerMain", str(self.port), os.path.join(self.home, "data")],
             stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
