@@ -130,6 +130,28 @@ def test_identical_denials_aggregated_with_counts_and_first_last():
     assert ex["pids"] == [10, 11, 12, 13, 14] and agg.flush("s") == []
 
 
+def test_denials_that_differ_in_the_name_given_or_why_are_not_one():
+    """Two refusals are identical only if the kernel was given the same name and refused
+    it for the same reason. A path placed best-effort (the decoder's /proc read, '.'
+    components dropped) can make `usr/./bin/true` from / (not canonical) and `./true`
+    from /usr/bin (cwd unknown) both /usr/bin/true: merged, the second was left as a
+    count under the first's reason (test_relative_exec failed on it under load)."""
+    ids = iter(range(1000))
+    agg = DenialAggregator(lambda: f"id{next(ids)}")
+    base = {"sandbox_id": "s", "step": 1, "kind": "exec_violation", "decision": "would-deny",
+            "path": "/usr/bin/true"}
+    recs = [{**base, "path_raw": "usr/./bin/true", "extra": json.dumps({"status": ["not_absolute", "not_canonical"]})},
+            {**base, "path_raw": "./true", "extra": json.dumps({"status": ["not_absolute", "cwd_unknown"]})},
+            {**base, "path_raw": "./true", "extra": json.dumps({"status": ["not_absolute", "cwd_joined"]})},
+            {**base, "path_raw": "./true", "extra": json.dumps({"status": ["not_absolute", "cwd_unknown"], "gid": 7})}]
+    out = []
+    for i, r in enumerate(recs):
+        out += agg.offer({**r, "ts_ns": i, "event_id": f"e{i}"})
+    assert [r["event_id"] for r in out] == ["e0", "e1", "e2"]      # the last one is e1's repeat
+    summ = agg.flush("s")
+    assert len(summ) == 1 and summ[0]["path_raw"] == "./true" and json.loads(summ[0]["extra"])["total"] == 2
+
+
 def test_additions_per_run_and_stability():
     r1 = _run("r1", [_x("/usr/bin/python3")], ("read",))
     r2 = _run("r2", [_x("/usr/bin/python3"), _x("/usr/bin/tar")], ("read", "write"))

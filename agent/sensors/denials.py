@@ -8,7 +8,9 @@
 The decision itself (allowed | denied | would-deny | failed) is policies.evaluate's;
 this module only keeps the record short. A record whose decision is denied,
 would-deny or failed passes the first time its key is seen -- (sandbox, step,
-kind, decision, path, path2, addr, port, protocol) -- and later identical ones
+kind, decision, path, path2, addr, port, protocol, the name as given (path_raw)
+and the kernel's status bits (extra.status: why it was refused); a path placed
+best-effort can make two different refusals one path) -- and later identical ones
 are counted instead of recorded: one summary record per key then carries
 `count` (the occurrences since the last record of that key, as syscall records
 do), and in `extra` aggregated=true, total (all occurrences so far, the first
@@ -27,7 +29,7 @@ import time
 
 AGGREGATED = ("denied", "would-deny", "failed")
 SKIP_KINDS = ("syscall_denied", "syscall_violation", "events_lost")
-KEY_FIELDS = ("sandbox_id", "step", "kind", "decision", "path", "path2", "addr", "port", "protocol")
+KEY_FIELDS = ("sandbox_id", "step", "kind", "decision", "path", "path2", "addr", "port", "protocol", "path_raw")
 SUMMARY_S = 10.0
 MAX_KEYS = 100_000
 MAX_PIDS = 16
@@ -48,7 +50,7 @@ class DenialAggregator:
             return self._offer(rec)
 
     def _offer(self, rec: dict) -> list[dict]:
-        key = tuple(rec.get(k) for k in KEY_FIELDS)
+        key = tuple(rec.get(k) for k in KEY_FIELDS) + (_status(rec.get("extra")),)
         st = self._keys.get(key)
         ts = int(rec.get("ts_ns") or time.time_ns())
         if st is None:
@@ -99,3 +101,15 @@ class DenialAggregator:
                 if st["n"]:
                     out.append(self._summary(st))
         return out
+
+
+def _status(extra) -> tuple | str | None:
+    """extra.status (the kernel's reasons), for the key: refusals for different
+    reasons are different refusals."""
+    if not extra or '"status"' not in extra:
+        return None
+    try:
+        st = json.loads(extra).get("status")
+    except (ValueError, AttributeError):
+        return extra            # not an object: the whole text keys it
+    return tuple(st) if isinstance(st, list) else str(st)
