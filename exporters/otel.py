@@ -171,6 +171,23 @@ def _utf8(v: str):
         return raw.decode("utf-8", "replace"), raw
 
 
+def attr_items(field: str, ch_type: str, name: str, v) -> list:
+    """The (attribute, value) pairs of one field's (non-None) value: the text,
+    and its exact bytes under dsec.raw.<field> when it is not UTF-8."""
+    if ch_type == "Array(String)":
+        texts, raws, bad = [], [], False
+        for x in v:
+            t, r = _utf8(x)
+            texts.append(t)
+            raws.append(r if r is not None else t.encode())
+            bad = bad or r is not None
+        return [(name, tuple(texts)), (f"dsec.raw.{field}", tuple(raws))] if bad else [(name, tuple(texts))]
+    if ch_type == "String":
+        t, r = _utf8(v)
+        return [(name, t), (f"dsec.raw.{field}", r)] if r is not None else [(name, t)]
+    return [(name, v if v <= _INT64_MAX else str(v))]
+
+
 def attributes_for(rec: dict) -> dict:
     """The log attributes of one (sparse or normalized) record."""
     kind = rec.get("kind") or ""
@@ -180,27 +197,10 @@ def attributes_for(rec: dict) -> dict:
         spec = ATTRIBUTES.get(field)
         if spec is None or spec[0] != "attr" or v is None:
             continue
-        f = BY_NAME[field]
         if not v and field not in keep_zero:
             continue
         name = spec[1] if not isinstance(spec[1], dict) else (spec[1].get(kind) or spec[1]["*"])
-        if f.ch_type == "Array(String)":
-            texts, raws, bad = [], [], False
-            for x in v:
-                t, r = _utf8(x)
-                texts.append(t)
-                raws.append(r if r is not None else t.encode())
-                bad = bad or r is not None
-            out[name] = tuple(texts)
-            if bad:
-                out[f"dsec.raw.{field}"] = tuple(raws)
-        elif f.ch_type == "String":
-            t, r = _utf8(v)
-            out[name] = t
-            if r is not None:
-                out[f"dsec.raw.{field}"] = r
-        else:
-            out[name] = v if v <= _INT64_MAX else str(v)
+        out.update(attr_items(field, BY_NAME[field].ch_type, name, v))
     if rec.get("family") == "unix":
         out.pop("network.type", None)
         out["network.transport"] = "unix"
@@ -240,6 +240,7 @@ def span_id_of(node: str, sandbox_id: str, *what) -> int:
 
 # --- traces from lifecycle records ----------------------------------------------------
 
+_LIFECYCLE_KINDS = frozenset(("sandbox_start", "sandbox_exit", "step_start", "step_end", "lifecycle"))
 PHASE_STATES = ("requested", "queued", "admitted", "warm_claimed", "stopping", "preempting")
 _TERMINAL = ("cleaned", "failed", "cancelled", "rejected", "released")
 _MAX_OPEN = 4096
@@ -411,6 +412,7 @@ class OtlpSink(SpoolSink):
         self._scope = None
         self._ids: dict = {}
         self._wire = LogsEncoder()
+        self._columns = None          # exporters/otlp_columns.ColumnLogs, made on first use
 
     # -- exporters (the SDK's: env handling, headers, TLS, compression, channel)
     def _kw(self):
@@ -462,13 +464,13 @@ class OtlpSink(SpoolSink):
     def _rpc(self, exp, items, what: str, request=None):
         """One Export call on the exporter's stub; raises with the gRPC status.
         request: the request already made (log_request), else the SDK's
-        translation of items (SDK objects). For logs, items are the rows."""
+        translation of items (SDK objects). For logs, items() gives the rows."""
         import grpc
         client = getattr(exp, "_client", None)
         translate = getattr(exp, "_translate_data", None)
         if client is None or translate is None:       # an SDK without these internals: its own export()
             if request is not None:
-                items = self.log_records(items)
+                items = self.log_records(items())
             result = exp.export(items)
             if getattr(result, "name", "") != "SUCCESS":
                 raise OtlpError(f"OTLP {what} export to {self.endpoint} failed")
@@ -594,14 +596,47 @@ class OtlpSink(SpoolSink):
                                     start_time=s["start"], end_time=s["end"], instrumentation_scope=scope))
         return out
 
+    def log_request_of(self, batch, now: int | None = None):
+        """log_request of the batch's records and damage rows, made from its
+        columns when it has them (exporters/otlp_columns.py: the same bytes, no
+        dict per record), else from its records."""
+        from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+        from exporters.otlp_columns import ColumnLogs
+        now = time.time_ns() if now is None else now
+        if self._columns is None:
+            self._columns = ColumnLogs(self)
+        groups = self._columns.records(batch.columns, batch.count, now, self.damage_rows(batch)) \
+            if batch.count else None
+        if groups is None:
+            return self.log_request(self.rows_of(batch), now)
+        return ExportLogsServiceRequest.FromString(self._wire.request(groups, self._scope_of()))
+
     # -- delivery
+    def deliver_batch(self, batch) -> None:
+        if not (batch.count and batch.columns):
+            return self.deliver(self.rows_of(batch))
+        cols, life = batch.columns, []
+        if self.traces and not _LIFECYCLE_KINDS.isdisjoint(cols.get("kind", ())):
+            # the few records spans are made of, as dicts (not the whole batch's)
+            life = [dict(zip(cols, [c[i] for c in cols.values()]))
+                    for i, k in enumerate(cols["kind"]) if k in _LIFECYCLE_KINDS]
+        self._deliver(life, lambda: self.rows_of(batch), lambda: self.log_request_of(batch))
+
     def deliver(self, rows: list[dict]) -> None:
+        self._deliver(rows, lambda: rows, lambda: self.log_request(rows))
+
+    def _deliver(self, span_rows, rows, request) -> None:
+        """span_rows: the records spans are made of; rows(): every row (the
+        SDK's own export, when its internals are not there); request(): the
+        log request."""
         spans, new_state = ([], self._span_state)
         if self.traces:
-            spans, new_state = self._tracer.process(rows, self._span_state)
-        if self.logs and rows:
-            resp = self._rpc(self._logs_exporter(), rows, "logs", request=self.log_request(rows))
-            self._partial(resp, "log records")
+            spans, new_state = self._tracer.process(span_rows, self._span_state)
+        if self.logs:
+            req = request()
+            if req.resource_logs:
+                resp = self._rpc(self._logs_exporter(), rows, "logs", request=req)
+                self._partial(resp, "log records")
         if spans:
             resp = self._rpc(self._spans_exporter(), self.spans(spans), "traces")
             self._partial(resp, "spans")
