@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import errno
 import struct
+from itertools import repeat
 
 from audit_schema.describe import argv_text, flags_text, printable
 from audit_schema.events import BY_NAME, FIELDS
-from exporters.otel import ATTRIBUTES, _SAMPLED, _ZERO_MEANS, _severity, attr_items, span_id_of, trace_id_of
+from exporters.otlp_mapping import ATTRIBUTES, _SAMPLED, _ZERO_MEANS, _severity, attr_items, span_id_of, trace_id_of
 from exporters.otlp_wire import _F32, _F64, _VT, ld, key_value, varint
 
 _NAMES = [f.name for f in FIELDS]
@@ -125,7 +126,8 @@ class ColumnLogs:
         return got
 
     def _column(self, field, ch_type, spec, col, kinds, K):
-        """The attribute bytes of one column, one per record (None: all empty)."""
+        """The attribute bytes of one column, one per record (None: all empty;
+        bytes: the same for every record)."""
         dep = isinstance(spec, dict)
         kz = _KEEP_ZERO.get(field, ())
         names = {(spec.get(k) or spec["*"]) if dep else spec for k in kinds}
@@ -136,6 +138,8 @@ class ColumnLogs:
                 return None
             if field in _UNIQUE:                       # a value per record: nothing to remember
                 return self._unique(field, name, col)
+            if len(col) > 1 and col.count(col[0]) == len(col) and len(set(map(type, col))) == 1:
+                return self._column(field, ch_type, spec, col[:1], kinds, K)[0]     # one value: bytes
             cache = self._attr.get((field, name, keep))
             if cache is None or len(cache) >= _CACHE_MAX:
                 cache = self._attr[(field, name, keep)] = {}
@@ -262,15 +266,18 @@ class ColumnLogs:
         observed = b"\x59" + _F64.pack(now) if now else b""
         tail = {k: observed + b[1] for k, b in zip(kinds, kb)}
         sev = self._sev
-        for kd in set(zip(K, cols["decision"])):
+        if len(sev) > 4096:
+            sev.clear()
+        sevs = set(zip(K, cols["decision"]))
+        for kd in sevs:
             if kd not in sev:
                 s, text = _severity({"kind": kd[0], "decision": kd[1]})
                 sev[kd] = (b"\x10" + varint(s.value) if s.value else b"") + (ld(3, text.encode()) if text else b"")
         pieces = [[_TS.pack(9, t) if t else b"\x09" + _F64.pack(now) for t in cols["ts_ns"]] if now else
                   [_TS.pack(9, t) if t else b"" for t in cols["ts_ns"]],
-                  [sev[kd] for kd in zip(K, cols["decision"])],
+                  [sev[kd] for kd in zip(K, cols["decision"])] if len(sevs) > 1 else sev[sevs.pop()],
                   bodies if bodies is not None else [b""] * n,
-                  [kind_attr[k] for k in K] if len(kinds) > 1 else [kind_attr[K[0]]] * n]
+                  [kind_attr[k] for k in K] if len(kinds) > 1 else kind_attr[K[0]]]
         for field, ch_type, spec in _ATTR_FIELDS:
             p = self._column(field, ch_type, spec, cols[field], kinds, K)
             if p is not None:
@@ -280,7 +287,8 @@ class ColumnLogs:
         if len(ids) > 65536:
             ids.clear()
         keys = list(zip(cols["node"], cols["sandbox_id"], cols["step"]))
-        for key in set(keys):
+        ids_of = set(keys)
+        for key in ids_of:
             if key not in ids:
                 node, sid, step = key
                 if sid:
@@ -290,9 +298,21 @@ class ColumnLogs:
                                 + ld(10, spid.to_bytes(8, "big")))
                 else:
                     ids[key] = b""
-        pieces.append([ids[k] for k in keys])
-        pieces.append([tail[k] for k in K] if len(kinds) > 1 else [tail[K[0]]] * n)
-        recs = list(map(b"".join, zip(*pieces)))
+        pieces.append([ids[k] for k in keys] if len(ids_of) > 1 else ids[keys[0]])
+        pieces.append([tail[k] for k in K] if len(kinds) > 1 else tail[K[0]])
+        # one join per record of its varying pieces and, between them, the constant ones
+        args, const = [], b""
+        for p in pieces:
+            if p.__class__ is bytes:
+                const += p
+                continue
+            if const:
+                args.append(repeat(const, n))
+                const = b""
+            args.append(p)
+        if const:
+            args.append(repeat(const, n))
+        recs = list(map(b"".join, zip(*args)))
         keys = list(zip(cols["node"], cols["sandbox_id"]))
         enc, fields = self.sink._wire, self.sink._log_fields
         if slow:
