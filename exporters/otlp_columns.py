@@ -33,7 +33,8 @@ from exporters.otlp_wire import _F32, _F64, _VT, ld, key_value, varint
 
 _NAMES = [f.name for f in FIELDS]
 _UNIQUE = ("event_id",)                        # a different value in every record
-_CACHE_MAX = 100_000
+_CACHE_MAX = 20_000                # entries per cache, each at most _ENTRY_MAX bytes
+_ENTRY_MAX = 512
 _TS = struct.Struct("<BQ")
 
 
@@ -122,7 +123,9 @@ class ColumnLogs:
         if got is None:
             if len(self._pp) >= _CACHE_MAX:
                 self._pp.clear()
-            got = self._pp[s] = printable(s)
+            got = printable(s)
+            if len(got) <= _ENTRY_MAX:
+                self._pp[s] = got
         return got
 
     def _column(self, field, ch_type, spec, col, kinds, K):
@@ -152,7 +155,9 @@ class ColumnLogs:
                     t = tuple(v)
                     got = cache.get(t)
                     if got is None:
-                        got = cache[t] = _encoded(attr_items(field, ch_type, name, v))
+                        got = _encoded(attr_items(field, ch_type, name, v))
+                        if len(got) <= _ENTRY_MAX:
+                            cache[t] = got
                     out.append(got)
                 return out
             get = cache.get
@@ -162,8 +167,9 @@ class ColumnLogs:
                     if out[i] is None:
                         got = get(v)
                         if got is None:
-                            got = cache[v] = (_encoded(attr_items(field, ch_type, name, v))
-                                              if v or keep else b"")
+                            got = _encoded(attr_items(field, ch_type, name, v)) if v or keep else b""
+                            if len(got) <= _ENTRY_MAX:
+                                cache[v] = got
                         out[i] = got
             return out
         cache = self._attr_k.get(field)
@@ -175,8 +181,9 @@ class ColumnLogs:
             got = cache.get(key)
             if got is None:
                 name = (spec.get(k) or spec["*"]) if dep else spec
-                got = cache[key] = (_encoded(attr_items(field, ch_type, name, v))
-                                    if v or k in kz else b"")
+                got = _encoded(attr_items(field, ch_type, name, v)) if v or k in kz else b""
+                if len(got) <= _ENTRY_MAX:
+                    cache[key] = got
             out.append(got)
         return out
 
@@ -240,7 +247,7 @@ class ColumnLogs:
                         slow.add(i)
                         continue
                     got = ld(5, ld(1, body.encode("utf-8")))
-                    if key is not None:
+                    if key is not None and len(got) <= _ENTRY_MAX:
                         cache[key] = got
                 out[i] = got
         return out
