@@ -17,8 +17,9 @@ request is byte for byte the record path's and the SDK encoder's, for
 non-UTF-8 and huge values and mixed kinds.
 
 records() returns None when the columns are not the recorder's normalized
-shape (every field of audit_schema, in order, no None, ints that are ints):
-the caller then takes the record path for the whole batch.
+shape (every field of audit_schema, in order, no None, ints that are ints)
+or none of the records is of a kind worded here: the caller then takes the
+record path for the whole batch.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import struct
 from itertools import repeat
 
 from audit_schema.describe import argv_text, flags_text, printable
-from audit_schema.events import BY_NAME, FIELDS
+from audit_schema.events import FIELDS
 from exporters.otlp_mapping import ATTRIBUTES, _SAMPLED, _ZERO_MEANS, _severity, attr_items, span_id_of, trace_id_of
 from exporters.otlp_wire import _F32, _F64, _VT, ld, key_value, varint
 
@@ -266,8 +267,8 @@ class ColumnLogs:
         if "unix" in cols["family"]:
             slow.update(i for i, f in enumerate(cols["family"]) if f == "unix")
         bodies = self._bodies(cols, K, kinds, n, slow) if len(kinds) > 1 or K[0] in BODIES else None
-        if bodies is None:
-            slow.update(range(n))
+        if bodies is None or len(slow) == n:
+            return None                                 # no record this words itself: the record path
         kb = [self._kind_bytes(k) for k in kinds]
         kind_attr = {k: b[0] for k, b in zip(kinds, kb)}
         observed = b"\x59" + _F64.pack(now) if now else b""
@@ -283,7 +284,7 @@ class ColumnLogs:
         pieces = [[_TS.pack(9, t) if t else b"\x09" + _F64.pack(now) for t in cols["ts_ns"]] if now else
                   [_TS.pack(9, t) if t else b"" for t in cols["ts_ns"]],
                   [sev[kd] for kd in zip(K, cols["decision"])] if len(sevs) > 1 else sev[sevs.pop()],
-                  bodies if bodies is not None else [b""] * n,
+                  bodies,
                   [kind_attr[k] for k in K] if len(kinds) > 1 else kind_attr[K[0]]]
         for field, ch_type, spec in _ATTR_FIELDS:
             p = self._column(field, ch_type, spec, cols[field], kinds, K)

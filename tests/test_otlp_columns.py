@@ -54,9 +54,12 @@ def _batches(sp: Spool, sink: str, n: int):
         rd.commit(b)
 
 
-@pytest.mark.parametrize("which", ["hostile", "kinds", "plain"])
+@pytest.mark.parametrize("which", ["hostile", "kinds", "plain", "lifecycle"])
 def test_column_request_is_the_record_paths(tmp_path, which):
-    if which == "hostile":
+    if which == "lifecycle":                     # no record the column path words: the record path whole
+        recs = [normalize(dict(r, event_id=f"l{i}-{r['event_id']}")) for i in range(8) for r in lifecycle("sb-l")
+                if r["kind"] != "exec"]
+    elif which == "hostile":
         recs = _hostile_batch("sb-c1", 200) + _hostile_batch("sb-c2", 100, raw=False)
     elif which == "kinds":
         recs = _kinds_batch("sb-k1", 300) + _kinds_batch("sb-k2", 100, node="node-b")
