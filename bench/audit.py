@@ -78,7 +78,9 @@ count() FINAL; OTLP: records == distinct uids == emitted; JSON lines: lines
 rate held, what it put through at the first failing probe (events / (the
 probe + its drain): the sink's ceiling, roughly), and the agent process's CPU
 (user+system of this process: recorder, decoder, spool, sink; not the
-generator, not the destination) per 10 000 events at the rate held.
+generator, not the destination) per 10 000 events at the rate held. Then,
+offline on the records part 3 spooled, each sink's encoding of a read: the
+record path (a dict per record) against the column path, as a ratio.
 
 Part 4, bytes per event stored in ClickHouse. The rows of each workload of
 parts 1 and 2 (FINAL, at most 200k) are copied into a table of the dsec schema
