@@ -79,7 +79,9 @@ count() FINAL; OTLP: records == distinct uids == emitted; JSON lines: lines
 rate held, what it put through at the first failing probe (events / (the
 probe + its drain): the sink's ceiling, roughly), and the agent process's CPU
 (user+system of this process: recorder, decoder, spool, sink; not the
-generator, not the destination) per 10 000 events at the rate held.
+generator, not the destination) per 10 000 events at the rate held. Then,
+offline on the records part 3 spooled, each sink's encoding of a read: the
+record path (a dict per record) against the column path, as a ratio.
 
 Part 4, bytes per event stored in ClickHouse. The rows of each workload of
 parts 1 and 2 (FINAL, at most 200k) are copied into a table of the dsec schema
@@ -1005,9 +1007,66 @@ def part_sinks(url, tmp, quick, max_lag_s, client, db, cg_root, ring_mib=256):
                 print(f"   {kind:12} {r['rate']:>18.0f} {r['cpu_10k']:>24.2f} s   {fail}; held {r['duration']:.0f}s, "
                       f"{r['emitted']} events, all at the destination once")
         print(flush=True)
+        sink_encoders(bench.spool)
     finally:
         bench.close()
     return results, ok
+
+
+def sink_encoders(spool, limit=40_000, reps=3):
+    """Offline, on the records part 3 spooled (real kernel records): each sink's
+    encoding of a spool read, the record path (Batch.records: a dict per record,
+    then OtlpSink.log_request / json_lines) against the column path
+    (OtlpSink.log_request_of / json_lines_columns), interleaved, best of reps."""
+    from exporters.jsonl import json_lines, json_lines_columns
+    from exporters.otel import OtlpSink
+    rd = spool.reader("bench-encoders")
+    batches, n = [], 0
+    while n < limit:
+        b = rd.read(5000)
+        if not b:
+            break
+        if b.columns:
+            batches.append(b)
+            n += b.count
+    rd.close()
+    spool.drop_sink("bench-encoders")
+    if not n:
+        print("   (no batch frames spooled: encoders not measured)\n")
+        return
+    sink = OtlpSink(spool, sink="bench-encoders-otlp", endpoint="http://127.0.0.1:1", traces=False)
+
+    def timed(fn):
+        best = None
+        for _ in range(reps):
+            bs = [_rebatch(b) for b in batches]             # records not built yet, as a read hands them
+            t = time.thread_time()
+            for b in bs:
+                fn(b)
+            dt = time.thread_time() - t
+            best = dt if best is None else min(best, dt)
+        return best / n * 1e6
+    rows = {
+        "OTLP": (lambda b: sink.log_request(sink.rows_of(b)), lambda b: sink.log_request_of(b)),
+        "JSON lines": (lambda b: json_lines(b.records, normalized=True), lambda b: json_lines_columns(b.columns, b.count)),
+    }
+    print(f"   offline, {n} spooled records in {len(batches)} read(s): each sink's encoding of a read, us CPU a record "
+          f"(best of {reps})")
+    print(f"   {'sink':12} {'record path':>12} {'column path':>12} {'ratio':>7}")
+    for name, (rec_path, col_path) in rows.items():
+        a, c = timed(rec_path), timed(col_path)
+        print(f"   {name:12} {a:>12.2f} {c:>12.2f} {a / c:>6.1f}x")
+    sink.close()
+    spool.drop_sink("bench-encoders-otlp")
+    print(flush=True)
+
+
+def _rebatch(b):
+    """A copy of a column batch whose records are not built yet (Batch.records is lazy)."""
+    from exporters.spool import Batch
+    nb = Batch(b.start, b.end, damage=list(b.damage))
+    nb._add_columns(list(b.columns), list(b.columns.values()), b.count)
+    return nb
 
 # ---------------------------------------------------------------- main
 

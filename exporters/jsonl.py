@@ -31,6 +31,7 @@ import logging
 import os
 import stat
 import sys
+from itertools import repeat
 
 from exporters.errors import ExportError, USAGE as EXIT_USAGE
 from exporters.spool import Batch, Spool, orjson
@@ -85,6 +86,74 @@ def json_lines(rows: list[dict], normalized: bool = False) -> bytes:
             out.append(json_line(r).encode("utf-8"))
     out.append(b"")
     return b"\n".join(out)
+
+
+_STRING = {f.name: f.ch_type == "String" for f in FIELDS}
+_ARRAY = {f.name: f.ch_type == "Array(String)" for f in FIELDS}
+
+
+def _one(v) -> bytes:
+    """One value's JSON: orjson's, or json_line's where orjson refuses (lone surrogates)."""
+    try:
+        return orjson.dumps(v)
+    except TypeError:
+        from audit_schema.describe import to_json_line
+        return to_json_line(v).encode("utf-8")
+
+
+def _string_contents(col) -> list:
+    """The JSON of each string of col without its quotes: one orjson call for
+    the column, split at '","' when no backslash is in it (so no escaped quote
+    can fake a boundary), else one call per value."""
+    try:
+        data = orjson.dumps(col)
+    except TypeError:
+        data = None
+    if data is not None and b"\\" not in data:
+        parts = data[2:-2].split(b'","')
+        if len(parts) == len(col):
+            return parts
+    return [_one(v)[1:-1] for v in col]
+
+
+def _values(name, col) -> list:
+    """The JSON of each value of a column that is not String."""
+    if _ARRAY.get(name):
+        return [_one(v) if v else b"[]" for v in col]
+    try:
+        data = orjson.dumps(col)
+    except TypeError:
+        data = None
+    inner = data[1:-1] if data is not None else b'"'
+    if not any(c in inner for c in b'"[{'):                         # numbers only: split at the commas
+        parts = inner.split(b",")
+        if len(parts) == len(col):
+            return parts
+    return [_one(v) for v in col]
+
+
+def json_lines_columns(cols: dict, n: int) -> bytes:
+    """json_lines of the n records given as columns (a batch of batch frames,
+    normalized: every field in FIELDS order, no None), without a dict per
+    record: each column's values as JSON (one orjson call per column), then a
+    record is one join of its fields' names and values (issue 15). The same
+    bytes as json_lines(records); tests/test_jsonl_columns.py checks it."""
+    args = []
+    const = b""                 # the JSON since the last varying column (names, and columns of one value)
+    prev_string = False
+    for j, (name, col) in enumerate(cols.items()):
+        string = _STRING.get(name, False)
+        const += (b'"' if prev_string else b"") + (b"{" if j == 0 else b",") + orjson.dumps(name) + b":" + \
+            (b'"' if string else b"")
+        prev_string = string
+        if col.count(col[0]) == n and len(set(map(type, col))) == 1:     # one value: part of the constant
+            const += (_string_contents(col[:1]) if string else _values(name, col[:1]))[0]
+            continue
+        args.append(repeat(const, n))
+        args.append(_string_contents(col) if string else _values(name, col))
+        const = b""
+    args.append(repeat(const + (b'"' if prev_string else b"") + b"}\n", n))
+    return b"".join(map(b"".join, zip(*args)))
 
 
 def _normalized(batch: Batch) -> bool:
@@ -173,8 +242,8 @@ class JsonlSink(SpoolSink):
         return {"path": self.path, "dev": st.st_dev, "ino": st.st_ino, "size": st.st_size}
 
     def deliver_batch(self, batch: Batch) -> None:
-        if batch.count and _normalized(batch):
-            self._write(json_lines(batch.records, normalized=True) + json_lines(self.damage_rows(batch)))
+        if batch.count and _normalized(batch) and orjson is not None:
+            self._write(json_lines_columns(batch.columns, batch.count) + json_lines(self.damage_rows(batch)))
         else:
             self._write(json_lines(self.rows_of(batch)))
 
@@ -213,4 +282,4 @@ class JsonlSink(SpoolSink):
         super().close()
 
 
-__all__ = ["JsonlSink", "SINK", "json_line", "json_lines"]
+__all__ = ["JsonlSink", "SINK", "json_line", "json_lines", "json_lines_columns"]

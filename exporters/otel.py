@@ -10,7 +10,7 @@ Logs. One log record per audit record:
   severity         ERROR for events_lost; WARN for a decision other than
                    "allowed" and for access_denied; INFO otherwise
   body             one human line (the `dsec events` table's detail column)
-  attributes       ATTRIBUTES below: every audit_schema field, named after the
+  attributes       ATTRIBUTES (exporters/otlp_mapping.py): every audit_schema field, named after the
                    OTel semantic conventions where one exists, else dsec.<field>;
                    fields at their default (0, "", []) are left out, except
                    the ones that mean something at 0 (exit codes, ret, pid)
@@ -68,7 +68,6 @@ processes use this sink at all: exporters/configure.py.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -76,170 +75,20 @@ import time
 
 from exporters.errors import ExportError, USAGE as EXIT_USAGE
 from exporters.spool import Spool
-from audit_schema.events import BY_NAME
 from exporters.base import RetryPolicy, SpoolSink
 from exporters.resource import agent_resource, base_resource, dsec_version as _version
 from exporters.otlp_wire import LogsEncoder
+# the mapping (ATTRIBUTES, defaults, UTF-8, severity, ids): one module both encoders use
+from exporters.otlp_mapping import (ATTRIBUTES, _INT64_MAX, _SAMPLED, _ZERO_MEANS, _severity,  # noqa: F401
+                                    _utf8, attr_items, attribute_name, attributes_for, span_id_of, trace_id_of)
 
 log = logging.getLogger("dsec.exporter.otlp")
 
 SINK = "otlp"
 
-# --- the attribute mapping: ONE table, field -> where it goes ------------------------
-#
-#   ("attr", NAME)               a log record attribute
-#   ("attr", {KIND: NAME, ...})  by kind ("*" = any other kind)
-#   ("resource", NAME)           a resource attribute (records grouped per resource)
-#   ("record", FIELD)            a field of the OTLP LogRecord itself
-# Names outside dsec.* are OTel semantic-convention attributes (checked against
-# the installed opentelemetry-semantic-conventions registry by the tests).
-
-_EXEC_KINDS = ("exec", "exec_denied", "exec_violation")
-
-ATTRIBUTES: dict[str, tuple] = {
-    "event_id": ("attr", "log.record.uid"),
-    "ts_ns": ("record", "time_unix_nano"),
-    "node": ("resource", "host.name"),
-    "sandbox_id": ("resource", "container.id"),          # + dsec.sandbox.id (same value)
-    "step": ("attr", "dsec.step"),
-    "kind": ("record", "event_name"),                     # "dsec.<kind>" + attribute dsec.kind
-    "pid": ("attr", "process.pid"),
-    "ppid": ("attr", "process.parent_pid"),
-    "uid": ("attr", "process.real_user.id"),
-    "comm": ("attr", "dsec.comm"),                        # task comm != process.executable.name (basename of exe)
-    "policy_name": ("attr", "security_rule.ruleset.name"),
-    "policy_hash": ("attr", "dsec.policy.hash"),
-    "mode": ("attr", "dsec.policy.mode"),
-    "decision": ("attr", "dsec.decision"),
-    "path": ("attr", {**{k: "process.executable.path" for k in _EXEC_KINDS}, "*": "file.path"}),
-    "path_raw": ("attr", "dsec.path_raw"),
-    "path2": ("attr", "dsec.path2"),                      # rename target
-    "argv": ("attr", "process.command_args"),
-    "argv_truncated": ("attr", "dsec.argv_truncated"),
-    "flags": ("attr", "dsec.flags"),
-    "ret": ("attr", "dsec.ret"),
-    "family": ("attr", "network.type"),                   # ipv4 | ipv6; unix -> network.transport = unix
-    "addr": ("attr", "network.peer.address"),
-    "port": ("attr", "network.peer.port"),
-    "child_pid": ("attr", "dsec.child_pid"),
-    "exit_code": ("attr", "process.exit.code"),
-    "signal": ("attr", "dsec.signal"),
-    "sha256": ("attr", "dsec.sha256"),
-    "build_id": ("attr", "process.executable.build_id.gnu"),
-    "interp": ("attr", "dsec.interp"),
-    "is_static": ("attr", "dsec.is_static"),
-    "shebang": ("attr", "dsec.shebang"),
-    "count": ("attr", "dsec.count"),
-    "extra": ("attr", "dsec.extra"),                      # the kind's JSON object, as a string
-    "syscall": ("attr", "dsec.syscall"),
-    "protocol": ("attr", "network.transport"),            # tcp | udp | ...
-    "image_digest": ("attr", "oci.manifest.digest"),      # the sandbox's image (semconv oci.*)
-    "dirfd": ("attr", "dsec.dirfd"),                      # AT_FDCWD or the fd a relative name was given with
-    "path_resolution": ("attr", "dsec.path_resolution"),  # exact | best_effort | unresolved
-}
-
-# fields whose 0 / "" means something for these kinds (else defaults are left out)
-_ZERO_MEANS = {
-    "exit": ("exit_code", "signal"), "sandbox_exit": ("exit_code", "signal"), "step_end": ("exit_code", "signal"),
-    "connect": ("ret", "port"), "open_write": ("ret",), "unlink": ("ret",), "rename": ("ret",),
-    "egress_denied": ("port",), "egress_violation": ("port",),
-}
-_INT64_MAX = 2 ** 63 - 1
-_SEV_WARN_KINDS = ("access_denied",)
-_SAMPLED = 0x01          # opentelemetry.trace.TraceFlags.SAMPLED
-
-
-def attribute_name(field: str, kind: str) -> str | None:
-    """The attribute a field goes to for a kind (None: not a log attribute)."""
-    where, name = ATTRIBUTES[field]
-    if where != "attr":
-        return None
-    if isinstance(name, dict):
-        return name.get(kind) or name["*"]
-    return name
-
-
-def _utf8(v: str):
-    """(text, raw bytes or None): raw only when v holds undecodable bytes."""
-    if v.isascii():
-        return v, None
-    try:
-        v.encode("utf-8")
-        return v, None
-    except UnicodeEncodeError:
-        raw = v.encode("utf-8", "surrogateescape")
-        return raw.decode("utf-8", "replace"), raw
-
-
-def attributes_for(rec: dict) -> dict:
-    """The log attributes of one (sparse or normalized) record."""
-    kind = rec.get("kind") or ""
-    keep_zero = _ZERO_MEANS.get(kind, ())
-    out = {"dsec.kind": kind}
-    for field, v in rec.items():
-        spec = ATTRIBUTES.get(field)
-        if spec is None or spec[0] != "attr" or v is None:
-            continue
-        f = BY_NAME[field]
-        if not v and field not in keep_zero:
-            continue
-        name = spec[1] if not isinstance(spec[1], dict) else (spec[1].get(kind) or spec[1]["*"])
-        if f.ch_type == "Array(String)":
-            texts, raws, bad = [], [], False
-            for x in v:
-                t, r = _utf8(x)
-                texts.append(t)
-                raws.append(r if r is not None else t.encode())
-                bad = bad or r is not None
-            out[name] = tuple(texts)
-            if bad:
-                out[f"dsec.raw.{field}"] = tuple(raws)
-        elif f.ch_type == "String":
-            t, r = _utf8(v)
-            out[name] = t
-            if r is not None:
-                out[f"dsec.raw.{field}"] = r
-        else:
-            out[name] = v if v <= _INT64_MAX else str(v)
-    if rec.get("family") == "unix":
-        out.pop("network.type", None)
-        out["network.transport"] = "unix"
-    return out
-
-
-_SEVERITIES = []         # (ERROR, WARN, INFO) as (SeverityNumber, text), imported once
-
-
-def _severity(rec):
-    if not _SEVERITIES:
-        from opentelemetry._logs import SeverityNumber
-        _SEVERITIES[:] = [(SeverityNumber.ERROR, "ERROR"), (SeverityNumber.WARN, "WARN"),
-                          (SeverityNumber.INFO, "INFO")]
-    kind = rec.get("kind")
-    if kind == "events_lost":
-        return _SEVERITIES[0]
-    d = rec.get("decision")
-    if (d and d != "allowed") or kind in _SEV_WARN_KINDS or (kind or "").endswith(("_denied", "_violation")):
-        return _SEVERITIES[1]
-    return _SEVERITIES[2]
-
-
-# --- ids ---------------------------------------------------------------------------
-
-def _h(*parts) -> bytes:
-    return hashlib.sha256("\0".join(str(p) for p in parts).encode("utf-8", "surrogateescape")).digest()
-
-
-def trace_id_of(node: str, sandbox_id: str) -> int:
-    return int.from_bytes(_h("dsec-trace", node, sandbox_id)[:16], "big") or 1
-
-
-def span_id_of(node: str, sandbox_id: str, *what) -> int:
-    return int.from_bytes(_h("dsec-span", node, sandbox_id, *what)[:8], "big") or 1
-
-
 # --- traces from lifecycle records ----------------------------------------------------
 
+_LIFECYCLE_KINDS = frozenset(("sandbox_start", "sandbox_exit", "step_start", "step_end", "lifecycle"))
 PHASE_STATES = ("requested", "queued", "admitted", "warm_claimed", "stopping", "preempting")
 _TERMINAL = ("cleaned", "failed", "cancelled", "rejected", "released")
 _MAX_OPEN = 4096
@@ -411,6 +260,7 @@ class OtlpSink(SpoolSink):
         self._scope = None
         self._ids: dict = {}
         self._wire = LogsEncoder()
+        self._columns = None          # exporters/otlp_columns.ColumnLogs, made on first use
 
     # -- exporters (the SDK's: env handling, headers, TLS, compression, channel)
     def _kw(self):
@@ -462,13 +312,13 @@ class OtlpSink(SpoolSink):
     def _rpc(self, exp, items, what: str, request=None):
         """One Export call on the exporter's stub; raises with the gRPC status.
         request: the request already made (log_request), else the SDK's
-        translation of items (SDK objects). For logs, items are the rows."""
+        translation of items (SDK objects). For logs, items() gives the rows."""
         import grpc
         client = getattr(exp, "_client", None)
         translate = getattr(exp, "_translate_data", None)
         if client is None or translate is None:       # an SDK without these internals: its own export()
             if request is not None:
-                items = self.log_records(items)
+                items = self.log_records(items())
             result = exp.export(items)
             if getattr(result, "name", "") != "SUCCESS":
                 raise OtlpError(f"OTLP {what} export to {self.endpoint} failed")
@@ -594,14 +444,47 @@ class OtlpSink(SpoolSink):
                                     start_time=s["start"], end_time=s["end"], instrumentation_scope=scope))
         return out
 
+    def log_request_of(self, batch, now: int | None = None):
+        """log_request of the batch's records and damage rows, made from its
+        columns when it has them (exporters/otlp_columns.py: the same bytes, no
+        dict per record), else from its records."""
+        from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+        from exporters.otlp_columns import ColumnLogs
+        now = time.time_ns() if now is None else now
+        if self._columns is None:
+            self._columns = ColumnLogs(self)
+        groups = self._columns.records(batch.columns, batch.count, now, self.damage_rows(batch)) \
+            if batch.count else None
+        if groups is None:
+            return self.log_request(self.rows_of(batch), now)
+        return ExportLogsServiceRequest.FromString(self._wire.request(groups, self._scope_of()))
+
     # -- delivery
+    def deliver_batch(self, batch) -> None:
+        if not (batch.count and batch.columns):
+            return self.deliver(self.rows_of(batch))
+        cols, life = batch.columns, []
+        if self.traces and not _LIFECYCLE_KINDS.isdisjoint(cols.get("kind", ())):
+            # the few records spans are made of, as dicts (not the whole batch's)
+            life = [dict(zip(cols, [c[i] for c in cols.values()]))
+                    for i, k in enumerate(cols["kind"]) if k in _LIFECYCLE_KINDS]
+        self._deliver(life, lambda: self.rows_of(batch), lambda: self.log_request_of(batch))
+
     def deliver(self, rows: list[dict]) -> None:
+        self._deliver(rows, lambda: rows, lambda: self.log_request(rows))
+
+    def _deliver(self, span_rows, rows, request) -> None:
+        """span_rows: the records spans are made of; rows(): every row (the
+        SDK's own export, when its internals are not there); request(): the
+        log request."""
         spans, new_state = ([], self._span_state)
         if self.traces:
-            spans, new_state = self._tracer.process(rows, self._span_state)
-        if self.logs and rows:
-            resp = self._rpc(self._logs_exporter(), rows, "logs", request=self.log_request(rows))
-            self._partial(resp, "log records")
+            spans, new_state = self._tracer.process(span_rows, self._span_state)
+        if self.logs:
+            req = request()
+            if req.resource_logs:
+                resp = self._rpc(self._logs_exporter(), rows, "logs", request=req)
+                self._partial(resp, "log records")
         if spans:
             resp = self._rpc(self._spans_exporter(), self.spans(spans), "traces")
             self._partial(resp, "spans")

@@ -54,6 +54,15 @@ def ld(field: int, payload: bytes) -> bytes:
     return bytes(((field << 3) | 2,)) + varint(len(payload)) + payload
 
 
+_VT = [varint(i) for i in range(1 << 14)]      # the varints of lengths below 16384, looked up
+
+
+def ld_many(field: int, payloads) -> bytes:
+    """ld(field, p) of each payload, joined (a table lookup for a short length)."""
+    tag, vt = bytes(((field << 3) | 2,)), _VT
+    return b"".join([tag + (vt[len(p)] if len(p) < 16384 else varint(len(p))) + p for p in payloads])
+
+
 def any_value(v) -> bytes:
     """An AnyValue's bytes, as the SDK's _encode_value chooses the member."""
     if v is None:
@@ -136,7 +145,7 @@ class LogsEncoder:
             sc += b"".join(ld(3, key_value(k, v)) for k, v in (getattr(scope, "attributes", None) or {}).items())
         out = []
         for res, recs in groups:
-            scope_logs = ld(1, sc) + b"".join([ld(2, r) for r in recs])
+            scope_logs = ld(1, sc) + ld_many(2, recs)
             if scope is not None and scope.schema_url:
                 scope_logs += ld(3, scope.schema_url.encode("utf-8"))
             body = ld(1, self.resource(res)) + ld(2, scope_logs)
