@@ -565,8 +565,11 @@ static __always_inline void cwd_fork(u32 child, u64 flags)
 
 static __always_inline void cwd_gone(u32 tgid)
 {
-    enf_cwd_gen.delete(&tgid);
-    enf_cwd.delete(&tgid);
+    /* looked up first (see dsec_track_exit): most exits of the node have neither */
+    if (enf_cwd_gen.lookup(&tgid))
+        enf_cwd_gen.delete(&tgid);
+    if (enf_cwd.lookup(&tgid))
+        enf_cwd.delete(&tgid);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_setns)
@@ -966,7 +969,8 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     if (!args->group_dead)
         return 0;
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    enf_exempt.delete(&tgid);
+    if (enf_exempt.lookup(&tgid))
+        enf_exempt.delete(&tgid);
     dsec_track_exit(tgid);
     cwd_gone(tgid);
     return 0;
