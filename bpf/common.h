@@ -208,6 +208,17 @@ static __always_inline void dsec_pending_give(u64 cgid)
     dsec_pending_give_st(sbx_state.lookup(&cgid));
 }
 
+/* Nothing of any thread in `pending`: pending_used counts its entries (taken
+ * before an entry goes in, given back after it is deleted), so 0 means none,
+ * and the hash lookup by tid is skipped -- the exits of every open/connect/
+ * unlink/rename of the node, and every thread's exit, while nothing is in flight. */
+static __always_inline int dsec_pending_none(void)
+{
+    u32 zero = 0;
+    s64 *used = pending_used.lookup(&zero);
+    return used && *(volatile s64 *)used <= 0;
+}
+
 /* The byte budget (shared.h): a record of `size` bytes of an admitted event
  * fits the sandbox's byte share, else it is counted (over_bytes) and not
  * emitted. Checked when the record's size is known, just before it goes into
@@ -395,6 +406,8 @@ static __always_inline void dsec_pending_signal(u32 tid, u64 handler, u64 flags)
 {
     if (handler == 0 /* SIG_DFL */ || handler == 1 /* SIG_IGN */)
         return;     /* no handler runs: restarted */
+    if (dsec_pending_none())
+        return;
     struct dsec_event_small *e = pending.lookup(&tid);
     if (!e)
         return;
@@ -416,6 +429,8 @@ static __always_inline void dsec_pending_signal(u32 tid, u64 handler, u64 flags)
  * whose exit was never seen given back). */
 static __always_inline struct dsec_event_small *dsec_pending_settle(u32 sys, u64 p1, u64 p2)
 {
+    if (dsec_pending_none())
+        return 0;
     u32 tid = (u32)bpf_get_current_pid_tgid();
     struct dsec_event_small *e = pending.lookup(&tid);
     if (!e)
@@ -493,6 +508,8 @@ static __always_inline void dsec_pending_store(struct dsec_event_small *e)
 
 static __always_inline int dsec_pending_finish(long ret)
 {
+    if (dsec_pending_none())
+        return 0;
     u32 tid = (u32)bpf_get_current_pid_tgid();
     struct dsec_event_small *e = pending.lookup(&tid);
     if (!e)

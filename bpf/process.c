@@ -569,7 +569,7 @@ TRACEPOINT_PROBE(signal, signal_deliver)
  * syscall was interrupted (common.h dsec_pending_settle) has it emitted, ret -EINTR */
 static __always_inline void dsec_drop_pending(u32 tid)
 {
-    struct dsec_event_small *p = pending.lookup(&tid);
+    struct dsec_event_small *p = dsec_pending_none() ? 0 : pending.lookup(&tid);
     if (p) {
         u64 cgid = p->h.cgroup_id;
         if (dsec_restart_code(*dsec_entry_ret(p))) {
