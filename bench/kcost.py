@@ -26,7 +26,11 @@ program: runs and ns per run (run_time_ns / run_cnt) while the loop ran in
 the sandbox, and while it ran outside any sandbox (the cost for the rest of
 the node: those counts include every other process's runs meanwhile).
 
-    .venv/bin/python bench/kcost.py [--runs 5] [--quick]
+    .venv/bin/python bench/kcost.py [--runs 5] [--quick] [--compare REV|DIR ...]
+
+--compare (repeatable) loads another bpf/ tree too -- a git revision's or a
+directory as it is (an experiment without a commit) -- each build in turn
+within every round, so all of them see the same minute's load.
 
 Nothing is left behind: the cgroups are removed, the sensors closed, the
 stats fd closed (the kernel stops stamping).
