@@ -431,8 +431,11 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     u32 tgid = pt >> 32;
     u32 old = args->old_pid;
     /* a fresh image: what was recorded about the old one's ending is void
-     * (de_thread delivers SIGKILL to the other threads) */
-    exit_info.delete(&tgid);
+     * (de_thread delivers SIGKILL to the other threads); looked up first:
+     * every exec of the node comes here, and a delete of a key that is not
+     * there still takes the bucket lock */
+    if (exit_info.lookup(&tgid))
+        exit_info.delete(&tgid);
 
     int big = 0, found = 0;
     struct dsec_event *e = dsec_exec_take(old, &big, &found);
