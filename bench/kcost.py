@@ -26,7 +26,11 @@ program: runs and ns per run (run_time_ns / run_cnt) while the loop ran in
 the sandbox, and while it ran outside any sandbox (the cost for the rest of
 the node: those counts include every other process's runs meanwhile).
 
-    .venv/bin/python bench/kcost.py [--runs 5] [--quick]
+    .venv/bin/python bench/kcost.py [--runs 5] [--quick] [--compare REV|DIR ...]
+
+--compare (repeatable) loads another bpf/ tree too -- a git revision's or a
+directory as it is (an experiment without a commit) -- each build in turn
+within every round, so all of them see the same minute's load.
 
 Nothing is left behind: the cgroups are removed, the sensors closed, the
 stats fd closed (the kernel stops stamping).
@@ -185,7 +189,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="fewer operations per run")
-    ap.add_argument("--compare", metavar="REV", help="also load the sensors from REV's bpf/ (git; or a bpf/ directory), alternately")
+    ap.add_argument("--compare", metavar="REV", action="append", default=[],
+                    help="also load the sensors from REV's bpf/ (git; or a bpf/ directory), alternately; repeatable")
     a = ap.parse_args(argv)
     from agent.sensors.audit import cgroup2_mount
     from agent.sensors import common
@@ -197,15 +202,16 @@ def main(argv=None) -> int:
     for p in cgs.values():
         os.mkdir(p)
     builds = [("head", common.BPF_DIR)]
-    if a.compare and os.path.isdir(a.compare):
-        builds.insert(0, ("dir", os.path.abspath(a.compare)))      # a bpf/ directory as it is
-    elif a.compare:
-        rd = f"{d}-rev"
+    for i, rev in enumerate(a.compare):
+        if os.path.isdir(rev):
+            builds.insert(i, (f"dir{i}" if len(a.compare) > 1 else "dir", os.path.abspath(rev)))  # as it is
+            continue
+        rd = f"{d}-rev{i}"
         os.mkdir(rd)
-        arch = subprocess.run(["git", "-C", os.path.dirname(common.BPF_DIR), "archive", a.compare, "bpf"],
+        arch = subprocess.run(["git", "-C", os.path.dirname(common.BPF_DIR), "archive", rev, "bpf"],
                               capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", rd], input=arch, check=True)
-        builds.insert(0, (a.compare, os.path.join(rd, "bpf")))
+        builds.insert(i, (rev, os.path.join(rd, "bpf")))
     wls = workloads(a.quick, d)
     places = ["base"] + [f"{b}:{w}" for b, _ in builds for w in ("sandbox", "other")]
     times = {(w, pl): [] for w, _, _ in wls for pl in places}
@@ -250,7 +256,7 @@ def main(argv=None) -> int:
                     break
                 except OSError:
                     time.sleep(0.05)
-        subprocess.run(["rm", "-rf", d, f"{d}-rev"], check=False)
+        subprocess.run(["rm", "-rf", d] + [f"{d}-rev{i}" for i in range(len(a.compare))], check=False)
 
     hdr = "".join(f"{pl:>16}{'ratio':>7}" for pl in places[1:])
     print(f"\nus per operation, medians; ratio = to base (no BPF program loaded), same run")

@@ -95,6 +95,9 @@ BPF_HASH(enf_exempt, u32, u64, 65536);
 BPF_F_TABLE("hash", struct dsec_sock_key, struct dsec_sock_rule, sock_rules, DSEC_SOCK_ENTRIES, BPF_F_NO_PREALLOC);
 /* tid -> fd of an executable file mapping in flight (exec-enforced sandboxes) */
 BPF_HASH(mmap_pending, u32, s64, 16384);
+/* entries put in mmap_pending and not yet deleted (more if one was overwritten):
+ * 0 = none, and the mmap exits of the node skip the hash lookup */
+BPF_ARRAY(mmap_inflight, s64, 1);
 
 /* ---- accounting and records ------------------------------------------------ */
 
@@ -565,8 +568,11 @@ static __always_inline void cwd_fork(u32 child, u64 flags)
 
 static __always_inline void cwd_gone(u32 tgid)
 {
-    enf_cwd_gen.delete(&tgid);
-    enf_cwd.delete(&tgid);
+    /* looked up first (see dsec_track_exit): most exits of the node have neither */
+    if (enf_cwd_gen.lookup(&tgid))
+        enf_cwd_gen.delete(&tgid);
+    if (enf_cwd.lookup(&tgid))
+        enf_cwd.delete(&tgid);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_setns)
@@ -742,18 +748,29 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
         return 0;
     u32 tid = bpf_get_current_pid_tgid();
     s64 fd = (long)args->fd;
-    mmap_pending.update(&tid, &fd);
+    u32 zero = 0;
+    s64 *n = mmap_inflight.lookup(&zero);
+    if (!n)
+        return 0;
+    __sync_fetch_and_add(n, 1);             /* counted before the entry is there */
+    if (mmap_pending.update(&tid, &fd) != 0)
+        __sync_fetch_and_add(n, -1);
     return 0;
 }
 
 TRACEPOINT_PROBE(syscalls, sys_exit_mmap)
 {
+    u32 zero = 0;
+    s64 *n = mmap_inflight.lookup(&zero);
+    if (!n || *(volatile s64 *)n <= 0)
+        return 0;
     u32 tid = bpf_get_current_pid_tgid();
     s64 *pfd = mmap_pending.lookup(&tid);
     if (!pfd)
         return 0;
     s64 fd = *pfd;
-    mmap_pending.delete(&tid);
+    if (mmap_pending.delete(&tid) == 0)
+        __sync_fetch_and_add(n, -1);        /* uncounted after it is gone */
     if (args->ret != -DSEC_EPERM)
         return 0;
     u64 cgid = 0;
@@ -966,7 +983,8 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     if (!args->group_dead)
         return 0;
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    enf_exempt.delete(&tgid);
+    if (enf_exempt.lookup(&tgid))
+        enf_exempt.delete(&tgid);
     dsec_track_exit(tgid);
     cwd_gone(tgid);
     return 0;

@@ -132,7 +132,10 @@ static __always_inline DSEC_SBX_T *dsec_track_fork(u32 child, u64 flags, u64 *cg
 /* the last thread of tgid is gone (sched_process_exit, group_dead) */
 static __always_inline void dsec_track_exit(u32 tgid)
 {
-    parents.delete(&tgid);
+    /* looked up first: a delete takes the bucket lock even for a key that is
+     * not there -- every process of the node exits through here */
+    if (parents.lookup(&tgid))
+        parents.delete(&tgid);
 }
 
 /* The header of a record of the current task, its parent included. */

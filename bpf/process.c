@@ -49,8 +49,12 @@ TRACEPOINT_PROBE(task, task_newtask)
     struct dsec_sandbox *cfg = dsec_track_fork(child, flags, &cgid);
     if (!cfg)
         return 0;
-    sig_generated.delete(&child);
-    exit_info.delete(&child);
+    /* a reused pid's stale entries go; a lookup first: a delete takes the
+     * bucket lock even when nothing is there (bench/kcost.py) */
+    if (sig_generated.lookup(&child))
+        sig_generated.delete(&child);
+    if (exit_info.lookup(&child))
+        exit_info.delete(&child);
 
     struct dsec_state *st = sbx_state.lookup(&cgid);
     if (!st || !dsec_admit(cfg, st, DSEC_KIND_FORK))
@@ -427,8 +431,11 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     u32 tgid = pt >> 32;
     u32 old = args->old_pid;
     /* a fresh image: what was recorded about the old one's ending is void
-     * (de_thread delivers SIGKILL to the other threads) */
-    exit_info.delete(&tgid);
+     * (de_thread delivers SIGKILL to the other threads); looked up first:
+     * every exec of the node comes here, and a delete of a key that is not
+     * there still takes the bucket lock */
+    if (exit_info.lookup(&tgid))
+        exit_info.delete(&tgid);
 
     int big = 0, found = 0;
     struct dsec_event *e = dsec_exec_take(old, &big, &found);
@@ -565,7 +572,7 @@ TRACEPOINT_PROBE(signal, signal_deliver)
  * syscall was interrupted (common.h dsec_pending_settle) has it emitted, ret -EINTR */
 static __always_inline void dsec_drop_pending(u32 tid)
 {
-    struct dsec_event_small *p = pending.lookup(&tid);
+    struct dsec_event_small *p = dsec_pending_none() ? 0 : pending.lookup(&tid);
     if (p) {
         u64 cgid = p->h.cgroup_id;
         if (dsec_restart_code(*dsec_entry_ret(p))) {
@@ -589,9 +596,13 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     u64 cgid = 0;
     struct dsec_sandbox *cfg = 0;
     struct dsec_state *st = dsec_admit_task(DSEC_KIND_EXIT, &cgid, &cfg);
+    if (!cfg)
+        return 0;
+    /* the process's entries are looked up once and deleted only when there:
+     * a delete takes the bucket lock even for a key that is not (kcost) */
+    struct dsec_exit_info *info = exit_info.lookup(&tgid);
     struct dsec_event *e = 0;
     if (st && (e = dsec_reserve(cfg, st, DSEC_KIND_EXIT, cgid))) {
-        struct dsec_exit_info *info = exit_info.lookup(&tgid);
         if (info) {
             e->u.exit.exit_code = info->code;
             e->u.exit.signal = info->signal;
@@ -602,10 +613,10 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
         }
         dsec_submit(e, st, DSEC_KIND_EXIT);
     }
-    if (cfg) {
-        dsec_track_exit(tgid);
+    dsec_track_exit(tgid);
+    if (info)
         exit_info.delete(&tgid);
+    if (sig_generated.lookup(&tgid))
         sig_generated.delete(&tgid);
-    }
     return 0;
 }

@@ -154,6 +154,8 @@ while time.monotonic() < deadline:               # bounded: until every thread i
         break
     time.sleep(0.05)
 print(waiting, flush=True)
+if len(sys.argv) > 5:                            # "gate": go on when told (several such processes)
+    sys.stdin.readline()
 # with the sandbox's opens all in flight: its other kinds of records
 for i in range(5):
     s = socket.socket()
@@ -168,8 +170,9 @@ sys.stdin.readline()
 '''
 
 
-def _blocked(cg, fifo, n, port, d, **kw):
-    return run_in_cgroup(cg, [PYTHON, "-I", "-B", "-c", BLOCKED, fifo, str(n), str(port), d],
+def _blocked(cg, fifo, n, port, d, gate=False, **kw):
+    return run_in_cgroup(cg, [PYTHON, "-I", "-B", "-c", BLOCKED, fifo, str(n), str(port), d]
+                         + (["gate"] if gate else []),
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, **kw)
 
 
@@ -413,9 +416,14 @@ def test_others_filling_the_in_flight_table_leave_a_quiet_neighbour_whole(small_
         for i, s in enumerate(hostile):
             d = tmp_path / f"h{i}"
             d.mkdir()
-            procs.append(_blocked(s.cg, fifo, 128, port, str(d)))
+            procs.append(_blocked(s.cg, fifo, 128, port, str(d), gate=True))
         for pr in procs:
             assert int(pr.stdout.readline()) == 128
+        # only now, with both sandboxes' opens in flight (the table full), their other
+        # records: without the gate the first one's connects could find room left
+        for pr in procs:
+            pr.stdin.write(b"\n")
+            pr.stdin.flush()
         for pr in procs:
             assert pr.stdout.readline().strip() == b"done"
         q = run_in_cgroup(quiet.cg, [PYTHON, "-I", "-B", "-c", QUIET, str(qdir), str(port)])

@@ -33,7 +33,7 @@ On other architectures they do not: supported() is False off x86-64 and the
 sensor keeps BCC's callback reader (slower, but correct).
 
 Wake-ups: epoll on the map fd (level-triggered: ready while consumer_pos !=
-producer_pos). The BPF side asks for a wake-up at most every 4 ms while
+producer_pos). The BPF side asks for a wake-up at most every 20 ms while
 records flow (bpf/common.h DSEC_WAKE_NS: BPF_RB_FORCE_WAKEUP on the first
 record after that, BPF_RB_NO_WAKEUP otherwise), so a reader must empty the
 ring before it sleeps and read after a wait() that timed out too (the
