@@ -314,6 +314,34 @@ def test_batch_frames_are_inserted_from_their_columns_with_the_gap_beside_them(c
     assert gaps == [(40,)]
 
 
+def test_all_default_columns_are_left_to_the_server_and_the_rows_are_the_same(clickhouse_url, clickhouse_client,
+                                                                             spool):
+    """insert_block leaves out a column only when every value of the batch is
+    the default ('' / 0 / no argv); one non-default value in it (the last
+    record's sha256, a 0 beside None) sends the column; the rows read back are
+    the records, field for field, either way."""
+    from audit_schema.events import FIELDS, FIELD_NAMES, normalize
+    from exporters.clickhouse import insert_block
+    client, db = clickhouse_client
+    sid = new_sid()
+    recs = [normalize(dict(e, argv=[])) for e in events(sid, 64)]
+    recs[-1]["sha256"] = "ab" * 32
+    names, cols = insert_block([[r[f.name] for r in recs] for f in FIELDS])
+    assert "sha256" in names and "argv" not in names and "shebang" not in names and "event_id" in names
+    assert len(names) == len(cols) < len(FIELDS)
+    assert "ppid" in insert_block([[None, 0] if f.name == "ppid" else [f.name, f.name] for f in FIELDS])[0]
+    spool.append_many(recs)
+    exp = ClickHouseExporter(spool, clickhouse_url)
+    b = exp.reader.read(10_000)
+    assert b.columns and b.count == 64
+    exp._send(b)
+    exp.close()
+    rows = client.execute(f"SELECT {', '.join(FIELD_NAMES)} FROM {db}.events FINAL WHERE sandbox_id = %(s)s "
+                          f"ORDER BY event_id", {"s": sid})
+    want = sorted(recs, key=lambda r: r["event_id"])
+    assert [dict(zip(FIELD_NAMES, r)) for r in rows] == [dict(r, argv=list(r["argv"])) for r in want]
+
+
 def test_cli_events_table_and_bad_usage(clickhouse_url, spool):
     sid = new_sid()
     spool.append_many(events(sid, 6, path=from_bytes(b"/etc/\x1b[31mred\xff")))
