@@ -527,8 +527,9 @@ def main():
         if agent is not None:
             print(f"agent-warm: {warm_hits[0]} of {warm_hits[1]} requests took a warm sandbox, agent-once-warm "
                   f"{warm_hits[2]} of {warm_hits[3]} (the pool of 4 refills in the background)")
-            print(f"\nsandboxes per second through the agent (create + exec /bin/true + close, cold, "
-                  f"{a.sustain:g} s each; three calls, then one RunOnce):")
+            if a.sustain > 0:
+                print(f"\nsandboxes per second through the agent (create + exec /bin/true + close, cold, "
+                      f"{a.sustain:g} s each; three calls, then one RunOnce):")
             base = None
             for conc in (1, 8, 32) if a.sustain > 0 else ():
                 got = {}
