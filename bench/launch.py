@@ -6,6 +6,8 @@ usage:
   .venv/bin/python bench/launch.py            # 200 runs of each
   .venv/bin/python bench/launch.py --runs 50
   .venv/bin/python bench/launch.py --runs 50 --no-agent    # only the in-process cases
+  .venv/bin/python bench/launch.py --runs 500 --only fork+exec,agent-step --sustain 0 --burst 0 --idle 0
+                                              # the step figure alone
 
 Measures, N times each, interleaved so that machine noise hits all alike:
   fork+exec     posix_spawn of /bin/true, waited (the floor)
@@ -394,6 +396,8 @@ def main():
     ap.add_argument("--idle", type=int, default=500, help="idle live sandboxes for the memory figure (0: skip)")
     ap.add_argument("--skip", default="", help="latency cases to leave out, comma-separated (e.g. dsec-cli: "
                                                "~6 s a run in-process)")
+    ap.add_argument("--only", default="", help="latency cases to keep, comma-separated, e.g. fork+exec,agent-step "
+                                               "(the others are left out)")
     a = ap.parse_args()
     from agent.sandbox.launcher import SandboxSpec, launch
 
@@ -479,7 +483,10 @@ def main():
                       "dsec-cli-agent": dsec_cli_agent, "dsec-cli-agent-export": dsec_cli_agent_export})
         if not hasattr(agent.client, "run_once"):     # an older SDK (this bench run against an older tree)
             del cases["agent-once-cold"], cases["agent-once-warm"]
-    for k in filter(None, a.skip.split(",")):
+    only = set(filter(None, a.only.split(",")))
+    for k in only - set(cases):
+        raise SystemExit(f"bench: --only {k}: no such case ({', '.join(cases)})")
+    for k in [k for k in cases if only and k not in only] + list(filter(None, a.skip.split(","))):
         if k not in cases:
             raise SystemExit(f"bench: --skip {k}: no such case ({', '.join(cases)})")
         del cases[k]
@@ -520,10 +527,11 @@ def main():
         if agent is not None:
             print(f"agent-warm: {warm_hits[0]} of {warm_hits[1]} requests took a warm sandbox, agent-once-warm "
                   f"{warm_hits[2]} of {warm_hits[3]} (the pool of 4 refills in the background)")
-            print(f"\nsandboxes per second through the agent (create + exec /bin/true + close, cold, "
-                  f"{a.sustain:g} s each; three calls, then one RunOnce):")
+            if a.sustain > 0:
+                print(f"\nsandboxes per second through the agent (create + exec /bin/true + close, cold, "
+                      f"{a.sustain:g} s each; three calls, then one RunOnce):")
             base = None
-            for conc in (1, 8, 32):
+            for conc in (1, 8, 32) if a.sustain > 0 else ():
                 got = {}
                 for once in (False, True) if hasattr(agent.client, "run_once") else (False,):
                     cpu0 = cpu_seconds(agent.proc.pid)

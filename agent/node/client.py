@@ -522,10 +522,14 @@ class Client:
         self.target = _normalize_target(target)
         _check_target(self.target, tls)
         self.timeout = timeout
+        # server-streaming calls (ExecOnce, events) read on the caller's thread, not through
+        # gRPC's channel spin thread: one thread hop less per message (grpc.experimental.ChannelOptions
+        # .SingleThreadedUnaryStream; importing grpc.experimental costs start-up time)
+        opts = _options(tls) + [("SingleThreadedUnaryStream", 1)]
         if tls is None:
-            self._channel = grpc.insecure_channel(self.target, options=_options(None))
+            self._channel = grpc.insecure_channel(self.target, options=opts)
         else:
-            self._channel = grpc.secure_channel(self.target, _credentials(tls), options=_options(tls))
+            self._channel = grpc.secure_channel(self.target, _credentials(tls), options=opts)
         self.stub = pb_grpc.AgentStub(self._channel)
         self.connect_timeout = connect_timeout
         self._ready = False

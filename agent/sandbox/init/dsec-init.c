@@ -15,7 +15,7 @@
  *           the mount plan (every path inside the new root resolved with
  *           openat2 RESOLVE_IN_ROOT: a symlink in a rootfs never leads
  *           outside it), pivot_root                           -> READY
- *   EXEC    fork; the child: default signals, setsid, stdio, workdir, close
+ *   EXEC    clone (vfork); the child: default signals, setsid, stdio, workdir, close
  *           every other fd, oom_score_adj, capabilities dropped (bounding
  *           set, ambient, then setresgid/setresuid, capset for uid 0),
  *           no_new_privs, seccomp, execve                     -> STARTED
@@ -789,6 +789,30 @@ static void send_step_exit(uint64_t step, pid_t pid, int has_status, int status,
     out_send();
 }
 
+/* The step's process is cloned with CLONE_VM | CLONE_VFORK, as posix_spawn does: no copy of our
+ * page tables, no copy-on-write faults, and its exec drops a reference to our memory instead of
+ * tearing a copy down. We are suspended until it has exec'd or failed, which start_step waits for
+ * anyway. The child runs on its own stack (below), allocates nothing and changes only what is its
+ * own: its fd table, cwd, signal handlers and credentials are copies (no CLONE_FILES, CLONE_FS,
+ * CLONE_SIGHAND), and its oom_score_adj is its own (the kernel exempts a vfork child from setting
+ * it for every user of the shared memory). */
+static char child_stack[128 << 10] __attribute__((aligned(64)));
+
+struct child_args {
+    char **argv, **envp;
+    const char *workdir, *pathvar;
+    const int *stdio;
+    int errfd, errfd_other;
+};
+
+static int child_main(void *arg)
+{
+    const struct child_args *a = arg;
+    close(a->errfd_other);
+    exec_workload(a->argv, a->envp, a->workdir, a->pathvar, a->stdio, a->errfd);
+    return 127;                     /* not reached: exec_workload execs or _exits */
+}
+
 static void start_step(size_t n, int *fds, int nfds)
 {
     const unsigned char *p = inbuf + 4, *end = inbuf + n;
@@ -832,11 +856,8 @@ static void start_step(size_t n, int *fds, int nfds)
     } else if (pipe2(ep, O_CLOEXEC) < 0) {
         err = errno;
     } else {
-        pid = fork();
-        if (pid == 0) {
-            close(ep[0]);
-            exec_workload(argv, envp, workdir, pathvar, stdio, ep[1]);
-        }
+        struct child_args ca = {argv, envp, workdir, pathvar, stdio, ep[1], ep[0]};
+        pid = clone(child_main, child_stack + sizeof(child_stack), CLONE_VM | CLONE_VFORK | SIGCHLD, &ca);
         if (pid < 0)
             err = errno;
         close(ep[1]);
