@@ -8,8 +8,8 @@ records, built column by column instead of record by record: each field's
 attribute bytes come from a cache keyed by the value (a workload repeats its
 values: node, comm, policy, pid, flags, ret, and a file's path), a record is
 the join of its columns' pieces (one C-level zip and join), and a body is
-the kind's own wording of the columns (audit_schema.describe's words, with
-the pieces cached). Records this does not word itself (a kind without a
+audit_schema.describe.detail of a view of the record's columns, cached by the
+columns it reads. Records this does not word itself (a kind without a
 column formatter below, a unix-socket connect whose network.transport moves)
 take the record path (_log_fields) one by one, so their bytes are the record
 path's by construction. tests/test_otlp_columns.py checks that a batch's
@@ -23,11 +23,10 @@ record path for the whole batch.
 """
 from __future__ import annotations
 
-import errno
 import struct
 from itertools import repeat
 
-from audit_schema.describe import argv_text, flags_text, printable
+from audit_schema.describe import detail
 from audit_schema.events import FIELDS
 from exporters.otlp_mapping import ATTRIBUTES, _SAMPLED, _ZERO_MEANS, _severity, attr_items, span_id_of, trace_id_of
 from exporters.otlp_wire import _F32, _F64, _VT, ld, key_value, varint
@@ -39,56 +38,31 @@ _ENTRY_MAX = 512
 _TS = struct.Struct("<BQ")
 
 
-def _ret_text(v) -> str:
-    v = int(v or 0)
-    return "ok" if v >= 0 else errno.errorcode.get(-v, str(v))
+class _Row:
+    """Record i of the columns, as audit_schema.describe.detail reads an event."""
+    __slots__ = ("c", "i")
+
+    def __init__(self, c, i):
+        self.c, self.i = c, i
+
+    def get(self, k, d=None):
+        col = self.c.get(k)
+        return d if col is None else col[self.i]
+
+    def __getitem__(self, k):
+        return self.c[k][self.i]
 
 
-# the columns each formatted kind's body reads (audit_schema.describe.detail's words for the kind)
-def _b_open_write(pp, c, i):
-    return f"{pp(c['path'][i])} ({flags_text(int(c['flags'][i] or 0))}) -> {_ret_text(c['ret'][i])}"
-
-
-def _b_unlink(pp, c, i):
-    return f"{pp(c['path'][i])} -> {_ret_text(c['ret'][i])}"
-
-
-def _b_rename(pp, c, i):
-    return f"{pp(c['path'][i])} -> {pp(c['path2'][i])} : {_ret_text(c['ret'][i])}"
-
-
-def _b_fork(pp, c, i):
-    return f"child {c['child_pid'][i]}"
-
-
-def _b_exit(pp, c, i):
-    return f"signal {c['signal'][i]}" if c["signal"][i] else f"code {c['exit_code'][i]}"
-
-
-def _b_exec(pp, c, i):
-    s = f"{pp(c['path'][i])}  {argv_text(c['argv'][i])}"
-    if c["argv_truncated"][i]:
-        s += " [argv truncated]"
-    if int(c["ret"][i] or 0) < 0:
-        s += f" -> {_ret_text(c['ret'][i])}"
-    return s
-
-
-def _b_connect(pp, c, i):
-    fam, addr, port = c["family"][i], c["addr"][i] or "", c["port"][i]
-    dest = f"[{pp(addr)}]:{port}" if fam == "ipv6" else f"{pp(addr)}:{port}"
-    return f"{fam} {dest} -> {_ret_text(c['ret'][i])}"
-
-
-# kind -> (its body, the columns that body reads: the key of its cache)
+# kind -> the columns describe.detail reads for its body (the key of its body cache; None:
+# argv, a list, is no key -- worded each time); other kinds take the record path
 BODIES = {
-    "open_write": (_b_open_write, ("path", "flags", "ret")),
-    "unlink": (_b_unlink, ("path", "ret")),
-    "rename": (_b_rename, ("path", "path2", "ret")),
-    "fork": (_b_fork, ("child_pid",)),
-    "exit": (_b_exit, ("signal", "exit_code")),
-    "exec": (_b_exec, None),                 # argv (a list) is no key: worded each time
-    "connect": (_b_connect, ("family", "addr", "port", "ret")),
+    "open_write": ("path", "flags", "ret"),
+    "unlink": ("path", "ret"),
+    "rename": ("path", "path2", "ret"),
+    "fork": ("child_pid",),
+    "exit": ("signal", "exit_code"),
+    "exec": None,
+    "connect": ("family", "addr", "port", "ret"),
 }
 # per field: the kinds for which its 0 / "" is kept
 _KEEP_ZERO = {}
@@ -110,7 +84,6 @@ class ColumnLogs:
         self._attr: dict = {}       # (field, attribute name, keep zero) -> {value: bytes}
         self._attr_k: dict = {}     # (field,) -> {(kind, value): bytes} for kind-dependent fields
         self._body: dict = {}       # kind -> {key: body field bytes}
-        self._pp: dict = {}         # printable() of paths and addresses
         self._ids: dict = {}        # (node, sandbox_id, step) -> flags + trace_id + span_id bytes
         self._kind: dict = {}       # kind -> (dsec.kind attribute bytes, event_name bytes)
         self._sev: dict = {}        # (kind, decision) -> severity fields bytes
@@ -118,16 +91,6 @@ class ColumnLogs:
     @staticmethod
     def usable(cols) -> bool:
         return bool(cols) and list(cols) == _NAMES and not any(None in c for c in cols.values())
-
-    def _printable(self, s):
-        got = self._pp.get(s)
-        if got is None:
-            if len(self._pp) >= _CACHE_MAX:
-                self._pp.clear()
-            got = printable(s)
-            if len(got) <= _ENTRY_MAX:
-                self._pp[s] = got
-        return got
 
     def _column(self, field, ch_type, spec, col, kinds, K):
         """The attribute bytes of one column, one per record (None: all empty;
@@ -219,14 +182,12 @@ class ColumnLogs:
     def _bodies(self, cols, K, kinds, n, slow):
         """The body field (5) of each record; records of kinds without a formatter: in slow."""
         out = [b""] * n
-        pp = self._printable
         for k in kinds:
             idx = range(n) if len(kinds) == 1 else [i for i, x in enumerate(K) if x == k]
-            f = BODIES.get(k)
-            if f is None:
+            if k not in BODIES:
                 slow.update(idx)
                 continue
-            fmt, keycols = f
+            keycols = BODIES[k]
             cache = self._body.get(k)
             if cache is None or len(cache) >= _CACHE_MAX:
                 cache = self._body[k] = {}
@@ -243,7 +204,7 @@ class ColumnLogs:
             for i, key, got in zip(idx, keys, vals):
                 if got is None:
                     try:
-                        body = f"{k}: {fmt(pp, cols, i)}".rstrip(": ")
+                        body = f"{k}: {detail(_Row(cols, i))}".rstrip(": ")     # the record path's words
                     except Exception:  # noqa: BLE001 - the record path's courtesy: the kind alone
                         slow.add(i)
                         continue
