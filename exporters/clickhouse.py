@@ -99,7 +99,13 @@ def columns_of(columns: dict, n: int) -> list[list]:
     """A batch's columns ({field: [values]}, exporters/spool.py Batch.columns, n
     records) -> one list per FIELDS column as columns_for gives: the spool's
     batch frames come as columns, so no dicts are transposed."""
-    return _converted([columns[f.name] if f.name in columns else [default(f)] * n for f in FIELDS])
+    return _converted(_by_field(columns, n))
+
+
+def _by_field(columns: dict, n: int) -> list:
+    """One sequence per FIELDS column of a batch's columns (a field the batch lacks:
+    n defaults)."""
+    return [columns[f.name] if f.name in columns else [d] * n for f, d in zip(FIELDS, _DEFAULT_OF)]
 
 
 def _converted(columns) -> list[list]:
@@ -140,7 +146,7 @@ def _all_default(f, d, col) -> bool:
 def insert_block(raw) -> tuple[list, list]:
     """(column names, columns) to insert for one sequence per FIELDS column:
     the columns whose values are all the default are left out (issue 15: an
-    open_write batch has ~15 of them -- argv, addr, sha256 ...; the server
+    open_write batch has ~20 of its 39 -- argv, addr, sha256 ...; the server
     fills the same default, and neither this process nor the driver encodes
     them); the others converted as _converted does."""
     names, cols = [], []
@@ -240,8 +246,7 @@ class ClickHouseExporter(SpoolSink):
         columns), the all-default ones left out (insert_block); else
         columns_for(its rows)."""
         if batch.columns:
-            n, by = batch.count, batch.columns
-            raw = [by[f.name] if f.name in by else [d] * n for f, d in zip(FIELDS, _DEFAULT_OF)]
+            raw = _by_field(batch.columns, batch.count)
             lost = self.damage_rows(batch)
             if lost:
                 raw = [list(c) + [r.get(f.name) for r in lost] for f, c in zip(FIELDS, raw)]
