@@ -126,7 +126,7 @@ def _start_dict(s) -> dict:
     return {"sandbox_id": s.sandbox_id, "argv": list(s.argv), "env": [(e.name, e.value) for e in s.env],
             "workdir": s.workdir, "stdin": s.stdin, "close_stdin": s.close_stdin,
             "timeout_seconds": s.timeout_seconds, "grace_seconds": s.grace_seconds,
-            "close_after": s.close_after, "wait_export": s.wait_export}
+            "close_after": s.close_after, "wait_export": s.wait_export, "no_started": s.no_started}
 
 
 RUN_ONCE_OUTPUT = 4 << 20          # RunOnce keeps this much of each stream unless asked otherwise
@@ -137,7 +137,9 @@ def _exit_message(ex: dict) -> "pb.ExitStatus":
                        timed_out=ex["timed_out"], oom_killed=bool(ex["oom_killed"]),
                        error=ex["error"] or "", wall_ms=ex["wall_ms"] or 0, cpu_ms=ex["cpu_ms"] or 0,
                        max_rss_bytes=ex["max_rss_bytes"] or 0, sandbox_state=ex["sandbox_state"],
-                       sandbox_reason=ex["sandbox_reason"] or "", preempted=ex["preempted"])
+                       sandbox_reason=ex["sandbox_reason"] or "", preempted=ex["preempted"],
+                       final=bool(ex.get("final")), error_code=ex.get("error_code") or "",
+                       error_message=ex.get("error_message") or "")
     if ex.get("exit_code") is not None:
         st.exit_code = ex["exit_code"]
     if ex.get("summary") is not None:

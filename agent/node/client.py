@@ -353,7 +353,7 @@ def _volume(v):
 
 
 def _exec_start(sandbox_id, argv, *, env=None, workdir=None, stdin=None, close_stdin=True, timeout=None,
-                grace=None, close_after=False, wait_export=False):
+                grace=None, close_after=False, wait_export=False, started=True):
     from agent.node.proto import pb
     if isinstance(argv, (str, bytes)):
         raise InvalidArgument("INVALID_ARGUMENT", "argv: a list of arguments, not one string "
@@ -361,7 +361,8 @@ def _exec_start(sandbox_id, argv, *, env=None, workdir=None, stdin=None, close_s
     return pb.ExecInput(start=pb.ExecStart(
         sandbox_id=sandbox_id, argv=[_b(a) for a in argv], env=_env(env), workdir=workdir or "",
         stdin=_b(stdin) if stdin is not None else b"", close_stdin=close_stdin, timeout_seconds=float(timeout or 0),
-        grace_seconds=float(grace or 0), close_after=close_after, wait_export=wait_export))
+        grace_seconds=float(grace or 0), close_after=close_after, wait_export=wait_export,
+        no_started=not started))
 
 
 def _exit(m, out: bytearray, err: bytearray) -> ExecResult:
@@ -702,16 +703,18 @@ class Client:
 
     # -- steps
     def exec_stream(self, sandbox_id: str, argv, *, stdin=None, stdin_stream=None, env=None, workdir=None,
-                    timeout=None, grace=None, close_after=False, wait_export=False, inputs: _Inputs | None = None):
+                    timeout=None, grace=None, close_after=False, wait_export=False, inputs: _Inputs | None = None,
+                    started=True):
         """Yield ("started", step), ("stdout", bytes), ("stderr", bytes), then ("exit", ExecResult).
         stdin: bytes; stdin_stream: an iterable of byte chunks; inputs: an _Inputs for callers that
-        also forward signals (dsec run)."""
+        also forward signals (dsec run); started=False: no ("started", step) (the agent does not
+        send it; the step is the result's)."""
         from agent.node.proto import pb
         self._connect()
         if inputs is None:
             first = _exec_start(sandbox_id, argv, env=env, workdir=workdir, stdin=stdin,
                                 close_stdin=stdin_stream is None, timeout=timeout, grace=grace,
-                                close_after=close_after, wait_export=wait_export)
+                                close_after=close_after, wait_export=wait_export, started=started)
 
             def gen():
                 yield first
@@ -727,7 +730,7 @@ class Client:
         once = inputs is None and stdin_stream is None and not self._no_exec_once
         call = self.stub.ExecOnce(first.start) if once else self.stub.Exec(requests)
         out, err = bytearray(), bytearray()
-        result = None
+        result = final = None
         try:
             try:
                 first_m = next(call, None)
@@ -743,6 +746,9 @@ class Client:
                     continue
                 if item[0] == "exit":
                     result = item[1]
+                    if m.exit.final:    # it says how the call ends: no wait for the status behind it
+                        final = m.exit
+                        break
                 else:
                     yield item
         except Exception as e:  # noqa: BLE001
@@ -750,15 +756,17 @@ class Client:
                 result = ExecResult(stdout=bytes(out), stderr=bytes(err))
             raise _convert(e, result) from None
         finally:
-            if result is None:          # the caller stopped iterating, or an error: end the call
+            if result is None or final is not None:     # stopped early, an error, or done: end the call
                 call.cancel()
         if result is None:
             raise AgentError("UNKNOWN", "the agent ended the step without an exit status")
+        if final is not None and final.error_code:
+            raise _status_error(final.error_code, final.error_message, result)
         yield ("exit", result)
 
     def exec(self, sandbox_id: str, argv, *, on_stdout=None, on_stderr=None, **kw) -> ExecResult:
         result = None
-        for kind, value in self.exec_stream(sandbox_id, argv, **kw):
+        for kind, value in self.exec_stream(sandbox_id, argv, started=False, **kw):
             if kind == "stdout" and on_stdout:
                 on_stdout(value)
             elif kind == "stderr" and on_stderr:
@@ -1040,14 +1048,15 @@ class AsyncClient:
 
     # -- steps
     async def exec_stream(self, sandbox_id: str, argv, *, stdin=None, stdin_stream=None, env=None, workdir=None,
-                          timeout=None, grace=None, close_after=False, wait_export=False):
+                          timeout=None, grace=None, close_after=False, wait_export=False, started=True):
         """An async generator of ("started", step), ("stdout", bytes), ("stderr", bytes), then
         ("exit", ExecResult). stdin: bytes; stdin_stream: an async (or plain) iterable of byte
-        chunks. Leaving the loop early (or cancelling the task) cancels the call."""
+        chunks; started=False: no ("started", step). Leaving the loop early (or cancelling the
+        task) cancels the call."""
         from agent.node.proto import pb
         first = _exec_start(sandbox_id, argv, env=env, workdir=workdir, stdin=stdin,
                             close_stdin=stdin_stream is None, timeout=timeout, grace=grace,
-                            close_after=close_after, wait_export=wait_export)
+                            close_after=close_after, wait_export=wait_export, started=started)
         await self._connect()
 
         async def requests():
@@ -1063,7 +1072,7 @@ class AsyncClient:
         once = stdin_stream is None and not self._no_exec_once
         call = self.stub.ExecOnce(first.start) if once else self.stub.Exec(requests())
         out, err = bytearray(), bytearray()
-        result = None
+        result = final = None
         try:
             try:
                 first_m = await call.read()
@@ -1078,6 +1087,9 @@ class AsyncClient:
                 item = _exec_item(m, out, err)
                 if item is not None and item[0] == "exit":
                     result = item[1]
+                    if m.exit.final:    # it says how the call ends: no wait for the status behind it
+                        final = m.exit
+                        break
                 elif item is not None:
                     yield item
                 m = await call.read()
@@ -1086,16 +1098,18 @@ class AsyncClient:
                 result = ExecResult(stdout=bytes(out), stderr=bytes(err))
             raise _convert(e, result) from None
         finally:
-            if result is None:          # left early, cancelled, or an error: end the call
+            if result is None or final is not None:     # left early, an error, or done: end the call
                 call.cancel()
         if result is None:
             raise AgentError("UNKNOWN", "the agent ended the step without an exit status")
+        if final is not None and final.error_code:
+            raise _status_error(final.error_code, final.error_message, result)
         yield ("exit", result)
 
     async def exec(self, sandbox_id: str, argv, *, on_stdout=None, on_stderr=None, **kw) -> ExecResult:
         """One step; as Client.exec (on_stdout / on_stderr are called per chunk)."""
         result = None
-        gen = self.exec_stream(sandbox_id, argv, **kw)
+        gen = self.exec_stream(sandbox_id, argv, started=False, **kw)
         try:
             async for kind, value in gen:
                 if kind == "stdout" and on_stdout:

@@ -104,11 +104,15 @@ def _exec_step(agent, rec, run, start, env, workdir, timeout, grace, close_after
                 summary["audit"]["export_error"] = "not delivered to ClickHouse within 10s (the agent " \
                                                    "keeps delivering)"
         ex["summary"] = summary
-    yield ("exit", ex)
+    # how the call ends is known now: the exit message says it (`final`), so a client can stop
+    # reading there instead of waiting for the status that follows (docs/agent.md "Steps")
     with agent._lock:
         stopped = rec.stop_kind not in (None, "closed") or (rec.stop_kind == "closed" and not close_after)
-    if stopped:
-        raise _gone(agent, rec, during_step=True)
+    gone = _gone(agent, rec, during_step=True) if stopped else None
+    ex.update(final=True, error_code=gone.code if gone else "", error_message=gone.message if gone else "")
+    yield ("exit", ex)
+    if gone is not None:
+        raise gone
 
 
 def _gone(agent, rec: SandboxRecord, during_step: bool = False) -> ApiError:
@@ -227,9 +231,12 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
     started_sent = False
     done_at = None
 
+    no_started = bool(start.get("no_started"))
+
     def started():
         # ("started", ...) once the launcher named the step (on_step: before dsec-init is told to run
-        # it, so before any of its output exists); pending signals go to it then
+        # it, so before any of its output exists); pending signals go to it then. A caller that
+        # asked for no `started` (no_started) takes the step from the exit.
         nonlocal started_sent
         if not run.step or started_sent:
             return None
@@ -237,7 +244,7 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
         for s in run.pending_signals:
             sb.signal(s, run.step)
         run.pending_signals.clear()
-        return ("started", run.step, run.started_ns)
+        return None if no_started else ("started", run.step, run.started_ns)
 
     try:
         while True:

@@ -15,10 +15,13 @@
  *           the mount plan (every path inside the new root resolved with
  *           openat2 RESOLVE_IN_ROOT: a symlink in a rootfs never leads
  *           outside it), pivot_root                           -> READY
- *   EXEC    clone (vfork); the child: default signals, setsid, stdio, workdir, close
- *           every other fd, oom_score_adj, capabilities dropped (bounding
- *           set, ambient, then setresgid/setresuid, capset for uid 0),
- *           no_new_privs, seccomp, execve                     -> STARTED
+ *           then the capability bounding set emptied, once, for every step
+ *   EXEC    clone (vfork); the child: default signals (the few PID 1 handles:
+ *           every other one is default from PID 1's start), setsid, stdio,
+ *           workdir, close every other fd, oom_score_adj, capabilities
+ *           dropped (ambient, then setresgid/setresuid, capset for uid 0; the
+ *           bounding set is PID 1's, already empty), no_new_privs, seccomp,
+ *           execve                                            -> STARTED
  *           every exit of a step's main process               -> STEP_EXIT
  *   SIGNAL / TERMINATE   forwarded; signals sent to PID 1 go to every step
  *   CLOSE   SIGKILL to everything, reap                        -> CLOSED,
@@ -706,14 +709,17 @@ static const char *find_command(const char *cmd, const char *pathvar, char *buf,
     return NULL;
 }
 
+/* the signals PID 1 handles (or ignores); every other one is at its default from main() on */
+static const int handled[] = {SIGCHLD, SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGPIPE};
+#define NHANDLED (sizeof(handled) / sizeof(handled[0]))
+
 static void exec_workload(char **argv, char **envp, const char *workdir, const char *pathvar,
                           const int stdio[3], int errfd)
 {
     sigset_t none;
     sigemptyset(&none);
-    for (int s = 1; s < NSIG; s++)
-        if (s != SIGKILL && s != SIGSTOP)
-            signal(s, SIG_DFL);
+    for (size_t i = 0; i < NHANDLED; i++)
+        signal(handled[i], SIG_DFL);
     sigprocmask(SIG_SETMASK, &none, NULL);
     if (setsid() < 0)
         child_fail(errfd, "setup", errno);
@@ -737,8 +743,7 @@ static void exec_workload(char **argv, char **envp, const char *workdir, const c
     snprintf(num, sizeof(num), "%ld", wl_oom_adj);
     if (write_file("/proc/self/oom_score_adj", num) < 0)
         child_fail(errfd, "oom_score_adj", errno);
-    for (int c = 0; c <= last_cap; c++)
-        prctl(PR_CAPBSET_DROP, c, 0, 0, 0);
+    /* the bounding set is PID 1's, emptied once after CONFIG (drop_bounding_set) */
     prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
     if (setgroups(0, NULL) < 0 || setresgid(wl_gid, wl_gid, wl_gid) < 0 || setresuid(wl_uid, wl_uid, wl_uid) < 0)
         child_fail(errfd, "privileges", errno);
@@ -944,6 +949,20 @@ static int64_t now_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* Empty the capability bounding set of PID 1, once, after the set-up that needs it: every step
+ * is cloned from PID 1 and inherits it (a bounding set only limits what an execve can gain: PID
+ * 1 keeps its effective capabilities for the steps' set-up, setresuid and signals). Checked:
+ * a step never starts with a capability in its bounding set. */
+static void drop_bounding_set(void)
+{
+    for (int c = 0; c <= last_cap; c++)
+        if (prctl(PR_CAPBSET_DROP, c, 0, 0, 0) < 0 && errno != EINVAL)
+            fatal("capability bounding set: %s", strerror(errno));
+    for (int c = 0; c <= last_cap; c++)
+        if (prctl(PR_CAPBSET_READ, c, 0, 0, 0) == 1)
+            fatal("capability bounding set: capability %d is still in it", c);
+}
+
 int main(void)
 {
     prctl(PR_SET_NAME, "dsec-init", 0, 0, 0);
@@ -963,16 +982,27 @@ int main(void)
     setsockopt(CTL, SOL_SOCKET, SO_SNDBUFFORCE, &big, sizeof(big));
     setsockopt(CTL, SOL_SOCKET, SO_RCVBUFFORCE, &big, sizeof(big));
 
-    /* A pid namespace's init gets only the signals it has handlers for: a real
-     * (empty) handler for each, and all of them blocked and read from a
-     * signalfd in the loop below. */
-    static const int handled[] = {SIGCHLD, SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
+    /* Every signal at its default action, once (what a step starts with: it then resets only
+     * the ones below). Through the system call: libc's sigaction refuses the two signals it
+     * reserves (32, 33), which posix_spawn leaves as the launcher had them (ignored, in an
+     * agent), and a step inherited them ignored. A pid namespace's init gets only the signals
+     * it has handlers for: a real (empty) handler for each, and all of them blocked and read
+     * from a signalfd in the loop below; SIGPIPE ignored. */
+    for (int s = 1; s <= 64; s++) {
+        struct { void (*handler)(int); unsigned long flags; void (*restorer)(void); uint64_t mask; } dfl;
+        memset(&dfl, 0, sizeof(dfl));
+        dfl.handler = SIG_DFL;
+        if (s != SIGKILL && s != SIGSTOP)
+            syscall(SYS_rt_sigaction, s, &dfl, NULL, sizeof(dfl.mask));
+    }
     sigset_t set;
     sigemptyset(&set);
     struct sigaction sa;
     memset(&sa, 0, sizeof(sa));
     sa.sa_handler = on_signal;
-    for (size_t i = 0; i < sizeof(handled) / sizeof(handled[0]); i++) {
+    for (size_t i = 0; i < NHANDLED; i++) {
+        if (handled[i] == SIGPIPE)
+            continue;
         sigaction(handled[i], &sa, NULL);
         sigaddset(&set, handled[i]);
     }
@@ -1000,6 +1030,7 @@ int main(void)
     for (int i = 0; i < nfds; i++)
         close(fds[i]);
     configure((size_t)n);
+    drop_bounding_set();
     out_begin(DSEC_MSG_READY);
     for (int i = 0; i < created.n; i++)
         out_str(DSEC_T_CREATED, created.paths[i]);
