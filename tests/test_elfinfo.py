@@ -403,3 +403,49 @@ def test_enricher_bounds_each_sandbox_and_returns_every_job(tmp_path):
     assert w.wait_all(60) and all(j.rec["sha256"] for j in w.take_done())
     w.close()
     assert w.take_done() == [] and _fds() == n
+
+
+def test_enricher_reads_one_file_once_for_the_jobs_that_wait_for_it(tmp_path):
+    """A sandbox that runs one uncached binary in a tight loop (the first
+    steps of a sandbox, before the first read is done): every exec is a job
+    for the same file; they follow the first one's read (no queue slot, their
+    fds closed at once) and all get its answer, where past per_sandbox they
+    went out "queue full". Another sandbox's job, or the file after a touch,
+    is not the same job. Followers of a read abandoned at removal are
+    skipped with it."""
+    p = tmp_path / "prog"
+    with open(p, "wb") as f:
+        f.write(open("/bin/true", "rb").read())
+        f.truncate(48 << 20)                           # sparse: reading it takes a while
+    path = os.fsencode(str(p))
+    cache = ElfInfoCache()
+    n = _fds()
+
+    def job(i, cg):
+        pending = cache.for_exec(os.getpid(), path, use_exe=False, cached_only=True)
+        assert isinstance(pending, Pending)
+        return EnrichJob({"sha256": "", "extra": "{}"}, {"tid": i}, pending, cg)
+    w = Enricher(cache, per_sandbox=2)
+    same = [job(i, 10) for i in range(12)]
+    other = job(99, 20)
+    assert all(w.submit(j) for j in same) and w.submit(other)
+    assert w.outstanding(10) == 1 and _fds() == n + 2          # one read each sandbox; the followers' fds closed
+    assert w.wait_all(60)
+    done = w.take_done()
+    assert sorted(id(j) for j in done) == sorted(id(j) for j in same + [other])
+    want = _sha(p)
+    assert all(j.rec["sha256"] == want and json.loads(j.rec["extra"])["tid"] == j.extra["tid"] for j in done)
+    assert w.n_followed == 11 and _fds() == n
+    # a touch: a new identity (and, cached now, the old one is not asked for again)
+    os.utime(p, ns=(time.time_ns(), time.time_ns() + 10**9))
+    lead, follow = job(1, 30), job(2, 30)
+    assert w.submit(lead) and w.submit(follow) and w.outstanding(30) == 1
+    time.sleep(0.01)                                            # the read has begun (or not: both ways end alike)
+    w.finish(30, 0.0, "gone")
+    back = w.take_done()
+    assert sorted(id(j) for j in back) == sorted(id(j) for j in (lead, follow))
+    for j in back:
+        got = json.loads(j.rec["extra"])
+        assert j.rec["sha256"] == "" and got["sha256_skipped"].startswith("gone"), j.rec
+    w.close()
+    assert w.take_done() == [] and _fds() == n

@@ -362,6 +362,7 @@ class RingSensor:
         if enricher is not None:
             from agent.sensors.elfinfo import Enricher
             self.enrich_worker = Enricher(enricher)
+            self.enrich_worker.warm()       # pyelftools imported before the first exec needs it
             self.decoder.enrich_async = True
         self._close_by = None           # monotonic deadline of close()'s waits for enrichment
         self._enrich_warned: set[int] = set()   # cgroup ids whose skipped enrichment was logged

@@ -459,6 +459,12 @@ class Pending:
         for fd in fds.values():
             os.close(fd)
 
+    def identity(self) -> tuple:
+        """What finish() reads and says depends on: which files were opened,
+        their identities (device, inode, size, mtime, ctime) and the problems
+        met. Two Pendings with the same identity give the same answer."""
+        return tuple(sorted(self.keys.items())), tuple(self.problems)
+
 
 class ElfInfoCache:
     """inspect_fd results by (dev, inode, size, mtime, ctime), LRU-bounded; an
@@ -598,6 +604,8 @@ class EnrichJob:
     def __init__(self, rec: dict, extra: dict, pending: Pending, cgroup_id: int):
         self.rec, self.extra, self.pending, self.cgroup_id = rec, extra, pending, cgroup_id
         self.abandoned = False
+        self.followers: list = []       # jobs of the same sandbox and file, waiting for this one's read
+        self.ident = None               # (cgroup id, Pending.identity()) while it leads
 
     def apply(self, found: dict) -> None:
         found = dict(found)
@@ -624,7 +632,17 @@ class Enricher:
     served round-robin (a sandbox being removed first), at most `per_sandbox`
     files queued per sandbox and `max_jobs` in all (each holds up to two fds).
     Records come back through take_done(); decoding never waits for them.
-    Every submitted job comes back exactly once (read, skipped or abandoned)."""
+    Every submitted job comes back exactly once (read, skipped or abandoned).
+
+    A job for the same file of the same sandbox as one queued or being read
+    (the same fds, identities and problems: Pending.identity) follows it: its
+    fds are closed at once, it takes no queue slot, and it gets the leader's
+    answer (read, skipped or abandoned alike). A sandbox that runs one uncached
+    binary in a tight loop (the first steps of a sandbox, before the first read
+    is done) gets every record enriched instead of "queue full" past the
+    eighth; at most `max_followers` follow one read (then: queue full)."""
+
+    max_followers = 4096
 
     def __init__(self, cache: ElfInfoCache, per_sandbox: int = 8, max_jobs: int = 256):
         self.cache, self.per_sandbox, self.max_jobs = cache, per_sandbox, max_jobs
@@ -637,24 +655,64 @@ class Enricher:
         self._cond = threading.Condition()
         self._thread = None
         self._closed = False
+        self._leaders: dict = {}                       # (cgroup id, identity) -> job queued or running
         self.skipped = 0                               # jobs not read (queue full, removal, close)
         self.n_read = 0                                # jobs read
+        self.n_followed = 0                            # jobs answered by another job's read
+
+    def warm(self) -> None:
+        """Start the worker now and let it import pyelftools (~50 ms) before
+        the first exec needs it (the first steps of the first sandbox)."""
+        with self._cond:
+            self._start()
+
+    def _start(self) -> None:
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._run, name="dsec-enrich", daemon=True)
+            self._thread.start()
 
     def submit(self, job: EnrichJob) -> bool:
         """Queue `job`; False (nothing queued, job untouched) when its sandbox's
         queue or the node's is full or the Enricher is closed."""
         with self._cond:
             cg = job.cgroup_id
-            if self._closed or self._busy.get(cg, 0) >= self.per_sandbox or self._total >= self.max_jobs:
+            if self._closed:
                 return False
+            ident = (cg, job.pending.identity())
+            leader = self._leaders.get(ident)
+            if leader is not None and len(leader.followers) < self.max_followers:
+                job.pending.discard()             # the leader's fds are the same files
+                leader.followers.append(job)
+                return True
+            if self._busy.get(cg, 0) >= self.per_sandbox or self._total >= self.max_jobs:
+                return False
+            if leader is None:
+                job.ident = ident
+                self._leaders[ident] = job
             self._queues.setdefault(cg, deque()).append(job)
             self._busy[cg] = self._busy.get(cg, 0) + 1
             self._total += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="dsec-enrich", daemon=True)
-                self._thread.start()
+            self._start()
             self._cond.notify_all()
             return True
+
+    def _settle(self, job: EnrichJob, found: dict | None = None, skip: str | None = None) -> None:
+        """job's record is done (read: found; else skipped: why): it and its
+        followers go to take_done(). Under _cond."""
+        if job.ident is not None:
+            self._leaders.pop(job.ident, None)
+            job.ident = None
+        for j in (job, *job.followers):
+            if skip is not None:
+                if j is job:
+                    j.skip(skip)
+                else:
+                    j.apply({"extra": {"sha256_skipped": skip}})
+            else:
+                j.apply(found)
+            self._done.append(j)
+        self.n_followed += len(job.followers)
+        job.followers = []
 
     def full_reason(self, cgroup_id: int) -> str:
         with self._cond:
@@ -679,6 +737,10 @@ class Enricher:
             del self._busy[cg]
 
     def _run(self) -> None:
+        try:
+            from elftools.elf.elffile import ELFFile  # noqa: F401 - imported once, before the first read
+        except ImportError:
+            pass                                      # elf_details reports it per file
         while True:
             with self._cond:
                 while not self._queues and not self._closed:
@@ -690,8 +752,7 @@ class Enricher:
             with self._cond:
                 self._running = None
                 if not job.abandoned:
-                    job.apply(found)
-                    self._done.append(job)
+                    self._settle(job, found)
                     self._release(job.cgroup_id)
                     self.n_read += 1
                 self._cond.notify_all()
@@ -737,17 +798,22 @@ class Enricher:
         self.wait_for(cgroup_id, timeout)
         with self._cond:
             for job in self._queues.pop(cgroup_id, ()):
-                job.skip(why)
-                self._done.append(job)
+                skipped += 1 + len(job.followers)
+                self._settle(job, skip=why)
                 self._release(cgroup_id)
-                skipped += 1
             job = self._running
             if job is not None and job.cgroup_id == cgroup_id and not job.abandoned:
                 job.abandoned = True                      # the worker closes its fds
-                job.apply({"extra": {"sha256_skipped": why + " (while its file was being read)"}})
-                self._done.append(job)
+                skipped += 1 + len(job.followers)
+                why = why + " (while its file was being read)"
+                job.apply({"extra": {"sha256_skipped": why}})
+                for j in job.followers:
+                    j.apply({"extra": {"sha256_skipped": why}})
+                job.followers, followers = [], job.followers
+                self._leaders.pop(job.ident, None)
+                job.ident = None
+                self._done.extend((job, *followers))
                 self._release(cgroup_id)
-                skipped += 1
             self.skipped += skipped
             return skipped
 
@@ -758,10 +824,9 @@ class Enricher:
             self._closed = True
             for cg in list(self._queues):
                 for job in self._queues.pop(cg):
-                    job.skip("the sensor was closing")
-                    self._done.append(job)
+                    self.skipped += 1 + len(job.followers)
+                    self._settle(job, skip="the sensor was closing")
                     self._release(cg)
-                    self.skipped += 1
             self._cond.notify_all()
             t = self._thread
         if t is not None:
