@@ -2,7 +2,8 @@
 `warm_pool`), handed to a matching CreateSandbox at once.
 
     pool = WarmPool(agent); pool.resolve()     # profiles from the config (policies loaded)
-    pool.refill()                              # the tick thread: back to each profile's count
+    pool.refill()                              # the tick thread, and after each claim: back to each
+                                               # profile's count
     rec = pool.try_claim_locked(key, fields)   # under the agent's lock: a ready sandbox, or None
 
 A warm sandbox holds a scheduler slot of its profile's size; only capacity no
@@ -243,6 +244,9 @@ class WarmPool:
             self.agent._lifecycle(rec.id, "started", launch_ms=0.0, warm=True, profile=prof.name,
                                   cgroup_id=rec.cgroup_id, queued_s=0.0)
             self.agent._after_sched_locked(d.actions)
+            # refilled now, not at the next tick (scheduling.tick_seconds, 0.5 s by default): requests
+            # that come one after another (`dsec run` in a loop) each find a ready sandbox
+            self.agent._submit_work(self.refill)
             return rec
         # not expected (checked above): the request went through submit() under the warm
         # sandbox's id; the sandbox now belongs to that request, its slot is given back
