@@ -16,6 +16,12 @@ venv's site-packages, the system's dist-packages, their .pth files, as an
 ordinary start would have -- and is looked up again; every later import sees
 the full path. A command that needs third-party packages pays site's cost at
 its first such import instead of at start-up.
+
+`dsec run [--option VALUE ...] -- CMD` goes to agent/commands/run.py fast() before
+the CLI is built: through a running agent it needs neither argparse nor the
+modules argparse, json and socket import (enum, re, ...), and the process ends
+with os._exit once the run is over. fast() declines (None) before it sends
+anything, and the ordinary CLI runs.
 """
 from __future__ import annotations
 
