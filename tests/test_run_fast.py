@@ -106,13 +106,16 @@ def test_sizes_and_ids_by_hand_are_the_patterns():
 
 # ---------------------------------------------------------------- through a real agent
 
+TICK = 10.0
 SLOW_MODULES = ("argparse", "re", "json", "socket", "signal", "threading", "enum", "selectors")
 
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory, clickhouse_url):
     a = AgentProc(str(tmp_path_factory.mktemp("runfast")), clickhouse_url, {
-        "scheduling": {"tick_seconds": 0.2},
+        # the longest tick: the warm pool is filled by the first tick (10 s after the start) and,
+        # after a claim, by the run socket's refill_soon long before the next one
+        "scheduling": {"tick_seconds": TICK},
         "warm_pool": [{"name": "run", "count": 1}],            # dsec run's defaults (via_agent.WARM_POOL)
     }).start()
     yield a
@@ -132,11 +135,25 @@ def _imported(stderr: bytes) -> set:
 
 def test_the_plain_form_imports_none_of_the_slow_modules_and_claims_a_warm_sandbox(agent, tmp_path):
     out = tmp_path / "s.json"
+
+    def ready(c):
+        return c.capabilities()["warm_profiles"][0]["ready"]
+
     with agent.client() as c:
-        end = time.monotonic() + 60
-        while c.capabilities()["warm_profiles"][0]["ready"] < 1 and time.monotonic() < end:
-            time.sleep(0.1)
         assert c.capabilities()["warm_profiles"][0]["name"] == "run"
+        end = time.monotonic() + 60
+        while ready(c) < 1 and time.monotonic() < end:       # the first tick fills it
+            time.sleep(0.05)
+        # a plain run claims it, and the pool is filled again after the reply, not at the next tick
+        # (TICK after the one that filled it: refill_soon, agent/node/warm.py)
+        r = _run(agent, "--summary-json", str(out), "--", "/bin/true")
+        assert r.returncode == 0, r.stderr
+        claimed = time.monotonic()
+        sid = json.loads(out.read_text())["sandbox_id"]
+        assert c.get(sid).warm, c.get(sid)
+        while ready(c) < 1 and time.monotonic() < claimed + TICK / 2:
+            time.sleep(0.05)
+        assert ready(c) == 1, "the warm pool was not refilled after the run's reply"
         r = _run(agent, "--env", "A=b", "--", "sh", "-c", "echo $A; cat; exit 3", importtime=True, input=b"in\n")
         assert r.returncode == 3 and r.stdout == b"b\nin\n", r.stderr[-3000:]
         mods = _imported(r.stderr)
@@ -148,12 +165,11 @@ def test_the_plain_form_imports_none_of_the_slow_modules_and_claims_a_warm_sandb
         s = json.loads(out.read_text())
         assert s["agent"] == agent.socket and s["exit_code"] == 3
         assert f"dsec: sandbox {s['sandbox_id']}" in r.stderr.decode()
-        # the request had dsec run's default shape: a sandbox of the warm pool took it
-        # (env differs from the profile's: that one was cold; a plain run is warm)
+        assert not c.get(s["sandbox_id"]).warm      # its env is not the profile's: a cold one
+        # the next plain run takes the refilled one
         r = _run(agent, "--summary-json", str(out), "--", "/bin/true")
         assert r.returncode == 0, r.stderr
-        sid = json.loads(out.read_text())["sandbox_id"]
-        assert c.get(sid).warm, c.get(sid)
+        assert c.get(json.loads(out.read_text())["sandbox_id"]).warm
 
 
 def test_what_the_fast_path_declines_goes_the_ordinary_way(agent, tmp_path):
