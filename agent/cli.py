@@ -6,16 +6,16 @@ Each subcommand lives in agent/commands/<name>.py and provides
   run(args) -> int               do the work, return the exit code
   USAGE_EXIT: int (optional)     exit code for bad usage (default 2)
 
-Errors are one line on stderr ("dsec <cmd>: error: ..."), never a traceback.
+Errors are one line on stderr ("dsec <cmd>: error: ..."), never a traceback
+(agent/errors.py guarded: the one place errors become exit codes).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
-from agent.errors import EXIT_USAGE, ReportedError, exit_code
+from agent.errors import EXIT_USAGE, guarded
 
 COMMANDS = ["run", "image", "snapshot", "events", "replay", "search", "learn", "policy", "export", "agent", "resize", "cluster", "clickhouse", "gc"]
 
@@ -71,27 +71,8 @@ def main(argv=None) -> int:
     if not getattr(args, "_mod", None):
         top.print_help(sys.stderr)
         return EXIT_USAGE
-    try:
-        return int(args._mod.run(args) or 0)
-    except ReportedError as e:          # every package's errors (audit_schema/errors.py)
-        sys.stderr.write(f"dsec {args.command}: error: {e.message}\n")
-        return exit_code(e, getattr(args._mod, "USAGE_EXIT", EXIT_USAGE))
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
-        return 1
-    except Exception as e:  # noqa: BLE001 - a bug of ours: still one line, unless asked
-        if os.environ.get("DSEC_DEBUG"):
-            raise
-        import traceback
-        where = traceback.extract_tb(e.__traceback__)[-1]
-        sys.stderr.write(f"dsec {args.command}: internal error: {type(e).__name__}: {e} "
-                         f"(at {os.path.basename(where.filename)}:{where.lineno}; DSEC_DEBUG=1 for a traceback)\n")
-        return getattr(args._mod, "USAGE_EXIT", 1) if args.command == "run" else 1
+    usage_exit = getattr(args._mod, "USAGE_EXIT", EXIT_USAGE)
+    return guarded(args.command, usage_exit, lambda: int(args._mod.run(args) or 0))
 
 
 if __name__ == "__main__":

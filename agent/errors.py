@@ -38,3 +38,31 @@ def exit_code(e: ReportedError, usage_exit: int = EXIT_USAGE) -> int:
     if usage_exit != EXIT_USAGE and e.code in (1, EXIT_USAGE):
         return usage_exit
     return e.code
+
+
+def guarded(command: str, usage_exit: int, fn):
+    """fn()'s result, with every error it raises as one line on stderr and its exit code: the one
+    mapping of errors to exit codes (agent/cli.py, and `dsec run`'s fast path: agent/entry.py)."""
+    import os
+    import sys
+    try:
+        return fn()
+    except ReportedError as e:          # every package's errors (audit_schema/errors.py)
+        sys.stderr.write(f"dsec {command}: error: {e.message}\n")
+        return exit_code(e, usage_exit)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 1
+    except Exception as e:  # noqa: BLE001 - a bug of ours: still one line, unless asked
+        if os.environ.get("DSEC_DEBUG"):
+            raise
+        import traceback
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        sys.stderr.write(f"dsec {command}: internal error: {type(e).__name__}: {e} "
+                         f"(at {os.path.basename(where.filename)}:{where.lineno}; DSEC_DEBUG=1 for a traceback)\n")
+        return usage_exit if command == "run" else 1

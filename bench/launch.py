@@ -19,9 +19,11 @@ Measures, N times each, interleaved so that machine noise hits all alike:
                 refuses ("cgroups in hybrid mode not supported"): it then runs in a private mount
                 namespace of this benchmark's own with cgroup2 mounted at /sys/fs/cgroup (the
                 host's layout unchanged), or is printed as unavailable with the reason
-  py-start      the CLI's interpreter start-up alone (`python -c pass`, the same venv)
-  py-imports    start-up + what `dsec run` imports on its way to the agent (argparse, the CLI, the
-                run socket's client: no gRPC since agent/node/runclient.py)
+  py-start      the CLI's interpreter start-up alone (`python -S -c pass`, the same venv: the CLI
+                runs without site, agent/entry.py)
+  py-imports    start-up + what `dsec run` imports on its way to the agent (its fast path:
+                agent/entry.py, agent/commands/run.py, the run socket's client; an older tree's CLI,
+                argparse and agent/cli.py, where it has no run.fast)
   dsec-cli      `dsec run -- /bin/true` (a new Python process each time, in-process: DSEC_AGENT=off)
   dsec-inproc   launcher.launch() called from this process: the sandbox cost
                 without the interpreter start-up of the CLI
@@ -38,6 +40,9 @@ Measures, N times each, interleaved so that machine noise hits all alike:
                 also `dsec run` with no agent of the user's (DSEC_AGENT=auto starts one on first use
                 and later runs reuse it)
   dsec-cli-agent-export  the same with --wait-export (returns once ClickHouse has the record)
+  dsec-cli-agent-warm  `dsec run --memory 128M --pids 256 -- /bin/true`: the request in the agent's
+                warm-pool profile shape (as a plain `dsec run` is for the agent `dsec run` starts on
+                first use: agent/node/via_agent.py WARM_POOL); the share served warm is printed
 Prints min / median / p90 / p99 in ms and the ratios against bwrap and fork+exec.
 
 Then sandboxes per second through the agent (create + exec /bin/true + close,
@@ -66,7 +71,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import DSEC, entry, pct, timed  # noqa: E402
+import _common  # noqa: E402
+from _common import entry, pct, timed  # noqa: E402
+
+DSEC = _common.DSEC         # --cli: another tree's CLI (and agent), measured by this bench's code
 
 
 def bwrap_cmd():
@@ -398,7 +406,13 @@ def main():
                                                "~6 s a run in-process)")
     ap.add_argument("--only", default="", help="latency cases to keep, comma-separated, e.g. fork+exec,agent-step "
                                                "(the others are left out)")
+    ap.add_argument("--cli", metavar="PATH", help="the dsec CLI (and agent) to measure, e.g. another tree's "
+                                                  ".venv/bin/dsec for a before/after pair with this bench's code "
+                                                  "(default: this tree's)")
     a = ap.parse_args()
+    global DSEC
+    if a.cli:
+        DSEC = os.path.abspath(a.cli)
     from agent.sandbox.launcher import SandboxSpec, launch
 
     devnull = open(os.devnull, "wb")
@@ -424,14 +438,17 @@ def main():
 
     crun = Crun()
     py = os.path.join(os.path.dirname(DSEC), "python")
-    fast_imports = ("import agent.cli; agent.cli.build_parser('run'); import agent.commands.run, "
-                    "agent.node.via_agent, agent.node.runclient")
+    tree = os.path.dirname(os.path.dirname(os.path.dirname(DSEC)))
+    old_cli = not open(os.path.join(tree, "agent", "commands", "run.py")).read().count("def fast(")
+    fast_imports = (f"import sys; sys.path.insert(0, {tree!r}); "
+                    + ("import agent.cli; agent.cli.build_parser('run'); " if old_cli else "import agent.entry; ")
+                    + "import agent.commands.run, agent.node.via_agent, agent.node.runclient")
 
     def py_start():
-        subprocess.run([py, "-c", "pass"], check=True)
+        subprocess.run([py, "-S", "-c", "pass"], check=True)
 
     def py_imports():
-        subprocess.run([py, "-c", fast_imports], check=True)
+        subprocess.run([py, "-S", "-c", fast_imports], check=True)
 
     cases = {"fork+exec": fork_exec, "bwrap": bwrap}
     if not crun.why:
@@ -440,6 +457,7 @@ def main():
     agent = None
     live = []
     warm_hits = [0, 0, 0, 0]
+    cli_warm_ids = []               # dsec-cli-agent-warm's sandboxes
     if not a.no_agent:
         agent = BenchAgent(warm_count=4)
         agent_env = dict(os.environ, DSEC_AGENT_SOCKET=agent.socket)
@@ -478,9 +496,15 @@ def main():
         def dsec_cli_agent_export():
             subprocess.run([DSEC, "run", "--wait-export", "--", "/bin/true"], check=True, stdout=devnull,
                            stderr=devnull, env=agent_env)
+
+        def dsec_cli_agent_warm():
+            r = subprocess.run([DSEC, "run", "--memory", "128M", "--pids", "256", "--", "/bin/true"], check=True,
+                               stdout=devnull, stderr=subprocess.PIPE, env=agent_env)
+            cli_warm_ids.append(r.stderr.split(b"dsec: sandbox ", 1)[1].split()[0].decode())
         cases.update({"agent-cold": agent_cold, "agent-warm": agent_warm, "agent-once-cold": agent_once_cold,
                       "agent-once-warm": agent_once_warm, "agent-step": agent_step,
-                      "dsec-cli-agent": dsec_cli_agent, "dsec-cli-agent-export": dsec_cli_agent_export})
+                      "dsec-cli-agent": dsec_cli_agent, "dsec-cli-agent-export": dsec_cli_agent_export,
+                      "dsec-cli-agent-warm": dsec_cli_agent_warm})
         if not hasattr(agent.client, "run_once"):     # an older SDK (this bench run against an older tree)
             del cases["agent-once-cold"], cases["agent-once-warm"]
     only = set(filter(None, a.only.split(",")))
@@ -494,6 +518,7 @@ def main():
         for fn in cases.values():   # warm caches (base rootfs, page cache)
             fn()
         warm_hits[:] = [0, 0, 0, 0]
+        del cli_warm_ids[:]
         res = {k: [] for k in cases}
         for i in range(a.runs):
             for k, fn in cases.items():
@@ -510,7 +535,7 @@ def main():
         print("ratios of medians:")
         anchors = [b for b in ("bwrap", "crun", "fork+exec") if b in med]
         for k in ("dsec-cli", "dsec-inproc", "agent-cold", "agent-warm", "agent-once-cold", "agent-once-warm",
-                  "agent-step", "dsec-cli-agent", "dsec-cli-agent-export"):
+                  "agent-step", "dsec-cli-agent", "dsec-cli-agent-export", "dsec-cli-agent-warm"):
             if k in med:
                 print(f"  {k:22} " + "  ".join(f"{med[k] / med[b]:7.2f}x {b}" for b in anchors))
         for k in ("cold", "warm"):
@@ -521,9 +546,13 @@ def main():
         if "agent-step" in med:
             print(f"  agent-step - fork+exec: {med['agent-step'] - med['fork+exec']:.2f} ms "
                   f"(target <= 1 ms); p99 {pct(res['agent-step'], 99):.2f} ms (target <= 5 ms)")
-        if "dsec-cli-agent" in med:
-            print(f"  dsec-cli-agent {med['dsec-cli-agent']:.1f} ms, of which interpreter start-up "
-                  f"{med['py-start']:.1f} ms and imports {med['py-imports'] - med['py-start']:.1f} ms")
+        for k in ("dsec-cli-agent", "dsec-cli-agent-warm"):
+            if k in med and "py-start" in med and "py-imports" in med:
+                print(f"  {k} {med[k]:.1f} ms, of which interpreter start-up "
+                      f"{med['py-start']:.1f} ms and imports {med['py-imports'] - med['py-start']:.1f} ms")
+        if cli_warm_ids:
+            n_warm = sum(agent.client.get(i).warm for i in cli_warm_ids)
+            print(f"dsec-cli-agent-warm: {n_warm} of {len(cli_warm_ids)} runs took a warm sandbox")
         if agent is not None:
             print(f"agent-warm: {warm_hits[0]} of {warm_hits[1]} requests took a warm sandbox, agent-once-warm "
                   f"{warm_hits[2]} of {warm_hits[3]} (the pool of 4 refills in the background)")

@@ -59,13 +59,23 @@ def test_run_starts_an_agent_once_reuses_it_and_agent_stop_stops_it(tmp_path, cl
         pid = next(p for p in pids if p)
         assert _alive(pid)
         assert b"dsec agent stop" in next(o[1] for o in outs if _started_pid(o[1]))
-        # a later run reuses it: no new agent, the summary names the agent, the audit is on
-        summ = tmp_path / "s.json"
-        r = dsec("run", "--summary-json", str(summ), "--", "/bin/true", env=env, timeout=120)
-        assert r.returncode == 0, r.stderr
-        assert _started_pid(r.stderr) is None, r.stderr
-        s = json.loads(summ.read_text())
-        assert s["agent"] == sock and s["exit_code"] == 0
+        # it keeps a warm pool in dsec run's default shape (via_agent.WARM_POOL)
+        from agent.node.client import Client
+        with Client(sock) as c:
+            end = time.monotonic() + 60
+            while not [p for p in c.capabilities()["warm_profiles"] if p["name"] == "run" and p["ready"]] \
+                    and time.monotonic() < end:
+                time.sleep(0.2)
+            assert [(p["name"], p["count"]) for p in c.capabilities()["warm_profiles"]] == [("run", 2)]
+            # a later run reuses it: no new agent, the summary names the agent, the audit is on,
+            # and it took a sandbox of the warm pool
+            summ = tmp_path / "s.json"
+            r = dsec("run", "--summary-json", str(summ), "--", "/bin/true", env=env, timeout=120)
+            assert r.returncode == 0, r.stderr
+            assert _started_pid(r.stderr) is None, r.stderr
+            s = json.loads(summ.read_text())
+            assert s["agent"] == sock and s["exit_code"] == 0
+            assert c.get(s["sandbox_id"]).warm
         # its record is durable in the agent's spool when the CLI returns: the agent shows its exec
         ev = dsec("events", "--sandbox", s["sandbox_id"], "--format", "json", env=env, timeout=120)
         assert ev.returncode == 0, ev.stderr

@@ -20,10 +20,7 @@ exit status:
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import re
 import sys
 
 from agent.errors import DsecError, EXIT_DSEC, ReportedError
@@ -31,15 +28,38 @@ from agent.errors import DsecError, EXIT_DSEC, ReportedError
 HELP = "run a command in a new sandbox"
 USAGE_EXIT = EXIT_DSEC
 
-_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?$")
+_SIZE_PATTERN = r"^(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?$"
 _MULT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_DIGITS = frozenset("0123456789")
+
+
+def _size_parts(t: str) -> tuple[str, str] | None:
+    """(number, unit) of a size _SIZE_PATTERN matches, split by hand when it is plain ASCII
+    (no `re` import on `dsec run`'s fast path); else by the pattern."""
+    if t.isascii() and "\n" not in t:
+        num = t.rstrip("bB")
+        if len(t) - len(num) > 1:
+            return None
+        if num != t and num.endswith(("i", "I")):
+            num = num[:-1]
+            if t[len(num)] == "I":
+                return None
+        unit = num[-1:] if num[-1:].lower() in _MULT and num[-1:] else ""
+        num = num[:len(num) - len(unit)].rstrip()
+        whole, dot, frac = num.partition(".")
+        if whole and _DIGITS.issuperset(whole) and (not dot or frac and _DIGITS.issuperset(frac)):
+            return num, unit
+        return None
+    import re
+    m = re.match(_SIZE_PATTERN, t)
+    return (m.group(1), m.group(2)) if m else None
 
 
 def parse_size(text: str, what: str = "--memory") -> int:
-    m = _SIZE_RE.match(text.strip())
+    m = _size_parts(text.strip())
     if not m:
         raise DsecError(f"{what} {text!r}: not a size (examples: 512M, 1G, 1048576)", EXIT_DSEC)
-    n = int(float(m.group(1)) * _MULT[m.group(2).lower()])
+    n = int(float(m[0]) * _MULT[m[1].lower()])
     if n < 4 << 20:
         raise DsecError(f"{what} {text!r}: too small (minimum 4M)", EXIT_DSEC)
     return n
@@ -58,6 +78,7 @@ def _positive(kind, what):
 
 
 def register(p):
+    import argparse
     p.add_argument("--sandbox-id", metavar="ID", help="sandbox id (default: generated, printed on stderr)")
     p.add_argument("--cpus", metavar="N", help="CPU limit in cores, e.g. 0.5 (default: none)")
     p.add_argument("--memory", metavar="SIZE", default="1G", help="memory limit, e.g. 512M (default: 1G)")
@@ -273,7 +294,106 @@ def _report(result, spec, args) -> int:
     if s.get("kept_upper"):
         sys.stderr.write(f"dsec run: upper layer kept at {s['kept_upper']}\n")
     if args.summary_json:
+        import json
         with open(args.summary_json, "w") as f:
             json.dump(s, f, indent=2)
             f.write("\n")
     return result.exit_code
+
+
+# ---------------------------------------------------------------- the fast path (agent/entry.py)
+# `dsec run [OPTIONS] -- CMD...` through a running agent without argparse, re, json, socket,
+# signal or threading (their imports were ~60% of the CLI's time before it connects, measured
+# with -X importtime). Only the plain form is taken: each option spelled in full, `--opt VALUE`
+# or `--opt=VALUE` with a value not starting with '-', then `--` and CMD. Anything else (--help,
+# abbreviations, a bad value, no agent answering, --image) goes the ordinary way (agent/cli.py)
+# from the start, so its parsing, checks and messages stay those of argparse and run():
+# nothing has been sent when the fast path declines. tests/test_run_fast.py holds _OPTIONS
+# equal to register()'s arguments.
+
+_OPTIONS = {      # option -> (dest, kind): value | append | flag | a tuple of choices; default
+    "--sandbox-id": ("sandbox_id", "value", None), "--cpus": ("cpus", "value", None),
+    "--memory": ("memory", "value", "1G"), "--pids": ("pids", "value", "1024"),
+    "--timeout": ("timeout", "value", None), "--grace": ("grace", "value", "3"),
+    "--rootfs": ("rootfs", "value", None), "--volume": ("volume", "append", None),
+    "--network": ("network", "value", "none"), "--env": ("env", "append", None),
+    "--workdir": ("workdir", "value", None), "--user": ("user", "value", None),
+    "--keep": ("keep", "flag", False), "--summary-json": ("summary_json", "value", None),
+    "--policy": ("policy", "value", "default"), "--mode": ("mode", ("learn", "audit", "enforce"), None),
+    "--audit": ("audit", ("on", "off"), "on"), "--over-budget": ("over_budget", ("summarise", "stop"), "summarise"),
+    "--wait-export": ("wait_export", "flag", False),
+}
+_SLOW_OPTIONS = ("--image", "--entrypoint")       # resolved in this process: the ordinary way
+
+
+class FastArgs:
+    """What argparse would give for the plain form (register()'s dests and defaults)."""
+
+    def __init__(self):
+        for dest, kind, default in _OPTIONS.values():
+            setattr(self, dest, [] if kind == "append" else default)
+        self.image = self.entrypoint = None
+        self.cmd = []
+        self.command = "run"
+
+
+def fast_args(argv: list[str]) -> FastArgs | None:
+    """argv after `run` in the plain form, parsed; None when it is not in that form."""
+    a = FastArgs()
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            a.cmd = argv[i:]            # as argparse's REMAINDER keeps it: _check_args drops the "--"
+            return a if len(a.cmd) > 1 else None
+        name, eq, value = tok.partition("=")
+        opt = _OPTIONS.get(name)
+        if opt is None:
+            return None                 # a positional first, --help, an abbreviation, --image ...
+        dest, kind, _ = opt
+        if kind == "flag":
+            if eq:
+                return None
+            setattr(a, dest, True)
+            i += 1
+            continue
+        if not eq:
+            i += 1
+            if i >= len(argv):
+                return None
+            value = argv[i]
+        if value.startswith("-") or (isinstance(kind, tuple) and value not in kind):
+            return None
+        if kind == "append":
+            getattr(a, dest).append(value)
+        else:
+            setattr(a, dest, value)
+        i += 1
+    return None                         # no "--": argparse decides where CMD begins
+
+
+def fast(argv: list[str]) -> int | None:
+    """`dsec run` through the agent's run socket for the plain form; its exit status, or None
+    (nothing sent: the caller runs the ordinary CLI)."""
+    from agent.node import via_agent
+    args = fast_args(argv)
+    if args is None:
+        return None
+    try:
+        if via_agent.mode() == "off":
+            return None
+        path = via_agent.agent_socket()
+        if path is None:
+            return None
+        if args.summary_json and not os.path.isdir(os.path.dirname(os.path.abspath(args.summary_json))):
+            return None
+        spec = AgentSpec(args)
+        create, wait_export = via_agent.request(spec, args)
+    except ReportedError:
+        return None                     # the ordinary way says it, in its words
+
+    def go():
+        result = via_agent.run_socket(path, spec, create, wait_export)
+        return None if result is None else _report(result, spec, args)
+    from agent.errors import guarded
+    return guarded("run", USAGE_EXIT, go)

@@ -19,14 +19,21 @@ MAX_FRAME bytes).
                    message, reason), after which the agent closes the connection
 Strings that are not UTF-8 travel as surrogate escapes (JSON's \\udcXX). A client
 that goes away mid-step has its step stopped and, as a one-shot run, its sandbox
-(the same as a cancelled Exec). This module imports only the standard library.
+(the same as a cancelled Exec). This module imports only the standard library, and of
+it only C modules beside struct (_socket, _thread, _json: not socket, threading, json, whose
+imports of enum, re and selectors were ~40% of `dsec run`'s start-up before it connects;
+dumps/loads are json.dumps(ensure_ascii=True, default=str) and json.loads, a test keeps them so).
 """
 from __future__ import annotations
 
-import json
-import socket
+import _socket
+import _thread
 import struct
-import threading
+
+try:
+    import _json                # CPython's JSON accelerator: json without json.decoder's `re` import
+except ImportError:             # pragma: no cover - another interpreter: the json package
+    _json = None
 
 DEFAULT_SOCKET = "/run/dsec/agent.sock"       # the agent's gRPC socket (also agent/node/config.py's default)
 ENV_SOCKET = "DSEC_AGENT_SOCKET"
@@ -42,9 +49,9 @@ class ProtocolError(Exception):
     pass
 
 
-def connect(path: str) -> socket.socket | None:
+def connect(path: str) -> "_socket.socket | None":
     """A connection to the run socket at path, or None when nothing listens there."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
     try:
         s.connect(path)
     except OSError:
@@ -86,7 +93,7 @@ class FrameWriter:
 
     def __init__(self, sock):
         self.sock = sock
-        self.lock = threading.Lock()
+        self.lock = _thread.allocate_lock()
 
     def send(self, kind: str, payload: bytes = b"") -> None:
         for i in range(0, max(1, len(payload)), MAX_FRAME):
@@ -95,4 +102,42 @@ class FrameWriter:
                 self.sock.sendall(_HEAD.pack(kind.encode("latin-1"), len(part)) + part)
 
     def send_json(self, kind: str, value) -> None:
-        self.send(kind, json.dumps(value, ensure_ascii=True, default=str).encode())
+        self.send(kind, dumps(value))
+
+
+def dumps(value) -> bytes:
+    """json.dumps(value, ensure_ascii=True, default=str).encode(), through _json's encoder."""
+    if _json is None:
+        import json
+        return json.dumps(value, ensure_ascii=True, default=str).encode()
+    enc = _json.make_encoder({}, str, _json.encode_basestring_ascii, None, ": ", ", ", False, False, True)
+    return "".join(enc(value, 0)).encode()
+
+
+class _Scan:
+    """What _json's scanner reads of a json.JSONDecoder: json.loads' defaults."""
+    strict = True
+    object_hook = object_pairs_hook = None
+    parse_float, parse_int = float, int
+    parse_constant = {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}.__getitem__
+    memo: dict = {}
+
+
+_WS = " \t\n\r"
+
+
+def loads(data: bytes):
+    """json.loads(data) of a frame's payload (ValueError when it is not one JSON value)."""
+    if _json is None:
+        import json
+        return json.loads(data)
+    s = data.decode("utf-8", "surrogatepass")
+    scan = _json.make_scanner(_Scan)
+    i = len(s) - len(s.lstrip(_WS))
+    try:
+        value, end = scan(s, i)
+    except StopIteration as e:
+        raise ValueError(f"not JSON: expecting a value at {e.value}") from None
+    if s[end:].strip(_WS):
+        raise ValueError(f"not JSON: extra data at {end}")
+    return value

@@ -204,6 +204,8 @@ class RunSocketService:
         finally:
             state["ended"] = True
             gen.close()
+        if rec.warm:
+            a.warm.refill_soon()        # answered: the next `dsec run` finds a ready one (agent/node/warm.py)
 
 
 def _alive(c) -> bool:

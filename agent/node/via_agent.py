@@ -18,19 +18,24 @@ DSEC_AGENT_IDLE_EXIT seconds (600) with no sandbox and no call, or on
 """
 from __future__ import annotations
 
+import _signal as signal     # not `signal`, `re`, `threading`: their imports (enum ...) were a third of
+import _thread              # `dsec run`'s start-up through the agent (agent/commands/run.py fast())
 import os
-import re
-import signal
 import sys
-import threading
 
 from agent.errors import DsecError
 
 _OFF = ("0", "off", "no", "false")
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")      # agent/sandbox/launcher.py ID_RE
+_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"      # agent/sandbox/launcher.py ID_RE
+_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 _REUSE = ("reuse", "on", "1", "yes", "true")
 IDLE_EXIT_DEFAULT = 600.0               # seconds an agent started on first use stays without work
 START_TIMEOUT = 120.0                   # its start (the eBPF compile is most of it)
+# the warm pool of an agent started on first use: `dsec run`'s default shape (1G, 1024 pids, the
+# default policy, no network), so that a later `dsec run` without options claims a sandbox started
+# ahead of it (agent/node/warm.py; as fresh as a cold one: its own cgroup, netns, upper layer)
+WARM_ENV = "DSEC_AGENT__WARM_POOL"
+WARM_POOL = "[{name: run, count: 2}]"
 
 
 def mode() -> str:
@@ -111,6 +116,7 @@ def start_agent(who: str) -> str | None:
         log_path = os.path.join(d, "agent.log")
         cmd = [sys.executable, "-m", "agent.cli", "agent", "--idle-exit", idle]
         env = dict(os.environ, DSEC_AGENT_SOCKET=path)
+        env.setdefault(WARM_ENV, WARM_POOL)     # later runs take a sandbox started ahead of them
         with open(log_path, "ab") as log:
             os.chmod(log_path, 0o600)
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
@@ -195,10 +201,20 @@ def run(spec, args):
     path = agent_socket()
     if path is None and m != "auto":
         return None
+    create, wait_export = request(spec, args)
+    if path is not None:
+        fast = run_socket(path, spec, create, wait_export)      # dsec run's own socket: no gRPC import
+        if fast is not None:
+            return fast
+    return _run_grpc(path, m, spec, create, wait_export)
+
+
+def request(spec, args) -> tuple[dict, bool]:
+    """`dsec run`'s request to the agent: (the create() keywords, wait_export). Raises DsecError
+    on what the launcher would refuse on this side, with the same messages as in-process
+    (without importing it: this is `dsec run`'s fast path)."""
     from agent.errors import EXIT_DSEC
-    # what the launcher checks on this side, with the same messages as in-process
-    # (without importing it: this is `dsec run`'s fast path)
-    if spec.sandbox_id and not _ID_RE.match(spec.sandbox_id):
+    if spec.sandbox_id and not _id_ok(spec.sandbox_id):
         raise DsecError(f"invalid sandbox id {spec.sandbox_id!r}: use 1-63 of [A-Za-z0-9_.-], starting "
                         f"alphanumeric", EXIT_DSEC)
     if spec.rootfs:
@@ -223,10 +239,13 @@ def run(spec, args):
                   over_budget=args.over_budget, audit=args.audit == "on", mode=args.mode,
                   labels={"client": "dsec-run"}, **pol)
     wait_export = args.audit == "on" and bool(getattr(args, "wait_export", False))
-    if path is not None:
-        fast = _run_fast(path, spec, create, wait_export)      # dsec run's own socket: no gRPC import
-        if fast is not None:
-            return fast
+    return create, wait_export
+
+
+def _run_grpc(path, m, spec, create: dict, wait_export: bool):
+    """`dsec run` through the agent's gRPC API (an agent without the run socket), starting one
+    when none answers and DSEC_AGENT=auto; None when there is none."""
+    from agent.errors import EXIT_DSEC
     c = connect(path, "run") if path is not None and (m != "auto" or _is_socket(path)) else None
     if c is None and m == "auto":
         path = start_agent("run")         # none answers: start one for this and later runs
@@ -281,6 +300,14 @@ def run(spec, args):
     return RunResult(result.code, summary)
 
 
+def _id_ok(sid: str) -> bool:
+    """_ID_PATTERN matches sid: checked by hand for the ids it plainly matches (no `re` import)."""
+    if 0 < len(sid) < 64 and sid[0] not in "_.-" and _ID_CHARS.issuperset(sid):
+        return True
+    import re
+    return re.match(_ID_PATTERN, sid) is not None
+
+
 def _stdin_ok() -> bool:
     """Our stdin is open and not a terminal: it is streamed into the step."""
     try:
@@ -319,11 +346,10 @@ class _Output:
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def _run_fast(path: str, spec, create: dict, wait_export: bool):
+def run_socket(path: str, spec, create: dict, wait_export: bool):
     """`dsec run` over the agent's run socket (agent/node/runclient.py): the same sandbox, exit
     status, output, signals and summary as through gRPC, without importing gRPC. None when
     nothing answers on that socket (an agent older than it: the gRPC path is used)."""
-    import json
     from agent.errors import EXIT_DSEC
     from agent.node import runclient as rc
     sock = rc.connect(rc.run_socket_path(path))
@@ -360,15 +386,15 @@ def _run_fast(path: str, spec, create: dict, wait_export: bool):
             elif kind == "e":
                 out(2, p)
             elif kind == "x":
-                result = json.loads(p)
+                result = rc.loads(p)
             elif kind == "C":
-                sid = json.loads(p)["sandbox_id"]
+                sid = rc.loads(p)["sandbox_id"]
                 if not spec.sandbox_id:
                     sys.stderr.write(f"dsec: sandbox {sid}\n")
                     sys.stderr.flush()
                 _start_inputs(w, stdin_ok, old)
             elif kind == "E":
-                err = json.loads(p)
+                err = rc.loads(p)
                 msg = err.get("message") or err.get("code") or "error"
                 if sid is None:
                     if err.get("code") == "FAILED":
@@ -406,16 +432,18 @@ def _pump_stdin(send, send_eof):
                 send(data)
         except OSError:
             return
-    threading.Thread(target=pump, daemon=True).start()
+    _thread.start_new_thread(pump, ())        # a daemon thread: the run's end does not wait for it
 
 
 def _forward_signals(send) -> dict:
     """The signals we get (_SIGNALS) handed to send(signum), from the main thread only;
     returns the handlers they replaced, to be put back."""
     old = {}
-    if threading.current_thread() is threading.main_thread():
-        for s in _SIGNALS:
+    for s in _SIGNALS:
+        try:
             old[s] = signal.signal(s, lambda sig, _f: send(sig))
+        except ValueError:          # not the main thread: it fails at the first one
+            break
     return old
 
 

@@ -3,6 +3,7 @@
 
     pool = WarmPool(agent); pool.resolve()     # profiles from the config (policies loaded)
     pool.refill()                              # the tick thread: back to each profile's count
+    pool.refill_soon()                         # the same at once (after a one-shot run's reply)
     rec = pool.try_claim_locked(key, fields)   # under the agent's lock: a ready sandbox, or None
 
 A warm sandbox holds a scheduler slot of its profile's size; only capacity no
@@ -132,6 +133,14 @@ class WarmPool:
                         self.slot_sid.popitem(last=False)
                     a._after_sched_locked(None)
                 a._submit_work(self._start, w)
+
+    def refill_soon(self):
+        """refill() now on an executor thread, not at the next tick (scheduling.tick_seconds, 0.5 s
+        by default): after a one-shot run that took a warm sandbox has been answered (`dsec run`,
+        agent/node/runsock.py), so that runs one after another each find a ready one and the
+        refill does not compete with the claiming run itself (measured: a refill at the claim made
+        the claiming SDK request 1.2x slower on 2 cores)."""
+        self.agent._submit_work(self.refill)
 
     def _start(self, w: _WarmEntry):
         try:
