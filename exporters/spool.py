@@ -419,13 +419,75 @@ def _transposed(records: list):
         return None
 
 
-def _batch_frame(count: int, names, cols):
+def _column_types_ok(name: str, vals) -> bool:
+    """_column_ok without the encodability of strings (the append proves that
+    by its dump, _encode_batch): the classes of a column and its integer range."""
+    classes = set(map(type, vals))
+    if _NONE in classes:
+        classes.discard(_NONE)
+        if not classes:
+            return True
+        vals = [v for v in vals if v is not None]
+    check = _CHECKS[name]
+    if check.__class__ is tuple:
+        return classes == {int} and min(vals) >= check[0] and max(vals) <= check[1]
+    if check == "String":
+        return classes == {str}
+    if check == "Array(String)":
+        if not classes <= {list, tuple}:
+            return False
+        if not any(vals):
+            return True
+        return not set(map(type, [x for v in vals for x in v])) - {str}
+    return False
+
+
+def _column_types_valid(names, cols) -> bool:
+    """_column_lists_valid but the encodability of the strings: every check
+    that does not need the strings joined (_encode_batch proves the rest when
+    its frames' JSON is ASCII; otherwise append_many runs the full check)."""
+    if not _CHECKS.keys() >= set(names):
+        return False
+    by = dict(zip(names, cols))
+    if "event_id" not in by or "kind" not in by:
+        return False
+    if not all(_column_types_ok(name, vals) for name, vals in by.items()):
+        return False
+    eids = by["event_id"]
+    if set(map(type, eids)) != {str} or min(map(len, eids)) < 1 or max(map(len, eids)) > 128:
+        return False
+    if not _KIND_SET.issuperset(by["kind"]):
+        return False
+    return "".join(eids).isprintable()
+
+
+def _batch_payload(names, cols) -> tuple[bytes, bool]:
+    """(a batch frame's JSON, whether one orjson call made it ASCII). That one
+    call is byte for byte the column-by-column form below; its ASCII output
+    also proves every string of the frame ASCII (so encodable: what
+    _column_ok's join checks). Else column by column: a column with raw bytes
+    (surrogates, which orjson refuses) or other non-ASCII text costs
+    json.dumps, the rest orjson."""
+    if orjson is not None:
+        try:
+            out = orjson.dumps({"k": names, "c": cols})
+        except (TypeError, ValueError):
+            pass
+        else:
+            if out.isascii():
+                return out, True
+    return b'{"k":' + _dumps(names) + b',"c":[' + b",".join([_dumps(c) for c in cols]) + b"]}", False
+
+
+def _batch_frame(count: int, names, cols, proof: list | None = None):
     """One batch frame of `count` records given as columns; _TOO_BIG when the
-    payload is over BATCH_MAX_BYTES."""
-    # column by column: a column with raw bytes (surrogates) costs json.dumps, the rest orjson
-    payload = b'{"k":' + _dumps(names) + b',"c":[' + b",".join([_dumps(c) for c in cols]) + b"]}"
+    payload is over BATCH_MAX_BYTES. proof: [True], set False when the frame's
+    strings were not proven ASCII by its dump (_batch_payload)."""
+    payload, ascii_ = _batch_payload(names, cols)
     if len(payload) > BATCH_MAX_BYTES:
         return _TOO_BIG
+    if not ascii_ and proof is not None:
+        proof[0] = False
     body = _U32.pack(count) + payload
     n = _U32.pack(len(body))
     return MAGIC_BATCH + n + _U32.pack(zlib.crc32(body, zlib.crc32(n))) + body
@@ -436,25 +498,34 @@ def encode_frames(records: list, transposed=None) -> list:
     when they all have the same fields (see the module doc; a batch over
     BATCH_MAX_BYTES is halved until it fits, down to BATCH_MIN), else frames
     of one record. `transposed`: _transposed(records), if at hand."""
+    return _encode_batch(records, transposed)[0]
+
+
+def _encode_batch(records: list, transposed=None) -> tuple[list, bool]:
+    """(encode_frames' frames, proven): proven when every record went into a
+    batch frame whose dump was ASCII (so every string of the batch is)."""
     tr = transposed or _transposed(records)
     if tr is None or len(records) < BATCH_MIN:
-        return [encode_frame(r) for r in records]
+        return [encode_frame(r) for r in records], False
     out: list = []
+    proof = [True]
     for i in range(0, len(records), BATCH_MAX):
-        _frames_of(records, tr, i, min(len(records), i + BATCH_MAX), out)
-    return out
+        _frames_of(records, tr, i, min(len(records), i + BATCH_MAX), out, proof)
+    return out, proof[0]
 
 
-def _frames_of(records, tr, a: int, b: int, out: list) -> None:
+def _frames_of(records, tr, a: int, b: int, out: list, proof: list | None = None) -> None:
     names, cols = tr
-    frame = _batch_frame(b - a, names, [c[a:b] for c in cols]) if b - a >= BATCH_MIN else _TOO_BIG
+    frame = _batch_frame(b - a, names, [c[a:b] for c in cols], proof) if b - a >= BATCH_MIN else _TOO_BIG
     if frame is not _TOO_BIG:
         out.append(frame)
     elif b - a >= 2 * BATCH_MIN:
         half = (a + b) // 2
-        _frames_of(records, tr, a, half, out)
-        _frames_of(records, tr, half, b, out)
+        _frames_of(records, tr, a, half, out, proof)
+        _frames_of(records, tr, half, b, out, proof)
     else:
+        if proof is not None:
+            proof[0] = False
         out.extend(encode_frame(r) for r in records[a:b])     # fit_record cuts what is too large
 
 
@@ -863,11 +934,15 @@ class Spool:
         Raises ExportError naming the bad record, or an I/O failure."""
         records = records if isinstance(records, list) else list(records)
         tr = _transposed(records) if self.frames == "batch" and len(records) >= BATCH_MIN else None
-        by = None
-        if tr is not None and _column_lists_valid(*tr):
-            by = dict(zip(*tr))
-            data = b"".join(encode_frames(records, tr))      # validated as columns, framed as columns
-        else:
+        by = data = None
+        if tr is not None and _column_types_valid(*tr):
+            # validated as columns, framed as columns; the strings' encodability is proven by the
+            # frames' ASCII JSON (one orjson call a frame), else checked by column as before
+            frames, proven = _encode_batch(records, tr)
+            if proven or _column_lists_valid(*tr):
+                by = dict(zip(*tr))
+                data = b"".join(frames)
+        if data is None:
             validate_records(records)
             data = b"".join([encode_frame(r) for r in records])
         if not data:

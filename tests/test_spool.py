@@ -374,6 +374,48 @@ def test_batch_frames_roundtrip_exactly_and_carry_their_columns(spool):
     assert spool.reader("u").read(100_000).records[-40:] == mixed
 
 
+@pytest.mark.parametrize("bad, words", [
+    ({"path": "\ud800"}, ["'ev-20'", "'path'", "surrogateescape"]),      # not a surrogateescape byte
+    ({"argv": ["ok", "\udfff"]}, ["'ev-20'", "'argv'", "surrogateescape"]),
+    ({"comm": b"raw"}, ["'ev-20'", "'comm'", "str"]),
+    ({"pid": True}, ["'ev-20'", "'pid'", "integer"]),
+    ({"port": 70000}, ["'ev-20'", "'port'", "out of range"]),
+    ({"kind": "teleport"}, ["'ev-20'", "kind 'teleport'"]),
+])
+def test_a_bad_record_in_a_batch_is_refused_naming_it(spool, bad, words):
+    """A batch (framed by column, its strings proven by the frame's ASCII JSON)
+    is checked as strictly as record by record: one bad record refuses the
+    append, named, nothing written."""
+    records = [full(i) for i in range(40)]
+    records[20].update(bad)
+    with pytest.raises(ExportError) as e:
+        spool.append_many(records)
+    assert "\n" not in e.value.message
+    for w in words:
+        assert w in e.value.message
+    assert spool.size_bytes() == 0
+
+
+def test_batch_frames_json_is_the_column_by_column_form(spool):
+    """The one orjson call per batch frame gives exactly the bytes of the
+    column-by-column form (json.dumps of each column), for ASCII batches and
+    for batches with raw bytes (surrogates) or other non-ASCII text."""
+    from exporters.spool import HEADER_BYTES, MAGIC_BATCH
+    raw = os.fsdecode(b"/tmp/\xff caf\xc3\xa9")
+    for n, kw in enumerate(({}, {"path": raw}, {"path": "/tmp/caf\u00e9", "argv": ["\u00e9", "x"]})):
+        records = [full(i, **kw) if i == 7 else full(i, argv=["a", str(i)]) for i in range(40)]
+        seg_start = spool.size_bytes()
+        spool.append_many(records)
+        data = open(spool.seg_path(spool.segments()[-1]), "rb").read()[seg_start:]
+        assert data.startswith(MAGIC_BATCH)
+        names = list(records[0])
+        want = ('{"k":' + json.dumps(names, separators=(",", ":")) + ',"c":[' +
+                ",".join(json.dumps([r[k] for r in records], separators=(",", ":")) for k in names) + "]}")
+        assert data[HEADER_BYTES + 4:] == want.encode("ascii"), n
+    r = spool.reader("t")
+    assert read_all(r)[0][-40:] == records
+
+
 def test_bit_rot_in_a_batch_frame_loses_that_frame_counted_and_keeps_the_rest(spool):
     records = [full(i) for i in range(100)]
     spool.append_many(records[:10])                 # frames of one record
