@@ -88,13 +88,13 @@ class BatchDecoder:
             from agent.sensors.decoder import fast_view
             self._exec_view = fast_view(bodies["exec"])[1]._make     # exec_fields reads it by name
         nums = dec.consts.kind_numbers
-        self._fast = {}              # kind number -> (handler, body unpack, kind name)
-        for kind, body, fn in (("open_write", "file", self._open_write), ("unlink", "file", self._unlink),
+        self._fast = {}              # kind number -> (handler, body unpack, kind name, open_write/unlink: inline)
+        for kind, body, fn in (("open_write", "file", None), ("unlink", "file", None),     # inline in the loop
                                ("rename", "file", self._rename), ("fork", "fork", self._fork),
                                ("exit", "exit", self._exit), ("connect", "connect", self._connect),
                                ("exec", "exec", self._exec)):
             if kind in nums and body in self._body:
-                self._fast[nums[kind]] = (fn, self._body[body], kind)
+                self._fast[nums[kind]] = (fn, self._body[body], kind, kind in ("open_write", "unlink"))
         self._exec_job = None        # (Pending, extra) of the exec just decoded (Decoder._pending's)
         self.enabled = True
 
@@ -112,6 +112,10 @@ class BatchDecoder:
         sandboxes = dec.sandboxes
         tmpl = self._tmpl
         comms = self._comm
+        extras = self._extra
+        parents = dec.parents
+        prefix = dec._id_prefix
+        append = out.append
         for o, n in spans:
             if n < fixed:
                 self._slow(blob[o:o + n], out)
@@ -125,12 +129,34 @@ class BatchDecoder:
             if info is None:
                 dec.unattributed += 1
                 continue
-            fn, body, kname = f
+            fn, body, kname, file_kind = f
             ent = tmpl.get((cg, kind))
             if ent is None or ent[0] is not info:
                 ent = self._template(cg, kind, kname, info)
             try:
-                rec = fn(ent[1], blob, o, n, body(blob, o + body_off), o + buf_off, pid, tid, gid, info)
+                if file_kind:
+                    # open_write and unlink inline (the most frequent kinds by far): _file + _file_extra
+                    ret, flags, mode, resolve, dirfd, _d2, sys_, status, plen = body(blob, o + body_off)[:9]
+                    bo = o + buf_off
+                    end = o + n
+                    raw = blob[bo:min(bo + plen, end)]      # within the record, as decode's buf[:path_len]
+                    if raw[:1] != b"/":
+                        rec = None           # relative: resolved through /proc by Decoder.decode
+                    else:
+                        rec = ent[1].copy()
+                        rec["ret"] = ret
+                        rec["flags"] = flags & 0xFFFFFFFF
+                        p = raw.decode("utf-8", "surrogateescape")
+                        rec["path"] = p
+                        rec["path_raw"] = p
+                        rec["dirfd"] = "AT_FDCWD" if dirfd == AT_FDCWD else dirfd_name(dirfd)
+                        if kname == "unlink":
+                            mode = resolve = 0
+                        j = extras.get((kname, tid if tid != pid else None, gid, sys_, status, mode, resolve))
+                        rec["extra"] = j if j is not None else \
+                            self._file_extra(kname, pid, tid, gid, sys_, status, mode, resolve)
+                else:
+                    rec = fn(ent[1], blob, o, n, body(blob, o + body_off), o + buf_off, pid, tid, gid, info)
             except Exception:                     # noqa: BLE001 - decode() accounts for it (events_lost)
                 rec = None
                 self._drop_exec_job()
@@ -139,11 +165,11 @@ class BatchDecoder:
                 continue
             # what Decoder._decode sets for every record, in its order of effects
             dec.seq += 1
-            rec["event_id"] = f"{dec._id_prefix}{dec.seq:016x}"
+            rec["event_id"] = f"{prefix}{dec.seq:016x}"
             rec["ts_ns"] = ts + dec.offset_ns
             rec["step"] = step
             rec["pid"] = pid
-            rec["ppid"] = ppid or dec._ppid(pid, 0)
+            rec["ppid"] = ppid or parents.get(pid) or dec._ppid(pid, 0)
             rec["uid"] = uid
             c = comms.get(comm)
             if c is None:
@@ -151,10 +177,16 @@ class BatchDecoder:
                     comms.clear()
                 c = comms[comm] = comm.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             rec["comm"] = c
+            if file_kind:
+                rp = info.recent_pids
+                if not rp or rp[-1] != pid:
+                    info.saw(pid)
+                append(rec)
+                continue
             if kname == "fork":
                 dec._remember_parent(rec["child_pid"], pid)
             elif kname == "exit":
-                dec.parents.pop(pid, None)
+                parents.pop(pid, None)
             if kname != "exit":
                 rp = info.recent_pids
                 if not rp or rp[-1] != pid:
@@ -162,9 +194,9 @@ class BatchDecoder:
             if kname == "exec" and self._exec_job is not None:
                 from agent.sensors.elfinfo import EnrichJob
                 (pending, ex), self._exec_job = self._exec_job, None
-                out.append(EnrichJob(rec, ex, pending, info.cgroup_id))   # as decode() + take_job()
+                append(EnrichJob(rec, ex, pending, info.cgroup_id))   # as decode() + take_job()
                 continue
-            out.append(rec)
+            append(rec)
         return out
 
     def _drop_exec_job(self) -> None:
@@ -191,6 +223,8 @@ class BatchDecoder:
         for k in ("policy_name", "policy_hash", "mode"):
             if k in info.labels:
                 t[k] = info.labels[k]
+        if kname in ("open_write", "unlink", "rename"):
+            t["path_resolution"] = "exact"       # the fast path takes absolute paths only
         ent = self._tmpl[(cg, kind)] = (info, t)
         return ent
 
@@ -209,7 +243,8 @@ class BatchDecoder:
             extra["gid"] = gid
         return extra
 
-    # -- the kinds (each as decoder.py's _<kind>; None: not on the fast path) ------------------
+    # -- the kinds (each as decoder.py's _<kind>; None: not on the fast path; open_write and
+    #    unlink are in decode_many's loop itself, with _file_extra) ------------------------------
     def _file(self, t, blob, b, bo, end):
         ret, flags, mode, resolve, dirfd, _d2, sys_, status, plen = b[:9]
         raw = blob[bo:min(bo + plen, end)]          # within the record, as decode's buf[:path_len]
@@ -241,14 +276,6 @@ class BatchDecoder:
                     extra["resolve"] = resolve
             return extra
         return self._extra_json((kname, tid if tid != pid else None, gid, sys_, status, mode, resolve), build)
-
-    def _open_write(self, t, blob, o, n, b, bo, pid, tid, gid, info):
-        got = self._file(t, blob, b, bo, o + n)
-        if got is None:
-            return None
-        rec, _ret, _flags, mode, resolve, sys_, status = got
-        rec["extra"] = self._file_extra("open_write", pid, tid, gid, sys_, status, mode, resolve)
-        return rec
 
     def _rename(self, t, blob, o, n, b, bo, pid, tid, gid, info):
         end = o + n
@@ -288,14 +315,6 @@ class BatchDecoder:
         if extra:
             rec["extra"] = dec._dump_extra(extra)
         return normalize(rec)        # enrichment may set None (decode normalizes every exec)
-
-    def _unlink(self, t, blob, o, n, b, bo, pid, tid, gid, info):
-        got = self._file(t, blob, b, bo, o + n)
-        if got is None:
-            return None
-        rec, _ret, _flags, _mode, _resolve, sys_, status = got
-        rec["extra"] = self._file_extra("unlink", pid, tid, gid, sys_, status, 0, 0)
-        return rec
 
     def _fork(self, t, blob, o, n, b, bo, pid, tid, gid, info):
         clone_flags, child, _pad = b
