@@ -121,6 +121,7 @@ try:
 except ImportError:     # pragma: no cover - json alone is correct, only slower
     orjson = None
 from audit_schema.events import BY_NAME, FIELDS, KINDS
+from exporters.columns import CLS_INT, CLS_LIST, CLS_NONE, CLS_OTHER, CLS_STR, CLS_TUPLE, columns
 
 log = logging.getLogger("dsec.spool")
 
@@ -401,27 +402,56 @@ def encode_frame(rec: dict) -> bytes:
 _TOO_BIG = object()
 
 
-def _transposed(records: list):
-    """(field names, one tuple of values per field) of records that all have the
-    same fields (in the same order), else None."""
+def _transposed(records: list, with_classes: bool = False):
+    """(field names, one sequence of values per field) of records that all have the
+    same fields, else None. with_classes: (names, columns, classes), classes the
+    columns' class masks (exporters/columns.py) when the C pass made them, else None."""
     if not records or records[0].__class__ is not dict:
         return None
     names = tuple(records[0])
-    if not names or set(map(type, records)) != {dict} or set(map(len, records)) != {len(names)}:
+    if not names:
+        return None
+    got = columns(records, names)         # the usual case: every record these fields in this order, in C
+    if got is not None:
+        return (names, got[0], got[1]) if with_classes else (names, got[0])
+    if set(map(type, records)) != {dict} or set(map(len, records)) != {len(names)}:
         return None
     # the same number of fields and every one of the first record's present (else KeyError):
-    # the same fields -- checked in C, not by a keys() comparison per record
+    # the same fields (another order) -- checked in C, not by a keys() comparison per record
     try:
         if len(names) == 1:
-            return names, [tuple(map(operator.itemgetter(names[0]), records))]
-        return names, list(zip(*map(operator.itemgetter(*names), records)))
+            cols = [tuple(map(operator.itemgetter(names[0]), records))]
+        else:
+            cols = list(zip(*map(operator.itemgetter(*names), records)))
     except KeyError:
         return None
+    return (names, cols, None) if with_classes else (names, cols)
 
 
-def _column_types_ok(name: str, vals) -> bool:
+def _column_types_ok(name: str, vals, mask: int | None = None) -> bool:
     """_column_ok without the encodability of strings (the append proves that
-    by its dump, _encode_batch): the classes of a column and its integer range."""
+    by its dump, _encode_batch): the classes of a column and its integer range.
+    mask: the column's classes as exporters/columns.py gives them (else read here)."""
+    if mask is not None:
+        if mask & CLS_OTHER:
+            return False                   # a class no field takes (bool, float, bytes, a subclass ...)
+        if mask == CLS_NONE:
+            return True
+        if mask & CLS_NONE:
+            vals = [v for v in vals if v is not None]
+        m = mask & ~CLS_NONE
+        check = _CHECKS[name]
+        if check.__class__ is tuple:
+            return m == CLS_INT and min(vals) >= check[0] and max(vals) <= check[1]
+        if check == "String":
+            return m == CLS_STR
+        if check == "Array(String)":
+            if m & ~(CLS_LIST | CLS_TUPLE):
+                return False
+            if not any(vals):
+                return True
+            return not set(map(type, [x for v in vals for x in v])) - {str}
+        return False
     classes = set(map(type, vals))
     if _NONE in classes:
         classes.discard(_NONE)
@@ -442,19 +472,25 @@ def _column_types_ok(name: str, vals) -> bool:
     return False
 
 
-def _column_types_valid(names, cols) -> bool:
+def _column_types_valid(names, cols, classes=None) -> bool:
     """_column_lists_valid but the encodability of the strings: every check
     that does not need the strings joined (_encode_batch proves the rest when
-    its frames' JSON is ASCII; otherwise append_many runs the full check)."""
+    its frames' JSON is ASCII; otherwise append_many runs the full check).
+    classes: the columns' class masks (exporters/columns.py), if at hand."""
     if not _CHECKS.keys() >= set(names):
         return False
     by = dict(zip(names, cols))
-    if "event_id" not in by or "kind" not in by:
+    if "event_id" not in by or "kind" not in by or len(by) != len(names):
         return False
-    if not all(_column_types_ok(name, vals) for name, vals in by.items()):
+    if classes is None:
+        if not all(_column_types_ok(name, vals) for name, vals in by.items()):
+            return False
+    elif not all(map(_column_types_ok, names, cols, classes)):
         return False
     eids = by["event_id"]
-    if set(map(type, eids)) != {str} or min(map(len, eids)) < 1 or max(map(len, eids)) > 128:
+    if (classes is None or classes[names.index("event_id")] != CLS_STR) and set(map(type, eids)) != {str}:
+        return False
+    if min(map(len, eids)) < 1 or max(map(len, eids)) > 128:
         return False
     if not _KIND_SET.issuperset(by["kind"]):
         return False
@@ -933,9 +969,10 @@ class Spool:
         (the drop policy, module doc; the loss is recorded, never silent).
         Raises ExportError naming the bad record, or an I/O failure."""
         records = records if isinstance(records, list) else list(records)
-        tr = _transposed(records) if self.frames == "batch" and len(records) >= BATCH_MIN else None
+        tr3 = _transposed(records, True) if self.frames == "batch" and len(records) >= BATCH_MIN else None
+        tr = tr3[:2] if tr3 is not None else None
         by = data = None
-        if tr is not None and _column_types_valid(*tr):
+        if tr is not None and _column_types_valid(*tr3):
             # validated as columns, framed as columns; the strings' encodability is proven by the
             # frames' ASCII JSON (one orjson call a frame), else checked by column as before
             frames, proven = _encode_batch(records, tr)

@@ -108,6 +108,14 @@ if [ ! -x "$INIT_BIN" ] || [ agent/sandbox/init/dsec-init.c -nt "$INIT_BIN" ] ||
   say "building $INIT_BIN"
   .venv/bin/python -c 'from agent.sandbox.plan import build_init; build_init()' || die "cannot build the sandbox init (agent/sandbox/init)"
 fi
+# exporters/build/libdsec_columns.so (exporters/columns.c): the spool append's records ->
+# columns pass, loaded through ctypes; rebuilt when its source is newer (without it the
+# spool does the same in Python, slower, and says so)
+COLS_LIB=exporters/build/libdsec_columns.so
+if [ ! -e "$COLS_LIB" ] || [ exporters/columns.c -nt "$COLS_LIB" ]; then
+  say "building $COLS_LIB"
+  .venv/bin/python -c 'from exporters.columns import build; build()' || die "cannot build $COLS_LIB (exporters/columns.c)"
+fi
 
 # --- generated code -------------------------------------------------------------
 # The agent's gRPC code is generated from agent/node/proto/*.proto (not kept in git);

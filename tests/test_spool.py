@@ -416,6 +416,52 @@ def test_batch_frames_json_is_the_column_by_column_form(spool):
     assert read_all(r)[0][-40:] == records
 
 
+def test_the_c_columns_pass_is_in_use_and_gives_what_python_gives():
+    """exporters/columns.c (built by make setup) makes the spool append's columns
+    and their class masks: exactly what py_columns gives, value for value (the
+    same objects), and None for every batch it is not for."""
+    from collections import OrderedDict
+    from exporters import columns as C
+    assert C._load() is not None, "exporters/build/libdsec_columns.so: built by make setup"
+
+    class S(str):
+        pass
+    odd = [None, True, 1.5, S("x"), b"raw", (), ["a"], ("b",), 2**70, -3, "\udcff"]
+    base = [full(i) for i in range(50)]
+    for i, v in enumerate(odd):
+        base[i]["path"] = v                    # every class into one column
+        base[i + 20]["pid"] = v
+    names = tuple(base[0])
+    got, want = C.columns(base, names), C.py_columns(base, names)
+    assert got is not None and got[1] == want[1] and len(got[0]) == len(names)
+    assert all(a == b and all(x is y for x, y in zip(a, b)) for a, b in zip(got[0], want[0]))
+    assert got[1][names.index("path")] == C.CLS_NONE | C.CLS_STR | C.CLS_OTHER | C.CLS_LIST | C.CLS_TUPLE | \
+        C.CLS_INT
+    assert got[1][names.index("argv")] == C.CLS_TUPLE and got[1][names.index("event_id")] == C.CLS_STR
+    reordered = dict(reversed(list(base[3].items())))
+    extra = dict(base[3], nope=1)
+    missing = dict(base[3])
+    del missing["ret"]
+    renamed = {("x" if k == "ret" else k): v for k, v in base[3].items()}
+    for bad in (reordered, extra, missing, renamed, OrderedDict(base[3]), list(base[3].items()), None):
+        batch = base[:10] + [bad] + base[10:]
+        assert C.columns(batch, names) is None and C.py_columns(batch, names) is None, bad
+    assert C.columns(tuple(base), names) is None and C.columns(base, list(names)) is None
+    assert C.columns([], names) == C.py_columns([], names) == ([[] for _ in names], bytes(len(names)))
+
+
+def test_a_batch_of_records_in_another_field_order_is_framed_by_column_too(spool):
+    """Records of the same fields in different orders: no C pass (it wants one
+    order), transposed by name as before, still batch frames, read back exact."""
+    from exporters.spool import MAGIC_BATCH
+    records = [full(i, path=f"/p/{i}", argv=["a", str(i)]) for i in range(40)]
+    records[5] = dict(reversed(list(records[5].items())))
+    spool.append_many(records)
+    assert open(spool.seg_path(spool.segments()[-1]), "rb").read().startswith(MAGIC_BATCH)
+    got = read_all(spool.reader("t"))[0]
+    assert got == records and list(got[5]) == list(records[0])
+
+
 def test_bit_rot_in_a_batch_frame_loses_that_frame_counted_and_keeps_the_rest(spool):
     records = [full(i) for i in range(100)]
     spool.append_many(records[:10])                 # frames of one record
