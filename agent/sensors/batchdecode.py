@@ -33,8 +33,16 @@ as decode does.
 """
 from __future__ import annotations
 
+import ctypes
 import json
+import logging
+import os
+import re
 import struct
+import subprocess
+import sys
+import sysconfig
+import threading
 
 from agent.sensors.decoder import _TEMPLATE, AT_FDCWD, decode_sockaddr, dirfd_name
 from audit_schema.events import normalize
@@ -49,7 +57,73 @@ _BODIES = {
     "exec": ("ret", "dirfd", "at_flags", "sys", "status", "path_len", "argv_off", "argv_len", "argc", "old_tid",
              "late_len", "late_off", "cwd_len", "upath"),
 }
-_CACHE_MAX = 4096
+_CACHE_MAX = 4096                   # batchdecode.c's CACHE_MAX
+log = logging.getLogger("dsec.audit")
+
+
+_C_KEYS = ("ret", "flags", "path", "path_raw", "dirfd", "extra", "event_id", "ts_ns", "step", "pid", "ppid", "uid",
+           "comm")                  # batchdecode.c's K_* order
+HERE = os.path.dirname(os.path.abspath(__file__))
+C_SRC = os.path.join(HERE, "batchdecode.c")
+C_LIB = os.path.join(HERE, "build", "libdsec_batchdecode.so")
+_c = [False, None]                  # loaded?, the function
+_c_lock = threading.Lock()
+
+
+def build_c(out: str = C_LIB) -> str:
+    """Compile batchdecode.c for this Python (scripts/setup.sh)."""
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    cmd = ["cc", "-O2", "-Wall", "-Wextra", "-shared", "-fPIC", "-I" + sysconfig.get_config_var("INCLUDEPY"),
+           "-o", tmp, C_SRC]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"cannot build {out}: {(r.stderr.strip().splitlines() or ['cc failed'])[-1]}")
+    os.rename(tmp, out)
+    return out
+
+
+def _load_c():
+    """batchdecode.c's dsec_decode_files, or None (not built, or older than its
+    source: the Python loop decodes everything, and a warning says so once)."""
+    with _c_lock:
+        if _c[0]:
+            return _c[1]
+        _c[0] = True
+        why = None
+        try:
+            if os.stat(C_LIB).st_mtime < os.stat(C_SRC).st_mtime:
+                why = "older than agent/sensors/batchdecode.c"
+            elif sys.byteorder != "little":
+                why = "not for a big-endian machine"
+            else:
+                fn = ctypes.PyDLL(C_LIB).dsec_decode_files
+                fn.restype = ctypes.c_ssize_t
+                fn.argtypes = (ctypes.py_object, ctypes.py_object, ctypes.py_object, ctypes.c_ssize_t,
+                               ctypes.py_object)
+                _c[1] = fn
+        except FileNotFoundError:
+            why = "not built"
+        except OSError as e:
+            why = str(e)
+        if why:
+            log.warning("audit: %s %s (run `make setup`); open_write/unlink records are decoded in Python "
+                        "(slower)", C_LIB, why)
+        return _c[1]
+
+
+def _offsets(fmt: str, names) -> dict:
+    """field name -> (offset, size, signed) in a "<"-less struct format of one
+    code per field (e.g. "16s" for comm); None for any other shape."""
+    codes = re.findall(r"\d*[a-zA-Z?]", fmt)
+    if "".join(codes) != fmt or len(codes) != len(names) or any(c in "xP?efd" for c in fmt):
+        return None
+    out, off = {}, 0
+    for name, code in zip(names, codes):
+        size = struct.calcsize("<" + code)
+        out[name] = (off, size, int(code[-1] in "bhilq"))
+        off += size
+    return out if off == struct.calcsize("<" + fmt) else None
 
 
 def _fmt(ctype) -> tuple[str, list[str]] | None:
@@ -97,6 +171,19 @@ class BatchDecoder:
                 self._fast[nums[kind]] = (fn, self._body[body], kind, kind in ("open_write", "unlink"))
         self._exec_job = None        # (Pending, extra) of the exec just decoded (Decoder._pending's)
         self.enabled = True
+        self.c_decoded = 0           # records batchdecode.c decoded (tests: the C loop is the one in use)
+        self._cfn = None
+        self._c_static = None
+        file_body = _fmt(bodies["file"])
+        hdr_f, file_f = _offsets(h[0], h[1]), _offsets(file_body[0], file_body[1])
+        if os.environ.get("DSEC_DECODE_C", "1") != "0" and hdr_f and file_f and _load_c() is not None:
+            self._c_static = (
+                (dec.hdr_off, dec.body_off, dec.buf_off, dec.fixed, hdr_f["comm"][0]),
+                tuple(hdr_f[k] for k in ("ts_ns", "cgroup_id", "kind", "pid", "tid", "ppid", "uid", "gid", "step")),
+                tuple(file_f[k] for k in ("ret", "flags", "mode", "resolve", "dirfd", "sys", "status", "path_len")),
+                {num: f[2] for num, f in self._fast.items() if f[3]})
+            if hdr_f["comm"][1] == 16 and all(v[1] in (1, 2, 4, 8) for v in self._c_static[1] + self._c_static[2]):
+                self._cfn = _load_c()
 
     # -- the loop -------------------------------------------------------------------------
     def decode_many(self, blob: bytes, spans) -> list:
@@ -116,7 +203,14 @@ class BatchDecoder:
         parents = dec.parents
         prefix = dec._id_prefix
         append = out.append
-        for o, n in spans:
+        cfn = self._cfn if spans.__class__ is list and blob.__class__ is bytes else None
+        if cfn is not None:
+            ctx = self._c_context()
+            state = ctx[10]
+        i, count = 0, len(spans)
+        while i < count:
+            o, n = spans[i]
+            i += 1
             if n < fixed:
                 self._slow(blob[o:o + n], out)
                 continue
@@ -133,6 +227,18 @@ class BatchDecoder:
             ent = tmpl.get((cg, kind))
             if ent is None or ent[0] is not info:
                 ent = self._template(cg, kind, kname, info)
+            if file_kind and cfn is not None:
+                # a run of open_write/unlink records in C (batchdecode.c: the same records, the same
+                # state); it leaves what it does not take (the first record of another kind ...) here
+                state[0], state[1] = dec.seq, dec.offset_ns
+                try:
+                    j = cfn(ctx, blob, spans, i - 1, out)
+                finally:
+                    dec.seq = state[0]
+                if j >= i:
+                    self.c_decoded += j - i + 1
+                    i = j
+                    continue
             try:
                 if file_kind:
                     # open_write and unlink inline (the most frequent kinds by far): _file + _file_extra
@@ -198,6 +304,14 @@ class BatchDecoder:
                 continue
             append(rec)
         return out
+
+    def _c_context(self) -> tuple:
+        """batchdecode.c's view of this decoder (the same dicts the Python loop uses)."""
+        dec = self.dec
+        layout, hdr_f, file_f, kinds = self._c_static
+        return (layout, hdr_f, file_f, kinds, dec.sandboxes, self._tmpl, self._comm, self._extra, dec.parents,
+                _C_KEYS, [dec.seq, dec.offset_ns, dec._id_prefix, "AT_FDCWD", "unlink"],
+                ("recent_pids", "saw", AT_FDCWD))
 
     def _drop_exec_job(self) -> None:
         if self._exec_job is not None:
