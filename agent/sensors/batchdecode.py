@@ -26,6 +26,13 @@ makes it an events_lost record or counts it: never silent, and a chunk is
 never lost to one bad record). tests/test_batchdecode.py decodes the same kernel
 records both ways and compares every field.
 
+Open_write and unlink records with an absolute path are decoded in C
+(batchdecode.c through ctypes, built by `make setup`; DSEC_DECODE_C=0 turns
+it off): from such a record on, the same records from the same templates,
+caches and decoder state, until a record it leaves to the Python loop below
+(which then decodes it as before). Without the library the Python loop does
+all of it (a warning says so once).
+
 decode_many returns a list of records (dicts) and EnrichJobs (an exec whose
 file is read off the decode path: Decoder.take_job), in ring order; records
 of an unregistered cgroup are left out and counted (Decoder.unattributed),
