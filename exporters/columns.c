@@ -1,11 +1,14 @@
 /* Records -> columns for the spool's append (exporters/columns.py; issue 15).
  *
  * dsec_columns(records, names): records a list of dicts that each hold exactly
- * the fields `names` (a tuple of str) in that order. Returns (columns, classes):
+ * the fields `names` (a tuple of str) in that order. Returns (columns, classes,
+ * ranges):
  * columns a list of one list per name (the values, one per record, new
  * references), classes a bytes object of one mask per name: the classes of that
  * column's values (CLS_* below; exact classes only: a subclass, bool, float,
- * bytes ... is CLS_OTHER). Returns None when a record is not an exact dict or
+ * bytes ... is CLS_OTHER) and ranges, a list of one (min, max) per name of
+ * the column's ints (None: no int, or one outside the int64 range: the caller
+ * then takes min and max itself). Returns None when a record is not an exact dict or
  * has other fields, or the same fields in another order (the caller then
  * transposes by name in Python). Called through ctypes.PyDLL: the GIL is held.
  */
@@ -48,6 +51,14 @@ PyObject *dsec_columns(PyObject *records, PyObject *names)
     }
     unsigned char *cls = (unsigned char *)PyBytes_AS_STRING(classes);
     memset(cls, 0, (size_t)k);
+    /* per column: ints seen (1), one outside int64 (2); their min and max */
+    unsigned char *rng = PyMem_Calloc(k ? (size_t)k : 1, 1);
+    long long *mn = PyMem_Calloc(k ? (size_t)k : 1, sizeof(long long));
+    long long *mx = PyMem_Calloc(k ? (size_t)k : 1, sizeof(long long));
+    if (rng == NULL || mn == NULL || mx == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
     for (Py_ssize_t j = 0; j < k; j++) {
         PyObject *c = PyList_New(n);      /* items NULL until set: freed safely on the way out */
         if (c == NULL)
@@ -75,22 +86,64 @@ PyObject *dsec_columns(PyObject *records, PyObject *names)
             }
             Py_INCREF(value);
             PyList_SET_ITEM(colv[j], i, value);
-            cls[j] |= class_of(value);
+            unsigned char c = class_of(value);
+            cls[j] |= c;
+            if (c == CLS_INT && !(rng[j] & 2)) {
+                int over = 0;
+                long long v = PyLong_AsLongLongAndOverflow(value, &over);
+                if (over) {
+                    rng[j] |= 2;
+                } else if (!(rng[j] & 1)) {
+                    rng[j] = 1;
+                    mn[j] = mx[j] = v;
+                } else if (v < mn[j]) {
+                    mn[j] = v;
+                } else if (v > mx[j]) {
+                    mx[j] = v;
+                }
+            }
             j++;
         }
         if (j != k)
             goto none;
     }
-    PyObject *out = PyTuple_Pack(2, cols, classes);
+    PyObject *ranges = PyList_New(k);
+    if (ranges == NULL)
+        goto fail;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        PyObject *r;
+        if (rng[j] == 1) {
+            r = Py_BuildValue("(LL)", mn[j], mx[j]);
+            if (r == NULL) {
+                Py_DECREF(ranges);
+                goto fail;
+            }
+        } else {
+            r = Py_None;
+            Py_INCREF(r);
+        }
+        PyList_SET_ITEM(ranges, j, r);
+    }
+    PyObject *out = PyTuple_Pack(3, cols, classes, ranges);
+    Py_DECREF(ranges);
     Py_DECREF(cols);
     Py_DECREF(classes);
+    PyMem_Free(rng);
+    PyMem_Free(mn);
+    PyMem_Free(mx);
     return out;
 none:
     Py_DECREF(cols);
     Py_DECREF(classes);
+    PyMem_Free(rng);
+    PyMem_Free(mn);
+    PyMem_Free(mx);
     Py_RETURN_NONE;
 fail:
     Py_DECREF(cols);
     Py_DECREF(classes);
+    PyMem_Free(rng);
+    PyMem_Free(mn);
+    PyMem_Free(mx);
     return NULL;
 }

@@ -1,6 +1,6 @@
 """Records -> columns for the spool's append, in C (issue 15).
 
-    got = columns(records, names)     # ([values of a field, ...], classes) or None
+    got = columns(records, names)     # ([values of a field, ...], classes, ranges) or None
     build()                           # scripts/setup.sh: compile exporters/columns.c
 
 The spool frames an append by column (exporters/spool.py "batch frames"):
@@ -8,8 +8,9 @@ transposing ~1,000-4,000 freshly decoded dicts of 39 fields was the
 largest part of the poll thread's append (~2.6 us a record in place, the
 records no longer in the CPU's caches). exporters/columns.c walks each
 record's fields once (PyDict_Next), checks that they are exactly `names` in
-that order, and gives the columns and each column's classes (a bitmask,
-CLS_*: what the spool's validation by column needs, from the same pass).
+that order, and gives the columns, each column's classes (a bitmask,
+CLS_*) and the (min, max) of its ints (None: none, or one outside int64):
+what the spool's validation by column needs, from the same pass.
 None: some record is not a dict of exactly those fields in that order (the
 spool then transposes by name, in Python, as before).
 
@@ -35,6 +36,7 @@ LIB = os.path.join(HERE, "build", "libdsec_columns.so")
 CLS_NONE, CLS_INT, CLS_STR, CLS_LIST, CLS_TUPLE, CLS_OTHER = 1, 2, 4, 8, 16, 32
 _CLASS_BITS = {type(None): CLS_NONE, int: CLS_INT, str: CLS_STR, list: CLS_LIST, tuple: CLS_TUPLE}
 
+_I64 = (-2**63, 2**63 - 1)
 _fn = None
 _loaded = False
 _lock = threading.Lock()
@@ -90,18 +92,20 @@ def py_columns(records: list, names: tuple):
         if r.__class__ is not dict or len(r) != k or tuple(r) != names:
             return None
     cols = [[r[name] for r in records] for name in names]
-    masks = []
+    masks, ranges = [], []
     for col in cols:
         m = 0
         for c in set(map(type, col)):
             m |= _CLASS_BITS.get(c, CLS_OTHER)
         masks.append(m)
-    return cols, bytes(masks)
+        ints = [v for v in col if v.__class__ is int]
+        ranges.append((min(ints), max(ints)) if ints and _I64[0] <= min(ints) and max(ints) <= _I64[1] else None)
+    return cols, bytes(masks), ranges
 
 
 def columns(records: list, names: tuple):
-    """([the values of each field of names, one per record], classes) of records
-    that are all dicts of exactly those fields in that order; else None."""
+    """([the values of each field of names, one per record], classes, ranges)
+    of records that are all dicts of exactly those fields in that order; else None."""
     fn = _fn if _loaded else _load()
     if fn is None:
         return py_columns(records, names)

@@ -404,8 +404,9 @@ _TOO_BIG = object()
 
 def _transposed(records: list, with_classes: bool = False):
     """(field names, one sequence of values per field) of records that all have the
-    same fields, else None. with_classes: (names, columns, classes), classes the
-    columns' class masks (exporters/columns.py) when the C pass made them, else None."""
+    same fields, else None. with_classes: (names, columns, classes, ranges), the
+    columns' class masks and int ranges (exporters/columns.py) when the C pass
+    made them, else None."""
     if not records or records[0].__class__ is not dict:
         return None
     names = tuple(records[0])
@@ -413,7 +414,7 @@ def _transposed(records: list, with_classes: bool = False):
         return None
     got = columns(records, names)         # the usual case: every record these fields in this order, in C
     if got is not None:
-        return (names, got[0], got[1]) if with_classes else (names, got[0])
+        return (names, *got) if with_classes else (names, got[0])
     if set(map(type, records)) != {dict} or set(map(len, records)) != {len(names)}:
         return None
     # the same number of fields and every one of the first record's present (else KeyError):
@@ -425,22 +426,25 @@ def _transposed(records: list, with_classes: bool = False):
             cols = list(zip(*map(operator.itemgetter(*names), records)))
     except KeyError:
         return None
-    return (names, cols, None) if with_classes else (names, cols)
+    return (names, cols, None, None) if with_classes else (names, cols)
 
 
-def _column_types_ok(name: str, vals, mask: int | None = None) -> bool:
+def _column_types_ok(name: str, vals, mask: int | None = None, rng=None) -> bool:
     """_column_ok without the encodability of strings (the append proves that
     by its dump, _encode_batch): the classes of a column and its integer range.
-    mask: the column's classes as exporters/columns.py gives them (else read here)."""
+    mask, rng: the column's classes and (min, max) of its ints as
+    exporters/columns.py gives them (else read here)."""
     if mask is not None:
         if mask & CLS_OTHER:
             return False                   # a class no field takes (bool, float, bytes, a subclass ...)
         if mask == CLS_NONE:
             return True
-        if mask & CLS_NONE:
-            vals = [v for v in vals if v is not None]
         m = mask & ~CLS_NONE
         check = _CHECKS[name]
+        if check.__class__ is tuple and m == CLS_INT and rng is not None:
+            return rng[0] >= check[0] and rng[1] <= check[1]
+        if mask & CLS_NONE:
+            vals = [v for v in vals if v is not None]
         if check.__class__ is tuple:
             return m == CLS_INT and min(vals) >= check[0] and max(vals) <= check[1]
         if check == "String":
@@ -472,11 +476,12 @@ def _column_types_ok(name: str, vals, mask: int | None = None) -> bool:
     return False
 
 
-def _column_types_valid(names, cols, classes=None) -> bool:
+def _column_types_valid(names, cols, classes=None, ranges=None) -> bool:
     """_column_lists_valid but the encodability of the strings: every check
     that does not need the strings joined (_encode_batch proves the rest when
     its frames' JSON is ASCII; otherwise append_many runs the full check).
-    classes: the columns' class masks (exporters/columns.py), if at hand."""
+    classes, ranges: the columns' class masks and int ranges (exporters/columns.py),
+    if at hand."""
     if not _CHECKS.keys() >= set(names):
         return False
     by = dict(zip(names, cols))
@@ -485,7 +490,7 @@ def _column_types_valid(names, cols, classes=None) -> bool:
     if classes is None:
         if not all(_column_types_ok(name, vals) for name, vals in by.items()):
             return False
-    elif not all(map(_column_types_ok, names, cols, classes)):
+    elif not all(map(_column_types_ok, names, cols, classes, ranges)):
         return False
     eids = by["event_id"]
     if (classes is None or classes[names.index("event_id")] != CLS_STR) and set(map(type, eids)) != {str}:

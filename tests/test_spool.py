@@ -380,6 +380,10 @@ def test_batch_frames_roundtrip_exactly_and_carry_their_columns(spool):
     ({"comm": b"raw"}, ["'ev-20'", "'comm'", "str"]),
     ({"pid": True}, ["'ev-20'", "'pid'", "integer"]),
     ({"port": 70000}, ["'ev-20'", "'port'", "out of range"]),
+    ({"ts_ns": 2**64}, ["'ev-20'", "'ts_ns'", "out of range"]),          # past int64: checked in Python
+    ({"ret": -2**63 - 1}, ["'ev-20'", "'ret'", "out of range"]),
+    ({"exit_code": 2**31}, ["'ev-20'", "'exit_code'", "out of range"]),    # from the C pass's (min, max)
+    ({"pid": -1}, ["'ev-20'", "'pid'", "out of range"]),
     ({"kind": "teleport"}, ["'ev-20'", "kind 'teleport'"]),
 ])
 def test_a_bad_record_in_a_batch_is_refused_naming_it(spool, bad, words):
@@ -432,8 +436,11 @@ def test_the_c_columns_pass_is_in_use_and_gives_what_python_gives():
         base[i]["path"] = v                    # every class into one column
         base[i + 20]["pid"] = v
     names = tuple(base[0])
+    base[30]["ts_ns"] = 2**64 - 1               # UInt64, past int64: min/max taken in Python
+    base[31]["ret"] = -2**63
     got, want = C.columns(base, names), C.py_columns(base, names)
-    assert got is not None and got[1] == want[1] and len(got[0]) == len(names)
+    assert got is not None and got[1] == want[1] and got[2] == want[2] and len(got[0]) == len(names)
+    assert got[2][names.index("ts_ns")] is None and got[2][names.index("ret")] == (-2**63, 0)
     assert all(a == b and all(x is y for x, y in zip(a, b)) for a, b in zip(got[0], want[0]))
     assert got[1][names.index("path")] == C.CLS_NONE | C.CLS_STR | C.CLS_OTHER | C.CLS_LIST | C.CLS_TUPLE | \
         C.CLS_INT
@@ -447,7 +454,8 @@ def test_the_c_columns_pass_is_in_use_and_gives_what_python_gives():
         batch = base[:10] + [bad] + base[10:]
         assert C.columns(batch, names) is None and C.py_columns(batch, names) is None, bad
     assert C.columns(tuple(base), names) is None and C.columns(base, list(names)) is None
-    assert C.columns([], names) == C.py_columns([], names) == ([[] for _ in names], bytes(len(names)))
+    assert C.columns([], names) == C.py_columns([], names) == ([[] for _ in names], bytes(len(names)),
+                                                               [None] * len(names))
 
 
 def test_a_batch_of_records_in_another_field_order_is_framed_by_column_too(spool):
