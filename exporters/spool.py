@@ -121,6 +121,7 @@ try:
 except ImportError:     # pragma: no cover - json alone is correct, only slower
     orjson = None
 from audit_schema.events import BY_NAME, FIELDS, KINDS
+from exporters.columns import CLS_INT, CLS_LIST, CLS_NONE, CLS_OTHER, CLS_STR, CLS_TUPLE, columns
 
 log = logging.getLogger("dsec.spool")
 
@@ -401,31 +402,133 @@ def encode_frame(rec: dict) -> bytes:
 _TOO_BIG = object()
 
 
-def _transposed(records: list):
-    """(field names, one tuple of values per field) of records that all have the
-    same fields (in the same order), else None."""
+def _transposed(records: list, with_classes: bool = False):
+    """(field names, one sequence of values per field) of records that all have the
+    same fields, else None. with_classes: (names, columns, classes, ranges), the
+    columns' class masks and int ranges (exporters/columns.py) when the C pass
+    made them, else None."""
     if not records or records[0].__class__ is not dict:
         return None
     names = tuple(records[0])
-    if not names or set(map(type, records)) != {dict} or set(map(len, records)) != {len(names)}:
+    if not names:
+        return None
+    got = columns(records, names)         # the usual case: every record these fields in this order, in C
+    if got is not None:
+        return (names, *got) if with_classes else (names, got[0])
+    if set(map(type, records)) != {dict} or set(map(len, records)) != {len(names)}:
         return None
     # the same number of fields and every one of the first record's present (else KeyError):
-    # the same fields -- checked in C, not by a keys() comparison per record
+    # the same fields (another order) -- checked in C, not by a keys() comparison per record
     try:
         if len(names) == 1:
-            return names, [tuple(map(operator.itemgetter(names[0]), records))]
-        return names, list(zip(*map(operator.itemgetter(*names), records)))
+            cols = [tuple(map(operator.itemgetter(names[0]), records))]
+        else:
+            cols = list(zip(*map(operator.itemgetter(*names), records)))
     except KeyError:
         return None
+    return (names, cols, None, None) if with_classes else (names, cols)
 
 
-def _batch_frame(count: int, names, cols):
+def _column_types_ok(name: str, vals, mask: int | None = None, rng=None) -> bool:
+    """_column_ok without the encodability of strings (the append proves that
+    by its dump, _encode_batch): the classes of a column and its integer range.
+    mask, rng: the column's classes and (min, max) of its ints as
+    exporters/columns.py gives them (else read here)."""
+    if mask is not None:
+        if mask & CLS_OTHER:
+            return False                   # a class no field takes (bool, float, bytes, a subclass ...)
+        if mask == CLS_NONE:
+            return True
+        m = mask & ~CLS_NONE
+        check = _CHECKS[name]
+        if check.__class__ is tuple and m == CLS_INT and rng is not None:
+            return rng[0] >= check[0] and rng[1] <= check[1]
+        if mask & CLS_NONE:
+            vals = [v for v in vals if v is not None]
+        if check.__class__ is tuple:
+            return m == CLS_INT and min(vals) >= check[0] and max(vals) <= check[1]
+        if check == "String":
+            return m == CLS_STR
+        if check == "Array(String)":
+            if m & ~(CLS_LIST | CLS_TUPLE):
+                return False
+            if not any(vals):
+                return True
+            return not set(map(type, [x for v in vals for x in v])) - {str}
+        return False
+    classes = set(map(type, vals))
+    if _NONE in classes:
+        classes.discard(_NONE)
+        if not classes:
+            return True
+        vals = [v for v in vals if v is not None]
+    check = _CHECKS[name]
+    if check.__class__ is tuple:
+        return classes == {int} and min(vals) >= check[0] and max(vals) <= check[1]
+    if check == "String":
+        return classes == {str}
+    if check == "Array(String)":
+        if not classes <= {list, tuple}:
+            return False
+        if not any(vals):
+            return True
+        return not set(map(type, [x for v in vals for x in v])) - {str}
+    return False
+
+
+def _column_types_valid(names, cols, classes=None, ranges=None) -> bool:
+    """_column_lists_valid but the encodability of the strings: every check
+    that does not need the strings joined (_encode_batch proves the rest when
+    its frames' JSON is ASCII; otherwise append_many runs the full check).
+    classes, ranges: the columns' class masks and int ranges (exporters/columns.py),
+    if at hand."""
+    if not _CHECKS.keys() >= set(names):
+        return False
+    by = dict(zip(names, cols))
+    if "event_id" not in by or "kind" not in by or len(by) != len(names):
+        return False
+    if classes is None:
+        if not all(_column_types_ok(name, vals) for name, vals in by.items()):
+            return False
+    elif not all(map(_column_types_ok, names, cols, classes, ranges)):
+        return False
+    eids = by["event_id"]
+    if (classes is None or classes[names.index("event_id")] != CLS_STR) and set(map(type, eids)) != {str}:
+        return False
+    if min(map(len, eids)) < 1 or max(map(len, eids)) > 128:
+        return False
+    if not _KIND_SET.issuperset(by["kind"]):
+        return False
+    return "".join(eids).isprintable()
+
+
+def _batch_payload(names, cols) -> tuple[bytes, bool]:
+    """(a batch frame's JSON, whether one orjson call made it ASCII). That one
+    call is byte for byte the column-by-column form below; its ASCII output
+    also proves every string of the frame ASCII (so encodable: what
+    _column_ok's join checks). Else column by column: a column with raw bytes
+    (surrogates, which orjson refuses) or other non-ASCII text costs
+    json.dumps, the rest orjson."""
+    if orjson is not None:
+        try:
+            out = orjson.dumps({"k": names, "c": cols})
+        except (TypeError, ValueError):
+            pass
+        else:
+            if out.isascii():
+                return out, True
+    return b'{"k":' + _dumps(names) + b',"c":[' + b",".join([_dumps(c) for c in cols]) + b"]}", False
+
+
+def _batch_frame(count: int, names, cols, proof: list | None = None):
     """One batch frame of `count` records given as columns; _TOO_BIG when the
-    payload is over BATCH_MAX_BYTES."""
-    # column by column: a column with raw bytes (surrogates) costs json.dumps, the rest orjson
-    payload = b'{"k":' + _dumps(names) + b',"c":[' + b",".join([_dumps(c) for c in cols]) + b"]}"
+    payload is over BATCH_MAX_BYTES. proof: [True], set False when the frame's
+    strings were not proven ASCII by its dump (_batch_payload)."""
+    payload, ascii_ = _batch_payload(names, cols)
     if len(payload) > BATCH_MAX_BYTES:
         return _TOO_BIG
+    if not ascii_ and proof is not None:
+        proof[0] = False
     body = _U32.pack(count) + payload
     n = _U32.pack(len(body))
     return MAGIC_BATCH + n + _U32.pack(zlib.crc32(body, zlib.crc32(n))) + body
@@ -436,25 +539,34 @@ def encode_frames(records: list, transposed=None) -> list:
     when they all have the same fields (see the module doc; a batch over
     BATCH_MAX_BYTES is halved until it fits, down to BATCH_MIN), else frames
     of one record. `transposed`: _transposed(records), if at hand."""
+    return _encode_batch(records, transposed)[0]
+
+
+def _encode_batch(records: list, transposed=None) -> tuple[list, bool]:
+    """(encode_frames' frames, proven): proven when every record went into a
+    batch frame whose dump was ASCII (so every string of the batch is)."""
     tr = transposed or _transposed(records)
     if tr is None or len(records) < BATCH_MIN:
-        return [encode_frame(r) for r in records]
+        return [encode_frame(r) for r in records], False
     out: list = []
+    proof = [True]
     for i in range(0, len(records), BATCH_MAX):
-        _frames_of(records, tr, i, min(len(records), i + BATCH_MAX), out)
-    return out
+        _frames_of(records, tr, i, min(len(records), i + BATCH_MAX), out, proof)
+    return out, proof[0]
 
 
-def _frames_of(records, tr, a: int, b: int, out: list) -> None:
+def _frames_of(records, tr, a: int, b: int, out: list, proof: list | None = None) -> None:
     names, cols = tr
-    frame = _batch_frame(b - a, names, [c[a:b] for c in cols]) if b - a >= BATCH_MIN else _TOO_BIG
+    frame = _batch_frame(b - a, names, [c[a:b] for c in cols], proof) if b - a >= BATCH_MIN else _TOO_BIG
     if frame is not _TOO_BIG:
         out.append(frame)
     elif b - a >= 2 * BATCH_MIN:
         half = (a + b) // 2
-        _frames_of(records, tr, a, half, out)
-        _frames_of(records, tr, half, b, out)
+        _frames_of(records, tr, a, half, out, proof)
+        _frames_of(records, tr, half, b, out, proof)
     else:
+        if proof is not None:
+            proof[0] = False
         out.extend(encode_frame(r) for r in records[a:b])     # fit_record cuts what is too large
 
 
@@ -862,12 +974,17 @@ class Spool:
         (the drop policy, module doc; the loss is recorded, never silent).
         Raises ExportError naming the bad record, or an I/O failure."""
         records = records if isinstance(records, list) else list(records)
-        tr = _transposed(records) if self.frames == "batch" and len(records) >= BATCH_MIN else None
-        by = None
-        if tr is not None and _column_lists_valid(*tr):
-            by = dict(zip(*tr))
-            data = b"".join(encode_frames(records, tr))      # validated as columns, framed as columns
-        else:
+        tr3 = _transposed(records, True) if self.frames == "batch" and len(records) >= BATCH_MIN else None
+        tr = tr3[:2] if tr3 is not None else None
+        by = data = None
+        if tr is not None and _column_types_valid(*tr3):
+            # validated as columns, framed as columns; the strings' encodability is proven by the
+            # frames' ASCII JSON (one orjson call a frame), else checked by column as before
+            frames, proven = _encode_batch(records, tr)
+            if proven or _column_lists_valid(*tr):
+                by = dict(zip(*tr))
+                data = b"".join(frames)
+        if data is None:
             validate_records(records)
             data = b"".join([encode_frame(r) for r in records])
         if not data:

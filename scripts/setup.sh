@@ -108,6 +108,21 @@ if [ ! -x "$INIT_BIN" ] || [ agent/sandbox/init/dsec-init.c -nt "$INIT_BIN" ] ||
   say "building $INIT_BIN"
   .venv/bin/python -c 'from agent.sandbox.plan import build_init; build_init()' || die "cannot build the sandbox init (agent/sandbox/init)"
 fi
+# exporters/build/libdsec_columns.so (exporters/columns.c): the spool append's records ->
+# columns pass, loaded through ctypes; rebuilt when its source is newer (without it the
+# spool does the same in Python, slower, and says so)
+COLS_LIB=exporters/build/libdsec_columns.so
+if [ ! -e "$COLS_LIB" ] || [ exporters/columns.c -nt "$COLS_LIB" ]; then
+  say "building $COLS_LIB"
+  .venv/bin/python -c 'from exporters.columns import build; build()' || die "cannot build $COLS_LIB (exporters/columns.c)"
+fi
+# agent/sensors/build/libdsec_batchdecode.so (agent/sensors/batchdecode.c): the batch decoder's
+# loop for open_write/unlink records, loaded through ctypes (without it: the Python loop, slower)
+BD_LIB=agent/sensors/build/libdsec_batchdecode.so
+if [ ! -e "$BD_LIB" ] || [ agent/sensors/batchdecode.c -nt "$BD_LIB" ]; then
+  say "building $BD_LIB"
+  .venv/bin/python -c 'from agent.sensors.batchdecode import build_c; build_c()' || die "cannot build $BD_LIB (agent/sensors/batchdecode.c)"
+fi
 
 # --- generated code -------------------------------------------------------------
 # The agent's gRPC code is generated from agent/node/proto/*.proto (not kept in git);

@@ -374,6 +374,105 @@ def test_batch_frames_roundtrip_exactly_and_carry_their_columns(spool):
     assert spool.reader("u").read(100_000).records[-40:] == mixed
 
 
+@pytest.mark.parametrize("bad, words", [
+    ({"path": "\ud800"}, ["'ev-20'", "'path'", "surrogateescape"]),      # not a surrogateescape byte
+    ({"argv": ["ok", "\udfff"]}, ["'ev-20'", "'argv'", "surrogateescape"]),
+    ({"comm": b"raw"}, ["'ev-20'", "'comm'", "str"]),
+    ({"pid": True}, ["'ev-20'", "'pid'", "integer"]),
+    ({"port": 70000}, ["'ev-20'", "'port'", "out of range"]),
+    ({"ts_ns": 2**64}, ["'ev-20'", "'ts_ns'", "out of range"]),          # past int64: checked in Python
+    ({"ret": -2**63 - 1}, ["'ev-20'", "'ret'", "out of range"]),
+    ({"exit_code": 2**31}, ["'ev-20'", "'exit_code'", "out of range"]),    # from the C pass's (min, max)
+    ({"pid": -1}, ["'ev-20'", "'pid'", "out of range"]),
+    ({"kind": "teleport"}, ["'ev-20'", "kind 'teleport'"]),
+])
+def test_a_bad_record_in_a_batch_is_refused_naming_it(spool, bad, words):
+    """A batch (framed by column, its strings proven by the frame's ASCII JSON)
+    is checked as strictly as record by record: one bad record refuses the
+    append, named, nothing written."""
+    records = [full(i) for i in range(40)]
+    records[20].update(bad)
+    with pytest.raises(ExportError) as e:
+        spool.append_many(records)
+    assert "\n" not in e.value.message
+    for w in words:
+        assert w in e.value.message
+    assert spool.size_bytes() == 0
+
+
+def test_batch_frames_json_is_the_column_by_column_form(tmp_path, monkeypatch):
+    """The one orjson call per batch frame gives exactly the bytes of the
+    column-by-column form (json.dumps of each column, what a spool without
+    orjson writes), for ASCII batches and for batches with raw bytes
+    (surrogates) or other non-ASCII text; both read back exact."""
+    import exporters.spool as sp
+    raw = os.fsdecode(b"/tmp/\xff caf\xc3\xa9")
+    for n, kw in enumerate(({}, {"path": raw}, {"path": "/tmp/caf\u00e9", "argv": ["\u00e9", "x"]})):
+        records = [full(i, **{"argv": [], **kw}) if i == 7 else full(i, argv=["a", str(i)]) for i in range(40)]
+        got = {}
+        for form in ("orjson", "json"):
+            if form == "json":
+                monkeypatch.setattr(sp, "orjson", None)
+            s = Spool(str(tmp_path / f"s{n}{form}"), fsync="never")
+            s.append_many(records)
+            got[form] = open(s.seg_path(s.segments()[-1]), "rb").read()
+            assert got[form].startswith(sp.MAGIC_BATCH)
+            assert read_all(s.reader("t"))[0] == records
+            s.close()
+            monkeypatch.undo()
+        assert got["orjson"] == got["json"], n
+
+
+def test_the_c_columns_pass_is_in_use_and_gives_what_python_gives():
+    """exporters/columns.c (built by make setup) makes the spool append's columns
+    and their class masks: exactly what py_columns gives, value for value (the
+    same objects), and None for every batch it is not for."""
+    from collections import OrderedDict
+    from exporters import columns as C
+    assert C._load() is not None, "exporters/build/libdsec_columns.so: built by make setup"
+
+    class S(str):
+        pass
+    odd = [None, True, 1.5, S("x"), b"raw", (), ["a"], ("b",), 2**70, -3, "\udcff"]
+    base = [full(i) for i in range(50)]
+    for i, v in enumerate(odd):
+        base[i]["path"] = v                    # every class into one column
+        base[i + 20]["pid"] = v
+    names = tuple(base[0])
+    base[30]["ts_ns"] = 2**64 - 1               # UInt64, past int64: min/max taken in Python
+    base[31]["ret"] = -2**63
+    got, want = C.columns(base, names), C.py_columns(base, names)
+    assert got is not None and got[1] == want[1] and got[2] == want[2] and len(got[0]) == len(names)
+    assert got[2][names.index("ts_ns")] is None and got[2][names.index("ret")] == (-2**63, 0)
+    assert all(a == b and all(x is y for x, y in zip(a, b)) for a, b in zip(got[0], want[0]))
+    assert got[1][names.index("path")] == C.CLS_NONE | C.CLS_STR | C.CLS_OTHER | C.CLS_LIST | C.CLS_TUPLE | \
+        C.CLS_INT
+    assert got[1][names.index("argv")] == C.CLS_TUPLE and got[1][names.index("event_id")] == C.CLS_STR
+    reordered = dict(reversed(list(base[3].items())))
+    extra = dict(base[3], nope=1)
+    missing = dict(base[3])
+    del missing["ret"]
+    renamed = {("x" if k == "ret" else k): v for k, v in base[3].items()}
+    for bad in (reordered, extra, missing, renamed, OrderedDict(base[3]), list(base[3].items()), None):
+        batch = base[:10] + [bad] + base[10:]
+        assert C.columns(batch, names) is None and C.py_columns(batch, names) is None, bad
+    assert C.columns(tuple(base), names) is None and C.columns(base, list(names)) is None
+    assert C.columns([], names) == C.py_columns([], names) == ([[] for _ in names], bytes(len(names)),
+                                                               [None] * len(names))
+
+
+def test_a_batch_of_records_in_another_field_order_is_framed_by_column_too(spool):
+    """Records of the same fields in different orders: no C pass (it wants one
+    order), transposed by name as before, still batch frames, read back exact."""
+    from exporters.spool import MAGIC_BATCH
+    records = [full(i, path=f"/p/{i}", argv=["a", str(i)]) for i in range(40)]
+    records[5] = dict(reversed(list(records[5].items())))
+    spool.append_many(records)
+    assert open(spool.seg_path(spool.segments()[-1]), "rb").read().startswith(MAGIC_BATCH)
+    got = read_all(spool.reader("t"))[0]
+    assert got == records and list(got[5]) == list(records[0])
+
+
 def test_bit_rot_in_a_batch_frame_loses_that_frame_counted_and_keeps_the_rest(spool):
     records = [full(i) for i in range(100)]
     spool.append_many(records[:10])                 # frames of one record

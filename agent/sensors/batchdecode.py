@@ -26,6 +26,13 @@ makes it an events_lost record or counts it: never silent, and a chunk is
 never lost to one bad record). tests/test_batchdecode.py decodes the same kernel
 records both ways and compares every field.
 
+Open_write and unlink records with an absolute path are decoded in C
+(batchdecode.c through ctypes, built by `make setup`; DSEC_DECODE_C=0 turns
+it off): from such a record on, the same records from the same templates,
+caches and decoder state, until a record it leaves to the Python loop below
+(which then decodes it as before). Without the library the Python loop does
+all of it (a warning says so once).
+
 decode_many returns a list of records (dicts) and EnrichJobs (an exec whose
 file is read off the decode path: Decoder.take_job), in ring order; records
 of an unregistered cgroup are left out and counted (Decoder.unattributed),
@@ -33,8 +40,16 @@ as decode does.
 """
 from __future__ import annotations
 
+import ctypes
 import json
+import logging
+import os
+import re
 import struct
+import subprocess
+import sys
+import sysconfig
+import threading
 
 from agent.sensors.decoder import _TEMPLATE, AT_FDCWD, decode_sockaddr, dirfd_name
 from audit_schema.events import normalize
@@ -49,7 +64,73 @@ _BODIES = {
     "exec": ("ret", "dirfd", "at_flags", "sys", "status", "path_len", "argv_off", "argv_len", "argc", "old_tid",
              "late_len", "late_off", "cwd_len", "upath"),
 }
-_CACHE_MAX = 4096
+_CACHE_MAX = 4096                   # batchdecode.c's CACHE_MAX
+log = logging.getLogger("dsec.audit")
+
+
+_C_KEYS = ("ret", "flags", "path", "path_raw", "dirfd", "extra", "event_id", "ts_ns", "step", "pid", "ppid", "uid",
+           "comm")                  # batchdecode.c's K_* order
+HERE = os.path.dirname(os.path.abspath(__file__))
+C_SRC = os.path.join(HERE, "batchdecode.c")
+C_LIB = os.path.join(HERE, "build", "libdsec_batchdecode.so")
+_c = [False, None]                  # loaded?, the function
+_c_lock = threading.Lock()
+
+
+def build_c(out: str = C_LIB) -> str:
+    """Compile batchdecode.c for this Python (scripts/setup.sh)."""
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    cmd = ["cc", "-O2", "-Wall", "-Wextra", "-shared", "-fPIC", "-I" + sysconfig.get_config_var("INCLUDEPY"),
+           "-o", tmp, C_SRC]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"cannot build {out}: {(r.stderr.strip().splitlines() or ['cc failed'])[-1]}")
+    os.rename(tmp, out)
+    return out
+
+
+def _load_c():
+    """batchdecode.c's dsec_decode_files, or None (not built, or older than its
+    source: the Python loop decodes everything, and a warning says so once)."""
+    with _c_lock:
+        if _c[0]:
+            return _c[1]
+        _c[0] = True
+        why = None
+        try:
+            if os.stat(C_LIB).st_mtime < os.stat(C_SRC).st_mtime:
+                why = "older than agent/sensors/batchdecode.c"
+            elif sys.byteorder != "little":
+                why = "not for a big-endian machine"
+            else:
+                fn = ctypes.PyDLL(C_LIB).dsec_decode_files
+                fn.restype = ctypes.c_ssize_t
+                fn.argtypes = (ctypes.py_object, ctypes.py_object, ctypes.py_object, ctypes.c_ssize_t,
+                               ctypes.py_object)
+                _c[1] = fn
+        except FileNotFoundError:
+            why = "not built"
+        except OSError as e:
+            why = str(e)
+        if why:
+            log.warning("audit: %s %s (run `make setup`); open_write/unlink records are decoded in Python "
+                        "(slower)", C_LIB, why)
+        return _c[1]
+
+
+def _offsets(fmt: str, names) -> dict:
+    """field name -> (offset, size, signed) in a "<"-less struct format of one
+    code per field (e.g. "16s" for comm); None for any other shape."""
+    codes = re.findall(r"\d*[a-zA-Z?]", fmt)
+    if "".join(codes) != fmt or len(codes) != len(names) or any(c in "xP?efd" for c in fmt):
+        return None
+    out, off = {}, 0
+    for name, code in zip(names, codes):
+        size = struct.calcsize("<" + code)
+        out[name] = (off, size, int(code[-1] in "bhilq"))
+        off += size
+    return out if off == struct.calcsize("<" + fmt) else None
 
 
 def _fmt(ctype) -> tuple[str, list[str]] | None:
@@ -88,15 +169,28 @@ class BatchDecoder:
             from agent.sensors.decoder import fast_view
             self._exec_view = fast_view(bodies["exec"])[1]._make     # exec_fields reads it by name
         nums = dec.consts.kind_numbers
-        self._fast = {}              # kind number -> (handler, body unpack, kind name)
-        for kind, body, fn in (("open_write", "file", self._open_write), ("unlink", "file", self._unlink),
+        self._fast = {}              # kind number -> (handler, body unpack, kind name, open_write/unlink: inline)
+        for kind, body, fn in (("open_write", "file", None), ("unlink", "file", None),     # inline in the loop
                                ("rename", "file", self._rename), ("fork", "fork", self._fork),
                                ("exit", "exit", self._exit), ("connect", "connect", self._connect),
                                ("exec", "exec", self._exec)):
             if kind in nums and body in self._body:
-                self._fast[nums[kind]] = (fn, self._body[body], kind)
+                self._fast[nums[kind]] = (fn, self._body[body], kind, kind in ("open_write", "unlink"))
         self._exec_job = None        # (Pending, extra) of the exec just decoded (Decoder._pending's)
         self.enabled = True
+        self.c_decoded = 0           # records batchdecode.c decoded (tests: the C loop is the one in use)
+        self._cfn = None
+        self._c_static = None
+        file_body = _fmt(bodies["file"])
+        hdr_f, file_f = _offsets(h[0], h[1]), _offsets(file_body[0], file_body[1])
+        if os.environ.get("DSEC_DECODE_C", "1") != "0" and hdr_f and file_f and _load_c() is not None:
+            self._c_static = (
+                (dec.hdr_off, dec.body_off, dec.buf_off, dec.fixed, hdr_f["comm"][0]),
+                tuple(hdr_f[k] for k in ("ts_ns", "cgroup_id", "kind", "pid", "tid", "ppid", "uid", "gid", "step")),
+                tuple(file_f[k] for k in ("ret", "flags", "mode", "resolve", "dirfd", "sys", "status", "path_len")),
+                {num: f[2] for num, f in self._fast.items() if f[3]})
+            if hdr_f["comm"][1] == 16 and all(v[1] in (1, 2, 4, 8) for v in self._c_static[1] + self._c_static[2]):
+                self._cfn = _load_c()
 
     # -- the loop -------------------------------------------------------------------------
     def decode_many(self, blob: bytes, spans) -> list:
@@ -112,7 +206,18 @@ class BatchDecoder:
         sandboxes = dec.sandboxes
         tmpl = self._tmpl
         comms = self._comm
-        for o, n in spans:
+        extras = self._extra
+        parents = dec.parents
+        prefix = dec._id_prefix
+        append = out.append
+        cfn = self._cfn if spans.__class__ is list and blob.__class__ is bytes else None
+        if cfn is not None:
+            ctx = self._c_context()
+            state = ctx[10]
+        i, count = 0, len(spans)
+        while i < count:
+            o, n = spans[i]
+            i += 1
             if n < fixed:
                 self._slow(blob[o:o + n], out)
                 continue
@@ -125,12 +230,46 @@ class BatchDecoder:
             if info is None:
                 dec.unattributed += 1
                 continue
-            fn, body, kname = f
+            fn, body, kname, file_kind = f
             ent = tmpl.get((cg, kind))
             if ent is None or ent[0] is not info:
                 ent = self._template(cg, kind, kname, info)
+            if file_kind and cfn is not None:
+                # a run of open_write/unlink records in C (batchdecode.c: the same records, the same
+                # state); it leaves what it does not take (the first record of another kind ...) here
+                state[0], state[1] = dec.seq, dec.offset_ns
+                try:
+                    j = cfn(ctx, blob, spans, i - 1, out)
+                finally:
+                    dec.seq = state[0]
+                if j >= i:
+                    self.c_decoded += j - i + 1
+                    i = j
+                    continue
             try:
-                rec = fn(ent[1], blob, o, n, body(blob, o + body_off), o + buf_off, pid, tid, gid, info)
+                if file_kind:
+                    # open_write and unlink inline (the most frequent kinds by far): _file + _file_extra
+                    ret, flags, mode, resolve, dirfd, _d2, sys_, status, plen = body(blob, o + body_off)[:9]
+                    bo = o + buf_off
+                    end = o + n
+                    raw = blob[bo:min(bo + plen, end)]      # within the record, as decode's buf[:path_len]
+                    if raw[:1] != b"/":
+                        rec = None           # relative: resolved through /proc by Decoder.decode
+                    else:
+                        rec = ent[1].copy()
+                        rec["ret"] = ret
+                        rec["flags"] = flags & 0xFFFFFFFF
+                        p = raw.decode("utf-8", "surrogateescape")
+                        rec["path"] = p
+                        rec["path_raw"] = p
+                        rec["dirfd"] = "AT_FDCWD" if dirfd == AT_FDCWD else dirfd_name(dirfd)
+                        if kname == "unlink":
+                            mode = resolve = 0
+                        j = extras.get((kname, tid if tid != pid else None, gid, sys_, status, mode, resolve))
+                        rec["extra"] = j if j is not None else \
+                            self._file_extra(kname, pid, tid, gid, sys_, status, mode, resolve)
+                else:
+                    rec = fn(ent[1], blob, o, n, body(blob, o + body_off), o + buf_off, pid, tid, gid, info)
             except Exception:                     # noqa: BLE001 - decode() accounts for it (events_lost)
                 rec = None
                 self._drop_exec_job()
@@ -139,11 +278,11 @@ class BatchDecoder:
                 continue
             # what Decoder._decode sets for every record, in its order of effects
             dec.seq += 1
-            rec["event_id"] = f"{dec._id_prefix}{dec.seq:016x}"
+            rec["event_id"] = f"{prefix}{dec.seq:016x}"
             rec["ts_ns"] = ts + dec.offset_ns
             rec["step"] = step
             rec["pid"] = pid
-            rec["ppid"] = ppid or dec._ppid(pid, 0)
+            rec["ppid"] = ppid or parents.get(pid) or dec._ppid(pid, 0)
             rec["uid"] = uid
             c = comms.get(comm)
             if c is None:
@@ -151,10 +290,16 @@ class BatchDecoder:
                     comms.clear()
                 c = comms[comm] = comm.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             rec["comm"] = c
+            if file_kind:
+                rp = info.recent_pids
+                if not rp or rp[-1] != pid:
+                    info.saw(pid)
+                append(rec)
+                continue
             if kname == "fork":
                 dec._remember_parent(rec["child_pid"], pid)
             elif kname == "exit":
-                dec.parents.pop(pid, None)
+                parents.pop(pid, None)
             if kname != "exit":
                 rp = info.recent_pids
                 if not rp or rp[-1] != pid:
@@ -162,10 +307,18 @@ class BatchDecoder:
             if kname == "exec" and self._exec_job is not None:
                 from agent.sensors.elfinfo import EnrichJob
                 (pending, ex), self._exec_job = self._exec_job, None
-                out.append(EnrichJob(rec, ex, pending, info.cgroup_id))   # as decode() + take_job()
+                append(EnrichJob(rec, ex, pending, info.cgroup_id))   # as decode() + take_job()
                 continue
-            out.append(rec)
+            append(rec)
         return out
+
+    def _c_context(self) -> tuple:
+        """batchdecode.c's view of this decoder (the same dicts the Python loop uses)."""
+        dec = self.dec
+        layout, hdr_f, file_f, kinds = self._c_static
+        return (layout, hdr_f, file_f, kinds, dec.sandboxes, self._tmpl, self._comm, self._extra, dec.parents,
+                _C_KEYS, [dec.seq, dec.offset_ns, dec._id_prefix, "AT_FDCWD", "unlink"],
+                ("recent_pids", "saw", AT_FDCWD))
 
     def _drop_exec_job(self) -> None:
         if self._exec_job is not None:
@@ -191,6 +344,8 @@ class BatchDecoder:
         for k in ("policy_name", "policy_hash", "mode"):
             if k in info.labels:
                 t[k] = info.labels[k]
+        if kname in ("open_write", "unlink", "rename"):
+            t["path_resolution"] = "exact"       # the fast path takes absolute paths only
         ent = self._tmpl[(cg, kind)] = (info, t)
         return ent
 
@@ -209,7 +364,8 @@ class BatchDecoder:
             extra["gid"] = gid
         return extra
 
-    # -- the kinds (each as decoder.py's _<kind>; None: not on the fast path) ------------------
+    # -- the kinds (each as decoder.py's _<kind>; None: not on the fast path; open_write and
+    #    unlink are in decode_many's loop itself, with _file_extra) ------------------------------
     def _file(self, t, blob, b, bo, end):
         ret, flags, mode, resolve, dirfd, _d2, sys_, status, plen = b[:9]
         raw = blob[bo:min(bo + plen, end)]          # within the record, as decode's buf[:path_len]
@@ -241,14 +397,6 @@ class BatchDecoder:
                     extra["resolve"] = resolve
             return extra
         return self._extra_json((kname, tid if tid != pid else None, gid, sys_, status, mode, resolve), build)
-
-    def _open_write(self, t, blob, o, n, b, bo, pid, tid, gid, info):
-        got = self._file(t, blob, b, bo, o + n)
-        if got is None:
-            return None
-        rec, _ret, _flags, mode, resolve, sys_, status = got
-        rec["extra"] = self._file_extra("open_write", pid, tid, gid, sys_, status, mode, resolve)
-        return rec
 
     def _rename(self, t, blob, o, n, b, bo, pid, tid, gid, info):
         end = o + n
@@ -288,14 +436,6 @@ class BatchDecoder:
         if extra:
             rec["extra"] = dec._dump_extra(extra)
         return normalize(rec)        # enrichment may set None (decode normalizes every exec)
-
-    def _unlink(self, t, blob, o, n, b, bo, pid, tid, gid, info):
-        got = self._file(t, blob, b, bo, o + n)
-        if got is None:
-            return None
-        rec, _ret, _flags, _mode, _resolve, sys_, status = got
-        rec["extra"] = self._file_extra("unlink", pid, tid, gid, sys_, status, 0, 0)
-        return rec
 
     def _fork(self, t, blob, o, n, b, bo, pid, tid, gid, info):
         clone_flags, child, _pad = b

@@ -53,7 +53,7 @@ from agent.errors import DsecError, EXIT_DSEC, EXIT_USAGE, ReportedError
 from audit_schema.events import normalize
 # per record, on the poll thread: imported once here
 from policies.evaluate import decision, layout_refusal, mark_refused_anyway
-from agent.sensors.denials import DenialAggregator
+from agent.sensors.denials import AGGREGATED, SKIP_KINDS as AGGREGATE_SKIP, DenialAggregator
 from agent.sensors.permcheck import SandboxRoots
 
 log = logging.getLogger("dsec.audit")
@@ -140,23 +140,30 @@ class Recorder:
         (unwatch: "init_own"), not kept; the rest get the image digest, the
         policy's decision, and go through the denial aggregator."""
         out = []
+        append = out.append
         init_pids, images, policies, offer = self.init_pids, self.images, self.policies, self.denials.offer
+        last_sid = ent = None            # the sandbox's (init pid, image digest, policy): looked up once a run
         try:
             for rec in recs:
                 sid = rec.get("sandbox_id")
-                if rec.get("kind") in INIT_OWN_KINDS and rec.get("pid") and rec.get("pid") == init_pids.get(sid):
+                if sid != last_sid or ent is None:
+                    last_sid, ent = sid, (init_pids.get(sid), images.get(sid), policies.get(sid))
+                init_pid, img, pol = ent
+                kind = rec.get("kind")
+                if init_pid and kind in INIT_OWN_KINDS and rec.get("pid") == init_pid:
                     self.init_own[sid] = self.init_own.get(sid, 0) + 1
                     taken[0] += 1
                     continue
-                img = images.get(sid)
                 if img and not rec.get("image_digest"):
                     rec["image_digest"] = img
-                pol = policies.get(sid)
                 if pol is not None and not rec.get("decision"):
                     if pol.mode == "enforce" and layout_refusal(rec):
                         mark_refused_anyway(rec, self.roots.refused_anyway(sid, rec))
                     rec["decision"] = decision(pol, rec)
-                out.extend(offer(rec))
+                if rec.get("decision") in AGGREGATED and kind not in AGGREGATE_SKIP:
+                    out.extend(offer(rec))      # identical denials: one record + counted summaries
+                else:
+                    append(rec)                 # what offer() returns for it, without the call
                 taken[0] += 1
         finally:
             if out:
