@@ -711,3 +711,66 @@ def test_agent_exporter_restarts_after_an_unexpected_error(clickhouse_url, tmp_p
     finally:
         ex.close()
         spool.close()
+
+
+def _lowcard_bytes(items, write):
+    """What LowCardinality(String)'s writer `write` puts on the wire for items."""
+    from clickhouse_driver.bufferedwriter import BufferedSocketWriter
+    from clickhouse_driver.columns.lowcardinalitycolumn import LowCardinalityColumn
+    from clickhouse_driver.columns.stringcolumn import ByteString
+
+    class Wire:                     # what the driver's socket writer sends, kept
+        def __init__(self):
+            self.out = bytearray()
+
+        def sendall(self, data):
+            self.out += data
+
+    from clickhouse_driver.context import Context
+    ctx = Context()
+    ctx.client_settings = {"strings_as_bytes": True}
+    col = LowCardinalityColumn(ByteString(context=ctx), context=ctx)
+    wire = Wire()
+    buf = BufferedSocketWriter(wire, 1 << 16)
+    write(col, list(items), buf)
+    buf.flush()
+    return bytes(wire.out)
+
+
+def test_the_low_cardinality_writer_puts_the_drivers_own_bytes_on_the_wire():
+    """exporters/clickhouse.py's LowCardinality encoder (the dictionary built in
+    C) writes exactly what clickhouse-driver's own does: one value, a few, more
+    than 256 (UInt16 keys) and more than 65,536 (UInt32 keys), empty."""
+    from exporters.clickhouse import _install_low_cardinality_writer, _write_low_cardinality
+    from clickhouse_driver.columns.lowcardinalitycolumn import LowCardinalityColumn
+    _install_low_cardinality_writer()
+    own = LowCardinalityColumn._write_data._driver_own
+    cases = [[b"node-a"] * 50, [b"allowed", b"denied", b"", b"allowed", b"\xff\x00x"] * 30,
+             [b"h%d" % (i % 300) for i in range(2000)], [b"v%d" % i for i in range(70_000)], []]
+    for items in cases:
+        want = _lowcard_bytes(items, own)
+        assert _lowcard_bytes(items, _write_low_cardinality) == want
+        assert _lowcard_bytes(items, LowCardinalityColumn._write_data) == want
+    assert _lowcard_bytes(cases[2], own) != _lowcard_bytes(cases[1], own)
+
+
+def test_columns_of_few_distinct_values_arrive_byte_for_byte(clickhouse_url, clickhouse_client, spool):
+    """String columns encoded once per distinct value (a LowCardinality column
+    of 300 distinct values: UInt16 keys; a plain column of raw bytes, 1/8
+    distinct; one value throughout; '' among them): every row, every byte."""
+    from audit_schema.events import normalize
+    client, db = clickhouse_client
+    sid = new_sid()
+    n = 2400
+    raw = [b"/tmp/\xff\xfe%d" % k for k in range(n // 8 - 1)] + [b""]
+    recs = [normalize({"event_id": f"{sid}-{i:05d}", "ts_ns": 1000 + i, "sandbox_id": sid, "kind": "open_write",
+                       "path": from_bytes(raw[i % len(raw)]), "policy_hash": f"h{i % 300}",
+                       "comm": from_bytes(b"\x80same"), "decision": ("allowed", "denied", "")[i % 3]})
+            for i in range(n)]
+    for i in range(0, n, 1000):
+        spool.append_many(recs[i:i + 1000])
+    assert ClickHouseExporter(spool, clickhouse_url).flush(timeout=30).ok
+    rows = client.execute(f"SELECT event_id, path, policy_hash, comm, decision FROM {db}.events FINAL "
+                          "WHERE sandbox_id = %(s)s ORDER BY event_id", {"s": sid}, settings={"strings_as_bytes": True})
+    assert rows == [(f"{sid}-{i:05d}".encode(), raw[i % len(raw)], b"h%d" % (i % 300), b"\x80same",
+                     (b"allowed", b"denied", b"")[i % 3]) for i in range(n)]
