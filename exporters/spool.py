@@ -31,7 +31,20 @@ transposing dicts):
 
   magic b"\\xd5\\xec\\x02\\xfe" | u32 LE length | u32 LE crc32 | payload =
   u32 LE record count | ASCII JSON {"k": [field names], "c": [[the values of
-  one field, one per record], ...]}
+  one field, one per record], ...], "w": SCHEMA_MARK}
+
+"w" (since issue 15's exporter work; readers before it ignore the key) is the
+writer's promise that every record of the frame passed the spool's checks
+(_column_lists_valid: fields, types, ranges, kinds, event ids) against the
+schema SCHEMA_MARK names (a CRC of the fields, their types and the kinds).
+A reader trusts a frame whose CRC checks and whose mark is its own, and
+skips re-checking every value (~1 us a record in the exporter): the spool
+directory is root-owned (0700) and written only by dsec's own writers, the
+CRC proves the bytes are the ones that writer framed, and the same checks
+on the same JSON give the same verdict. A frame without the mark (a writer
+before it, a hand-made frame) or with another one (another schema: a
+newer dsec's spool read by an older one, or the reverse) is checked value
+by value as before, so an invalid record there is still damage of its own.
 
 A batch frame is one unit of damage: bit rot in it loses its records (the
 damage counts them by the count in its header, unverified once the CRC
@@ -212,6 +225,9 @@ def validate_record(rec) -> dict:
 
 _KIND_SET = frozenset(KINDS)
 _NONE = type(None)
+# A batch frame's "w" (module doc): this schema's fields, types and kinds, which the
+# writer's _column_lists_valid checked; a frame with another mark (or none) is checked on read
+SCHEMA_MARK = zlib.crc32(repr(([(f.name, f.ch_type) for f in FIELDS], list(KINDS))).encode())
 
 
 def _column_ok(name: str, vals) -> bool:
@@ -492,7 +508,9 @@ def _find_magic(buf, q: int) -> int:
 
 
 def _decode_batch(payload, count: int):
-    """(names, columns) of a batch frame's JSON; ValueError when it is not one."""
+    """(names, columns, checked) of a batch frame's JSON; ValueError when it is
+    not one. checked: the frame carries this schema's mark (module doc: its
+    writer validated every record against these fields, types and kinds)."""
     doc = _loads(payload)
     if not isinstance(doc, dict) or not isinstance(doc.get("k"), list) or not isinstance(doc.get("c"), list):
         raise ValueError("not a batch document")
@@ -500,7 +518,8 @@ def _decode_batch(payload, count: int):
     if len(names) != len(cols) or not names or not all(n.__class__ is str for n in names) \
             or len(set(names)) != len(names) or not all(c.__class__ is list and len(c) == count for c in cols):
         raise ValueError(f"batch of {count} record(s): fields and columns do not match")
-    return names, cols
+    mark = doc.get("w")
+    return names, cols, mark.__class__ is int and mark == SCHEMA_MARK
 
 
 def _frame_at(buf, p: int):
@@ -1464,8 +1483,8 @@ class SpoolReader:
             if singles:
                 self._take_parsed(singles, buf, pos, batch)
                 singles = []
-            count, names, cols = obj
-            if _column_lists_valid(names, cols):
+            count, names, cols, checked = obj
+            if (checked and _CHECKS.keys() >= set(names)) or _column_lists_valid(names, cols):
                 batch._add_columns(names, cols, count)
                 batch.positions.extend([(pos.segment, base + p)] * count)
                 continue
