@@ -435,11 +435,14 @@ def _transposed(records: list):
         return None
 
 
+_MARKED = b'],"w":%d}' % SCHEMA_MARK     # the columns were checked against this schema (module doc)
+
+
 def _batch_frame(count: int, names, cols):
     """One batch frame of `count` records given as columns; _TOO_BIG when the
     payload is over BATCH_MAX_BYTES."""
     # column by column: a column with raw bytes (surrogates) costs json.dumps, the rest orjson
-    payload = b'{"k":' + _dumps(names) + b',"c":[' + b",".join([_dumps(c) for c in cols]) + b"]}"
+    payload = b'{"k":' + _dumps(names) + b',"c":[' + b",".join([_dumps(c) for c in cols]) + _MARKED
     if len(payload) > BATCH_MAX_BYTES:
         return _TOO_BIG
     body = _U32.pack(count) + payload
@@ -448,7 +451,9 @@ def _batch_frame(count: int, names, cols):
 
 
 def encode_frames(records: list, transposed=None) -> list:
-    """Frames of validated records: batch frames of up to BATCH_MAX records
+    """Frames of validated records (batch frames carry SCHEMA_MARK: only records
+    that passed _column_lists_valid, as append_many checks them, may come
+    here): batch frames of up to BATCH_MAX records
     when they all have the same fields (see the module doc; a batch over
     BATCH_MAX_BYTES is halved until it fits, down to BATCH_MIN), else frames
     of one record. `transposed`: _transposed(records), if at hand."""

@@ -413,6 +413,41 @@ def test_an_invalid_record_in_a_batch_frame_is_damage_of_its_own(spool):
     assert ev["event_id"] != damage_event(dataclass_replace(damage[0], index=8), spool)["event_id"]
 
 
+def test_a_batch_frame_with_this_schemas_mark_is_not_checked_again_and_any_other_is(spool, monkeypatch):
+    """append_many's batch frames carry SCHEMA_MARK ("w": their records passed
+    the checks against this schema before framing): the reader takes their
+    columns without re-checking every value. A frame with another schema's
+    mark (another dsec version) or none (an older writer) is checked value by
+    value: its invalid record is damage of its own, the rest delivered."""
+    import zlib
+    from exporters import spool as spool_mod
+    from exporters.spool import MAGIC_BATCH, SCHEMA_MARK, _U32, _dumps
+    records = [full(i) for i in range(40)]
+    spool.append_many(records)
+    records = [dict(r, argv=list(r["argv"])) for r in records]       # as read back: lists
+    raw = open(spool.seg_path(1), "rb").read()
+    assert raw.startswith(MAGIC_BATCH) and raw.endswith(b',"w":%d}' % SCHEMA_MARK)
+    checked = []
+    real = spool_mod._column_lists_valid
+    monkeypatch.setattr(spool_mod, "_column_lists_valid", lambda *a: checked.append(1) or real(*a))
+    b = spool.reader("t").read(1000)
+    assert b.count == 40 and b.records == records and checked == []      # trusted: not checked again
+    bad = [dict(r, event_id=f"x{i}") for i, r in enumerate(records)]
+    bad[7] = dict(bad[7], pid="not a number")
+    names = list(bad[0])
+    for mark in (b',"w":%d' % (SCHEMA_MARK ^ 1), b""):
+        payload = _dumps({"k": names, "c": [[r[n] for r in bad] for n in names]})[:-1] + mark + b"}"
+        body = _U32.pack(40) + payload
+        n = _U32.pack(len(body))
+        with open(spool.seg_path(1), "ab") as f:
+            f.write(MAGIC_BATCH + n + _U32.pack(zlib.crc32(body, zlib.crc32(n))) + body)
+    r = spool.reader("u")
+    got, damage = read_all(r)
+    assert got[:40] == records and [x["event_id"] for x in got[40:]] == [f"x{i}" for i in range(40) if i != 7] * 2
+    assert [d.index for d in damage] == [7, 7] and all("pid" in d.reason for d in damage)
+    assert len(checked) == 2
+
+
 def dataclass_replace(d, **kw):
     import dataclasses
     return dataclasses.replace(d, **kw)
