@@ -447,11 +447,19 @@ def _transposed(records: list):
 _MARKED = b'],"w":%d}' % SCHEMA_MARK     # the columns were checked against this schema (module doc)
 
 
+def _column_json(c) -> bytes:
+    """One column of a batch frame: {"r": v} when every value is v (module doc; validated
+    values: an int is never a bool, a str never None), else the list of values."""
+    if len(c) > 1 and c.count(c[0]) == len(c):
+        return b'{"r":' + _dumps(c[0]) + b"}"
+    return _dumps(c)
+
+
 def _batch_frame(count: int, names, cols):
     """One batch frame of `count` records given as columns; _TOO_BIG when the
     payload is over BATCH_MAX_BYTES."""
     # column by column: a column with raw bytes (surrogates) costs json.dumps, the rest orjson
-    payload = b'{"k":' + _dumps(names) + b',"c":[' + b",".join([_dumps(c) for c in cols]) + _MARKED
+    payload = b'{"k":' + _dumps(names) + b',"c":[' + b",".join([_column_json(c) for c in cols]) + _MARKED
     if len(payload) > BATCH_MAX_BYTES:
         return _TOO_BIG
     body = _U32.pack(count) + payload

@@ -448,6 +448,25 @@ def test_a_batch_frame_with_this_schemas_mark_is_not_checked_again_and_any_other
     assert len(checked) == 2
 
 
+def test_a_constant_column_is_one_value_in_the_frame_and_every_record_gets_it_back(spool):
+    """A column of one value throughout (raw bytes, an argv, 2**64-1, '') is
+    {"r": value} in the batch frame; read back, every record has it exactly,
+    each its own argv list; the columns that vary are lists as before."""
+    weird = os.fsdecode(b"\xff\xfe/x")
+    records = [full(i, comm="\udcff\udc80x", argv=["sh", weird], count=2**64 - 1, path=f"/p{i}")
+               for i in range(50)]
+    spool.append_many(records)
+    raw = open(spool.seg_path(1), "rb").read()
+    assert b'{"r":"\\udcff\\udc80x"}' in raw and b'{"r":["sh","\\udcff\\udcfe/x"]}' in raw
+    assert b'{"r":18446744073709551615}' in raw and b'"/p0","/p1"' in raw
+    b = spool.reader("t").read(1000)
+    got = b.records
+    assert b.damage == [] and got == [dict(r, argv=list(r["argv"])) for r in records]
+    assert len({id(r["argv"]) for r in got}) == 50              # not one list shared by every record
+    got[0]["argv"].append("x")
+    assert got[1]["argv"] == ["sh", weird]
+
+
 def dataclass_replace(d, **kw):
     import dataclasses
     return dataclasses.replace(d, **kw)
