@@ -61,7 +61,7 @@ import logging
 import operator
 import threading
 
-from exporters.spool import Spool
+from exporters.spool import Repeat, Spool
 from audit_schema.events import FIELDS, default
 from exporters.base import FlushResult, RetryPolicy, SpoolSink, damage_event  # noqa: F401 - re-exported
 
@@ -109,9 +109,9 @@ def columns_of(columns: dict, n: int) -> list[list]:
 
 
 def _by_field(columns: dict, n: int) -> list:
-    """One sequence per FIELDS column of a batch's columns (a field the batch lacks:
-    n defaults)."""
-    return [columns[f.name] if f.name in columns else [d] * n for f, d in zip(FIELDS, _DEFAULT_OF)]
+    """One sequence per FIELDS column of a batch's columns (a list or a Repeat; a
+    field the batch lacks: a Repeat of its default)."""
+    return [columns[f.name] if f.name in columns else Repeat(d, n) for f, d in zip(FIELDS, _DEFAULT_OF)]
 
 
 def _converted(columns) -> list[list]:
@@ -128,6 +128,13 @@ def _column(f, col) -> list:
     which also makes the driver's dictionary of a LowCardinality column
     cheap (_write_low_cardinality: equal objects, cached hashes)."""
     enc = str.encode   # == audit_schema.events.to_bytes, inlined: this loop is hot
+    if col.__class__ is Repeat:                     # one value throughout, as the spool read it
+        v, n = col.value, col.n
+        if f.ch_type == "String":
+            return [enc(v, "utf-8", "surrogateescape") if v else b""] * n
+        if f.ch_type == "Array(String)":
+            return [tuple([enc(x, "utf-8", "surrogateescape") for x in v]) if v else ()] * n
+        return [default(f) if v is None else v] * n
     if f.ch_type == "String":
         n = len(col)
         if n and col.count(col[0]) == n:            # one value throughout: one encode, one C-level repeat
@@ -200,6 +207,8 @@ def _all_default(f, d, col) -> bool:
     every list empty), so the server's DEFAULT (the type's: the schema declares
     no DEFAULT expression) stores exactly what the insert would send. None
     (also the default) is not counted: such a column is sent."""
+    if col.__class__ is Repeat:
+        return not col.value if f.ch_type == "Array(String)" else col.value == d   # None != 0, None != ''
     if f.ch_type == "Array(String)":
         return not any(col)
     return col.count(d) == len(col)     # validated: ints are ints (no True == 1), strs are strs
@@ -308,11 +317,12 @@ class ClickHouseExporter(SpoolSink):
         has them (no dict per record is built; damage rows are appended to the
         columns), the all-default ones left out (insert_block); else
         columns_for(its rows)."""
-        if batch.columns:
-            raw = _by_field(batch.columns, batch.count)
+        if batch.raw_columns:               # a column of one value: a Repeat, never made a list
+            raw = _by_field(batch.raw_columns, batch.count)
             lost = self.damage_rows(batch)
             if lost:
-                raw = [list(c) + [r.get(f.name) for r in lost] for f, c in zip(FIELDS, raw)]
+                raw = [(c.tolist() if c.__class__ is Repeat else list(c)) + [r.get(f.name) for r in lost]
+                       for f, c in zip(FIELDS, raw)]
             names, cols = insert_block(raw)
             self.insert([], cols, names)
         else:

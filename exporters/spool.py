@@ -529,6 +529,43 @@ def _find_magic(buf, q: int) -> int:
         q += 1
 
 
+class Repeat:
+    """A column of one value: a batch frame's {"r": value}, `n` times. Batch keeps
+    it so (no list of n references built, copied and scanned) until a sink asks
+    for lists (Batch.columns); the ClickHouse sink takes it as it is
+    (Batch.raw_columns: a default left to the server, another value repeated
+    once encoded)."""
+
+    __slots__ = ("value", "n")
+
+    def __init__(self, value, n: int):
+        self.value, self.n = value, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i: int):
+        if not -self.n <= i < self.n:
+            raise IndexError("Repeat index out of range")
+        return self.value
+
+    def tolist(self) -> list:
+        """The column as a list; a list value (argv): a list of its own per record."""
+        v = self.value
+        return list(map(list, itertools.repeat(v, self.n))) if v.__class__ is list else [v] * self.n
+
+    def __eq__(self, other):
+        return other.__class__ is Repeat and self.n == other.n and self.value == other.value
+
+    def __repr__(self):
+        return f"Repeat({self.value!r}, {self.n})"
+
+
+def _lists(cols) -> list:
+    """cols with every Repeat made a list."""
+    return [c.tolist() if c.__class__ is Repeat else c for c in cols]
+
+
 def _decode_batch(payload, count: int):
     """(names, columns, checked) of a batch frame's JSON; ValueError when it is
     not one. checked: the frame carries this schema's mark (module doc: its
@@ -541,11 +578,10 @@ def _decode_batch(payload, count: int):
         if c.__class__ is dict:                 # {"r": v}: v in every record (module doc)
             if len(c) != 1 or "r" not in c:
                 raise ValueError(f"batch of {count} record(s): column {j} is neither a list nor a repeat")
-            v = c["r"]
-            # a list value (argv): a list of its own per record, as a column of lists would give
-            cols[j] = list(map(list, itertools.repeat(v, count))) if v.__class__ is list else [v] * count
+            cols[j] = Repeat(c["r"], count)
     if len(names) != len(cols) or not names or not all(n.__class__ is str for n in names) \
-            or len(set(names)) != len(names) or not all(c.__class__ is list and len(c) == count for c in cols):
+            or len(set(names)) != len(names) \
+            or not all((c.__class__ is list or c.__class__ is Repeat) and len(c) == count for c in cols):
         raise ValueError(f"batch of {count} record(s): fields and columns do not match")
     mark = doc.get("w")
     return names, cols, mark.__class__ is int and mark == SCHEMA_MARK
@@ -608,7 +644,7 @@ class Batch:
     (issue 15: a sink that takes the columns never pays ~3 us a record for a
     dict); `count` is their number either way."""
 
-    __slots__ = ("start", "end", "_records", "damage", "positions", "columns", "_n")
+    __slots__ = ("start", "end", "_records", "damage", "positions", "_cols", "_n")
 
     def __init__(self, start: Position, end: Position, records: list | None = None, damage: list | None = None,
                  positions: list | None = None, columns: dict | None = None):
@@ -616,8 +652,35 @@ class Batch:
         self._records = [] if records is None else records     # None: the columns' rows, not built yet
         self.damage = [] if damage is None else damage
         self.positions = [] if positions is None else positions  # (segment, offset) of each record
-        self.columns = {} if columns is None else columns
+        self._cols = {} if columns is None else columns         # a column: a list, or a Repeat
         self._n = len(self._records)
+
+    @property
+    def columns(self) -> dict | None:
+        """{field: [values]} (see the class doc); a column of one value (Repeat)
+        is made a list here, once."""
+        cols = self._cols
+        if cols:
+            for k, c in cols.items():
+                if c.__class__ is Repeat:
+                    cols[k] = c.tolist()
+        return cols
+
+    @property
+    def raw_columns(self) -> dict | None:
+        """columns as they are held: a column of one value is a Repeat (its value,
+        its length), not a list (a sink that can use that: the ClickHouse one)."""
+        return self._cols
+
+    def oldest_ts(self) -> int:
+        """The smallest non-zero ts_ns of the records (0: none), without building them."""
+        cols = self._cols
+        if cols and "ts_ns" in cols:
+            c = cols["ts_ns"]
+            if c.__class__ is Repeat:
+                return c.value or 0
+            return min(filter(None, c), default=0)
+        return min((r.get("ts_ns") or 0 for r in self.records if r.get("ts_ns")), default=0)
 
     @property
     def records(self) -> list:
@@ -633,34 +696,44 @@ class Batch:
 
     def _add_columns(self, names, cols, count: int) -> None:
         """Records of a batch frame, as columns: kept as columns while every
-        record so far came from batch frames of the same fields."""
-        have = self.columns
+        record so far came from batch frames of the same fields (a column of
+        one value stays a Repeat while the frames agree on that value)."""
+        have = self._cols
         if have is not None and not have and not self.count:
-            self.columns = dict(zip(names, cols))
+            self._cols = dict(zip(names, cols))
             self._records, self._n = None, count
             return
         if have and list(have) == names:
             if self._records is None:
                 for n, c in zip(names, cols):
-                    have[n].extend(c)
+                    h = have[n]
+                    if h.__class__ is Repeat:
+                        # the same value (validated: an int is never a bool, a str never None)
+                        if c.__class__ is Repeat and c.value.__class__ is h.value.__class__ and c.value == h.value:
+                            h.n += count
+                            continue
+                        h = have[n] = h.tolist()
+                    h.extend(c.tolist() if c.__class__ is Repeat else c)
                 self._n += count
                 return
+            cols = _lists(cols)
             for n, c in zip(names, cols):
                 have[n].extend(c)
         else:
             self._no_columns()
+            cols = _lists(cols)
         self._records.extend([dict(zip(names, row)) for row in zip(*cols)])
 
     def _no_columns(self) -> None:
         """From here on the records are dicts (a frame of one record, or of other fields)."""
         if self._records is None:
             self.records
-        self.columns = None
+        self._cols = None
 
     def ts_of(self, i: int):
         """ts_ns of record i (without building the records)."""
         if self._records is None:
-            c = self.columns.get("ts_ns")
+            c = self._cols.get("ts_ns")
             return c[i] if c is not None else None
         return self._records[i].get("ts_ns")
 
@@ -1513,7 +1586,10 @@ class SpoolReader:
                 self._take_parsed(singles, buf, pos, batch)
                 singles = []
             count, names, cols, checked = obj
-            if (checked and _CHECKS.keys() >= set(names)) or _column_lists_valid(names, cols):
+            if not (checked and _CHECKS.keys() >= set(names)):
+                cols = _lists(cols)              # checked value by value, as lists
+                checked = _column_lists_valid(names, cols)
+            if checked:
                 batch._add_columns(names, cols, count)
                 batch.positions.extend([(pos.segment, base + p)] * count)
                 continue

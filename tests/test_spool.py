@@ -467,6 +467,27 @@ def test_a_constant_column_is_one_value_in_the_frame_and_every_record_gets_it_ba
     assert got[1]["argv"] == ["sh", weird]
 
 
+def test_a_read_keeps_a_column_of_one_value_as_a_repeat_until_a_sink_asks_for_lists(spool):
+    """Frames that agree on a column's one value make one Repeat for the read
+    (no list of references built and scanned); frames with another value, or
+    a varying one, make a list; Batch.columns gives lists either way, and the
+    records are the records."""
+    from exporters.spool import Repeat
+    a = [full(i, node="n1", comm="a", path=f"/p{i}") for i in range(40)]
+    b = [full(i, node="n1", comm="b", path=f"/q{i}") for i in range(40, 80)]
+    spool.append_many(a)
+    spool.append_many(b)
+    batch = spool.reader("t").read(1000)
+    raw = batch.raw_columns
+    assert raw["node"] == Repeat("n1", 80) and raw["argv"] == Repeat([], 80)
+    assert raw["comm"] == ["a"] * 40 + ["b"] * 40 and raw["path"].__class__ is list
+    assert batch.ts_of(79) == b[-1]["ts_ns"] and batch.oldest_ts() == a[0]["ts_ns"]
+    assert batch._records is None
+    cols = batch.columns
+    assert cols["node"] == ["n1"] * 80 and cols["argv"] == [[]] * 80 and batch.raw_columns["node"].__class__ is list
+    assert batch.records == [dict(r, argv=list(r["argv"])) for r in a + b]
+
+
 def dataclass_replace(d, **kw):
     import dataclasses
     return dataclasses.replace(d, **kw)
