@@ -669,6 +669,28 @@ def test_agent_exporter_process_delivers_is_restarted_and_stops(clickhouse_url, 
         spool.close()
 
 
+def test_the_exporter_process_under_a_profiler_writes_its_stats_at_exit(clickhouse_url, tmp_path, monkeypatch):
+    """DSEC_EXPORT_PROFILE=FILE (benchmarks): the child delivers as ever and, at
+    its end, leaves its cProfile stats in FILE, the spool read among them."""
+    import pstats
+    from agent.node.export import ExporterProcess
+    stats = tmp_path / "export.prof"
+    monkeypatch.setenv("DSEC_EXPORT_PROFILE", str(stats))
+    spool = Spool(str(tmp_path / "spool"), fsync="never")
+    ex = ExporterProcess(spool, 0.1, url=clickhouse_url).start()
+    sid = "xprof-" + uuid.uuid4().hex[:8]
+    try:
+        spool.append_many([{"event_id": f"{sid}-{i}", "ts_ns": time.time_ns(), "sandbox_id": sid, "kind": "exec",
+                            "path": "/bin/true"} for i in range(40)])
+        assert ex.wait_exported(ex.head(), 30)
+    finally:
+        ex.close()
+        spool.close()
+    assert _wait_count(clickhouse_url, sid, 40) == 40
+    funcs = {f"{os.path.basename(k[0])}:{k[2]}" for k in pstats.Stats(str(stats)).stats}
+    assert "spool.py:read" in funcs and "clickhouse.py:insert" in funcs
+
+
 def test_agent_exporter_restarts_after_an_unexpected_error(clickhouse_url, tmp_path, caplog):
     """Issue 13 point 8: the agent's exporter thread died for good on an unexpected
     error, the spool then filled and dropped. Now it logs, counts and restarts."""
