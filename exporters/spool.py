@@ -37,9 +37,12 @@ transposing dicts):
 A column whose values are all the same (most of them in a batch of one
 sandbox's records: node, sandbox, kind, policy, pid, comm, every default) is
 {"r": value}: measured on 4,096 open_write records, 35 of 39 columns, the
-payload 324 -> 93 bytes a record, its parse 1.3 -> 0.11 us a record. Readers
-from before it count such a frame as damage (its bytes kept): downgrade dsec
-only with the spool drained.
+payload 324 -> 93 bytes a record, its parse 1.3 -> 0.11 us a record. A read
+keeps such a column as a Repeat (value, length) while its frames agree on
+the value (Batch.raw_columns; Batch.columns makes lists), so the ClickHouse
+sink neither builds nor scans a list for it. Readers from before it count
+such a frame as damage (its bytes kept): downgrade dsec only with the
+spool drained.
 
 "w" (since issue 15's exporter work; readers before it ignore the key) is the
 writer's promise that every record of the frame passed the spool's checks
