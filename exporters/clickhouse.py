@@ -189,13 +189,47 @@ def _write_low_cardinality(self, items, buf, _driver_own=None):
     self.int_types[int_type](**self.init_kwargs).write_items(keys, buf)
 
 
+def _wire_bytes(write, items) -> bytes:
+    """What a LowCardinality(String) writer `write` puts on the wire for items."""
+    from clickhouse_driver.bufferedwriter import BufferedSocketWriter
+    from clickhouse_driver.columns.lowcardinalitycolumn import LowCardinalityColumn
+    from clickhouse_driver.columns.stringcolumn import ByteString
+    from clickhouse_driver.context import Context
+
+    class Wire:                     # the driver's socket writer sends here
+        def __init__(self):
+            self.out = bytearray()
+
+        def sendall(self, data):
+            self.out += data
+    ctx = Context()
+    ctx.client_settings = {"strings_as_bytes": True}
+    wire = Wire()
+    buf = BufferedSocketWriter(wire, 1 << 16)
+    write(LowCardinalityColumn(ByteString(context=ctx), context=ctx), list(items), buf)
+    buf.flush()
+    return bytes(wire.out)
+
+
+_WIRE_SAMPLES = ([b"node-a"] * 5, [b"allowed", b"", b"allowed", b"\xff\x00x"], [b"h%d" % i for i in range(300)], [])
+
+
 def _install_low_cardinality_writer() -> None:
-    """Put _write_low_cardinality in the driver's LowCardinalityColumn (once; a
-    driver without that method keeps its own: checked by test_clickhouse's
-    byte-for-byte comparison)."""
+    """Put _write_low_cardinality in the driver's LowCardinalityColumn, once, and
+    only where it writes the driver's own bytes for a few samples (the driver is
+    not pinned: a version that changed its LowCardinality wire format or its
+    column's attributes keeps its own writer, logged)."""
     from clickhouse_driver.columns.lowcardinalitycolumn import LowCardinalityColumn as C
     own = C.__dict__.get("_write_data")
-    if own is None or getattr(own, "_dsec", False):
+    if own is None or getattr(own, "_dsec", False) or getattr(C, "_dsec_kept", False):
+        return
+    try:
+        same = all(_wire_bytes(_write_low_cardinality, s) == _wire_bytes(own, s) for s in _WIRE_SAMPLES)
+    except Exception:  # noqa: BLE001 - another driver's internals: keep its own writer
+        same = False
+    if not same:
+        C._dsec_kept = True
+        log.warning("clickhouse-driver's LowCardinality writer differs from the one dsec knows: kept as it is")
         return
 
     def _write_data(self, items, buf):
