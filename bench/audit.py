@@ -759,6 +759,7 @@ class SinkBench:
         self.rec = Recorder(node="bench", spool=self.spool, enforce=False, ring_bytes=ring_mib << 20)
         self.gen_dir = tempfile.mkdtemp(prefix="dsec-bench-gen3-", dir="/dev/shm")
         self.jsonl_path = os.path.join(tempfile.mkdtemp(prefix="dsec-bench-jsonl-", dir="/dev/shm"), "audit.jsonl")
+        self.gen_exe = None             # part 3's generator: the Python one (GEN_PY), as before part 2's C one
         self.rx = None
         self.rx_status = os.path.join(tmp, "otlp-status.json")
         self.cgroups = []
@@ -849,7 +850,7 @@ class SinkBench:
         base_sent = self.sink.total_sent
         self.jsonl_off = os.path.getsize(self.jsonl_path) if os.path.exists(self.jsonl_path) else 0
         t_cpu = os.times()
-        argv = [gen_exe] if gen_exe else [PYTHON, "-I", "-S", "-B", "-c", GEN_PY]
+        argv = [self.gen_exe] if self.gen_exe else [PYTHON, "-I", "-S", "-B", "-c", GEN_PY]
         gen = subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0" || exit 125; exec "$@"',
                                 os.path.join(path, "cgroup.procs"), *argv, str(rate), str(duration), self.gen_dir],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -203,10 +203,7 @@ class SpoolSink:
             self.deliver_batch(batch)
             m = _metrics()
             m.record("dsec.export.duration", time.monotonic() - t, sink=self.sink)
-            if batch.columns and "ts_ns" in batch.columns:      # batch frames: no dicts to walk
-                oldest = min(filter(None, batch.columns["ts_ns"]), default=0)
-            else:
-                oldest = min((r.get("ts_ns") or 0 for r in batch.records if r.get("ts_ns")), default=0)
+            oldest = batch.oldest_ts()       # batch frames: from the columns, no dicts to walk
             if oldest:
                 m.record("dsec.export.latency", max(0.0, (time.time_ns() - oldest) / 1e9), sink=self.sink)
         self.reader.commit(batch, self.committed_state())

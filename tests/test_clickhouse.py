@@ -669,6 +669,28 @@ def test_agent_exporter_process_delivers_is_restarted_and_stops(clickhouse_url, 
         spool.close()
 
 
+def test_the_exporter_process_under_a_profiler_writes_its_stats_at_exit(clickhouse_url, tmp_path, monkeypatch):
+    """DSEC_EXPORT_PROFILE=FILE (benchmarks): the child delivers as ever and, at
+    its end, leaves its cProfile stats in FILE, the spool read among them."""
+    import pstats
+    from agent.node.export import ExporterProcess
+    stats = tmp_path / "export.prof"
+    monkeypatch.setenv("DSEC_EXPORT_PROFILE", str(stats))
+    spool = Spool(str(tmp_path / "spool"), fsync="never")
+    ex = ExporterProcess(spool, 0.1, url=clickhouse_url).start()
+    sid = "xprof-" + uuid.uuid4().hex[:8]
+    try:
+        spool.append_many([{"event_id": f"{sid}-{i}", "ts_ns": time.time_ns(), "sandbox_id": sid, "kind": "exec",
+                            "path": "/bin/true"} for i in range(40)])
+        assert ex.wait_exported(ex.head(), 30)
+    finally:
+        ex.close()
+        spool.close()
+    assert _wait_count(clickhouse_url, sid, 40) == 40
+    funcs = {f"{os.path.basename(k[0])}:{k[2]}" for k in pstats.Stats(str(stats)).stats}
+    assert "spool.py:read" in funcs and "clickhouse.py:insert" in funcs
+
+
 def test_agent_exporter_restarts_after_an_unexpected_error(clickhouse_url, tmp_path, caplog):
     """Issue 13 point 8: the agent's exporter thread died for good on an unexpected
     error, the spool then filled and dropped. Now it logs, counts and restarts."""
@@ -711,3 +733,70 @@ def test_agent_exporter_restarts_after_an_unexpected_error(clickhouse_url, tmp_p
     finally:
         ex.close()
         spool.close()
+
+
+def test_the_low_cardinality_writer_puts_the_drivers_own_bytes_on_the_wire():
+    """exporters/clickhouse.py's LowCardinality encoder (the dictionary built in
+    C) writes exactly what clickhouse-driver's own does: one value, a few, more
+    than 256 (UInt16 keys) and more than 65,536 (UInt32 keys), empty."""
+    from exporters.clickhouse import _install_low_cardinality_writer, _wire_bytes, _write_low_cardinality
+    _lowcard_bytes = lambda items, write: _wire_bytes(write, items)  # noqa: E731
+    from clickhouse_driver.columns.lowcardinalitycolumn import LowCardinalityColumn
+    _install_low_cardinality_writer()
+    assert LowCardinalityColumn._write_data._dsec           # this driver: installed
+    own = LowCardinalityColumn._write_data._driver_own
+    cases = [[b"node-a"] * 50, [b"allowed", b"denied", b"", b"allowed", b"\xff\x00x"] * 30,
+             [b"h%d" % (i % 300) for i in range(2000)], [b"v%d" % i for i in range(70_000)], []]
+    for items in cases:
+        want = _lowcard_bytes(items, own)
+        assert _lowcard_bytes(items, _write_low_cardinality) == want
+        assert _lowcard_bytes(items, LowCardinalityColumn._write_data) == want
+    assert _lowcard_bytes(cases[2], own) != _lowcard_bytes(cases[1], own)
+
+
+def test_a_driver_whose_low_cardinality_bytes_differ_keeps_its_own_writer(monkeypatch, caplog):
+    """The driver is not pinned: one whose LowCardinality writer puts other bytes
+    on the wire than dsec's (another version of the format) keeps its own, logged."""
+    from clickhouse_driver.columns.lowcardinalitycolumn import LowCardinalityColumn as C
+    from exporters import clickhouse as ch
+    ch._install_low_cardinality_writer()
+    drivers = C._write_data._driver_own
+
+    def other_format(self, items, buf):
+        buf.write(b"\x07")
+        return drivers(self, items, buf)
+    monkeypatch.setattr(C, "_write_data", other_format)
+    monkeypatch.setattr(C, "_dsec_kept", False, raising=False)
+    ch._install_low_cardinality_writer()
+    assert C._write_data is other_format and C._dsec_kept
+    assert any("kept as it is" in r.getMessage() for r in caplog.records)
+
+
+def test_columns_of_few_distinct_values_arrive_byte_for_byte(clickhouse_url, clickhouse_client, spool):
+    """String columns encoded once per distinct value (a LowCardinality column
+    of 300 distinct values: UInt16 keys; a plain column of raw bytes, 1/8
+    distinct; '' among them) and columns of one value throughout, read as a
+    Repeat (raw bytes, an argv, 2**64-1, the default ''): every row, every byte."""
+    from audit_schema.events import normalize
+    from exporters.spool import Repeat
+    client, db = clickhouse_client
+    sid = new_sid()
+    n = 2400
+    raw = [b"/tmp/\xff\xfe%d" % k for k in range(n // 8 - 1)] + [b""]
+    recs = [normalize({"event_id": f"{sid}-{i:05d}", "ts_ns": 1000 + i, "sandbox_id": sid, "kind": "open_write",
+                       "path": from_bytes(raw[i % len(raw)]), "policy_hash": f"h{i % 300}",
+                       "comm": from_bytes(b"\x80same"), "decision": ("allowed", "denied", "")[i % 3],
+                       "argv": ["sh", from_bytes(b"\xff-c")], "count": 2**64 - 1})
+            for i in range(n)]
+    for i in range(0, n, 1000):
+        spool.append_many(recs[i:i + 1000])
+    exp = ClickHouseExporter(spool, clickhouse_url)
+    b = exp.reader.read(10_000)
+    assert {k for k, c in b.raw_columns.items() if c.__class__ is Repeat} >= {"comm", "argv", "count", "node"}
+    exp.close()
+    assert ClickHouseExporter(spool, clickhouse_url).flush(timeout=30).ok
+    rows = client.execute(f"SELECT event_id, path, policy_hash, comm, decision, argv, count, node FROM {db}.events "
+                          "FINAL WHERE sandbox_id = %(s)s ORDER BY event_id", {"s": sid},
+                          settings={"strings_as_bytes": True})
+    assert rows == [(f"{sid}-{i:05d}".encode(), raw[i % len(raw)], b"h%d" % (i % 300), b"\x80same",
+                     (b"allowed", b"denied", b"")[i % 3], [b"sh", b"\xff-c"], 2**64 - 1, b"") for i in range(n)]

@@ -512,6 +512,81 @@ def test_an_invalid_record_in_a_batch_frame_is_damage_of_its_own(spool):
     assert ev["event_id"] != damage_event(dataclass_replace(damage[0], index=8), spool)["event_id"]
 
 
+def test_a_batch_frame_with_this_schemas_mark_is_not_checked_again_and_any_other_is(spool, monkeypatch):
+    """append_many's batch frames carry SCHEMA_MARK ("w": their records passed
+    the checks against this schema before framing): the reader takes their
+    columns without re-checking every value. A frame with another schema's
+    mark (another dsec version) or none (an older writer) is checked value by
+    value: its invalid record is damage of its own, the rest delivered."""
+    import zlib
+    from exporters import spool as spool_mod
+    from exporters.spool import MAGIC_BATCH, SCHEMA_MARK, _U32, _dumps
+    records = [full(i) for i in range(40)]
+    spool.append_many(records)
+    records = [dict(r, argv=list(r["argv"])) for r in records]       # as read back: lists
+    raw = open(spool.seg_path(1), "rb").read()
+    assert raw.startswith(MAGIC_BATCH) and raw.endswith(b',"w":%d}' % SCHEMA_MARK)
+    checked = []
+    real = spool_mod._column_lists_valid
+    monkeypatch.setattr(spool_mod, "_column_lists_valid", lambda *a: checked.append(1) or real(*a))
+    b = spool.reader("t").read(1000)
+    assert b.count == 40 and b.records == records and checked == []      # trusted: not checked again
+    bad = [dict(r, event_id=f"x{i}") for i, r in enumerate(records)]
+    bad[7] = dict(bad[7], pid="not a number")
+    names = list(bad[0])
+    for mark in (b',"w":%d' % (SCHEMA_MARK ^ 1), b""):
+        payload = _dumps({"k": names, "c": [[r[n] for r in bad] for n in names]})[:-1] + mark + b"}"
+        body = _U32.pack(40) + payload
+        n = _U32.pack(len(body))
+        with open(spool.seg_path(1), "ab") as f:
+            f.write(MAGIC_BATCH + n + _U32.pack(zlib.crc32(body, zlib.crc32(n))) + body)
+    r = spool.reader("u")
+    got, damage = read_all(r)
+    assert got[:40] == records and [x["event_id"] for x in got[40:]] == [f"x{i}" for i in range(40) if i != 7] * 2
+    assert [d.index for d in damage] == [7, 7] and all("pid" in d.reason for d in damage)
+    assert len(checked) == 2
+
+
+def test_a_constant_column_is_one_value_in_the_frame_and_every_record_gets_it_back(spool):
+    """A column of one value throughout (raw bytes, an argv, 2**64-1, '') is
+    {"r": value} in the batch frame; read back, every record has it exactly,
+    each its own argv list; the columns that vary are lists as before."""
+    weird = os.fsdecode(b"\xff\xfe/x")
+    records = [full(i, comm="\udcff\udc80x", argv=["sh", weird], count=2**64 - 1, path=f"/p{i}")
+               for i in range(50)]
+    spool.append_many(records)
+    raw = open(spool.seg_path(1), "rb").read()
+    assert b'{"r":"\\udcff\\udc80x"}' in raw and b'{"r":["sh","\\udcff\\udcfe/x"]}' in raw
+    assert b'{"r":18446744073709551615}' in raw and b'"/p0","/p1"' in raw
+    b = spool.reader("t").read(1000)
+    got = b.records
+    assert b.damage == [] and got == [dict(r, argv=list(r["argv"])) for r in records]
+    assert len({id(r["argv"]) for r in got}) == 50              # not one list shared by every record
+    got[0]["argv"].append("x")
+    assert got[1]["argv"] == ["sh", weird]
+
+
+def test_a_read_keeps_a_column_of_one_value_as_a_repeat_until_a_sink_asks_for_lists(spool):
+    """Frames that agree on a column's one value make one Repeat for the read
+    (no list of references built and scanned); frames with another value, or
+    a varying one, make a list; Batch.columns gives lists either way, and the
+    records are the records."""
+    from exporters.spool import Repeat
+    a = [full(i, node="n1", comm="a", path=f"/p{i}") for i in range(40)]
+    b = [full(i, node="n1", comm="b", path=f"/q{i}") for i in range(40, 80)]
+    spool.append_many(a)
+    spool.append_many(b)
+    batch = spool.reader("t").read(1000)
+    raw = batch.raw_columns
+    assert raw["node"] == Repeat("n1", 80) and raw["argv"] == Repeat([], 80)
+    assert raw["comm"] == ["a"] * 40 + ["b"] * 40 and raw["path"].__class__ is list
+    assert batch.ts_of(79) == b[-1]["ts_ns"] and batch.oldest_ts() == a[0]["ts_ns"]
+    assert batch._records is None
+    cols = batch.columns
+    assert cols["node"] == ["n1"] * 80 and cols["argv"] == [[]] * 80 and batch.raw_columns["node"].__class__ is list
+    assert batch.records == [dict(r, argv=list(r["argv"])) for r in a + b]
+
+
 def dataclass_replace(d, **kw):
     import dataclasses
     return dataclasses.replace(d, **kw)

@@ -426,12 +426,30 @@ def _child_main(argv=None) -> int:
 
     spool = Spool(a.spool)
     exp = ClickHouseExporter(spool, os.environ.pop(URL_ENV, None), cluster=a.cluster, insert=a.insert, ddl=a.ddl)
+    prof = _profiler()
     try:
         exp.run(stop, interval=a.interval, on_result=report)
     finally:
         exp.close()
         spool.close()
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(os.environ[PROFILE_ENV])
     return 0
+
+
+PROFILE_ENV = "DSEC_EXPORT_PROFILE"     # a file: the child runs under cProfile and writes its stats there at exit
+
+
+def _profiler():
+    """A running cProfile.Profile when PROFILE_ENV names a file (benchmarks: where
+    the exporter child's CPU goes, end to end; `python -m pstats FILE`), else None."""
+    if not os.environ.get(PROFILE_ENV):
+        return None
+    import cProfile
+    prof = cProfile.Profile()
+    prof.enable()
+    return prof
 
 
 if __name__ == "__main__":
