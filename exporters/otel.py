@@ -74,7 +74,7 @@ import os
 import time
 
 from exporters.errors import ExportError, USAGE as EXIT_USAGE
-from exporters.spool import Spool
+from exporters.spool import Repeat, Spool
 from exporters.base import RetryPolicy, SpoolSink
 from exporters.resource import agent_resource, base_resource, dsec_version as _version
 from exporters.otlp_wire import LogsEncoder
@@ -447,13 +447,14 @@ class OtlpSink(SpoolSink):
     def log_request_of(self, batch, now: int | None = None):
         """log_request of the batch's records and damage rows, made from its
         columns when it has them (exporters/otlp_columns.py: the same bytes, no
-        dict per record), else from its records."""
+        dict per record; a column of one value stays a Repeat, encoded once),
+        else from its records."""
         from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
         from exporters.otlp_columns import ColumnLogs
         now = time.time_ns() if now is None else now
         if self._columns is None:
             self._columns = ColumnLogs(self)
-        groups = self._columns.records(batch.columns, batch.count, now, self.damage_rows(batch)) \
+        groups = self._columns.records(batch.raw_columns, batch.count, now, self.damage_rows(batch)) \
             if batch.count else None
         if groups is None:
             return self.log_request(self.rows_of(batch), now)
@@ -461,13 +462,15 @@ class OtlpSink(SpoolSink):
 
     # -- delivery
     def deliver_batch(self, batch) -> None:
-        if not (batch.count and batch.columns):
+        if not (batch.count and batch.raw_columns):
             return self.deliver(self.rows_of(batch))
-        cols, life = batch.columns, []
-        if self.traces and not _LIFECYCLE_KINDS.isdisjoint(cols.get("kind", ())):
+        cols, life = batch.raw_columns, []         # a column of one value: a Repeat (not made a list)
+        kind = cols.get("kind", ())
+        one = kind.__class__ is Repeat
+        if self.traces and not _LIFECYCLE_KINDS.isdisjoint((kind.value,) if one else kind):
             # the few records spans are made of, as dicts (not the whole batch's)
             life = [dict(zip(cols, [c[i] for c in cols.values()]))
-                    for i, k in enumerate(cols["kind"]) if k in _LIFECYCLE_KINDS]
+                    for i in (range(len(kind)) if one else [i for i, k in enumerate(kind) if k in _LIFECYCLE_KINDS])]
         self._deliver(life, lambda: self.rows_of(batch), lambda: self.log_request_of(batch))
 
     def deliver(self, rows: list[dict]) -> None:
