@@ -108,9 +108,9 @@ def test_every_column_one_value(tmp_path):
     """A frame whose every column but event_id is one value, and frames where
     even that is the same line over and over (the columns of one record):
     json_lines_columns of Repeats alone is json_line's."""
-    recs = [normalize(dict(r, **_REPEAT_GROUPS[0], node="n", sandbox_id="s", step=1, pid=2, ppid=1, uid=0,
-                           decision="allowed", mode="audit", policy_name="p", ts_ns=9, event_id=f"e{i:03d}"))
-            for i, r in enumerate(evs("s", 64))]
+    same = dict(_REPEAT_GROUPS[0], node="n", sandbox_id="s", step=1, pid=2, ppid=1, uid=0, decision="allowed",
+                mode="audit", policy_name="p", ts_ns=9)
+    recs = [normalize({**r, **same, "event_id": f"e{i:03d}"}) for i, r in enumerate(evs("s", 64))]
     cols = {f.name: Repeat(recs[0][f.name], 64) for f in FIELDS}
     line = to_json_line(recs[0]).encode("utf-8") + b"\n"
     assert json_lines_columns(cols, 64) == line * 64
