@@ -245,6 +245,8 @@ class ColumnLogs:
                 out = vals                              # the usual case: every body known
                 continue
             for i, key, got in zip(idx, keys, vals):
+                if got is None and key is not None:
+                    got = cache.get(key)                # worded for an earlier record of this read
                 if got is None:
                     try:
                         body = f"{k}: {detail(_Row(cols, i))}".rstrip(": ")     # the record path's words

@@ -16,6 +16,7 @@ import pytest
 from audit_schema.events import FIELDS, KINDS, from_bytes, normalize
 from exporters.otel import OtlpSink
 from exporters.otlp_columns import ColumnLogs
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from exporters.spool import Repeat, Spool
 from test_exporters import _hostile_batch, evs, lifecycle
 from otlp_receiver import OtlpReceiver
@@ -134,8 +135,13 @@ def test_column_request_is_the_record_paths(tmp_path, which):
             if ColumnLogs(sink).records(raw, b.count, now) is not None:   # the column path takes it:
                 assert {k for k, c in b.raw_columns.items() if c.__class__ is Repeat} == repeats   # as they are
                 took += 1
+            sent = sink.log_request_bytes_of(b, now)      # what the sink sends: wire bytes, not parsed
             got = sink.log_request_of(b, now)
             assert sink._columns is not None and sink._columns.usable(b.raw_columns)
+            if sent.__class__ is bytes:
+                assert ExportLogsServiceRequest.FromString(sent) == got
+            else:
+                assert sent == got                            # the record path: a request
             rows = sink.rows_of(b)
             want = sink.log_request(rows, now)
             assert got.SerializeToString() == want.SerializeToString()           # the same bytes
