@@ -34,7 +34,7 @@ import sys
 from itertools import repeat
 
 from exporters.errors import ExportError, USAGE as EXIT_USAGE
-from exporters.spool import Batch, Spool, orjson
+from exporters.spool import Batch, Repeat, Spool, orjson
 from exporters.base import RetryPolicy, SpoolSink, normalize
 from audit_schema.events import FIELDS
 
@@ -89,6 +89,7 @@ def json_lines(rows: list[dict], normalized: bool = False) -> bytes:
 
 
 _STRING = {f.name: f.ch_type == "String" for f in FIELDS}
+_NAME_JSON = {f.name: orjson.dumps(f.name) if orjson is not None else b'"%s"' % f.name.encode() for f in FIELDS}
 _ARRAY = {f.name: f.ch_type == "Array(String)" for f in FIELDS}
 
 
@@ -136,31 +137,43 @@ def json_lines_columns(cols: dict, n: int) -> bytes:
     """json_lines of the n records given as columns (a batch of batch frames,
     normalized: every field in FIELDS order, no None), without a dict per
     record: each column's values as JSON (one orjson call per column), then a
-    record is one join of its fields' names and values (issue 15). The same
-    bytes as json_lines(records); tests/test_jsonl_columns.py checks it."""
+    record is one join of its fields' names and values (issue 15). A column
+    may be a list or a Repeat (Batch.raw_columns: a frame's {"r": value}):
+    a Repeat's value is written once, into the constant text between the
+    varying columns, never made a list or scanned. The same bytes as
+    json_lines(records); tests/test_jsonl_columns.py checks it."""
     args = []
     const = b""                 # the JSON since the last varying column (names, and columns of one value)
     prev_string = False
     for j, (name, col) in enumerate(cols.items()):
         string = _STRING.get(name, False)
-        const += (b'"' if prev_string else b"") + (b"{" if j == 0 else b",") + orjson.dumps(name) + b":" + \
-            (b'"' if string else b"")
+        key = _NAME_JSON.get(name) or orjson.dumps(name)
+        const += (b'"' if prev_string else b"") + (b"{" if j == 0 else b",") + key + b":" + (b'"' if string else b"")
         prev_string = string
-        if col.count(col[0]) == n and len(set(map(type, col))) == 1:     # one value: part of the constant
-            const += (_string_contents(col[:1]) if string else _values(name, col[:1]))[0]
+        if col.__class__ is Repeat:
+            one = [col.value]
+        elif col.count(col[0]) == n and len(set(map(type, col))) == 1:     # one value: part of the constant
+            one = col[:1]
+        else:
+            args.append(repeat(const, n))
+            args.append(_string_contents(col) if string else _values(name, col))
+            const = b""
             continue
-        args.append(repeat(const, n))
-        args.append(_string_contents(col) if string else _values(name, col))
-        const = b""
-    args.append(repeat(const + (b'"' if prev_string else b"") + b"}\n", n))
+        const += (_string_contents(one) if string else _values(name, one))[0]
+    const += (b'"' if prev_string else b"") + b"}\n"
+    if not args:                # every column one value: n copies of one line
+        return const * n
+    args.append(repeat(const, n))
     return b"".join(map(b"".join, zip(*args)))
 
 
 def _normalized(batch: Batch) -> bool:
     """Every record of the batch has every field in FIELDS order and no None
-    (what the recorder spools), judged from its columns (batch frames)."""
-    cols = batch.columns
-    return bool(cols) and list(cols) == _NAMES and not any(None in c for c in cols.values())
+    (what the recorder spools), judged from its columns (batch frames; a
+    Repeat by its one value)."""
+    cols = batch.raw_columns
+    return bool(cols) and list(cols) == _NAMES and \
+        not any(c.value is None if c.__class__ is Repeat else None in c for c in cols.values())
 
 
 class JsonlSink(SpoolSink):
@@ -243,7 +256,7 @@ class JsonlSink(SpoolSink):
 
     def deliver_batch(self, batch: Batch) -> None:
         if batch.count and _normalized(batch) and orjson is not None:
-            self._write(json_lines_columns(batch.columns, batch.count) + json_lines(self.damage_rows(batch)))
+            self._write(json_lines_columns(batch.raw_columns, batch.count) + json_lines(self.damage_rows(batch)))
         else:
             self._write(json_lines(self.rows_of(batch)))
 

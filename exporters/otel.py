@@ -74,7 +74,7 @@ import os
 import time
 
 from exporters.errors import ExportError, USAGE as EXIT_USAGE
-from exporters.spool import Spool
+from exporters.spool import Repeat, Spool
 from exporters.base import RetryPolicy, SpoolSink
 from exporters.resource import agent_resource, base_resource, dsec_version as _version
 from exporters.otlp_wire import LogsEncoder
@@ -323,9 +323,14 @@ class OtlpSink(SpoolSink):
             if getattr(result, "name", "") != "SUCCESS":
                 raise OtlpError(f"OTLP {what} export to {self.endpoint} failed")
             return None
+        if request.__class__ is bytes:                # log_request_bytes_of: sent as they are
+            client = self._raw_logs_client(exp)
+            if client is None:
+                from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+                client, request = exp._client, ExportLogsServiceRequest.FromString(request)
         try:
-            resp = client.Export(request=translate(items) if request is None else request, metadata=getattr(exp, "_headers", ()) or (),
-                                 timeout=self.timeout)
+            resp = client.Export(request=translate(items) if request is None else request,
+                                 metadata=getattr(exp, "_headers", ()) or (), timeout=self.timeout)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             name = code.name if code is not None else "ERROR"
@@ -334,6 +339,25 @@ class OtlpSink(SpoolSink):
                 raise ExportError(msg + " (check OTEL_EXPORTER_OTLP_HEADERS)")
             raise OtlpError(msg) from None
         return resp
+
+    @staticmethod
+    def _raw_logs_client(exp):
+        """A LogsService stub on the exporter's own channel (its TLS, compression,
+        options) whose Export takes the request's wire bytes as they are (no
+        serializer): the bytes log_request_bytes_of wrote are the message, and
+        parsing them into protobuf objects only to serialize them again cost
+        ~2.5 us a record (issue 15). None: no channel to make it on."""
+        channel = getattr(exp, "_channel", None)
+        if channel is None:
+            return None
+        got = getattr(exp, "_dsec_raw_client", None)
+        if got is None or got[0] is not channel:      # (the SDK may make a new channel on a reconnect)
+            from types import SimpleNamespace
+            from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceResponse
+            got = exp._dsec_raw_client = (channel, SimpleNamespace(Export=channel.unary_unary(
+                "/opentelemetry.proto.collector.logs.v1.LogsService/Export", request_serializer=None,
+                response_deserializer=ExportLogsServiceResponse.FromString)))
+        return got[1]
 
     # -- records -> SDK objects
     def _resource(self, node: str, sandbox_id: str):
@@ -447,28 +471,38 @@ class OtlpSink(SpoolSink):
     def log_request_of(self, batch, now: int | None = None):
         """log_request of the batch's records and damage rows, made from its
         columns when it has them (exporters/otlp_columns.py: the same bytes, no
-        dict per record), else from its records."""
+        dict per record; a column of one value stays a Repeat, encoded once),
+        else from its records."""
         from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+        got = self.log_request_bytes_of(batch, now)
+        return got if got.__class__ is not bytes else ExportLogsServiceRequest.FromString(got)
+
+    def log_request_bytes_of(self, batch, now: int | None = None):
+        """What the sink sends for a batch: the wire bytes of log_request_of's
+        request when its columns make it (no protobuf object built), else the
+        record path's ExportLogsServiceRequest."""
         from exporters.otlp_columns import ColumnLogs
         now = time.time_ns() if now is None else now
         if self._columns is None:
             self._columns = ColumnLogs(self)
-        groups = self._columns.records(batch.columns, batch.count, now, self.damage_rows(batch)) \
+        groups = self._columns.records(batch.raw_columns, batch.count, now, self.damage_rows(batch)) \
             if batch.count else None
         if groups is None:
             return self.log_request(self.rows_of(batch), now)
-        return ExportLogsServiceRequest.FromString(self._wire.request(groups, self._scope_of()))
+        return self._wire.request(groups, self._scope_of())
 
     # -- delivery
     def deliver_batch(self, batch) -> None:
-        if not (batch.count and batch.columns):
+        if not (batch.count and batch.raw_columns):
             return self.deliver(self.rows_of(batch))
-        cols, life = batch.columns, []
-        if self.traces and not _LIFECYCLE_KINDS.isdisjoint(cols.get("kind", ())):
+        cols, life = batch.raw_columns, []         # a column of one value: a Repeat (not made a list)
+        kind = cols.get("kind", ())
+        one = kind.__class__ is Repeat
+        if self.traces and not _LIFECYCLE_KINDS.isdisjoint((kind.value,) if one else kind):
             # the few records spans are made of, as dicts (not the whole batch's)
             life = [dict(zip(cols, [c[i] for c in cols.values()]))
-                    for i, k in enumerate(cols["kind"]) if k in _LIFECYCLE_KINDS]
-        self._deliver(life, lambda: self.rows_of(batch), lambda: self.log_request_of(batch))
+                    for i in (range(len(kind)) if one else [i for i, k in enumerate(kind) if k in _LIFECYCLE_KINDS])]
+        self._deliver(life, lambda: self.rows_of(batch), lambda: self.log_request_bytes_of(batch))
 
     def deliver(self, rows: list[dict]) -> None:
         self._deliver(rows, lambda: rows, lambda: self.log_request(rows))
@@ -481,8 +515,8 @@ class OtlpSink(SpoolSink):
         if self.traces:
             spans, new_state = self._tracer.process(span_rows, self._span_state)
         if self.logs:
-            req = request()
-            if req.resource_logs:
+            req = request()                           # a request, or its wire bytes (b"": no records)
+            if req if req.__class__ is bytes else req.resource_logs:
                 resp = self._rpc(self._logs_exporter(), rows, "logs", request=req)
                 self._partial(resp, "log records")
         if spans:

@@ -16,6 +16,13 @@ path's by construction. tests/test_otlp_columns.py checks that a batch's
 request is byte for byte the record path's and the SDK encoder's, for
 non-UTF-8 and huge values and mixed kinds.
 
+A column may be a list or a Repeat (Batch.raw_columns: a batch frame's
+{"r": value}, kept while a read's frames agree on it): a Repeat's attribute
+is encoded once (once per kind for a kind-dependent name), its body worded
+once when every column the body reads is one, and it is never made a list
+or scanned (a sandbox's read: node, sandbox, kind, pid, comm, policy, flags
+and every default are Repeats).
+
 records() returns None when the columns are not the recorder's normalized
 shape (every field of audit_schema, in order, no None, ints that are ints)
 or none of the records is of a kind worded here: the caller then takes the
@@ -30,12 +37,26 @@ from audit_schema.describe import detail
 from audit_schema.events import FIELDS
 from exporters.otlp_mapping import ATTRIBUTES, _SAMPLED, _ZERO_MEANS, _severity, attr_items, span_id_of, trace_id_of
 from exporters.otlp_wire import _F32, _F64, _VT, ld, key_value, varint
+from exporters.spool import Repeat
 
 _NAMES = [f.name for f in FIELDS]
 _UNIQUE = ("event_id",)                        # a different value in every record
 _CACHE_MAX = 20_000                # entries per cache, each at most _ENTRY_MAX bytes
 _ENTRY_MAX = 512
 _TS = struct.Struct("<BQ")
+
+
+def _seq(col, n):
+    """The column's values to iterate: a Repeat as itertools.repeat (C), a list as it is."""
+    return repeat(col.value, n) if col.__class__ is Repeat else col
+
+
+def _distinct(col) -> set:
+    return {col.value} if col.__class__ is Repeat else set(col)
+
+
+def _types(col) -> set:
+    return {col.value.__class__} if col.__class__ is Repeat else set(map(type, col))
 
 
 class _Row:
@@ -90,22 +111,29 @@ class ColumnLogs:
 
     @staticmethod
     def usable(cols) -> bool:
-        return bool(cols) and list(cols) == _NAMES and not any(None in c for c in cols.values())
+        return bool(cols) and list(cols) == _NAMES and \
+            not any(c.value is None if c.__class__ is Repeat else None in c for c in cols.values())
 
     def _column(self, field, ch_type, spec, col, kinds, K):
         """The attribute bytes of one column, one per record (None: all empty;
-        bytes: the same for every record)."""
+        bytes: the same for every record). col: a list, or a Repeat (one value,
+        encoded once)."""
         dep = isinstance(spec, dict)
         kz = _KEEP_ZERO.get(field, ())
         names = {(spec.get(k) or spec["*"]) if dep else spec for k in kinds}
         keeps = {k in kz for k in kinds}
+        n = len(col)
         if len(names) == 1 and len(keeps) == 1:        # the same for every kind of the batch
             name, keep = names.pop(), keeps.pop()
+            if col.__class__ is Repeat:                # one value: bytes, or nothing
+                if not keep and not col.value:
+                    return None
+                return self._column(field, ch_type, spec, [col.value], kinds, K)[0]
             if not keep and not any(col):
                 return None
             if field in _UNIQUE:                       # a value per record: nothing to remember
                 return self._unique(field, name, col)
-            if len(col) > 1 and col.count(col[0]) == len(col) and len(set(map(type, col))) == 1:
+            if n > 1 and col.count(col[0]) == n and len(set(map(type, col))) == 1:
                 return self._column(field, ch_type, spec, col[:1], kinds, K)[0]     # one value: bytes
             cache = self._attr.get((field, name, keep))
             if cache is None or len(cache) >= _CACHE_MAX:
@@ -140,7 +168,7 @@ class ColumnLogs:
         if cache is None or len(cache) >= _CACHE_MAX:
             cache = self._attr_k[field] = {}
         out = []
-        for k, v in zip(K, col):
+        for k, v in zip(_seq(K, n), _seq(col, n)):
             key = (k, tuple(v) if ch_type == "Array(String)" else v)
             got = cache.get(key)
             if got is None:
@@ -180,7 +208,8 @@ class ColumnLogs:
         return got
 
     def _bodies(self, cols, K, kinds, n, slow):
-        """The body field (5) of each record; records of kinds without a formatter: in slow."""
+        """The body field (5) of each record (bytes: the same for every record);
+        records of kinds without a formatter: in slow."""
         out = [b""] * n
         for k in kinds:
             idx = range(n) if len(kinds) == 1 else [i for i, x in enumerate(K) if x == k]
@@ -191,10 +220,24 @@ class ColumnLogs:
             cache = self._body.get(k)
             if cache is None or len(cache) >= _CACHE_MAX:
                 cache = self._body[k] = {}
+            if len(kinds) == 1 and keycols is not None and all(cols[c].__class__ is Repeat for c in keycols):
+                # the same body for every record (it reads only these columns): worded once
+                key = tuple(cols[c].value for c in keycols)
+                got = cache.get(key)
+                if got is None:
+                    try:
+                        body = f"{k}: {detail(_Row(cols, 0))}".rstrip(": ")
+                    except Exception:  # noqa: BLE001 - the record path's courtesy: the kind alone
+                        slow.update(idx)
+                        return out
+                    got = ld(5, ld(1, body.encode("utf-8")))
+                    if len(got) <= _ENTRY_MAX:
+                        cache[key] = got
+                return got
             if keycols is None:
                 keys = [None] * len(idx)
             elif len(kinds) == 1:
-                keys = list(zip(*[cols[c] for c in keycols]))
+                keys = list(zip(*[_seq(cols[c], n) for c in keycols]))
             else:
                 keys = list(zip(*[[cols[c][i] for i in idx] for c in keycols]))
             vals = list(map(cache.get, keys)) if keycols is not None else keys
@@ -202,6 +245,8 @@ class ColumnLogs:
                 out = vals                              # the usual case: every body known
                 continue
             for i, key, got in zip(idx, keys, vals):
+                if got is None and key is not None:
+                    got = cache.get(key)                # worded for an earlier record of this read
                 if got is None:
                     try:
                         body = f"{k}: {detail(_Row(cols, i))}".rstrip(": ")     # the record path's words
@@ -220,13 +265,17 @@ class ColumnLogs:
         if not self.usable(cols):
             return None
         for field, ch_type, _ in _ATTR_FIELDS:
-            if ch_type not in ("String", "Array(String)") and set(map(type, cols[field])) != {int}:
+            if ch_type not in ("String", "Array(String)") and _types(cols[field]) != {int}:
                 return None
         K = cols["kind"]
-        kinds = set(K)
+        kinds = _distinct(K)
         slow = set()
-        if "unix" in cols["family"]:
-            slow.update(i for i, f in enumerate(cols["family"]) if f == "unix")
+        fam = cols["family"]
+        if fam.__class__ is Repeat:
+            if fam.value == "unix":
+                return None                             # every record moves network.transport: the record path
+        elif "unix" in fam:
+            slow.update(i for i, f in enumerate(fam) if f == "unix")
         bodies = self._bodies(cols, K, kinds, n, slow) if len(kinds) > 1 or K[0] in BODIES else None
         if bodies is None or len(slow) == n:
             return None                                 # no record this words itself: the record path
@@ -237,14 +286,22 @@ class ColumnLogs:
         sev = self._sev
         if len(sev) > 4096:
             sev.clear()
-        sevs = set(zip(K, cols["decision"]))
+        dec = cols["decision"]
+        sevs = {(K.value, dec.value)} if K.__class__ is Repeat and dec.__class__ is Repeat else \
+            set(zip(_seq(K, n), _seq(dec, n)))
         for kd in sevs:
             if kd not in sev:
                 s, text = _severity({"kind": kd[0], "decision": kd[1]})
                 sev[kd] = (b"\x10" + varint(s.value) if s.value else b"") + (ld(3, text.encode()) if text else b"")
-        pieces = [[_TS.pack(9, t) if t else b"\x09" + _F64.pack(now) for t in cols["ts_ns"]] if now else
-                  [_TS.pack(9, t) if t else b"" for t in cols["ts_ns"]],
-                  [sev[kd] for kd in zip(K, cols["decision"])] if len(sevs) > 1 else sev[sevs.pop()],
+        ts = cols["ts_ns"]
+        if ts.__class__ is Repeat:
+            t = ts.value or now
+            ts = _TS.pack(9, t) if t else b""
+        else:
+            ts = [_TS.pack(9, t) if t else b"\x09" + _F64.pack(now) for t in ts] if now else \
+                [_TS.pack(9, t) if t else b"" for t in ts]
+        pieces = [ts,
+                  [sev[kd] for kd in zip(K, dec)] if len(sevs) > 1 else sev[sevs.pop()],
                   bodies,
                   [kind_attr[k] for k in K] if len(kinds) > 1 else kind_attr[K[0]]]
         for field, ch_type, spec in _ATTR_FIELDS:
@@ -255,7 +312,11 @@ class ColumnLogs:
         ids = self._ids
         if len(ids) > 65536:
             ids.clear()
-        keys = list(zip(cols["node"], cols["sandbox_id"], cols["step"]))
+        idc = (cols["node"], cols["sandbox_id"], cols["step"])
+        if all(c.__class__ is Repeat for c in idc):
+            keys = [tuple(c.value for c in idc)]
+        else:
+            keys = list(zip(*[_seq(c, n) for c in idc]))
         ids_of = set(keys)
         for key in ids_of:
             if key not in ids:
@@ -281,8 +342,9 @@ class ColumnLogs:
             args.append(p)
         if const:
             args.append(repeat(const, n))
-        recs = list(map(b"".join, zip(*args)))
-        keys = list(zip(cols["node"], cols["sandbox_id"]))
+        recs = list(map(b"".join, zip(*args))) if args else [const] * n
+        rc = (cols["node"], cols["sandbox_id"])
+        one = tuple(c.value for c in rc) if all(c.__class__ is Repeat for c in rc) else None
         enc, fields = self.sink._wire, self.sink._log_fields
         if slow:
             order = sorted(slow)
@@ -291,10 +353,16 @@ class ColumnLogs:
                 recs[i] = enc.log_record(**f)
         for r, f in fields(extra or (), now):        # events_lost rows of the batch's damage, at the end
             recs.append(enc.log_record(**f))
-        keys += [(r.get("node") or "", r.get("sandbox_id") or "") for r in extra or ()]
+        more = [(r.get("node") or "", r.get("sandbox_id") or "") for r in extra or ()]
         # grouped by resource in order of first appearance (as the record path), keyed by
         # (node, sandbox_id): a Resource's hash is a JSON dump of its attributes
         res_of = self.sink._resource
+        if one is not None:
+            if all(k == one for k in more):
+                return [(res_of(*one), recs)]
+            keys = [one] * n + more
+        else:
+            keys = list(zip(*[_seq(c, n) for c in rc])) + more
         first = dict.fromkeys(keys)
         if len(first) == 1:
             return [(res_of(*keys[0]), recs)]
