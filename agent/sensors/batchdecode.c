@@ -2,7 +2,9 @@
  * records, in C (issue 15).
  *
  * agent/sensors/batchdecode.py BatchDecoder.decode_many calls
- * dsec_decode_files(ctx, blob, spans, i, out) at a record of those kinds: from
+ * decode(prepare(ctx), blob, spans, i, out) at a record of those kinds (the two
+ * builtin functions dsec_batchdecode_functions() makes; prepare once per
+ * decode_many call): from
  * spans[i] on it decodes records exactly as the Python loop does (the same
  * template copy, the same fields and caches, the same decoder state: the
  * sequence number, the remembered parents -- a fork's child remembered, an
@@ -44,7 +46,7 @@ typedef struct {
     Py_ssize_t hdr_off, body_off, buf_off, fixed, comm_off, addr_off, addr_size, max_parents;
     field_t hf[H_N], bf[B_N], kf[FK_N], xf[X_N], cf[C_N];
     PyObject *kinds, *sandboxes, *tmpl, *comms, *extras, *parents, *socks, **K;
-    PyObject *offset_ns, *prefix, *at_fdcwd_s, *s_recent, *s_saw;
+    PyObject *offset_ns, *prefix, *at_fdcwd_s, *s_recent, *s_saw, *state;
     long long at_fdcwd;
     unsigned long long seq;
     const unsigned char *base;
@@ -407,12 +409,13 @@ static Py_ssize_t ssize_at(PyObject *t, Py_ssize_t i)
     return PyLong_AsSsize_t(PyTuple_GET_ITEM(t, i));
 }
 
-Py_ssize_t dsec_decode_files(PyObject *ctx, PyObject *blob, PyObject *spans, Py_ssize_t i, PyObject *out)
+/* ctx (batchdecode.py _c_context) -> *cp; -1 with an error set. The pointers borrowed from ctx stay
+ * valid while ctx lives (the capsule holds it). */
+static int parse_ctx(PyObject *ctx, ctx_t *cp)
 {
-    ctx_t c;
-    if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) != X_NCTX || !PyBytes_Check(blob) || !PyList_Check(spans) ||
-        !PyList_Check(out)) {
-        PyErr_SetString(PyExc_TypeError, "dsec_decode_files: bad arguments");
+#define c (*cp)
+    if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) != X_NCTX) {
+        PyErr_SetString(PyExc_TypeError, "batchdecode: bad arguments");
         return -1;
     }
     PyObject *layout = PyTuple_GET_ITEM(ctx, X_LAYOUT), *addr = PyTuple_GET_ITEM(ctx, X_ADDR);
@@ -421,7 +424,7 @@ Py_ssize_t dsec_decode_files(PyObject *ctx, PyObject *blob, PyObject *spans, Py_
         fields_of(PyTuple_GET_ITEM(ctx, X_FILE), c.bf, B_N) || fields_of(PyTuple_GET_ITEM(ctx, X_FORK), c.kf, FK_N) ||
         fields_of(PyTuple_GET_ITEM(ctx, X_EXIT), c.xf, X_N) || fields_of(PyTuple_GET_ITEM(ctx, X_CONNECT), c.cf, C_N)) {
         if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "dsec_decode_files: bad layout");
+            PyErr_SetString(PyExc_TypeError, "batchdecode: bad layout");
         return -1;
     }
     c.hdr_off = ssize_at(layout, 0);
@@ -448,7 +451,7 @@ Py_ssize_t dsec_decode_files(PyObject *ctx, PyObject *blob, PyObject *spans, Py_
     for (int k = 0; k < C_N; k++)
         ok = ok && c.cf[k].off + c.cf[k].size <= bsz;
     if (!ok) {
-        PyErr_SetString(PyExc_ValueError, "dsec_decode_files: a field outside the fixed part");
+        PyErr_SetString(PyExc_ValueError, "batchdecode: a field outside the fixed part");
         return -1;
     }
     c.kinds = PyTuple_GET_ITEM(ctx, X_KINDS);          /* kind number -> (kind name, KIND_* code) */
@@ -465,18 +468,34 @@ Py_ssize_t dsec_decode_files(PyObject *ctx, PyObject *blob, PyObject *spans, Py_
         !PyDict_Check(c.extras) || !PyDict_Check(c.parents) || !PyDict_Check(c.socks) || !PyTuple_Check(keys) ||
         PyTuple_GET_SIZE(keys) != K_N || !PyList_Check(state) || PyList_GET_SIZE(state) != 5 ||
         !PyTuple_Check(strs) || PyTuple_GET_SIZE(strs) != 3 || !PyUnicode_Check(PyList_GET_ITEM(state, 2))) {
-        PyErr_SetString(PyExc_TypeError, "dsec_decode_files: bad context");
+        PyErr_SetString(PyExc_TypeError, "batchdecode: bad context");
         return -1;
     }
     c.K = ((PyTupleObject *)keys)->ob_item;
-    c.seq = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(state, 0));
-    c.offset_ns = PyList_GET_ITEM(state, 1);
+    c.state = state;
     c.prefix = PyList_GET_ITEM(state, 2);
     c.at_fdcwd_s = PyList_GET_ITEM(state, 3);
     c.max_parents = PyLong_AsSsize_t(PyList_GET_ITEM(state, 4));
     c.s_recent = PyTuple_GET_ITEM(strs, 0);
     c.s_saw = PyTuple_GET_ITEM(strs, 1);
     c.at_fdcwd = PyLong_AsLongLong(PyTuple_GET_ITEM(strs, 2));
+    if (PyErr_Occurred())
+        return -1;
+    return 0;
+#undef c
+}
+
+/* decode(prepared, blob, spans, i, out) -> the index of the first record left to the Python loop */
+static Py_ssize_t run(ctx_t *cp, PyObject *blob, PyObject *spans, Py_ssize_t i, PyObject *out)
+{
+#define c (*cp)
+    PyObject *state = c.state;
+    if (!PyBytes_Check(blob) || !PyList_Check(spans) || !PyList_Check(out)) {
+        PyErr_SetString(PyExc_TypeError, "batchdecode: bad arguments");
+        return -1;
+    }
+    c.seq = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(state, 0));
+    c.offset_ns = PyList_GET_ITEM(state, 1);
     if (PyErr_Occurred())
         return -1;
     c.base = (const unsigned char *)PyBytes_AS_STRING(blob);
@@ -510,4 +529,78 @@ Py_ssize_t dsec_decode_files(PyObject *ctx, PyObject *blob, PyObject *spans, Py_
         PyErr_Restore(et, ev, tb);
     }
     return got < 0 ? -1 : i;
+#undef c
+}
+
+/* Called from Python as builtin functions (one ctypes call at load, not one per run: a ctypes
+ * call costs about a microsecond, a run of records between two execs is one or two records). */
+typedef struct { ctx_t c; PyObject *ctx; } prepared_t;
+static const char CAPSULE[] = "dsec.batchdecode.ctx";
+
+static void prepared_free(PyObject *cap)
+{
+    prepared_t *p = PyCapsule_GetPointer(cap, CAPSULE);
+    if (p != NULL) {
+        Py_XDECREF(p->ctx);
+        PyMem_Free(p);
+    }
+}
+
+/* prepare(ctx) -> a capsule: ctx parsed once per decode_many call */
+static PyObject *py_prepare(PyObject *self, PyObject *ctx)
+{
+    (void)self;
+    prepared_t *p = PyMem_Malloc(sizeof *p);
+    if (p == NULL)
+        return PyErr_NoMemory();
+    if (parse_ctx(ctx, &p->c)) {
+        PyMem_Free(p);
+        return NULL;
+    }
+    Py_INCREF(ctx);
+    p->ctx = ctx;
+    PyObject *cap = PyCapsule_New(p, CAPSULE, prepared_free);
+    if (cap == NULL) {
+        Py_DECREF(ctx);
+        PyMem_Free(p);
+    }
+    return cap;
+}
+
+/* decode(prepared, blob, spans, i, out) -> int */
+static PyObject *py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "decode(prepared, blob, spans, i, out)");
+        return NULL;
+    }
+    prepared_t *p = PyCapsule_GetPointer(args[0], CAPSULE);
+    if (p == NULL)
+        return NULL;
+    Py_ssize_t i = PyLong_AsSsize_t(args[3]);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t j = run(&p->c, args[1], args[2], i, args[4]);
+    return j < 0 ? NULL : PyLong_FromSsize_t(j);
+}
+
+static PyMethodDef methods[] = {
+    {"prepare", (PyCFunction)py_prepare, METH_O, "batchdecode.c's view of a BatchDecoder's context"},
+    {"decode", (PyCFunction)(void (*)(void))py_decode, METH_FASTCALL, "decode a run of records from spans[i]"},
+};
+
+/* (prepare, decode) as builtin functions (a new reference: ctypes' py_object restype takes it) */
+PyObject *dsec_batchdecode_functions(void)
+{
+    PyObject *a = PyCFunction_New(&methods[0], NULL), *b = PyCFunction_New(&methods[1], NULL);
+    if (a == NULL || b == NULL) {
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        return NULL;
+    }
+    PyObject *t = PyTuple_Pack(2, a, b);
+    Py_DECREF(a);
+    Py_DECREF(b);
+    return t;
 }

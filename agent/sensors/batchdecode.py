@@ -95,7 +95,7 @@ def build_c(out: str = C_LIB) -> str:
 
 
 def _load_c():
-    """batchdecode.c's dsec_decode_files, or None (not built, or older than its
+    """batchdecode.c's (prepare, decode) builtin functions, or None (not built, or older than its
     source: the Python loop decodes everything, and a warning says so once)."""
     with _c_lock:
         if _c[0]:
@@ -108,14 +108,15 @@ def _load_c():
             elif sys.byteorder != "little":
                 why = "not for a big-endian machine"
             else:
-                fn = ctypes.PyDLL(C_LIB).dsec_decode_files
-                fn.restype = ctypes.c_ssize_t
-                fn.argtypes = (ctypes.py_object, ctypes.py_object, ctypes.py_object, ctypes.c_ssize_t,
-                               ctypes.py_object)
-                _c[1] = fn
+                # one ctypes call here; the functions it gives are called as builtins (a ctypes
+                # call per run of records cost about a microsecond: a run between two execs is 1-2)
+                fns = ctypes.PyDLL(C_LIB).dsec_batchdecode_functions
+                fns.restype = ctypes.py_object
+                fns.argtypes = ()
+                _c[1] = tuple(fns())
         except FileNotFoundError:
             why = "not built"
-        except OSError as e:
+        except (OSError, AttributeError) as e:        # AttributeError: a library without the function
             why = str(e)
         if why:
             log.warning("audit: %s %s (run `make setup`); open_write/unlink/fork/exit/connect records are "
@@ -204,7 +205,7 @@ class BatchDecoder:
                 {num: (f[2], _C_KINDS.index(f[2])) for num, f in self._fast.items() if f[2] in _C_KINDS},
                 conn_f["addr"][:2])
             if hdr_f["comm"][1] == 16 and all(v[1] in (1, 2, 4, 8) for t in ints for v in t):
-                self._cfn = _load_c()
+                self._cprep, self._cfn = _load_c()
                 self._c_kinds = frozenset(self._c_static[2])
 
     # -- the loop -------------------------------------------------------------------------
@@ -229,6 +230,7 @@ class BatchDecoder:
         if cfn is not None:
             ctx = self._c_context()
             state = ctx[10]
+            ctx = self._cprep(ctx)      # parsed once per call
             ckinds = self._c_kinds
         i, count = 0, len(spans)
         while i < count:
