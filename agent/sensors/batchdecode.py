@@ -26,12 +26,15 @@ makes it an events_lost record or counts it: never silent, and a chunk is
 never lost to one bad record). tests/test_batchdecode.py decodes the same kernel
 records both ways and compares every field.
 
-Open_write and unlink records with an absolute path are decoded in C
-(batchdecode.c through ctypes, built by `make setup`; DSEC_DECODE_C=0 turns
-it off): from such a record on, the same records from the same templates,
-caches and decoder state, until a record it leaves to the Python loop below
-(which then decodes it as before). Without the library the Python loop does
-all of it (a warning says so once).
+Open_write and unlink records with an absolute path, fork, exit and connect
+records are decoded in C (batchdecode.c through ctypes, built by `make
+setup`; DSEC_DECODE_C=0 turns it off): from such a record on, the same
+records from the same templates, caches and decoder state, until a record it
+leaves to the Python loop below (which then decodes it as before: the first
+of its extra or sockaddr, a ppid not known yet ...). The meaning of each field
+is this file's (_fork, _exit, _connect, the open_write/unlink code inline in
+decode_many); batchdecode.c mirrors it, and reads only the caches these fill.
+Without the library the Python loop does all of it (a warning says so once).
 
 decode_many returns a list of records (dicts) and EnrichJobs (an exec whose
 file is read off the decode path: Decoder.take_job), in ring order; records
@@ -69,7 +72,8 @@ log = logging.getLogger("dsec.audit")
 
 
 _C_KEYS = ("ret", "flags", "path", "path_raw", "dirfd", "extra", "event_id", "ts_ns", "step", "pid", "ppid", "uid",
-           "comm")                  # batchdecode.c's K_* order
+           "comm", "child_pid", "exit_code", "signal", "family", "addr", "port")   # batchdecode.c's K_* order
+_C_KINDS = ("open_write", "unlink", "fork", "exit", "connect")                      # batchdecode.c's KIND_* order
 HERE = os.path.dirname(os.path.abspath(__file__))
 C_SRC = os.path.join(HERE, "batchdecode.c")
 C_LIB = os.path.join(HERE, "build", "libdsec_batchdecode.so")
@@ -91,7 +95,7 @@ def build_c(out: str = C_LIB) -> str:
 
 
 def _load_c():
-    """batchdecode.c's dsec_decode_files, or None (not built, or older than its
+    """batchdecode.c's (prepare, decode) builtin functions, or None (not built, or older than its
     source: the Python loop decodes everything, and a warning says so once)."""
     with _c_lock:
         if _c[0]:
@@ -104,18 +108,19 @@ def _load_c():
             elif sys.byteorder != "little":
                 why = "not for a big-endian machine"
             else:
-                fn = ctypes.PyDLL(C_LIB).dsec_decode_files
-                fn.restype = ctypes.c_ssize_t
-                fn.argtypes = (ctypes.py_object, ctypes.py_object, ctypes.py_object, ctypes.c_ssize_t,
-                               ctypes.py_object)
-                _c[1] = fn
+                # one ctypes call here; the functions it gives are called as builtins (a ctypes
+                # call per run of records cost about a microsecond: a run between two execs is 1-2)
+                fns = ctypes.PyDLL(C_LIB).dsec_batchdecode_functions
+                fns.restype = ctypes.py_object
+                fns.argtypes = ()
+                _c[1] = tuple(fns())
         except FileNotFoundError:
             why = "not built"
-        except OSError as e:
+        except (OSError, AttributeError) as e:        # AttributeError: a library without the function
             why = str(e)
         if why:
-            log.warning("audit: %s %s (run `make setup`); open_write/unlink records are decoded in Python "
-                        "(slower)", C_LIB, why)
+            log.warning("audit: %s %s (run `make setup`); open_write/unlink/fork/exit/connect records are "
+                        "decoded in Python (slower)", C_LIB, why)
         return _c[1]
 
 
@@ -180,17 +185,28 @@ class BatchDecoder:
         self.enabled = True
         self.c_decoded = 0           # records batchdecode.c decoded (tests: the C loop is the one in use)
         self._cfn = None
+        self._c_kinds = frozenset()
         self._c_static = None
-        file_body = _fmt(bodies["file"])
-        hdr_f, file_f = _offsets(h[0], h[1]), _offsets(file_body[0], file_body[1])
-        if os.environ.get("DSEC_DECODE_C", "1") != "0" and hdr_f and file_f and _load_c() is not None:
+        hdr_f = _offsets(h[0], h[1])
+        body_f = {}
+        for name in ("file", "fork", "exit", "connect"):
+            b = _fmt(bodies[name])
+            body_f[name] = _offsets(b[0], b[1])
+        if os.environ.get("DSEC_DECODE_C", "1") != "0" and hdr_f and all(body_f.values()) and \
+                _load_c() is not None:
+            file_f, fork_f, exit_f, conn_f = (body_f[k] for k in ("file", "fork", "exit", "connect"))
+            ints = (tuple(hdr_f[k] for k in ("ts_ns", "cgroup_id", "kind", "pid", "tid", "ppid", "uid", "gid", "step")),
+                    tuple(file_f[k] for k in ("ret", "flags", "mode", "resolve", "dirfd", "sys", "status", "path_len")),
+                    tuple(fork_f[k] for k in ("clone_flags", "child_pid")),
+                    tuple(exit_f[k] for k in ("exit_code", "signal", "how")),
+                    tuple(conn_f[k] for k in ("ret", "fd", "addrlen", "status")))
             self._c_static = (
-                (dec.hdr_off, dec.body_off, dec.buf_off, dec.fixed, hdr_f["comm"][0]),
-                tuple(hdr_f[k] for k in ("ts_ns", "cgroup_id", "kind", "pid", "tid", "ppid", "uid", "gid", "step")),
-                tuple(file_f[k] for k in ("ret", "flags", "mode", "resolve", "dirfd", "sys", "status", "path_len")),
-                {num: f[2] for num, f in self._fast.items() if f[3]})
-            if hdr_f["comm"][1] == 16 and all(v[1] in (1, 2, 4, 8) for v in self._c_static[1] + self._c_static[2]):
-                self._cfn = _load_c()
+                (dec.hdr_off, dec.body_off, dec.buf_off, dec.fixed, hdr_f["comm"][0]), ints,
+                {num: (f[2], _C_KINDS.index(f[2])) for num, f in self._fast.items() if f[2] in _C_KINDS},
+                conn_f["addr"][:2])
+            if hdr_f["comm"][1] == 16 and all(v[1] in (1, 2, 4, 8) for t in ints for v in t):
+                self._cprep, self._cfn = _load_c()
+                self._c_kinds = frozenset(self._c_static[2])
 
     # -- the loop -------------------------------------------------------------------------
     def decode_many(self, blob: bytes, spans) -> list:
@@ -214,6 +230,8 @@ class BatchDecoder:
         if cfn is not None:
             ctx = self._c_context()
             state = ctx[10]
+            ctx = self._cprep(ctx)      # parsed once per call
+            ckinds = self._c_kinds
         i, count = 0, len(spans)
         while i < count:
             o, n = spans[i]
@@ -234,9 +252,10 @@ class BatchDecoder:
             ent = tmpl.get((cg, kind))
             if ent is None or ent[0] is not info:
                 ent = self._template(cg, kind, kname, info)
-            if file_kind and cfn is not None:
-                # a run of open_write/unlink records in C (batchdecode.c: the same records, the same
-                # state); it leaves what it does not take (the first record of another kind ...) here
+            if cfn is not None and kind in ckinds:
+                # a run of open_write/unlink/fork/exit/connect records in C (batchdecode.c: the same
+                # records, the same state); it leaves what it does not take (the first record of
+                # another kind, an extra not cached yet ...) here
                 state[0], state[1] = dec.seq, dec.offset_ns
                 try:
                     j = cfn(ctx, blob, spans, i - 1, out)
@@ -315,10 +334,10 @@ class BatchDecoder:
     def _c_context(self) -> tuple:
         """batchdecode.c's view of this decoder (the same dicts the Python loop uses)."""
         dec = self.dec
-        layout, hdr_f, file_f, kinds = self._c_static
+        layout, (hdr_f, file_f, fork_f, exit_f, conn_f), kinds, addr = self._c_static
         return (layout, hdr_f, file_f, kinds, dec.sandboxes, self._tmpl, self._comm, self._extra, dec.parents,
-                _C_KEYS, [dec.seq, dec.offset_ns, dec._id_prefix, "AT_FDCWD", "unlink"],
-                ("recent_pids", "saw", AT_FDCWD))
+                _C_KEYS, [dec.seq, dec.offset_ns, dec._id_prefix, "AT_FDCWD", dec.max_parents],
+                ("recent_pids", "saw", AT_FDCWD), fork_f, exit_f, conn_f, addr, self._sock)
 
     def _drop_exec_job(self) -> None:
         if self._exec_job is not None:
