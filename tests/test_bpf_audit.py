@@ -16,7 +16,7 @@ import pytest
 from agent.sensors.audit import (_budget, build_cflags, check_features, compile_bpf, require_features,
                                tracepoints_used)
 from agent.sensors.common import ENDED
-from agent.sensors.elfinfo import QUEUE_FULL
+from agent.sensors.enrich import QUEUE_FULL
 from agent.sensors.decoder import AT_FDCWD, decode_sockaddr, resolve_path, sandbox_view
 from agent.errors import DsecError
 from audit_schema.events import FIELD_NAMES, to_bytes

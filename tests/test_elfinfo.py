@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from agent.sensors.elfinfo import (CHANGED, QUEUE_FULL, ElfInfoCache, Enricher, EnrichJob, Pending, inspect_fd,
-                                  open_in_root)
+from agent.sensors.elfinfo import CHANGED, ElfInfoCache, Pending, inspect_fd, open_in_root
+from agent.sensors.enrich import QUEUE_FULL, Enricher, EnrichJob
 from audit_schema.events import to_bytes
 
 PT_LOAD, PT_INTERP, PT_NOTE = 1, 3, 4

@@ -324,7 +324,7 @@ class BatchDecoder:
                 if not rp or rp[-1] != pid:
                     info.saw(pid)
             if kname == "exec" and self._exec_job is not None:
-                from agent.sensors.elfinfo import EnrichJob
+                from agent.sensors.enrich import EnrichJob
                 (pending, ex), self._exec_job = self._exec_job, None
                 append(EnrichJob(rec, ex, pending, info.cgroup_id))   # as decode() + take_job()
                 continue

@@ -358,9 +358,9 @@ class RingSensor:
         self.instance = uuid.uuid4().hex
         self.decoder = Decoder(leaf_type, self.consts, node=node or socket.gethostname(), instance=self.instance,
                                enricher=enricher, cgroup2_root=cgroup2_mount())
-        self.enrich_worker = None       # reads exec'd files off the decode path (elfinfo.Enricher)
+        self.enrich_worker = None       # reads exec'd files off the decode path (enrich.Enricher)
         if enricher is not None:
-            from agent.sensors.elfinfo import Enricher
+            from agent.sensors.enrich import Enricher
             self.enrich_worker = Enricher(enricher)
             self.enrich_worker.warm()       # pyelftools imported before the first exec needs it
             self.decoder.enrich_async = True

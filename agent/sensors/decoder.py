@@ -524,7 +524,7 @@ class Decoder:
         if kind == "exec" or len(rec) != _NFIELDS:
             rec = normalize(rec)        # enrichment may set None; a field not in the schema raises
         if self._pending is not None:
-            from agent.sensors.elfinfo import EnrichJob
+            from agent.sensors.enrich import EnrichJob
             (pending, ex), self._pending = self._pending, None
             self._job = EnrichJob(rec, ex, pending, info.cgroup_id)
         return rec
