@@ -44,10 +44,17 @@ _lock = threading.Lock()
 
 def build(out: str = LIB) -> str:
     """Compile columns.c into a shared library for this Python (scripts/setup.sh)."""
+    return build_extension(SRC, out)
+
+
+def build_extension(src: str, out: str) -> str:
+    """Compile the C file `src`, written against Python's C API and loaded through
+    ctypes.PyDLL, into the shared library `out` (written whole, then renamed):
+    columns.c here, agent/sensors/batchdecode.c."""
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = f"{out}.{os.getpid()}.tmp"
     cmd = ["cc", "-O2", "-Wall", "-Wextra", "-shared", "-fPIC", "-I" + sysconfig.get_config_var("INCLUDEPY"),
-           "-o", tmp, SRC]
+           "-o", tmp, src]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:

@@ -49,9 +49,7 @@ import logging
 import os
 import re
 import struct
-import subprocess
 import sys
-import sysconfig
 import threading
 
 from agent.sensors.decoder import _TEMPLATE, AT_FDCWD, decode_sockaddr, dirfd_name
@@ -83,15 +81,8 @@ _c_lock = threading.Lock()
 
 def build_c(out: str = C_LIB) -> str:
     """Compile batchdecode.c for this Python (scripts/setup.sh)."""
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = f"{out}.{os.getpid()}.tmp"
-    cmd = ["cc", "-O2", "-Wall", "-Wextra", "-shared", "-fPIC", "-I" + sysconfig.get_config_var("INCLUDEPY"),
-           "-o", tmp, C_SRC]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"cannot build {out}: {(r.stderr.strip().splitlines() or ['cc failed'])[-1]}")
-    os.rename(tmp, out)
-    return out
+    from exporters.columns import build_extension
+    return build_extension(C_SRC, out)
 
 
 def _load_c():
