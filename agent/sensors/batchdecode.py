@@ -258,21 +258,10 @@ class BatchDecoder:
                     continue
             try:
                 if file_kind:
-                    # open_write and unlink inline (the most frequent kinds by far): _file + _file_extra
-                    ret, flags, mode, resolve, dirfd, _d2, sys_, status, plen = body(blob, o + body_off)[:9]
-                    bo = o + buf_off
-                    end = o + n
-                    raw = blob[bo:min(bo + plen, end)]      # within the record, as decode's buf[:path_len]
-                    if raw[:1] != b"/":
-                        rec = None           # relative: resolved through /proc by Decoder.decode
-                    else:
-                        rec = ent[1].copy()
-                        rec["ret"] = ret
-                        rec["flags"] = flags & 0xFFFFFFFF
-                        p = raw.decode("utf-8", "surrogateescape")
-                        rec["path"] = p
-                        rec["path_raw"] = p
-                        rec["dirfd"] = "AT_FDCWD" if dirfd == AT_FDCWD else dirfd_name(dirfd)
+                    # open_write and unlink (the C loop's when built): _file + the extra, cached by its key
+                    rec = self._file(ent[1], blob, body(blob, o + body_off), o + buf_off, o + n)
+                    if rec is not None:
+                        rec, _ret, _flags, mode, resolve, sys_, status = rec
                         if kname == "unlink":
                             mode = resolve = 0
                         j = extras.get((kname, tid if tid != pid else None, gid, sys_, status, mode, resolve))
@@ -375,7 +364,7 @@ class BatchDecoder:
         return extra
 
     # -- the kinds (each as decoder.py's _<kind>; None: not on the fast path; open_write and
-    #    unlink are in decode_many's loop itself, with _file_extra) ------------------------------
+    #    unlink: _file and _file_extra, called from decode_many's loop) ---------------------------
     def _file(self, t, blob, b, bo, end):
         ret, flags, mode, resolve, dirfd, _d2, sys_, status, plen = b[:9]
         raw = blob[bo:min(bo + plen, end)]          # within the record, as decode's buf[:path_len]
@@ -388,8 +377,7 @@ class BatchDecoder:
         rec["path"] = p
         rec["path_raw"] = p
         rec["dirfd"] = "AT_FDCWD" if dirfd == AT_FDCWD else dirfd_name(dirfd)
-        rec["path_resolution"] = "exact"
-        return rec, ret, flags, mode, resolve, sys_, status
+        return rec, ret, flags, mode, resolve, sys_, status     # path_resolution "exact": the template's
 
     def _file_extra(self, kname, pid, tid, gid, sys_, status, mode, resolve):
         dec = self.dec
