@@ -244,27 +244,17 @@ SCHEMA_MARK = zlib.crc32(repr(([(f.name, f.ch_type) for f in FIELDS], list(KINDS
 
 
 def _column_ok(name: str, vals) -> bool:
-    """validate_record's check of field `name` for a whole column of values (a
-    set of classes, a min and a max, one encode of the joined strings)."""
-    classes = set(map(type, vals))
-    if _NONE in classes:
-        classes.discard(_NONE)
-        if not classes:
-            return True
-        vals = [v for v in vals if v is not None]
+    """validate_record's check of field `name` for a whole column of values:
+    _column_types_ok (a set of classes, a min and a max) and one encode of
+    the joined strings."""
+    if not _column_types_ok(name, vals):
+        return False
     check = _CHECKS[name]
-    if check.__class__ is tuple:
-        return classes == {int} and min(vals) >= check[0] and max(vals) <= check[1]
     if check == "String":
-        return classes == {str} and _encodable("".join(vals))
+        return _encodable("".join([v for v in vals if v is not None]))
     if check == "Array(String)":
-        if not classes <= {list, tuple}:
-            return False
-        if not any(vals):
-            return True                # every list empty (every kind but exec): nothing to walk
-        items = [x for v in vals for x in v]
-        return not set(map(type, items)) - {str} and _encodable("".join(items))
-    return False
+        return _encodable("".join([x for v in vals if v for x in v]))
+    return True
 
 
 def _columns_valid(records: list) -> bool:
@@ -458,8 +448,8 @@ def _transposed(records: list, with_classes: bool = False):
 
 
 def _column_types_ok(name: str, vals, mask: int | None = None, rng=None) -> bool:
-    """_column_ok without the encodability of strings (the append proves that
-    by its dump, _encode_batch): the classes of a column and its integer range.
+    """The classes of a column and its integer range: _column_ok without the
+    encodability of strings (the append proves that by its dump, _encode_batch).
     mask, rng: the column's classes and (min, max) of its ints as
     exporters/columns.py gives them (else read here)."""
     if mask is not None:
