@@ -114,6 +114,15 @@ class AgentProc:
         return self.reaper.wait(30)
 
 
+def module_agent(tmp_path_factory, clickhouse_url, config: dict):
+    """A test module's agent fixture body: `yield from module_agent(...)` starts one,
+    yields it and, after the module, stops it and checks that it exited 0."""
+    a = AgentProc(str(tmp_path_factory.mktemp("agent")), clickhouse_url, config).start()
+    yield a
+    rc = a.stop()
+    assert rc == 0, a.read_log()[-3000:]
+
+
 
 
 def _openssl(*args, cwd):

@@ -23,7 +23,7 @@ from hosts import NetHost, leftovers
 
 from agent.node.client import (AgentError, AsyncClient, Client, InvalidArgument, NotFound, PermissionDenied, TLS,
                           SandboxPreempted)
-from agents import PY, AgentProc, make_pki  # noqa: F401 - PY is used by tests below
+from agents import PY, AgentProc, make_pki, module_agent  # noqa: F401 - PY is used by tests below
 
 def _events(clickhouse_url, sid, kinds=None, want=None, timeout=30):
     """The sandbox's events from ClickHouse, once `want(events)` holds (bounded wait)."""
@@ -55,14 +55,11 @@ def _mine(lo: dict, ids) -> list:
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory, clickhouse_url):
-    a = AgentProc(str(tmp_path_factory.mktemp("agent")), clickhouse_url, {
+    yield from module_agent(tmp_path_factory, clickhouse_url, {
         "capacity": {"cpus": 4, "memory": "16G", "reserve_memory": 0, "cpu_oversubscription": 8},
         "warm_pool": [{"name": "small", "count": 2, "memory": "256M", "pids": 256}],
         "scheduling": {"tick_seconds": 0.2},
-    }).start()
-    yield a
-    rc = a.stop()
-    assert rc == 0, a.read_log()[-3000:]
+    })
 
 
 @pytest.fixture(scope="module")

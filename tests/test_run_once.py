@@ -15,20 +15,17 @@ import grpc
 import pytest
 
 from agent.node.client import AsyncClient, Client, InvalidArgument, SandboxFailed
-from agents import ROOMY, AgentProc
+from agents import ROOMY, module_agent
 from test_agent import _events, _states
 
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory, clickhouse_url):
-    a = AgentProc(str(tmp_path_factory.mktemp("agent")), clickhouse_url, {
+    yield from module_agent(tmp_path_factory, clickhouse_url, {
         **ROOMY,
         "warm_pool": [{"name": "small", "count": 1, "memory": "256M", "pids": 256}],
         "scheduling": {"tick_seconds": 0.2},
-    }).start()
-    yield a
-    rc = a.stop()
-    assert rc == 0, a.read_log()[-3000:]
+    })
 
 
 @pytest.fixture(scope="module")

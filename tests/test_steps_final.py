@@ -14,18 +14,15 @@ import pytest
 
 from agent.node.client import AgentError, SandboxStopped
 from agent.node.proto import pb
-from agents import AgentProc
+from agents import module_agent
 
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory, clickhouse_url):
-    a = AgentProc(str(tmp_path_factory.mktemp("agent")), clickhouse_url, {
+    yield from module_agent(tmp_path_factory, clickhouse_url, {
         "capacity": {"cpus": 4, "memory": "8G", "reserve_memory": 0, "cpu_oversubscription": 8},
         "scheduling": {"tick_seconds": 0.2},
-    }).start()
-    yield a
-    rc = a.stop()
-    assert rc == 0, a.read_log()[-3000:]
+    })
 
 
 @pytest.fixture(scope="module")
