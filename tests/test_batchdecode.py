@@ -110,6 +110,21 @@ sys.stdin.readline()
 '''
 
 
+def _record_c_loop(bd) -> list:
+    """Wrap the batch decoder's C loop (built by make setup) so that the records it
+    decodes itself are also kept in the list returned."""
+    real_c, c_recs = bd._cfn, []
+    assert real_c is not None                     # the library is built (make setup)
+
+    def c_loop(ctx, blob, spans, i, out):
+        n = len(out)
+        j = real_c(ctx, blob, spans, i, out)
+        c_recs.extend(out[n:])
+        return j
+    bd._cfn = c_loop
+    return c_recs
+
+
 def test_batch_decode_gives_what_decode_gives(audit_sensor, audit_cgroups, tmp_path):
     """Every chunk of the ring the sensor decodes many records per call
     (agent/sensors/batchdecode.py) is first decoded record by record with
@@ -188,15 +203,7 @@ def test_batch_decode_gives_what_decode_gives(audit_sensor, audit_cgroups, tmp_p
     bd.decode_many = compared
     bd._slow = slow
     real_c = bd._cfn
-    assert real_c is not None                     # the library is built (make setup)
-    c_recs = []
-
-    def c_loop(ctx, blob, spans, i, out):
-        n = len(out)
-        j = real_c(ctx, blob, spans, i, out)
-        c_recs.extend(out[n:])
-        return j
-    bd._cfn = c_loop
+    c_recs = _record_c_loop(bd)
     p = run_in_cgroup(sbx.cg, [PYTHON, "-I", "-B", workload, str(d), str(listener.getsockname()[1]),
                                str(_free_port()), unix_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
@@ -402,15 +409,7 @@ def test_c_loop_gives_what_python_gives_for_every_branch(audit_sensor):
             if way == "python":
                 bd._cfn = None
             else:
-                assert bd._cfn is not None           # the library is built (make setup)
-                real_c, c_recs = bd._cfn, []
-
-                def c_loop(ctx, blob_, spans_, i, out):
-                    n = len(out)
-                    j = real_c(ctx, blob_, spans_, i, out)
-                    c_recs.extend(out[n:])
-                    return j
-                bd._cfn = c_loop
+                c_recs = _record_c_loop(bd)
             results[way] = (bd.decode_many(blob, spans), state(), bd.c_decoded)
     finally:
         d.max_parents = saved_max
