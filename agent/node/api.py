@@ -13,7 +13,6 @@ Transports:
 """
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -569,11 +568,6 @@ def serve(agent: Agent, stop: threading.Event, idle_exit: float | None = None):
             agent.release()
             raise
     log.info("dsec agent (pid %d) serving on %s", os.getpid(), ", ".join(agent.transports))
-    # what start-up built (modules, BPF programs' tables, policies, the proto classes) lives as long
-    # as the agent: out of the collector's reach, a full collection walks only what requests made
-    # (a step's tail: docs/launch-figures.md "step10")
-    gc.collect()
-    gc.freeze()
     try:
         while not stop.wait(0.5):
             if idle_exit is not None and agent.idle_seconds() >= idle_exit:
