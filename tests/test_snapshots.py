@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -251,3 +252,30 @@ def test_snapshot_config_names_file_line_and_field(tmp_path):
         load_config(str(p), environ={})
     with pytest.raises(ConfigError, match="snapshots.retention"):
         load_config(None, environ={"DSEC_AGENT__SNAPSHOTS__RETENTION": "-1"})
+
+
+def test_snapshot_id_is_the_state_not_the_copy_order(tmp_path):
+    """Two copies of one layer have one id even when the copy's ctimes tie differently
+    (CI saw two ids for one state: the id hashed the manifest in the copy's ctime order),
+    and the manifest's order is the source's order of change, not the copy's."""
+    from agent.sandbox import snapshots as S
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    for name in ("z.txt", "a.txt", "d/m.txt"):          # made in this order, not in name order
+        (src / name).write_text(name)
+        os.utime(src / name, ns=(1, 1))
+        time.sleep(0.02)                                  # past a clock tick: distinct ctimes
+    order = S.ctimes(str(src))
+    ids, orders = set(), []
+    for i in range(2):
+        dst = tmp_path / f"copy{i}"
+        subprocess.run(["cp", "-a", str(src), str(dst)], check=True)
+        man = S.manifest(str(dst), order)
+        orders.append([e["path"] for e in man if e["kind"] == "file"])
+        ids.add(S.snapshot_id(man, [], ["base"]))
+        ids.add(S.snapshot_id(list(reversed(man)), [], ["base"]))   # whatever order ties fall in
+    assert len(ids) == 1
+    assert orders[0] == orders[1] == ["/z.txt", "/a.txt", "/d/m.txt"]
+    # a change of content is a change of id
+    (tmp_path / "copy0" / "a.txt").write_text("other")
+    assert S.snapshot_id(S.manifest(str(tmp_path / "copy0"), order), [], ["base"]) not in ids

@@ -9,9 +9,10 @@ take(): the sandbox's processes are frozen (cgroup2 cgroup.freeze, or the v1
 freezer), its writable layer is copied (`cp -a`: modes, owners, mtimes,
 xattrs, overlay whiteouts and opaque dirs) into snapshots/layers/.tmp-..., then
 thawed; the copy is walked for the manifest of changes (path, change, kind,
-mode, uid, gid, mtime, ctime, size, sha256), ordered by ctime (the order the
-changes were made in), and the snapshot's id is the sha256 of that manifest and
-its parent chain: the same state gives the same id (content-addressed), and an
+mode, uid, gid, mtime, ctime, size, sha256), ordered by the live layer's ctimes
+(read while frozen: the order the changes were made in), and the snapshot's id
+is the sha256 of that manifest by path (without ctimes) and its parent chain:
+the same state gives the same id (content-addressed), and an
 existing one is reused. The sandbox keeps running on its writable layer;
 a later snapshot holds everything since the start (not a delta: docs).
 Freezing has a timeout (FREEZE_TIMEOUT_S) and is retried (RETRIES); on a
@@ -131,8 +132,32 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def manifest(root: str) -> list[dict]:
-    """Every entry of a writable layer, in the order it was last changed (ctime)."""
+def ctimes(root: str) -> dict[str, int]:
+    """{path: ctime_ns} of a tree (taken from the live writable layer while it is frozen:
+    a copy's ctimes are the copy's, made in readdir order, and tie within a clock tick)."""
+    out = {}
+    for dp, dn, fn in os.walk(root):
+        for name in dn + fn:
+            full = os.path.join(dp, name)
+            try:
+                out["/" + os.fsdecode(os.path.relpath(full, root))] = os.lstat(full).st_ctime_ns
+            except OSError:
+                pass
+    return out
+
+
+def snapshot_id(man: list[dict], chain: list[str], base: list[str]) -> str:
+    """The content address of a snapshot: its entries by path (not by when they changed:
+    that order is a record, and two copies of one state must have one id), chain and base."""
+    entries = sorted(({k: v for k, v in e.items() if k != "ctime_ns"} for e in man), key=lambda e: e["path"])
+    key = json.dumps({"manifest": entries, "chain": chain, "base": base}, sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def manifest(root: str, order: dict[str, int] | None = None) -> list[dict]:
+    """Every entry of a writable layer, in the order it was last changed (ctime; `order`:
+    the ctimes of the tree `root` was copied from, which win over the copy's own)."""
+    order = order or {}
     out = []
     for dp, dn, fn in os.walk(root):
         dn.sort()
@@ -141,7 +166,7 @@ def manifest(root: str) -> list[dict]:
             st = os.lstat(full)
             rel = "/" + os.path.relpath(full, root)
             e = {"path": os.fsdecode(rel), "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid, "gid": st.st_gid,
-                 "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+                 "mtime_ns": st.st_mtime_ns, "ctime_ns": order.get(os.fsdecode(rel), st.st_ctime_ns)}
             if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
                 e["kind"] = "whiteout"
             elif stat.S_ISDIR(st.st_mode):
@@ -308,6 +333,7 @@ class SnapshotStore:
                     if r.returncode != 0:
                         raise SnapshotError(f"sandbox {sb.sid}: copying the writable layer failed: "
                                             f"{r.stderr.decode(errors='replace').strip()[:300]}")
+                    order = ctimes(upper)                  # still frozen: the order changes were made in
                 finally:
                     thaw(sb.cg)
                 frozen_ms = (time.monotonic() - tf) * 1000
@@ -322,10 +348,8 @@ class SnapshotStore:
             msg = last.message if isinstance(last, SnapshotError) else str(last)
             raise SnapshotError(f"sandbox {sb.sid}: snapshot failed after {attempts} attempt(s): {msg}")
         try:
-            man = manifest(os.path.join(tmp, "root"))
-            key = json.dumps({"manifest": [{k: v for k, v in e.items() if k != "ctime_ns"} for e in man],
-                              "chain": chain, "base": base_lowers}, sort_keys=True)
-            sid = hashlib.sha256(key.encode()).hexdigest()
+            man = manifest(os.path.join(tmp, "root"), order)
+            sid = snapshot_id(man, chain, base_lowers)
             with self._locked():
                 return self._commit(sb, spec, tmp, sid, man, chain, base_lowers, context, attempts, frozen_ms,
                                     copy_ms, t0, budget, freed, auto)
