@@ -449,3 +449,58 @@ def test_enricher_reads_one_file_once_for_the_jobs_that_wait_for_it(tmp_path):
         assert j.rec["sha256"] == "" and got["sha256_skipped"].startswith("gone"), j.rec
     w.close()
     assert w.take_done() == [] and _fds() == n
+
+
+def test_live_pids_are_checked_when_used_and_exclude_a_process_that_left():
+    """An exec's enrichment reads files only through processes still in the sandbox
+    (decoder.LivePids, in_cgroup): its init and recent pids are checked when for_exec needs
+    them, not per exec; one that has left the cgroup (or a reused pid outside it) is never
+    used, and the exec'ing process itself is checked first."""
+    from fixtures_bpf import CgroupFactory, run_in_cgroup
+    from agent.sensors.decoder import LivePids, SandboxInfo, in_cgroup
+    cgroups = CgroupFactory()
+    procs = []
+    try:
+        cg = cgroups()
+        inside = run_in_cgroup(cg, ["sleep", "60"])
+        leaver = run_in_cgroup(cg, ["sleep", "60"])
+        outside = subprocess.Popen(["sleep", "60"])
+        procs += [inside, leaver, outside]
+        deadline = time.monotonic() + 10
+        while len(cg.pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with open(os.path.join(cgroups.root, "cgroup.procs"), "w") as f:   # leaver leaves the sandbox
+            f.write(str(leaver.pid))
+        root = cgroups.root
+        assert in_cgroup(inside.pid, cg.id, root)
+        assert not in_cgroup(leaver.pid, cg.id, root) and not in_cgroup(outside.pid, cg.id, root)
+        assert not in_cgroup(2 ** 22 + 4321, cg.id, root)             # no such process
+
+        class Dec:
+            cgroup2_root, proc = root, "/proc"
+        info = SandboxInfo(cgroup_id=cg.id, sandbox_id="s", root_pid=leaver.pid)
+        for p in (outside.pid, inside.pid):
+            info.saw(p)
+        calls = []
+        import agent.sensors.decoder as D
+        real = D.in_cgroup
+        D.in_cgroup = lambda *a, **k: calls.append(a[0]) or real(*a, **k)
+        try:
+            lp = LivePids(Dec, info, exclude=(4242,))
+            assert calls == []                                        # nothing read until iterated
+            assert list(lp) == [inside.pid] and list(lp) == [inside.pid]
+            assert sorted(calls) == sorted([leaver.pid, inside.pid, outside.pid])   # each checked once
+        finally:
+            D.in_cgroup = real
+        # a file that does not open through the exec'ing pid is read through a live one only
+        cache = ElfInfoCache()
+        got = cache.for_exec(2 ** 22 + 12345, b"/bin/true", LivePids(Dec, info))
+        assert got["extra"]["enrich_source"] == "other_root" and got.get("sha256"), got
+        info.root_pid, info.recent_pids = leaver.pid, [outside.pid]
+        got = cache.for_exec(2 ** 22 + 12345, b"/bin/true", LivePids(Dec, info))
+        assert "sha256" not in got and "root of" not in got["extra"]["enrich_error"], got
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        cgroups.cleanup()

@@ -196,16 +196,22 @@ def in_cgroup(pid: int, cgroup_id: int, cgroup2_root: str | None, proc: str = "/
     pid that has been reused by a process outside the sandbox."""
     if not cgroup2_root:
         return False
-    try:
-        with open(f"{proc}/{pid}/cgroup", "rb") as f:
-            lines = f.read(65536).splitlines()
+    try:                                      # os.open/read: no buffered file object (per exec, per pid)
+        fd = os.open(f"{proc}/{pid}/cgroup", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.read(fd, 65536)
+        finally:
+            os.close(fd)
     except OSError:
         return False
-    rel = next((ln[3:] for ln in lines if ln.startswith(b"0::")), None)
-    if rel is None:
+    for ln in data.split(b"\n"):
+        if ln.startswith(b"0::"):
+            rel = ln[3:]
+            break
+    else:
         return False
-    path = os.fsencode(cgroup2_root) + rel
     root = os.fsencode(cgroup2_root)
+    path = root + rel
     for _ in range(64):                       # bounded walk up the hierarchy
         try:
             if os.stat(path).st_ino == cgroup_id:
@@ -216,6 +222,28 @@ def in_cgroup(pid: int, cgroup_id: int, cgroup2_root: str | None, proc: str = "/
             return False
         path = os.path.dirname(path)
     return False
+
+
+class LivePids:
+    """A sandbox's other processes still in it, for an exec's enrichment: its init, then the
+    pids seen lately (newest first), at most `limit`, each checked with in_cgroup when first
+    iterated (not before: most execs never need them). The candidates are copied now."""
+
+    def __init__(self, dec, info, exclude=(), limit: int = 2):
+        cands = [info.root_pid] + info.recent_pids[::-1]
+        self._cands = [p for p in dict.fromkeys(cands) if p and p not in exclude]
+        self._dec, self._cgid, self._limit, self._live = dec, info.cgroup_id, limit, None
+
+    def __iter__(self):
+        if self._live is None:
+            live, d = [], self._dec
+            for p in self._cands:
+                if in_cgroup(p, self._cgid, d.cgroup2_root, d.proc):
+                    live.append(p)
+                    if len(live) == self._limit:
+                        break
+            self._live = live
+        return iter(self._live)
 
 
 def boot_id() -> str:
@@ -591,21 +619,20 @@ class Decoder:
             extra["status"] = status
         if e.ret == 0 and self.enricher is not None:
             exe_path = os.fsencode(rec["path"]) if rec["path"].startswith("/") else raw_path
-            # only processes still in this sandbox: never the host's view of a path
-            live = []
-            for p in dict.fromkeys([pid, info.root_pid] + info.recent_pids[::-1]):
-                if p and in_cgroup(p, info.cgroup_id, self.cgroup2_root, self.proc):
-                    live.append(p)
-                    if len(live) == 3:
-                        break
+            # only processes still in this sandbox: never the host's view of a path. The exec'ing
+            # one is checked now; the others only if for_exec needs them (its open failed, or a
+            # file not cached yet: then when they are used), each checked then
             lazy = self.enrich_async
             try:
-                if live and live[0] == pid:
-                    found = self.enricher.for_exec(pid, exe_path, live[1:], cached_only=lazy)
-                elif live:
-                    found = self.enricher.for_exec(live[0], exe_path, live[1:], use_exe=False, cached_only=lazy)
+                if in_cgroup(pid, info.cgroup_id, self.cgroup2_root, self.proc):
+                    found = self.enricher.for_exec(pid, exe_path, LivePids(self, info, (pid,)), cached_only=lazy)
                 else:
-                    found = {"extra": {"enrich_error": "no process of the sandbox left to read it through"}}
+                    live = list(LivePids(self, info, (pid,), limit=3))
+                    if live:
+                        found = self.enricher.for_exec(live[0], exe_path, live[1:], use_exe=False,
+                                                       cached_only=lazy)
+                    else:
+                        found = {"extra": {"enrich_error": "no process of the sandbox left to read it through"}}
             except Exception as e:   # enrichment is best effort; the record is not
                 found = {"extra": {"enrich_error": f"{type(e).__name__}: {e}"[:200]}}
             if not isinstance(found, dict):

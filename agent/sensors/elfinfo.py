@@ -261,6 +261,7 @@ OVL_FH_MAGIC = 0xFB
 OVL_FH_FLAG_PATH_UPPER = 1 << 2
 LOWER_FS_MAX = 64                 # lower filesystems LowerFiles keeps a descriptor of
 MOUNTS_SEEN_MAX = 4096
+KNOWN_MAX = 4096                  # overlay files whose lower key LowerFiles remembers
 
 
 class _FileHandle(ctypes.Structure):
@@ -351,12 +352,32 @@ class LowerFiles:
         self._mu = threading.Lock()
         self._fs: OrderedDict = OrderedDict()       # st_dev -> O_PATH fd on that filesystem
         self._mounts_seen: OrderedDict = OrderedDict()   # (mount id, overlay st_dev): lowerdirs read
+        self._known: OrderedDict = OrderedDict()    # an overlay file's own key -> what key() found
         self.decoded = 0                            # overlay files keyed by their lower file
 
     def key(self, fd: int, st: os.stat_result, pids=(), discover: bool = True):
         """The real lower file's key, None (key the overlay file itself), or
-        UNKNOWN (discover=False and no known filesystem has it)."""
-        if not stat.S_ISREG(st.st_mode) or fs_type(fd) != OVERLAYFS_SUPER_MAGIC:
+        UNKNOWN (discover=False and no known filesystem has it). An answer is kept
+        by the overlay file's own identity (device, inode, size, mtime, ctime: a
+        write, a copy-up or a replaced lower file changes it), so a binary exec'd
+        again in the same sandbox costs no file-handle syscalls."""
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        own = _key(st)
+        with self._mu:
+            if own in self._known:
+                self._known.move_to_end(own)
+                return self._known[own]
+        found = self._key(fd, st, pids, discover)
+        if found is not self.UNKNOWN:
+            with self._mu:
+                self._known[own] = found
+                if len(self._known) > KNOWN_MAX:
+                    self._known.popitem(last=False)
+        return found
+
+    def _key(self, fd: int, st: os.stat_result, pids, discover: bool):
+        if fs_type(fd) != OVERLAYFS_SUPER_MAGIC:
             return None
         origin = overlay_origin(fd)
         if origin is None:
@@ -424,6 +445,21 @@ class LowerFiles:
             for dfd in self._fs.values():
                 os.close(dfd)
             self._fs.clear()
+
+
+class _Pids:
+    """`first`, then `rest` (an iterable that may do work when iterated: decoder.LivePids)
+    without zeros or `first`: iterated only where a pid is needed (the mountinfo of an
+    overlay not known yet), not per exec."""
+
+    def __init__(self, first: int, rest=()):
+        self.first, self.rest = first, rest
+
+    def __iter__(self):
+        yield self.first
+        for p in self.rest:
+            if p and p != self.first:
+                yield p
 
 
 class _Miss(Exception):
@@ -551,7 +587,7 @@ class ElfInfoCache:
                     fds["exe"] = open_exe(pid, self.proc)
                 except OSError as e:
                     problems.append(f"exe: {e.strerror}")
-            pids = (pid, *[p for p in fallback_pids if p and p != pid])
+            pids = _Pids(pid, fallback_pids)
             try:
                 return self._choose(fds, problems, cached_only, pids)
             except _Miss:
