@@ -499,6 +499,30 @@ def test_live_pids_are_checked_when_used_and_exclude_a_process_that_left():
         info.root_pid, info.recent_pids = leaver.pid, [outside.pid]
         got = cache.for_exec(2 ** 22 + 12345, b"/bin/true", LivePids(Dec, info))
         assert "sha256" not in got and "root of" not in got["extra"]["enrich_error"], got
+        # the sandbox's init pinned (checked once, then read through its /proc descriptor): no
+        # per-exec check, and once it has exited it is never read through (not even if its
+        # number is reused)
+        from agent.sensors.decoder import PinnedPid, set_root_pid
+        set_root_pid(info, leaver.pid, root)
+        assert not isinstance(info.root_pid, PinnedPid)                # not in the cgroup: plain
+        set_root_pid(info, inside.pid, root)
+        assert isinstance(info.root_pid, PinnedPid)
+        calls.clear()
+        D.in_cgroup = lambda *a, **k: calls.append(a[0]) or real(*a, **k)
+        try:
+            got = cache.for_exec(2 ** 22 + 12345, b"/bin/true", LivePids(Dec, info))
+        finally:
+            D.in_cgroup = real
+        assert got["extra"]["enrich_source"] == "other_root" and got.get("sha256") and calls == [], (got, calls)
+        pinned = info.root_pid
+        inside.kill()
+        inside.wait()
+        got = cache.for_exec(2 ** 22 + 12345, b"/bin/true", [pinned])
+        assert "sha256" not in got and "No such process" in got["extra"]["enrich_error"], got
+        fd = pinned.dir.fd
+        del pinned, info.root_pid
+        with pytest.raises(OSError):
+            os.fstat(fd)                                                 # closed with its last reference
     finally:
         for p in procs:
             p.kill()

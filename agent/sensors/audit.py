@@ -255,7 +255,7 @@ class AuditSensor(RingSensor):
         with self._lock:
             info = self.decoder.sandboxes.get(cgroup_id)
             if info is not None:
-                info.root_pid = pid
+                self.decoder.set_root_pid(info, pid)
 
     def set_step(self, cgroup_id: int, step: int) -> None:
         """Events admitted from now on carry `step`."""

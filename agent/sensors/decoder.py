@@ -224,26 +224,66 @@ def in_cgroup(pid: int, cgroup_id: int, cgroup2_root: str | None, proc: str = "/
     return False
 
 
+class ProcDir:
+    """An O_PATH descriptor of /proc/<pid>: a lookup through it fails (ESRCH) once that
+    process has exited, even when its pid has been reused. Closed when the last reference
+    goes (a Pending on the enricher's thread may still hold it after the sandbox is gone)."""
+
+    def __init__(self, pid: int, proc: str = "/proc"):
+        self.fd = os.open(f"{proc}/{pid}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def __del__(self):
+        fd, self.fd = getattr(self, "fd", -1), -1
+        if fd >= 0:
+            os.close(fd)
+
+
+class PinnedPid(int):
+    """A sandbox's init, checked to be in its cgroup once (Decoder.set_root_pid) and opened
+    through its ProcDir from then on (elfinfo.open_in_root): it needs no in_cgroup per exec,
+    and a reuse of its number by another process is never read through."""
+    dir: ProcDir
+
+
+def set_root_pid(info: SandboxInfo, pid: int, cgroup2_root: str | None, proc: str = "/proc") -> None:
+    """The sandbox's init (for enrichment once an exec'ing process is gone): pinned
+    (PinnedPid) when it is in the sandbox's cgroup now, else kept as a plain pid that is
+    checked at each use."""
+    info.root_pid = pid
+    if pid and in_cgroup(pid, info.cgroup_id, cgroup2_root, proc):
+        try:
+            pinned = PinnedPid(pid)
+            pinned.dir = ProcDir(pid, proc)
+        except OSError:
+            return                                # gone already: a plain pid, checked per use
+        info.root_pid = pinned
+
+
 class LivePids:
     """A sandbox's other processes still in it, for an exec's enrichment: its init, then the
-    pids seen lately (newest first), at most `limit`, each checked with in_cgroup when first
-    iterated (not before: most execs never need them). The candidates are copied now."""
+    pids seen lately (newest first), at most `limit`, each checked with in_cgroup only when
+    the iteration reaches it (most execs need none, a short-lived one the first). The
+    candidates are copied now; what was checked is kept (a second iteration reads nothing)."""
 
     def __init__(self, dec, info, exclude=(), limit: int = 2):
         cands = [info.root_pid] + info.recent_pids[::-1]
         self._cands = [p for p in dict.fromkeys(cands) if p and p not in exclude]
-        self._dec, self._cgid, self._limit, self._live = dec, info.cgroup_id, limit, None
+        self._dec, self._cgid, self._limit = dec, info.cgroup_id, limit
+        self._next, self._live = 0, []
 
     def __iter__(self):
-        if self._live is None:
-            live, d = [], self._dec
-            for p in self._cands:
-                if in_cgroup(p, self._cgid, d.cgroup2_root, d.proc):
-                    live.append(p)
-                    if len(live) == self._limit:
-                        break
-            self._live = live
-        return iter(self._live)
+        n, d = 0, self._dec
+        while True:
+            if n < len(self._live):
+                yield self._live[n]
+                n += 1
+            elif len(self._live) >= self._limit or self._next >= len(self._cands):
+                return
+            else:
+                p = self._cands[self._next]
+                self._next += 1
+                if isinstance(p, PinnedPid) or in_cgroup(p, self._cgid, d.cgroup2_root, d.proc):
+                    self._live.append(p)
 
 
 def boot_id() -> str:
@@ -423,6 +463,11 @@ class Decoder:
 
     def register(self, info: SandboxInfo) -> None:
         self.sandboxes[info.cgroup_id] = info
+        if info.root_pid:
+            self.set_root_pid(info, info.root_pid)
+
+    def set_root_pid(self, info: SandboxInfo, pid: int) -> None:
+        set_root_pid(info, pid, self.cgroup2_root, self.proc)
 
     def forget(self, cgroup_id: int) -> None:
         self.sandboxes.pop(cgroup_id, None)
@@ -626,11 +671,11 @@ class Decoder:
             try:
                 if in_cgroup(pid, info.cgroup_id, self.cgroup2_root, self.proc):
                     found = self.enricher.for_exec(pid, exe_path, LivePids(self, info, (pid,)), cached_only=lazy)
-                else:
-                    live = list(LivePids(self, info, (pid,), limit=3))
-                    if live:
-                        found = self.enricher.for_exec(live[0], exe_path, live[1:], use_exe=False,
-                                                       cached_only=lazy)
+                else:                              # gone (or not ours): through another one
+                    others = LivePids(self, info, (pid,), limit=3)
+                    first = next(iter(others), None)
+                    if first:
+                        found = self.enricher.for_exec(first, exe_path, others, use_exe=False, cached_only=lazy)
                     else:
                         found = {"extra": {"enrich_error": "no process of the sandbox left to read it through"}}
             except Exception as e:   # enrichment is best effort; the record is not

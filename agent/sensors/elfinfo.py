@@ -121,7 +121,11 @@ def open_in_root(pid: int, path: bytes, proc: str = "/proc") -> int:
     symlinks resolved within that root."""
     if not path.startswith(b"/"):
         raise OSError(errno.EINVAL, "not an absolute path", path)
-    root = os.open(f"{proc}/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    pinned = getattr(pid, "dir", None)           # decoder.PinnedPid: through its /proc/<pid> descriptor
+    if pinned is not None:
+        root = os.open("root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=pinned.fd)
+    else:
+        root = os.open(f"{proc}/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         rel = path.lstrip(b"/") or b"."
         return openat2(root, rel, _READ_FLAGS, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
