@@ -482,7 +482,7 @@ def test_live_pids_are_checked_when_used_and_exclude_a_process_that_left():
         for p in (outside.pid, inside.pid):
             info.saw(p)
         calls = []
-        import agent.sensors.decoder as D
+        import agent.sensors.procs as D
         real = D.in_cgroup
         D.in_cgroup = lambda *a, **k: calls.append(a[0]) or real(*a, **k)
         try:

@@ -191,101 +191,6 @@ def proc_ppid(pid: int, proc: str = "/proc") -> int:
         return 0
 
 
-def in_cgroup(pid: int, cgroup_id: int, cgroup2_root: str | None, proc: str = "/proc") -> bool:
-    """Is `pid` (still) in cgroup2 `cgroup_id` or below it? Guards against a
-    pid that has been reused by a process outside the sandbox."""
-    if not cgroup2_root:
-        return False
-    try:                                      # os.open/read: no buffered file object (per exec, per pid)
-        fd = os.open(f"{proc}/{pid}/cgroup", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            data = os.read(fd, 65536)
-        finally:
-            os.close(fd)
-    except OSError:
-        return False
-    for ln in data.split(b"\n"):
-        if ln.startswith(b"0::"):
-            rel = ln[3:]
-            break
-    else:
-        return False
-    root = os.fsencode(cgroup2_root)
-    path = root + rel
-    for _ in range(64):                       # bounded walk up the hierarchy
-        try:
-            if os.stat(path).st_ino == cgroup_id:
-                return True
-        except OSError:
-            return False
-        if len(path) <= len(root):
-            return False
-        path = os.path.dirname(path)
-    return False
-
-
-class ProcDir:
-    """An O_PATH descriptor of /proc/<pid>: a lookup through it fails (ESRCH) once that
-    process has exited, even when its pid has been reused. Closed when the last reference
-    goes (a Pending on the enricher's thread may still hold it after the sandbox is gone)."""
-
-    def __init__(self, pid: int, proc: str = "/proc"):
-        self.fd = os.open(f"{proc}/{pid}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-
-    def __del__(self):
-        fd, self.fd = getattr(self, "fd", -1), -1
-        if fd >= 0:
-            os.close(fd)
-
-
-class PinnedPid(int):
-    """A sandbox's init, checked to be in its cgroup once (Decoder.set_root_pid) and opened
-    through its ProcDir from then on (elfinfo.open_in_root): it needs no in_cgroup per exec,
-    and a reuse of its number by another process is never read through."""
-    dir: ProcDir
-
-
-def set_root_pid(info: SandboxInfo, pid: int, cgroup2_root: str | None, proc: str = "/proc") -> None:
-    """The sandbox's init (for enrichment once an exec'ing process is gone): pinned
-    (PinnedPid) when it is in the sandbox's cgroup now, else kept as a plain pid that is
-    checked at each use."""
-    info.root_pid = pid
-    if pid and in_cgroup(pid, info.cgroup_id, cgroup2_root, proc):
-        try:
-            pinned = PinnedPid(pid)
-            pinned.dir = ProcDir(pid, proc)
-        except OSError:
-            return                                # gone already: a plain pid, checked per use
-        info.root_pid = pinned
-
-
-class LivePids:
-    """A sandbox's other processes still in it, for an exec's enrichment: its init, then the
-    pids seen lately (newest first), at most `limit`, each checked with in_cgroup only when
-    the iteration reaches it (most execs need none, a short-lived one the first). The
-    candidates are copied now; what was checked is kept (a second iteration reads nothing)."""
-
-    def __init__(self, dec, info, exclude=(), limit: int = 2):
-        cands = [info.root_pid] + info.recent_pids[::-1]
-        self._cands = [p for p in dict.fromkeys(cands) if p and p not in exclude]
-        self._dec, self._cgid, self._limit = dec, info.cgroup_id, limit
-        self._next, self._live = 0, []
-
-    def __iter__(self):
-        n, d = 0, self._dec
-        while True:
-            if n < len(self._live):
-                yield self._live[n]
-                n += 1
-            elif len(self._live) >= self._limit or self._next >= len(self._cands):
-                return
-            else:
-                p = self._cands[self._next]
-                self._next += 1
-                if isinstance(p, PinnedPid) or in_cgroup(p, self._cgid, d.cgroup2_root, d.proc):
-                    self._live.append(p)
-
-
 def boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
@@ -401,6 +306,9 @@ class _Body:
 
 
 # ---------------------------------------------------------------- decoder
+
+from agent.sensors.procs import LivePids, PinnedPid, ProcDir, in_cgroup, set_root_pid  # noqa: E402,F401
+
 
 class Decoder:
     """Stateless about the kernel; keeps the sandbox table, parents, sequence."""
