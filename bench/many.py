@@ -39,6 +39,21 @@ def proc_figures(pid: int) -> dict:
     return {"rss": rss, "fds": len(fds), "max_fd": max(fds), "threads": len(os.listdir(f"/proc/{pid}/task"))}
 
 
+def fd_kinds(pid: int, top: int = 6) -> list:
+    """What process pid's fds point at, most common first (a path's last part
+    replaced by '*' when it holds a digit: one entry per kind of leak)."""
+    kinds: dict = {}
+    for x in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            t = os.readlink(f"/proc/{pid}/fd/{x}")
+        except OSError:
+            continue
+        head, _, last = t.rpartition("/")
+        k = f"{head}/*" if head and any(c.isdigit() for c in last) else t.split(":[")[0]
+        kinds[k] = kinds.get(k, 0) + 1
+    return sorted(kinds.items(), key=lambda kv: -kv[1])[:top]
+
+
 async def hold_many(socket_path: str, n: int, conc: int, pid: int, log=print) -> dict:
     """Create n sandboxes (conc at a time), all alive at once; then one step in
     each (conc at a time); then close them all. Returns figures and results."""
@@ -76,6 +91,7 @@ async def hold_many(socket_path: str, n: int, conc: int, pid: int, log=print) ->
         out["ids"] = [sb.id for sb in ok]
     await asyncio.sleep(1.0)
     out["end"] = proc_figures(pid)
+    out["end_fd_kinds"] = fd_kinds(pid)
     live = len(ok) or 1
     b, p = out["base"], out["after_steps"]
     out["per_sandbox"] = {"rss_kib": round((p["rss"] - b["rss"]) / live / 1024, 1),

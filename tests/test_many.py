@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+import subprocess
 import sys
+import time
 
 import pytest
 
 from agents import AgentProc
+from fixtures_bpf import run_in_cgroup
 from hosts import leftovers
 
 from agent.errors import DsecError
@@ -65,7 +68,8 @@ def test_many_live_sandboxes_one_step_each_nothing_left(tmp_path, clickhouse_url
     bad = [x for x in r["closed"] if isinstance(x, BaseException) or x.state != "exited"]
     assert not bad, bad[:3]
     # fds and threads back where they were (a per-sandbox leak of one fd would show)
-    assert r["end"]["fds"] <= r["base"]["fds"] + 16, (r["base"], r["end"])
+    print("\nmany: fds at the end:", r["end_fd_kinds"])
+    assert r["end"]["fds"] <= r["base"]["fds"] + 16, (r["base"], r["end"], r["end_fd_kinds"])
     # threads: the agent's work pool (max(32, 4 x max_parallel_starts) = 64) stays, nothing per sandbox
     assert r["end"]["threads"] <= r["base"]["threads"] + 64 + 8, (r["base"], r["end"])
     left = leftovers()
@@ -93,3 +97,42 @@ def test_removed_sandboxes_state_is_freed(audit_sensor, audit_cgroups):
     for d in (s._reported, s._last_flush_wall, s._steps, s._modes, s._stop_notified):
         assert first not in d and last not in d
     assert not [k for k in s.decoder.sys_reported if k[0] in (first, last)]
+
+
+def test_a_removed_sandbox_lets_go_of_its_pinned_init(audit_sensor, audit_cgroups):
+    """The sandbox's init is pinned by a /proc/<pid> descriptor (procs.PinnedPid); once the
+    sandbox is removed nothing of the sensor holds it (the batch decoder's record templates
+    and a finished enrichment's pids used to: one fd per sandbox, for good)."""
+    h = audit_sensor
+    inits, mine = [], []
+    try:
+        for i in range(3):
+            cg = audit_cgroups()
+            init = run_in_cgroup(cg, ["sleep", "30"])
+            inits.append(init)
+            deadline = time.monotonic() + 5
+            while init.pid not in cg.pids() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            sbx = h._sandbox(audit_cgroups, cg, lambda cg, sid: h.sensor.add_sandbox(cg.id, sid, root_pid=init.pid))
+            p = run_in_cgroup(cg, ["/bin/sh", "-c", "/bin/true; /bin/echo hi"], stdout=subprocess.DEVNULL)
+            p.wait()
+            assert h.poll_until(lambda: len(sbx.of_kind("exec")) >= 3), sbx.records
+            assert any(f"/proc/{init.pid}" == t for t in _fd_targets()), "the init is not pinned"
+            sbx.remove()
+            mine.append(f"/proc/{init.pid}")
+        held = [t for t in _fd_targets() if t in mine]
+        assert not held, held
+    finally:
+        for p in inits:
+            p.kill()
+            p.wait()
+
+
+def _fd_targets() -> list:
+    out = []
+    for x in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{x}"))
+        except OSError:
+            pass
+    return out

@@ -333,6 +333,12 @@ class BatchDecoder:
         elif rec is not None:
             out.append(rec)
 
+    def forget(self, cg: int) -> None:
+        """A removed sandbox's templates: they hold its SandboxInfo (and through it the
+        pinned init's /proc descriptor), so they go with it."""
+        for k in [k for k in self._tmpl if k[0] == cg]:
+            del self._tmpl[k]
+
     def _template(self, cg, kind, kname, info):
         if len(self._tmpl) >= _CACHE_MAX:
             self._tmpl.clear()

@@ -435,6 +435,8 @@ class RingSensor:
 
     def _untrack(self, cgroup_id: int) -> None:
         self.decoder.forget(cgroup_id)
+        if self._batch is not None:
+            self._batch.forget(cgroup_id)
         for d in (self._reported, self._last_flush_wall):
             d.pop(cgroup_id, None)
         self._enrich_warned.discard(cgroup_id)

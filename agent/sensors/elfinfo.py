@@ -494,6 +494,7 @@ class Pending:
 
     def discard(self) -> None:
         fds, self.fds = self.fds, {}
+        self.pids = ()                  # a pinned init's /proc descriptor goes with its last holder
         for fd in fds.values():
             os.close(fd)
 
