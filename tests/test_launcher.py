@@ -101,6 +101,18 @@ def test_write_etc_passwd_stays_inside(tmp_path):
     assert ch["/usr/dsec-canary"]["size"] == 0
 
 
+def test_writable_layers_are_volatile_a_workloads_sync_stays_in_the_sandbox():
+    """The writable layers are mounted volatile: an overlay's sync (every umount at close, a
+    workload's fsync or syncfs) would sync the whole host file system under /var/lib/dsec
+    (the node's root here): a workload calling syncfs() in a loop stalled the node's disk."""
+    r = dsec(*RUN, "--", "sh", "-c", "grep ' overlay ' /proc/self/mountinfo")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.decode().splitlines()
+    assert len(lines) >= 2, lines                 # the root and /usr at least
+    for ln in lines:
+        assert "fsync=volatile" in ln or ",volatile" in ln, ln
+
+
 def test_changes_manifest_kinds(tmp_path):
     r, s = run_json(tmp_path, "--user", "root", "--", "sh", "-c",
                     "rm /etc/hosts; mkdir /opt/newdir; printf abc > /opt/newdir/f; ln -s /x /opt/l")

@@ -45,6 +45,7 @@ import time
 
 from agent.errors import DsecError, EXIT_USAGE
 from agent.sandbox import rootfs
+from agent.sandbox.plan import OVERLAY_VOLATILE
 
 FREEZE_TIMEOUT_S = 5.0
 RETRIES = 3
@@ -647,7 +648,7 @@ def _helper(sup_pid: int, lowers: str, upper: str, work: str, mnt: str, err_w: i
         su.mount(None, "/", None, su.MS_REC | su.MS_PRIVATE)
         stage = "overlay"
         su.mount("overlay", mnt, "overlay", su.MS_NOSUID | su.MS_NODEV,
-                 f"lowerdir={lowers},upperdir={upper},workdir={work}")
+                 f"lowerdir={lowers},upperdir={upper},workdir={work}{OVERLAY_VOLATILE}")
         stage = "open_tree"
         fd = libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(mnt), _OPEN_TREE_CLONE | os.O_CLOEXEC)
         if fd < 0:
