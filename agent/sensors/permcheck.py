@@ -154,11 +154,20 @@ def refused_anyway(root_fd: int, rec: dict) -> str | None:
 
 class SandboxRoots:
     """Each watched sandbox's root (and mount namespace, which keeps its mounts),
-    held from its start until its last record."""
+    held from its start until its last record.
+
+    Closing the last descriptor of a mount namespace unmounts its tree, and the kernel
+    waits an expedited RCU grace period before it frees the mounts (namespace_unlock): a
+    wait of milliseconds on a loaded node, which was on every close's critical path (the
+    unwatch that a sandbox's exit record waits for). remove() hands the descriptors to one
+    closing thread instead; close() closes what is left before it returns."""
 
     def __init__(self):
         self._fds: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
+        self._closing: list = []                 # descriptors of removed sandboxes, not closed yet
+        self._wake = threading.Condition(self._lock)
+        self._closer = None
 
     def add(self, sandbox_id: str, pid: int):
         try:
@@ -174,18 +183,50 @@ class SandboxRoots:
             old = self._fds.pop(sandbox_id, None)
             self._fds[sandbox_id] = (root, ns)
         if old:
-            for fd in old:
-                os.close(fd)
+            self._close_later(old)
 
     def remove(self, sandbox_id: str):
         with self._lock:
             fds = self._fds.pop(sandbox_id, None)
-        for fd in fds or ():
+        if fds:
+            self._close_later(fds)
+
+    def _close_later(self, fds) -> None:
+        with self._lock:
+            if self._closer is None:
+                try:
+                    t = threading.Thread(target=self._close_loop, name="dsec-roots-close", daemon=True)
+                    t.start()
+                    self._closer = t
+                except RuntimeError:             # no thread to be had: closed here, as before
+                    pass
+            if self._closer is not None:
+                self._closing.extend(fds)
+                self._wake.notify()
+                return
+        for fd in fds:
             os.close(fd)
+
+    def _close_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closing:
+                    self._wake.wait()
+                fds, self._closing = self._closing, []
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
+
+    def pending_closes(self) -> int:
+        with self._lock:
+            return len(self._closing)
 
     def close(self):
         with self._lock:
             fds, self._fds = list(self._fds.values()), {}
+            left, self._closing = self._closing, []
+        for fd in left:
+            os.close(fd)
         for pair in fds:
             for fd in pair:
                 os.close(fd)
