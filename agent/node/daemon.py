@@ -129,8 +129,14 @@ class Agent:
         self.streams = EventStreams(cfg.limits.max_stream_subscribers, cfg.limits.stream_buffer, self.labels_of)
         self.policies = PolicyCache(cfg)
         self.authz = Authorizer(cfg.authorization, cfg.rootfs_roots, self.audit_refusal)
+        # the agent's own records, queued, then group-committed by _flush_emits: under _emit_cv
+        # the queue, how many records were ever queued, how many of those are durable (or were
+        # reported lost), and whether an append is in flight (one at a time: the records stay FIFO)
         self._emitq: deque = deque()
-        self._emit_lock = threading.Lock()
+        self._emit_cv = threading.Condition(threading.Lock())
+        self._emit_queued = 0
+        self._emit_durable = 0
+        self._emit_busy = False
         self._emit_failures = 0
         self._emit_kick = threading.Event()     # _flush_emits_soon -> the emit writer thread
         self._stop = threading.Event()
@@ -306,39 +312,69 @@ class Agent:
              "pid": os.getpid(), "extra": _compact(payload)}
         if rec is not None:
             r.update(rec.policy_identity())
-        self._emitq.append(r)
+        self._queue_emit(r)
 
     def _emit_record(self, r: dict):
         r.setdefault("ts_ns", time.time_ns())
-        self._emitq.append(r)
+        self._queue_emit(r)
+
+    def _queue_emit(self, r: dict):
+        with self._emit_cv:
+            self._emitq.append(r)
+            self._emit_queued += 1
 
     def _flush_emits(self):
-        """Write the queued agent records to the spool (one durable append)."""
+        """Return once every agent record queued before the call is durable in the spool (group
+        commit). The flush that finds no append in flight takes everything queued, by any thread,
+        into one durable append (one fdatasync); a flush whose records are in the append in flight
+        waits for that append, and then returns; one that finds nothing left to write returns
+        without taking a lock."""
+        target = self._emit_queued
+        if self._emit_durable >= target:
+            return                   # all queued so far is durable (set only after the append returned)
+        cv = self._emit_cv
+        with cv:
+            while self._emit_busy and self._emit_durable < target:
+                cv.wait()
+            if self._emit_durable >= target:
+                return               # another thread's append carried ours
+            self._emit_busy = True
+            taken = list(self._emitq)
+            self._emitq.clear()
+            upto = self._emit_queued
+        try:
+            self._append_emits(taken)
+        finally:
+            with cv:
+                self._emit_durable = upto
+                self._emit_busy = False
+                cv.notify_all()
+
+    def _append_emits(self, taken: list):
+        """One durable append of `taken` (only the flush that set _emit_busy calls it)."""
         from audit_schema.events import normalize
-        with self._emit_lock:
-            batch = []
-            while self._emitq:
-                r = self._emitq.popleft()
-                self._eid += 1
-                r.setdefault("event_id", f"{self.instance}a{self._eid:015x}")
-                r.setdefault("ts_ns", time.time_ns())
-                r.setdefault("node", self.node)
-                try:
-                    batch.append(normalize(r))
-                except KeyError as e:
-                    log.error("dropping a malformed agent record (%s): %r", e, r)
-            if not batch or self.spool is None:
-                return
+        batch = []
+        for r in taken:
+            self._eid += 1
+            r.setdefault("event_id", f"{self.instance}a{self._eid:015x}")
+            r.setdefault("ts_ns", time.time_ns())
+            r.setdefault("node", self.node)
             try:
-                self.spool.append_many(batch)
-            except ReportedError as e:
-                self._emit_failures += len(batch)
-                log.error("%d lifecycle audit record(s) could not be spooled: %s", len(batch), e.message)
+                batch.append(normalize(r))
+            except KeyError as e:
+                log.error("dropping a malformed agent record (%s): %r", e, r)
+        if not batch or self.spool is None:
+            return
+        try:
+            self.spool.append_many(batch)
+        except ReportedError as e:
+            self._emit_failures += len(batch)
+            log.error("%d lifecycle audit record(s) could not be spooled: %s", len(batch), e.message)
 
     def _flush_emits_soon(self):
         """The queued agent records go to the spool in one durable append on the emit writer
         thread; returns at once. For a step's end only (agent/node/steps.py): the append is
-        ordered before every later agent record (one queue, FIFO, under _emit_lock) and the
+        ordered before every later agent record (one queue, FIFO, one append at a time) and the
         next step of the sandbox waits for it (_flush_emits before it starts)."""
         self._emit_kick.set()
 
