@@ -46,7 +46,7 @@ Measures, N times each, interleaved so that machine noise hits all alike:
 Prints min / median / p90 / p99 in ms and the ratios against bwrap and fork+exec.
 
 Then sandboxes per second through the agent (create + exec /bin/true + close,
-64 MiB each, no CPU quota, cold) at concurrency 1, 8 and 32, each for
+64 MiB each, no CPU quota, cold) at concurrency 1, 8 and 32 (--levels), each for
 --sustain seconds (default 15), with the agent's CPU per sandbox (utime + stime):
 three calls (CreateSandbox, Exec, CloseSandbox) and one RunOnce, alternating at
 each level, so the ratio once / calls comes from the same minute.
@@ -399,6 +399,8 @@ def main():
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--no-agent", action="store_true", help="skip the node agent cases")
     ap.add_argument("--sustain", type=float, default=15.0, help="seconds per concurrency level (agent)")
+    ap.add_argument("--levels", default="1,8,32", help="the concurrency levels of the sustained rate, "
+                                                       "comma-separated (the first is the ratios' base)")
     ap.add_argument("--burst", type=int, default=1000, help="requests of the warm-pool burst (0: skip)")
     ap.add_argument("--burst-pool", type=int, default=100, help="the warm pool the burst is served from")
     ap.add_argument("--idle", type=int, default=500, help="idle live sandboxes for the memory figure (0: skip)")
@@ -560,7 +562,7 @@ def main():
                 print(f"\nsandboxes per second through the agent (create + exec /bin/true + close, cold, "
                       f"{a.sustain:g} s each; three calls, then one RunOnce):")
             base = None
-            for conc in (1, 8, 32) if a.sustain > 0 else ():
+            for conc in [int(x) for x in a.levels.split(",") if x] if a.sustain > 0 else ():
                 got = {}
                 for once in (False, True) if hasattr(agent.client, "run_once") else (False,):
                     cpu0 = cpu_seconds(agent.proc.pid)
@@ -569,7 +571,7 @@ def main():
                     got[once] = (rate, cpu)
                     base = base or rate
                     print(f"  concurrency {conc:2d} {'RunOnce' if once else '3 calls'}: {rate:6.1f}/s ({n} sandboxes, "
-                          f"{failed} failed, {rate / base:4.2f}x concurrency 1; agent CPU {cpu:.1f} ms per sandbox) "
+                          f"{failed} failed, {rate / base:4.2f}x the first level; agent CPU {cpu:.1f} ms per sandbox) "
                           f"(target >= 100/s)")
                 if True in got:
                     print(f"  concurrency {conc:2d} RunOnce / 3 calls: {got[True][0] / got[False][0]:.2f}x "

@@ -307,9 +307,19 @@ def _column_lists_valid(names, cols) -> bool:
     return "".join(eids).isprintable()
 
 
+# up to this many records, validate_record one by one is cheaper than the columns (measured,
+# lifecycle records: 1 / 3 / 8 records 4.5 / 13 / 35 us against 23 / 27 / 37 us; 16: 69 vs 54 us)
+SMALL_BATCH = 8
+
+
 def validate_records(records: list) -> list:
-    """validate_record for each of `records` (a list), checked by column: the
-    same verdict, the same error (naming the first bad record) when one fails."""
+    """validate_record for each of `records` (a list), checked by column (a batch
+    of more than SMALL_BATCH): the same verdict, the same error (naming the first
+    bad record) when one fails."""
+    if len(records) <= SMALL_BATCH:
+        for r in records:
+            validate_record(r)
+        return records
     if not _columns_valid(records):
         for r in records:
             validate_record(r)

@@ -148,10 +148,27 @@ SOCK_TYPE_MASK = 0xF
 SOCKET_CALLS = ("socket", "socketpair")
 
 
+_NOTHING = object()
+
+
+def _sealed_memo(policy: Policy, key: str, build):
+    """build(), kept in the memo of a sealed policy (the agent's policy cache: one object for
+    every sandbox of that policy, never changed again: model.Policy.seal); built each time
+    for any other policy."""
+    memo = policy.sealed() if isinstance(policy, Policy) else None
+    if memo is None:
+        return build()
+    v = memo.get(key, _NOTHING)
+    if v is _NOTHING:
+        v = memo[key] = build()
+    return v
+
+
 def socket_rules(policy: Policy):
     """[(family, types, protocols)] the policy allows for socket()/socketpair()
     (an empty tuple: any), or None when any socket is allowed."""
-    return _model_socket_rules(policy.spec.syscalls)
+    rules = _sealed_memo(policy, "socket_rules", lambda: _model_socket_rules(policy.spec.syscalls))
+    return None if rules is None else list(rules)       # a list of the caller's own
 
 
 def socket_allowed(policy: Policy, family: int, sock_type: int, protocol: int) -> bool:
@@ -252,10 +269,12 @@ def allowed_numbers(policy: Policy) -> set[int]:
 
 def syscall_bitmap(policy: Policy) -> bytes:
     """BITMAP_BYTES bytes; bit n (byte n // 8, bit n % 8) set = syscall n allowed."""
-    out = bytearray(BITMAP_BYTES)
-    for nr in allowed_numbers(policy):
-        out[nr >> 3] |= 1 << (nr & 7)
-    return bytes(out)
+    def build():
+        out = bytearray(BITMAP_BYTES)
+        for nr in allowed_numbers(policy):
+            out[nr >> 3] |= 1 << (nr & 7)
+        return bytes(out)
+    return _sealed_memo(policy, "syscall_bitmap", build)
 
 
 def syscall_allowed(policy: Policy, name_or_nr, flags: int | None = None) -> bool:

@@ -48,9 +48,12 @@ def builtin_names() -> list[str]:
 
 
 def builtin_path(name: str) -> str | None:
-    if name in builtin_names():
-        return os.path.join(BUILTIN_DIR, name + ".yaml")
-    return None
+    """The file of built-in policy `name` (one of builtin_names()), or None. One stat, not a
+    listing of the directory: the agent resolves the policy of every request."""
+    if not name or "/" in name or name.startswith("."):
+        return None if name not in builtin_names() else os.path.join(BUILTIN_DIR, name + ".yaml")
+    path = os.path.join(BUILTIN_DIR, name + ".yaml")
+    return path if os.path.isfile(path) else None
 
 
 def is_builtin_ref(ref: str) -> bool:

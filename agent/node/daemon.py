@@ -120,6 +120,8 @@ class Agent:
         self.instance = os.urandom(6).hex()
         self._eid = 0
         self._lock = threading.RLock()
+        # the agent's own condition: shutdown's wait for every sandbox to end (notified when one
+        # ends); a wait for one sandbox waits on that record's `changed` (the same lock)
         self._cond = threading.Condition(self._lock)
         self._records: dict[str, SandboxRecord] = {}
         self._ended: OrderedDict[str, SandboxRecord] = OrderedDict()
@@ -127,8 +129,14 @@ class Agent:
         self.streams = EventStreams(cfg.limits.max_stream_subscribers, cfg.limits.stream_buffer, self.labels_of)
         self.policies = PolicyCache(cfg)
         self.authz = Authorizer(cfg.authorization, cfg.rootfs_roots, self.audit_refusal)
+        # the agent's own records, queued, then group-committed by _flush_emits: under _emit_cv
+        # the queue, how many records were ever queued, how many of those are durable (or were
+        # reported lost), and whether an append is in flight (one at a time: the records stay FIFO)
         self._emitq: deque = deque()
-        self._emit_lock = threading.Lock()
+        self._emit_cv = threading.Condition(threading.Lock())
+        self._emit_queued = 0
+        self._emit_durable = 0
+        self._emit_busy = False
         self._emit_failures = 0
         self._emit_kick = threading.Event()     # _flush_emits_soon -> the emit writer thread
         self._stop = threading.Event()
@@ -304,39 +312,69 @@ class Agent:
              "pid": os.getpid(), "extra": _compact(payload)}
         if rec is not None:
             r.update(rec.policy_identity())
-        self._emitq.append(r)
+        self._queue_emit(r)
 
     def _emit_record(self, r: dict):
         r.setdefault("ts_ns", time.time_ns())
-        self._emitq.append(r)
+        self._queue_emit(r)
+
+    def _queue_emit(self, r: dict):
+        with self._emit_cv:
+            self._emitq.append(r)
+            self._emit_queued += 1
 
     def _flush_emits(self):
-        """Write the queued agent records to the spool (one durable append)."""
+        """Return once every agent record queued before the call is durable in the spool (group
+        commit). The flush that finds no append in flight takes everything queued, by any thread,
+        into one durable append (one fdatasync); a flush whose records are in the append in flight
+        waits for that append, and then returns; one that finds nothing left to write returns
+        without taking a lock."""
+        target = self._emit_queued
+        if self._emit_durable >= target:
+            return                   # all queued so far is durable (set only after the append returned)
+        cv = self._emit_cv
+        with cv:
+            while self._emit_busy and self._emit_durable < target:
+                cv.wait()
+            if self._emit_durable >= target:
+                return               # another thread's append carried ours
+            self._emit_busy = True
+            taken = list(self._emitq)
+            self._emitq.clear()
+            upto = self._emit_queued
+        try:
+            self._append_emits(taken)
+        finally:
+            with cv:
+                self._emit_durable = upto
+                self._emit_busy = False
+                cv.notify_all()
+
+    def _append_emits(self, taken: list):
+        """One durable append of `taken` (only the flush that set _emit_busy calls it)."""
         from audit_schema.events import normalize
-        with self._emit_lock:
-            batch = []
-            while self._emitq:
-                r = self._emitq.popleft()
-                self._eid += 1
-                r.setdefault("event_id", f"{self.instance}a{self._eid:015x}")
-                r.setdefault("ts_ns", time.time_ns())
-                r.setdefault("node", self.node)
-                try:
-                    batch.append(normalize(r))
-                except KeyError as e:
-                    log.error("dropping a malformed agent record (%s): %r", e, r)
-            if not batch or self.spool is None:
-                return
+        batch = []
+        for r in taken:
+            self._eid += 1
+            r.setdefault("event_id", f"{self.instance}a{self._eid:015x}")
+            r.setdefault("ts_ns", time.time_ns())
+            r.setdefault("node", self.node)
             try:
-                self.spool.append_many(batch)
-            except ReportedError as e:
-                self._emit_failures += len(batch)
-                log.error("%d lifecycle audit record(s) could not be spooled: %s", len(batch), e.message)
+                batch.append(normalize(r))
+            except KeyError as e:
+                log.error("dropping a malformed agent record (%s): %r", e, r)
+        if not batch or self.spool is None:
+            return
+        try:
+            self.spool.append_many(batch)
+        except ReportedError as e:
+            self._emit_failures += len(batch)
+            log.error("%d lifecycle audit record(s) could not be spooled: %s", len(batch), e.message)
 
     def _flush_emits_soon(self):
         """The queued agent records go to the spool in one durable append on the emit writer
         thread; returns at once. For a step's end only (agent/node/steps.py): the append is
-        ordered before every later agent record (one queue, FIFO, under _emit_lock) and the
+        ordered before every later agent record (one queue, FIFO, one append at a time) and the
         next step of the sandbox waits for it (_flush_emits before it starts)."""
         self._emit_kick.set()
 
@@ -355,6 +393,11 @@ class Agent:
 
     # ================================================================ scheduler glue
 
+    def _changed_locked(self, rec: SandboxRecord | None):
+        """Under the lock: `rec` changed (state, stop, phase); wake the threads waiting for it."""
+        if rec is not None:
+            rec.changed.notify_all()
+
     def _after_sched_locked(self, actions):
         """Turn transitions into audit events and carry out Actions (under the lock)."""
         for t in self.sched.drain_transitions():
@@ -367,6 +410,7 @@ class Agent:
                                 reason=t.reason, cause=t.cause,
                                 waited_s=round(t.waited, 6) if t.waited is not None else None,
                                 source="scheduler")
+                self._changed_locked(self._records.get(t.id))
             else:
                 self._lifecycle("", "scheduler_" + t.state, ts_ns=int(t.at * 1e9), reason=t.reason)
         if not actions:
@@ -380,6 +424,7 @@ class Agent:
             rec.state = STARTING
             rec.admitted_ns = now_ns
             rec.queued_s = max(0.0, (now_ns - rec.created_ns) / 1e9)
+            self._changed_locked(rec)
             self._submit_work(self._launch, rec)
         for rid in actions.preempt:
             rec = self._records.get(rid)
@@ -393,7 +438,6 @@ class Agent:
             w = self.warm.entries.pop(slot, None)
             if w is not None:
                 self._submit_work(self.warm.destroy, w, "drained for a queued request")
-        self._cond.notify_all()
 
     def _submit_work(self, fn, *args):
         if self.executor is None:
@@ -527,7 +571,7 @@ class Agent:
                 self._lifecycle(rec.id, "started", launch_ms=round((time.monotonic() - t0) * 1000, 3),
                                 warm=rec.warm, cgroup_id=rec.cgroup_id,
                                 queued_s=round(rec.queued_s, 6))
-            self._cond.notify_all()
+            self._changed_locked(rec)
         if pending:
             self._stop_sandbox(rec)
 
@@ -540,7 +584,7 @@ class Agent:
             rec.start_done.set()
             self._lifecycle(rec.id, "failed", reason=reason)
             self._lifecycle(rec.id, "cleaned")
-            self._cond.notify_all()
+            self._changed_locked(rec)
         self._release(rec, reason)
         self._retire(rec)
         self._flush_emits()
@@ -561,7 +605,8 @@ class Agent:
                 # history is bounded in memory: keep the first changes only (the full
                 # manifest went to the caller and into the sandbox_exit audit event)
                 rec.summary = dict(rec.summary, changes=rec.summary["changes"][:100], changes_truncated=True)
-            self._cond.notify_all()
+            self._changed_locked(rec)
+            self._cond.notify_all()          # one sandbox fewer for shutdown's wait
 
     # ================================================================ sandboxes: stop
 
@@ -576,7 +621,7 @@ class Agent:
             rec.state = STOPPING
             self._submit_work(self._stop_sandbox, rec)
         # STARTING: _launch sees stop_kind once the sandbox exists and stops it
-        self._cond.notify_all()
+        self._changed_locked(rec)
 
     def _stop_sandbox(self, rec: SandboxRecord):
         """SIGTERM everything inside, grace, SIGKILL, close (executor thread)."""
@@ -585,6 +630,7 @@ class Agent:
                 return
             rec.stop_started = True
             rec.state = STOPPING
+            self._changed_locked(rec)
             thaw_if_frozen(self, rec)              # the breaker froze it: its supervisor must run
             sb = rec.sandbox
             grace = getattr(rec, "stop_grace", self.cfg.defaults.grace_seconds)
@@ -640,7 +686,7 @@ class Agent:
                 self._lifecycle(rec.id, state, step=rec.steps, reason=reason, steps=rec.steps, **brief, **extra)
             self._lifecycle(rec.id, "cleaned", step=rec.steps,
                             kept_upper=(summary or {}).get("kept_upper"))
-            self._cond.notify_all()
+            self._changed_locked(rec)
         self._release(rec, reason if state != EXITED else None)
         self._retire(rec)
         self._flush_emits()          # durable before anyone is told it ended
@@ -711,7 +757,7 @@ class Agent:
                     and over_budget == self.cfg.audit.over_budget and self.warm.profiles:
                 rec = self.warm.try_claim_locked(key, fields)
                 if rec is not None:
-                    self._cond.notify_all()
+                    self._changed_locked(rec)
                     return self._created(rec)
         spec = SandboxSpec(argv=[], sandbox_id=sid or launcher.new_sandbox_id(), cpus=quota, memory=memory,
                            pids=pids, grace=grace, rootfs=rootfs, network=network, env=env, workdir=workdir,
@@ -769,7 +815,7 @@ class Agent:
                 sid = spec.sandbox_id
             rec = SandboxRecord(sid, spec, labels=labels, priority=priority, cpus=acc_cpus, memory=memory,
                                 pids=pids, audit=audit and self.rec is not None, over_budget=over_budget,
-                                lifetime=lifetime, grace=grace)
+                                lifetime=lifetime, grace=grace, lock=self._lock)
             rec.window = win
             self._records[sid] = rec
             self._lifecycle(sid, "requested", **self._request_extra(rec))
@@ -864,14 +910,14 @@ class Agent:
         rec = self.lookup(sid, caller, "Wait")
         want_running = until == "running"
         deadline = time.monotonic() + timeout if timeout else None
-        with self._cond:
+        with rec.changed:                   # the agent's lock; woken by this sandbox's changes only
             while True:
                 if rec.state in ENDED or (want_running and rec.state in (RUNNING, STOPPING)):
                     return self.info(rec), False
                 left = None if deadline is None else deadline - time.monotonic()
                 if (left is not None and left <= 0) or not is_active():
                     return self.info(rec), True
-                self._cond.wait(STREAM_POLL if left is None else min(left, STREAM_POLL))
+                rec.changed.wait(STREAM_POLL if left is None else min(left, STREAM_POLL))
 
     # ================================================================ kill / close
 

@@ -5,7 +5,8 @@ the shapes its API answers in: states, request limits, ApiError.
     run = StepRun(argv)                                             # one Exec call
 
 Plain classes with explicit state; the agent (agent/node/daemon.py) changes
-them under its lock.
+them under its lock. Each SandboxRecord has its own condition on that lock
+(`changed`): a change of one sandbox wakes only the threads that wait for it.
 """
 from __future__ import annotations
 
@@ -106,8 +107,11 @@ class SandboxRecord:
     """What the agent knows about one sandbox, from request to teardown."""
 
     def __init__(self, sid, spec, *, labels, priority, cpus, memory, pids, audit, over_budget,
-                 lifetime, grace, warm_profile=None):
+                 lifetime, grace, warm_profile=None, lock=None):
         self.id = sid
+        # waits for this sandbox's state (Wait, an Exec before it runs, a phase switch) on the agent's
+        # lock (`lock`): notified by the agent when this record changes, never by another sandbox's change
+        self.changed = threading.Condition(lock)
         self.spec = spec                       # launcher.SandboxSpec (policy inside)
         self.labels = dict(labels)
         self.priority = priority

@@ -279,9 +279,9 @@ def set_phase(agent, sid: str, phase: str, wait_seconds: float = 0.0, force: boo
             _write_limits(rec, cur[0] if lo[0] is not None else None, cur[1] if lo[1] is not None else None)
         raise ApiError("RESOURCE_EXHAUSTED", f"phase {phase!r} of sandbox {rec.id} does not fit now: {d.reason}")
     deadline = t0 + wait_seconds
-    with agent._cond:
+    with rec.changed:                             # the agent's lock; woken by this sandbox's changes
         while win.pending == phase and rec.state == RUNNING and time.monotonic() < deadline:
-            agent._cond.wait(min(0.25, max(0.0, deadline - time.monotonic())))
+            rec.changed.wait(min(0.25, max(0.0, deadline - time.monotonic())))
         if win.pending == phase:                  # still waiting: withdraw it
             win.pending = None
             acts = agent.sched.cancel_phase(rec.id)
@@ -320,7 +320,7 @@ def _switched(agent, rec, phase: str, waited: float):
     win.phase, win.pending = phase, None
     rec.cpus, rec.memory = cpus, memory
     rec.spec.cpus, rec.spec.memory = cpus, memory
-    agent._cond.notify_all()
+    agent._changed_locked(rec)
 
 
 def on_actions(agent, actions):

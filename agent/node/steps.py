@@ -60,14 +60,14 @@ def _exec_step(agent, rec, run, start, env, workdir, timeout, grace, close_after
     if rem is not None:
         deadline = time.monotonic() + rem
     # wait until it runs
-    with agent._cond:
+    with rec.changed:                  # the agent's lock; woken by this sandbox's changes only
         while rec.state in (QUEUED, STARTING):
             if run.cancelled:
                 return
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise ApiError("DEADLINE_EXCEEDED", f"sandbox {rec.id} is still {rec.state}")
-            agent._cond.wait(STREAM_POLL if left is None else min(left, STREAM_POLL))
+            rec.changed.wait(STREAM_POLL if left is None else min(left, STREAM_POLL))
         if rec.state != RUNNING or rec.stop_kind is not None:
             raise _gone(agent, rec)
     while not rec.step_lock.acquire(timeout=STREAM_POLL):

@@ -123,7 +123,7 @@ class WarmPool:
                     rec = SandboxRecord(sid, spec, labels={}, priority=d.priority, cpus=prof.cpus,
                                         memory=c.memory, pids=c.pids, audit=True,
                                         over_budget=a.cfg.audit.over_budget, lifetime=d.lifetime_seconds,
-                                        grace=d.grace_seconds, warm_profile=prof.name)
+                                        grace=d.grace_seconds, warm_profile=prof.name, lock=a._lock)
                     rec.state = WARM
                     rec.warm_slot = slot
                     w = _WarmEntry(slot, prof, rec)
@@ -160,7 +160,7 @@ class WarmPool:
                     del self.entries[w.slot]
                 self.agent._lifecycle(w.rec.id, "failed", reason=f"warm sandbox start failed: {msg}",
                                       profile=prof.name)
-                self.agent._cond.notify_all()
+                self.agent._changed_locked(w.rec)
             self.release_slot(w.slot, f"warm sandbox start failed: {msg}")
             return
         w.profile.failures = 0
@@ -168,7 +168,7 @@ class WarmPool:
             w.rec.sandbox = sb
             w.rec.start_done.set()
             w.ready = True
-            self.agent._cond.notify_all()
+            self.agent._changed_locked(w.rec)
 
     def release_slot(self, slot: str, reason: str):
         with self.agent._lock:
@@ -191,6 +191,7 @@ class WarmPool:
             w.rec.state = EXITED
             w.rec.reason = reason
             w.rec.ended_ns = time.time_ns()
+            self.agent._changed_locked(w.rec)
             self.agent._lifecycle(w.rec.id, "cleaned", reason=reason, profile=w.profile.name)
         if not w.failed:
             self.release_slot(w.slot, reason)
