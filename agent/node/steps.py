@@ -246,6 +246,14 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
     started_sent = False
     done_at = None
     left = STREAM_POLL
+    if lst is not None:
+        # on_step's wake-up (it named the step on this very thread) would cost the loop a round:
+        # drained, then the step's end checked once (an on_done drained with it had set done first)
+        _drain(wake_r)
+        left = sb.exec_poll(lst)
+        if left is None:
+            finish(lst)
+            left = STREAM_POLL
 
     no_started = bool(start.get("no_started"))
 
@@ -279,11 +287,7 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
             if item:                    # it started and wrote while this thread waited: "started" first
                 yield item
             if wake_r in r:
-                try:
-                    while os.read(wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
+                _drain(wake_r)
             if not run.done:
                 left = sb.exec_poll(lst)        # the step's end, or its timeout's signals
                 if left is None:
@@ -379,11 +383,7 @@ def _wait_out(sb, lst, run, wake_r: int, limit: float, finish) -> None:
             return
         r, _ = _wait({}, wake_r, -1, min(left, end - now))
         if r:
-            try:
-                while os.read(wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+            _drain(wake_r)
 
 
 class StepThreads:
@@ -448,6 +448,14 @@ STEP_THREADS = StepThreads()
 
 def _spawn(fn):
     STEP_THREADS.spawn(fn)
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _wait(readers, wake_r: int, in_w: int, timeout: float) -> tuple[list[int], bool]:
