@@ -171,24 +171,19 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
     # the whole stdin is known up front: the step_start record carries it (bounded), so replay re-sends it
     known_stdin = bytes(start.get("stdin") or b"") if start.get("close_stdin") else None
 
-    def runner():
+    def finish(lst):
+        # the step is over (exec_poll said so, or exec_wait returned): its result and its
+        # on_step_end record, then run.done
         try:
-            run.result = sb.exec(argv, env=env or None, workdir=workdir, stdin=in_r, stdout=out_w, stderr=err_w,
-                                 timeout=timeout or None, grace=grace, stdin_bytes=known_stdin)
+            run.result = sb.exec_end(lst)
         except ReportedError as e:
             run.error = e.message
         except Exception as e:  # noqa: BLE001
             log.exception("sandbox %s: exec failed", rec.id)
             run.error = f"internal error: {e!r}"
         finally:
-            for fd in (in_r, out_w, err_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
             run.done = True
             run.wake()
-            finished.set()
 
     def reader():
         try:
@@ -214,22 +209,51 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
             run.stdin_eof = True
             run.wake()
 
-    finished = threading.Event()
+    # the step is sent and waited for on this thread (no runner thread: one hand-off less each way;
+    # the status thread's on_done wakes the poll below when dsec-init reports the exit)
+    lst = None
     try:
-        _spawn(runner)
-    except RuntimeError:            # no thread to be had: the step never ran
-        for fd in (in_r, out_w, err_w, out_r, err_r, in_w, wake_r, wake_w):
+        lst = sb.exec_begin(argv, env=env or None, workdir=workdir, stdin=in_r, stdout=out_w, stderr=err_w,
+                            timeout=timeout or None, grace=grace, stdin_bytes=known_stdin, on_done=run.wake)
+    except ReportedError as e:
+        run.error = e.message
+    except Exception as e:  # noqa: BLE001
+        log.exception("sandbox %s: exec failed", rec.id)
+        run.error = f"internal error: {e!r}"
+    finally:
+        for fd in (in_r, out_w, err_w):     # dsec-init has its copies (or the step never ran)
             try:
                 os.close(fd)
             except OSError:
                 pass
+    if lst is None:
         run.done = True
-        raise
+    elif timeout:
+        # a step with a timeout: a step thread sends its signals on time even while this thread
+        # is held in a yield (a caller slow to read the output); off the step's path
+        def timer():
+            try:
+                sb.exec_wait(lst)
+            except Exception:  # noqa: BLE001
+                log.exception("sandbox %s: step %s's timeout", rec.id, lst.step)
+        try:
+            _spawn(timer)
+        except RuntimeError:        # no thread to be had: this thread's polls send them
+            log.error("sandbox %s: no thread for step %s's timeout", rec.id, lst.step)
     if inputs is not None:
         _spawn(reader)
     readers = {out_r: "stdout", err_r: "stderr"}
     started_sent = False
     done_at = None
+    left = STREAM_POLL
+    if lst is not None:
+        # on_step's wake-up (it named the step on this very thread) would cost the loop a round:
+        # drained, then the step's end checked once (an on_done drained with it had set done first)
+        _drain(wake_r)
+        left = sb.exec_poll(lst)
+        if left is None:
+            finish(lst)
+            left = STREAM_POLL
 
     no_started = bool(start.get("no_started"))
 
@@ -255,17 +279,19 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
                 os.close(in_w)
                 in_w = -1
             tmo = STREAM_POLL if done_at is None else 0.05
+            if not run.done:
+                tmo = min(tmo, left)
             r, w = _wait(readers, wake_r, in_w if in_w >= 0 and run.stdin_buf else -1, tmo)
             got = False
             item = started()
             if item:                    # it started and wrote while this thread waited: "started" first
                 yield item
             if wake_r in r:
-                try:
-                    while os.read(wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
+                _drain(wake_r)
+            if not run.done:
+                left = sb.exec_poll(lst)        # the step's end, or its timeout's signals
+                if left is None:
+                    finish(lst)
             for fd in r:
                 if fd == wake_r:
                     continue
@@ -306,12 +332,11 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
                         continue
                 if not readers or not got or time.monotonic() - done_at > 2.0:
                     break
-        finished.wait()
     finally:
         if not run.done:
             # the call went away mid-step (generator closed): keep the step lock until the
             # step is over (the cancellation stops it), so steps never overlap
-            finished.wait(timeout=rec.grace + 10)
+            _wait_out(sb, lst, run, wake_r, rec.grace + 10, finish)
         with run.lock:
             run.wake_w = -1
         for fd in list(readers) + [wake_r, wake_w] + ([in_w] if in_w >= 0 else []):
@@ -335,6 +360,30 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
     agent._flush_emits_soon()
     if st is not None and not run.cancelled:
         agent.snapshots.after_step(rec)      # automatic snapshots: the state this step left, before its reply
+
+
+def _wait_out(sb, lst, run, wake_r: int, limit: float, finish) -> None:
+    """Wait up to `limit` s for a step whose call went away; past it, a step thread waits the
+    rest, so its end is still recorded (the step lock is let go, as before)."""
+    end = time.monotonic() + limit
+    while not run.done:
+        left = sb.exec_poll(lst)
+        if left is None:
+            finish(lst)
+            return
+        now = time.monotonic()
+        if now >= end:
+            def rest():
+                sb.exec_wait(lst)
+                finish(lst)
+            try:
+                _spawn(rest)
+            except RuntimeError:
+                log.error("sandbox %s: no thread to wait out step %s", sb.sid, lst.step)
+            return
+        r, _ = _wait({}, wake_r, -1, min(left, end - now))
+        if r:
+            _drain(wake_r)
 
 
 class StepThreads:
@@ -399,6 +448,14 @@ STEP_THREADS = StepThreads()
 
 def _spawn(fn):
     STEP_THREADS.spawn(fn)
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _wait(readers, wake_r: int, in_w: int, timeout: float) -> tuple[list[int], bool]:

@@ -238,13 +238,24 @@ class SandboxCgroup:
 
     # --- stats -----------------------------------------------------------------
     def oom_kills(self) -> int:
+        """The sandbox's OOM kills so far (read twice per step: one open/read/close, no file object)."""
         if self.layout.mode == "v2":
-            text = _read(f"{self.v2_path}/memory.events")
+            path = f"{self.v2_path}/memory.events"
         else:
-            text = _read(f"{self.v1_paths.get('memory', '/nonexistent')}/memory.oom_control")
-        for line in text.splitlines():
-            k, _, v = line.partition(" ")
-            if k == "oom_kill":
+            path = f"{self.v1_paths.get('memory', '/nonexistent')}/memory.oom_control"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return 0
+        try:
+            data = os.read(fd, 8192)
+        except OSError:
+            return 0
+        finally:
+            os.close(fd)
+        for line in data.splitlines():
+            k, _, v = line.partition(b" ")
+            if k == b"oom_kill":
                 return int(v)
         return 0
 

@@ -208,8 +208,11 @@ class SandboxWatch:
             extra["stdin_b64"] = base64.b64encode(stdin[:STDIN_RECORD_MAX]).decode()
             extra["stdin_bytes"] = len(stdin)
             extra["stdin_truncated"] = len(stdin) > STDIN_RECORD_MAX
-        self._record({"kind": "step_start", "sandbox_id": sandbox_id, "step": step, "argv": list(info["argv"]),
-                      "argv_truncated": 0, "extra": _compact(extra)})
+        r = {"kind": "step_start", "sandbox_id": sandbox_id, "step": step, "argv": list(info["argv"]),
+             "argv_truncated": 0, "extra": _compact(extra)}
+        if info.get("ts_ns"):
+            r["ts_ns"] = info["ts_ns"]          # taken before dsec-init was told to run it
+        self._record(r)
 
     def on_step_end(self, sandbox_id, st):
         self._record({"kind": "step_end", "sandbox_id": sandbox_id, "step": st.step,
