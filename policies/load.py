@@ -51,7 +51,7 @@ def builtin_path(name: str) -> str | None:
     """The file of built-in policy `name` (one of builtin_names()), or None. One stat, not a
     listing of the directory: the agent resolves the policy of every request."""
     if not name or "/" in name or name.startswith("."):
-        return None if name not in builtin_names() else os.path.join(BUILTIN_DIR, name + ".yaml")
+        return None                       # never a file of BUILTIN_DIR's own
     path = os.path.join(BUILTIN_DIR, name + ".yaml")
     return path if os.path.isfile(path) else None
 

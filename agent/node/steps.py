@@ -12,6 +12,7 @@ Functions of the agent (agent/node/daemon.py), which owns the state and the lock
 from __future__ import annotations
 
 import _thread
+import contextlib
 import logging
 import os
 import select
@@ -175,12 +176,8 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
         # the step is over (exec_poll said so, or exec_wait returned): its result and its
         # on_step_end record, then run.done
         try:
-            run.result = sb.exec_end(lst)
-        except ReportedError as e:
-            run.error = e.message
-        except Exception as e:  # noqa: BLE001
-            log.exception("sandbox %s: exec failed", rec.id)
-            run.error = f"internal error: {e!r}"
+            with _step_failure(run, rec):
+                run.result = sb.exec_end(lst)
         finally:
             run.done = True
             run.wake()
@@ -213,13 +210,9 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
     # the status thread's on_done wakes the poll below when dsec-init reports the exit)
     lst = None
     try:
-        lst = sb.exec_begin(argv, env=env or None, workdir=workdir, stdin=in_r, stdout=out_w, stderr=err_w,
-                            timeout=timeout or None, grace=grace, stdin_bytes=known_stdin, on_done=run.wake)
-    except ReportedError as e:
-        run.error = e.message
-    except Exception as e:  # noqa: BLE001
-        log.exception("sandbox %s: exec failed", rec.id)
-        run.error = f"internal error: {e!r}"
+        with _step_failure(run, rec):
+            lst = sb.exec_begin(argv, env=env or None, workdir=workdir, stdin=in_r, stdout=out_w, stderr=err_w,
+                                timeout=timeout or None, grace=grace, stdin_bytes=known_stdin, on_done=run.wake)
     finally:
         for fd in (in_r, out_w, err_w):     # dsec-init has its copies (or the step never ran)
             try:
@@ -448,6 +441,18 @@ STEP_THREADS = StepThreads()
 
 def _spawn(fn):
     STEP_THREADS.spawn(fn)
+
+
+@contextlib.contextmanager
+def _step_failure(run: StepRun, rec):
+    """A failure of the step's launcher call becomes the step's error (run.error), never the call's."""
+    try:
+        yield
+    except ReportedError as e:
+        run.error = e.message
+    except Exception as e:  # noqa: BLE001
+        log.exception("sandbox %s: exec failed", rec.id)
+        run.error = f"internal error: {e!r}"
 
 
 def _drain(fd: int) -> None:

@@ -245,14 +245,12 @@ class SandboxCgroup:
             path = f"{self.v1_paths.get('memory', '/nonexistent')}/memory.oom_control"
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = os.read(fd, 8192)
+            finally:
+                os.close(fd)
         except OSError:
             return 0
-        try:
-            data = os.read(fd, 8192)
-        except OSError:
-            return 0
-        finally:
-            os.close(fd)
         for line in data.splitlines():
             k, _, v = line.partition(b" ")
             if k == b"oom_kill":

@@ -601,9 +601,9 @@ class Sandbox:
         items = [(T.STEP, step)] + [(T.ARG, a) for a in argv] + \
             [(T.ENV, f"{k}={v}") for k, v in e.items()] + [(T.WORKDIR, wd), (T.PATHVAR, e.get("PATH", ""))]
         msg = ip.encode(MSG.EXEC, items)
-        oom_before = self.cg.oom_kills() if self.cg else 0
+        st.oom_before = self.cg.oom_kills() if self.cg else 0
         st.started_ns = time.time_ns()
-        t0 = time.monotonic()
+        st.sent_at = time.monotonic()
         fds = [stdin, stdout, stderr]
         while fds and fds[-1] is None:
             fds.pop()
@@ -623,8 +623,8 @@ class Sandbox:
             self._hook("on_step_info", self.sid, step, {"argv": list(argv), "env": e, "workdir": wd,
                                                         "timeout": timeout, "stdin": stdin_bytes,
                                                         "ts_ns": st.started_ns})
-        grace = self.spec.grace if grace is None else grace
-        st._wait = [t0, t0 + timeout if timeout else None, grace, None, oom_before]
+        st.grace = self.spec.grace if grace is None else grace
+        st.deadline = st.sent_at + timeout if timeout else None
         return st
 
     def exec_poll(self, st: StepResult) -> float | None:
@@ -636,28 +636,25 @@ class Sandbox:
     def _exec_tick(self, st: StepResult) -> float | None:
         if st.done or self.supervisor_dead:
             return None
-        w = st._wait
         now = time.monotonic()
-        deadline, grace = w[1], w[2]
-        if deadline is not None and now >= deadline and not st.timed_out:
+        if st.deadline is not None and now >= st.deadline and not st.timed_out:
             st.timed_out = True
-            w[3] = now + grace
+            st.kill_at = now + st.grace
             self._signal_step(st.step, signal.SIGTERM)
-        if w[3] is not None and now >= w[3]:
+        if st.kill_at is not None and now >= st.kill_at:
             self._signal_step(st.step, signal.SIGKILL)
-            w[3] = now + 1.0
-        waits = [t for t in ((None if st.timed_out else deadline), w[3]) if t is not None]
+            st.kill_at = now + 1.0
+        waits = [t for t in ((None if st.timed_out else st.deadline), st.kill_at) if t is not None]
         return min([1.0] + [max(0.0, t - now) for t in waits])
 
     def exec_end(self, st: StepResult) -> StepResult:
         """The step is over (exec_poll said so): its result, its on_step_end hook."""
-        t0, oom_before = st._wait[0], st._wait[4]
         with self._cond:
             if not st.done:      # init died under the step (killed from outside)
                 _finish_step(st, {"status": signal.SIGKILL})
-        st.wall_ms = int((time.monotonic() - t0) * 1000)
+        st.wall_ms = int((time.monotonic() - st.sent_at) * 1000)
         if self.cg:
-            st.oom_kills = max(0, self.cg.oom_kills() - oom_before)
+            st.oom_kills = max(0, self.cg.oom_kills() - st.oom_before)
         if st.signal == signal.SIGKILL and st.oom_kills:
             st.oom_killed = True
             st.error = st.error or "out of memory: killed by the sandbox's memory limit"

@@ -30,7 +30,13 @@ class StepResult:
         self.started_ns = 0
         self.done = False
         self.on_done = None         # called (no lock held) when the step has ended or init died (exec_begin)
-        self._wait = None           # exec_begin .. exec_end: [t0, deadline, grace, kill_at, oom_before]
+        # exec_begin .. exec_end: when it was sent (monotonic), its timeout's deadline, the grace
+        # before SIGKILL, when the next SIGKILL is due, the sandbox's OOM kills before it
+        self.sent_at = 0.0
+        self.deadline = None
+        self.grace = 0.0
+        self.kill_at = None
+        self.oom_before = 0
 
     def to_dict(self) -> dict:
         return {"step": self.step, "exit_code": self.exit_code, "signal": self.signal,

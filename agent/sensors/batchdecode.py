@@ -335,9 +335,10 @@ class BatchDecoder:
 
     def forget(self, cg: int) -> None:
         """A removed sandbox's templates: they hold its SandboxInfo (and through it the
-        pinned init's /proc descriptor), so they go with it."""
-        for k in [k for k in self._tmpl if k[0] == cg]:
-            del self._tmpl[k]
+        pinned init's /proc descriptor), so they go with it (a look-up per kind, not a walk
+        of the whole cache per removal)."""
+        for kind in self.dec.consts.kind_numbers.values():
+            self._tmpl.pop((cg, kind), None)
 
     def _template(self, cg, kind, kname, info):
         if len(self._tmpl) >= _CACHE_MAX:

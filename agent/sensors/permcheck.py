@@ -214,8 +214,7 @@ class SandboxRoots:
                     self._wake.wait()
                 fds, self._closing = self._closing, []
             for fd in fds:
-                if fd >= 0:
-                    os.close(fd)
+                os.close(fd)
 
     def pending_closes(self) -> int:
         with self._lock:
