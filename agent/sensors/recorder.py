@@ -1,7 +1,7 @@
 """The audit recorder of one dsec process: eBPF sensors -> durable spool.
 
     rec = Recorder(node)                    # compiles and attaches the eBPF programs once
-    rec.watch(sandbox_id, cgroup_id, policy=p, cgroup_path=path)   # before any sandbox process
+    rec.watch(sandbox_id, cgroup_id, policy=p, cgroup_path=path)   # before any sandbox process runs
     rec.started(cgroup_id, supervisor_pid)  # enforcement starts here (the supervisor is exempt)
     rec.set_step(cgroup_id, 2)
     rec.record({...})                       # the launcher's own records (sandbox_start/exit ...):
