@@ -13,7 +13,7 @@ its own for the sandbox's user (agent/sandbox/uids.py) -> cgroups with limits
 never held our memory, started by clone3 in new pid, mount, ipc, uts and net
 namespaces and in the sandbox's cgroup2 directory; it joins the v1 cgroups
 itself (agent/sandbox/spawn.py; the fallback: posix_spawn, then we move it)
--> HELLO -> the sensors watch the cgroup (on_cgroup) -> CONFIG (the
+-> HELLO -> the sensors watch the cgroup (on_started) -> CONFIG (the
 mount plan, credentials, sysctls and the policy's seccomp program, all
 computed here: agent/sandbox/plan.py) -> READY -> the host side of the network
 -> GO. The control channel is one SOCK_SEQPACKET socket (protocol:
@@ -32,10 +32,11 @@ read-only; IPv6 is off inside an egress sandbox unless the policy allows IPv6
 egress; a custom rootfs is checked (rootfs.check_rootfs) and read only with
 RESOLVE_IN_ROOT and O_NONBLOCK.
 
-Hooks let the audit pipeline watch: on_cgroup(sandbox_id, cgroup_id) once
-dsec-init is in the cgroups and has said HELLO (its own start done), before any
-process of the sandbox's exists; on_started(sandbox_id, init_pid) right after,
-before it does anything (it returns the rule kinds the eBPF
+Hooks let the audit pipeline watch: on_cgroup(sandbox_id, cgroup_id) before
+any sandbox process exists; on_started(sandbox_id, init_pid) once dsec-init is
+in the cgroups and has said HELLO (its own start done: born inside the cgroup,
+its exec would be recorded by a watch begun earlier), before it does anything
+of the sandbox's (it returns the rule kinds the eBPF
 sensor enforces for the sandbox); on_step(sandbox_id, step) before each step
 starts, on_step_info(sandbox_id, step, {argv, env, workdir, timeout, stdin, ts_ns})
 once dsec-init has been sent the step (ts_ns: the time just before), on_step_end(sandbox_id, StepResult) when it has ended;
@@ -331,6 +332,7 @@ class Sandbox:
         finally:
             self._gc_guard.release()        # locked state dir + cgroups: gc sees it live
         self.cgroup_id = self.cg.cgroup_id
+        self._hook("on_cgroup", self.sid, self.cgroup_id)
 
         self.env = {"PATH": DEFAULT_PATH, "HOME": home, "LANG": "C.UTF-8", "HOSTNAME": self.sid,
                     "USER": spec.user if not spec.user[0].isdigit() else str(self.uid)}
@@ -396,10 +398,9 @@ class Sandbox:
                 self.cg.join(self.sup_pid)
             except OSError as e:
                 raise DsecError(f"cannot move the sandbox init into its cgroups: {e.strerror}", EXIT_DSEC)
+        self._write_state({"supervisor_pid": self.sup_pid})
         # the sensors watch the cgroup from here (docs/launcher.md): init's own start is not in the
         # record, and nothing of the sandbox's has run (init waits for CONFIG)
-        self._hook("on_cgroup", self.sid, self.cgroup_id)
-        self._write_state({"supervisor_pid": self.sup_pid})
         enforced = self._hook("on_started", self.sid, self.sup_pid)
         need = ebpf_concerns(policy)
         missing = [c for c in need if c not in set(enforced or ())]
