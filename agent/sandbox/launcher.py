@@ -63,6 +63,7 @@ from agent.sandbox import plan as plans
 from agent.sandbox import rootfs
 from agent.sandbox import spawn
 from agent.sandbox import sysutil as su
+from agent.sandbox import trash
 from agent.sandbox import uids
 from agent.sandbox.status import STATUS, StatusLoop
 from agent.sandbox.stdio import default_stdio, forward_signals, relay, restore_signals
@@ -797,8 +798,7 @@ class Sandbox:
             pol = self.spec.policy
             netns.teardown(self.sid, policy_egress=bool(self.net) and pol is not None and pol.spec.egress is not None)
         if self.dir and not left:
-            import shutil
-            shutil.rmtree(self.dir, ignore_errors=True)
+            trash.remove_later(self.dir)     # renamed now, removed off the close's path (trash.py)
         if self.lock_fd >= 0:
             os.close(self.lock_fd)
             self.lock_fd = -1

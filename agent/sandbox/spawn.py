@@ -27,8 +27,13 @@ import ctypes
 import errno
 import logging
 import os
+import signal
 import socket
 import threading
+
+from agent.sandbox import initproto as ip
+from agent.sandbox import sysutil as su
+from exporters.metrics import METRICS
 
 log = logging.getLogger("dsec.launcher")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -134,8 +139,6 @@ def start_init(cg, path: str, ctl, ctl_child_fd: int, ns_flags: int) -> tuple[in
     `ctl_child_fd` its fd 3, and send it JOIN on `ctl`. Returns (pid, pidfd, join_left):
     join_left when the launcher still has to move it into its cgroups (the fallback;
     cg.join after HELLO). Raises OSError when the start fails."""
-    from agent.sandbox import initproto as ip
-    from agent.sandbox import sysutil as su
     pid = pidfd = -1
     mine = []
     try:
@@ -168,7 +171,6 @@ def start_init(cg, path: str, ctl, ctl_child_fd: int, ns_flags: int) -> tuple[in
 
 
 def _kill(pid: int, pidfd: int) -> None:
-    import signal
     try:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
@@ -179,5 +181,4 @@ def _kill(pid: int, pidfd: int) -> None:
 
 
 def _count(path: str) -> None:
-    from exporters.metrics import METRICS
     METRICS.add("dsec.sandbox.starts", 1, path=path)
