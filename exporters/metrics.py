@@ -36,6 +36,8 @@ Instruments (INSTRUMENTS below is the list; docs/exporters.md has the table):
   dsec.sandbox.launch.duration histogram seconds from request (or sandbox_start) to running
   dsec.scheduler.wait       histogram seconds an agent sandbox waited in the queue (on admission)
   dsec.steps                counter   steps ended, by outcome (ok, failed, timed_out, oom_killed)
+  dsec.sandbox.starts       counter   sandbox inits started, by path (clone3 | posix_spawn: the fallback,
+                                      agent/sandbox/spawn.py)
   dsec.sandboxes            gauge     live sandboxes, by state
   dsec.spool.usage          gauge     bytes of the spool's segments
   dsec.spool.backlog        gauge     bytes not yet delivered, by sink
@@ -66,6 +68,8 @@ INSTRUMENTS: dict[str, tuple[str, str, str]] = {
     "dsec.sandbox.launch.duration": (HISTOGRAM, "s", "time from a sandbox's request to running"),
     "dsec.scheduler.wait": (HISTOGRAM, "s", "time an agent sandbox waited in the scheduler's queue"),
     "dsec.steps": (COUNTER, "{step}", "steps ended, by outcome"),
+    "dsec.sandbox.starts": (COUNTER, "{sandbox}", "sandbox inits started, by path (clone3: born in its cgroups; "
+                                                  "posix_spawn: the fallback)"),
     "dsec.sandboxes": (GAUGE, "{sandbox}", "live sandboxes by state"),
     "dsec.spool.usage": (GAUGE, "By", "bytes of the spool's segment files"),
     "dsec.spool.backlog": (GAUGE, "By", "spool bytes not yet delivered, by sink"),

@@ -439,3 +439,27 @@ def test_on_gone_comes_once_nothing_of_the_sandbox_runs_and_before_on_exit():
     finally:
         sb.close()
     assert seen == [("gone", True, [], True), ("exit",)]
+
+
+def test_a_closed_sandbox_s_state_leaves_at_once_and_the_trash_empties(sid, tmp_path):
+    """The state directory is renamed into the trash at close and removed in the
+    background (agent/sandbox/trash.py): gone from the sandboxes at once, its id free
+    for the next sandbox, nothing left once the thread is done; gc's sweep empties a
+    trash that a crash left."""
+    from agent.sandbox import launcher, trash
+    from agent.sandbox.launcher import Sandbox, SandboxSpec
+    sb = Sandbox(SandboxSpec(argv=[], sandbox_id=sid)).start()
+    assert sb.exec(["sh", "-c", "echo x > /workspace/f"]).exit_code == 0
+    sb.close()
+    assert not os.path.exists(os.path.join(launcher.SANDBOX_DIR, sid))
+    again = Sandbox(SandboxSpec(argv=[], sandbox_id=sid)).start()      # the same id, at once
+    again.close()
+    assert trash.drain(30)
+    tdir = trash.trash_dir(launcher.SANDBOX_DIR)
+    assert os.stat(tdir).st_mode & 0o777 == 0o700
+    assert not [n for n in os.listdir(tdir) if n.startswith(sid + "-")]
+    left = tmp_path / "trash" / "sbx-crashed-1234"
+    (left / "upper" / "_root").mkdir(parents=True)
+    (left / "upper" / "_root" / "f").write_text("x")
+    assert trash.sweep(str(tmp_path / "sandboxes")) == [str(left)]
+    assert not left.exists()

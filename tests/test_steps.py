@@ -24,10 +24,12 @@ def _audited_sandbox(rec, **spec):
 
     def on_cgroup(sid, cg):
         state["cg"] = cg
-        rec.watch(sid, cg, step=0)
 
-    sb = Sandbox(SandboxSpec(argv=[], **spec), on_cgroup=on_cgroup,
-                 on_started=lambda sid, pid: rec.started(state["cg"], pid),
+    def on_started(sid, pid):          # watched from init's HELLO, as SandboxWatch does
+        rec.watch(sid, state["cg"], step=0)
+        return rec.started(state["cg"], pid)
+
+    sb = Sandbox(SandboxSpec(argv=[], **spec), on_cgroup=on_cgroup, on_started=on_started,
                  on_step=lambda sid, step: rec.sensor.set_step(state["cg"], step),
                  on_workload_exit=lambda sid: rec.catch_up(),
                  on_exit=lambda summary: rec.unwatch(state["cg"]))

@@ -48,4 +48,6 @@ def run(args) -> int:
         print(f"clean ({n} live sandbox{'es' if n != 1 else ''})")
     for parent in rep["parents"]:
         print(f"removed empty cgroup parent {parent}")
+    for path in rep.get("trash", ()):
+        print(f"removed closed sandbox state {path}")
     return 1 if rep["failed"] else 0

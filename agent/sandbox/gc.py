@@ -104,11 +104,12 @@ def _remove(found: dict | None = None, *, dry_run: bool = False, final: bool = T
     also removes the NAT table and the empty parent cgroups when no sandbox is
     left. Returns {"sandboxes": [{sandbox_id, owner_pid, supervisor_pid,
     cgroups_removed, cgroups_left, state_removed}], "links": [{link, error}],
-    "parents": [...], "live": [...], "failed": n}."""
+    "parents": [...], "trash": [closed sandboxes' state dirs left queued for removal
+    (agent/sandbox/trash.py), removed], "live": [...], "failed": n}."""
     from agent.sandbox import cgroups, launcher, netns
     found = found or collect()
     live_now = _live_now()            # under the lock: what started since `found` was collected
-    out = {"sandboxes": [], "links": [], "parents": [], "live": sorted(set(found["live"]) | live_now),
+    out = {"sandboxes": [], "links": [], "parents": [], "trash": [], "live": sorted(set(found["live"]) | live_now),
            "failed": 0}
     for sid in found["orphans"]:
         sd = os.path.join(launcher.SANDBOX_DIR, sid)
@@ -129,6 +130,9 @@ def _remove(found: dict | None = None, *, dry_run: bool = False, final: bool = T
         if os.path.isdir(sd) and not left:
             shutil.rmtree(sd, ignore_errors=True)
             item["state_removed"] = sd
+    if not dry_run:
+        from agent.sandbox import trash
+        out["trash"] = trash.sweep(launcher.SANDBOX_DIR)     # closed sandboxes' dirs a crash left queued
     for link in found["links"]:
         item = {"link": link, "error": None}
         out["links"].append(item)

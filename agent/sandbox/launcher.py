@@ -10,8 +10,10 @@
 start(): state dir (exclusive, locked for our lifetime, 0700) -> a host uid of
 its own for the sandbox's user (agent/sandbox/uids.py) -> cgroups with limits
 -> dsec-init (agent/sandbox/init/dsec-init.c), an exec'd minimal PID 1 that
-never held our memory, started by posix_spawn from a thread that unshared the
-pid, mount, ipc, uts and net namespaces -> it joins the cgroups -> CONFIG (the
+never held our memory, started by clone3 in new pid, mount, ipc, uts and net
+namespaces and in the sandbox's cgroup2 directory; it joins the v1 cgroups
+itself (agent/sandbox/spawn.py; the fallback: posix_spawn, then we move it)
+-> HELLO -> the sensors watch the cgroup (on_started) -> CONFIG (the
 mount plan, credentials, sysctls and the policy's seccomp program, all
 computed here: agent/sandbox/plan.py) -> READY -> the host side of the network
 -> GO. The control channel is one SOCK_SEQPACKET socket (protocol:
@@ -32,7 +34,9 @@ RESOLVE_IN_ROOT and O_NONBLOCK.
 
 Hooks let the audit pipeline watch: on_cgroup(sandbox_id, cgroup_id) before
 any sandbox process exists; on_started(sandbox_id, init_pid) once dsec-init is
-in the cgroups, before it does anything (it returns the rule kinds the eBPF
+in the cgroups and has said HELLO (its own start done: born inside the cgroup,
+its exec would be recorded by a watch begun earlier), before it does anything
+of the sandbox's (it returns the rule kinds the eBPF
 sensor enforces for the sandbox); on_step(sandbox_id, step) before each step
 starts, on_step_info(sandbox_id, step, {argv, env, workdir, timeout, stdin, ts_ns})
 once dsec-init has been sent the step (ts_ns: the time just before), on_step_end(sandbox_id, StepResult) when it has ended;
@@ -57,7 +61,9 @@ from agent.sandbox import cgroups
 from agent.sandbox import initproto as ip
 from agent.sandbox import plan as plans
 from agent.sandbox import rootfs
+from agent.sandbox import spawn
 from agent.sandbox import sysutil as su
+from agent.sandbox import trash
 from agent.sandbox import uids
 from agent.sandbox.status import STATUS, StatusLoop
 from agent.sandbox.stdio import default_stdio, forward_signals, relay, restore_signals
@@ -377,26 +383,25 @@ class Sandbox:
                 except OSError:
                     pass
         self.ctl = ctl_parent
-        try:
-            self.sup_pid = su.spawn_in_namespaces(plans.init_path(), ["dsec-init"], NS_FLAGS, ctl_child.fileno())
+        try:      # born in its cgroups (clone3), or the fallback: joined by us after HELLO (spawn.py)
+            self.sup_pid, self.pidfd, join_left = spawn.start_init(self.cg, plans.init_path(), ctl_parent,
+                                                                  ctl_child.fileno(), NS_FLAGS)
         except OSError as e:
-            raise DsecError(f"cannot create sandbox namespaces: {e.strerror or e}", EXIT_DSEC)
+            raise DsecError(f"cannot start the sandbox init (namespaces, cgroups): {e.strerror or e}", EXIT_DSEC)
         finally:
             ctl_child.close()
-        self.pidfd = os.pidfd_open(self.sup_pid)
-        try:
-            su.restore_nofile(self.sup_pid)      # the agent's raised fd limit is not the workload's
-        except OSError as e:
-            raise DsecError(f"sandbox {self.sid}: cannot set its open-file limit: {e.strerror or e}", EXIT_DSEC)
-        # its exec may still be under way (posix_spawn returned): joined after it (docs/launcher.md)
+        # its exec may still be under way when the spawn returns: nothing of the sandbox's until HELLO
         if why := ip.await_hello(self.ctl, 30.0):
             raise DsecError(f"sandbox {self.sid}: its init {why}", EXIT_DSEC)
         self._reader = STATUS.add(self)
-        try:
-            self.cg.join(self.sup_pid)           # before CONFIG: everything it does from now on is the sandbox's
-        except OSError as e:
-            raise DsecError(f"cannot move the sandbox init into its cgroups: {e.strerror}", EXIT_DSEC)
+        if join_left:
+            try:
+                self.cg.join(self.sup_pid)
+            except OSError as e:
+                raise DsecError(f"cannot move the sandbox init into its cgroups: {e.strerror}", EXIT_DSEC)
         self._write_state({"supervisor_pid": self.sup_pid})
+        # the sensors watch the cgroup from here (docs/launcher.md): init's own start is not in the
+        # record, and nothing of the sandbox's has run (init waits for CONFIG)
         enforced = self._hook("on_started", self.sid, self.sup_pid)
         need = ebpf_concerns(policy)
         missing = [c for c in need if c not in set(enforced or ())]
@@ -793,8 +798,7 @@ class Sandbox:
             pol = self.spec.policy
             netns.teardown(self.sid, policy_egress=bool(self.net) and pol is not None and pol.spec.egress is not None)
         if self.dir and not left:
-            import shutil
-            shutil.rmtree(self.dir, ignore_errors=True)
+            trash.remove_later(self.dir)     # renamed now, removed off the close's path (trash.py)
         if self.lock_fd >= 0:
             os.close(self.lock_fd)
             self.lock_fd = -1

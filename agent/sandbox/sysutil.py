@@ -287,10 +287,19 @@ def raise_nofile() -> dict:
     return {"soft": soft, "hard": hard, "was": _NOFILE_ORIG[0], "error": err}
 
 
+def nofile_to_restore() -> tuple[int, int] | None:
+    """The open-file limit this process started with, if raise_nofile() changed it
+    (a sandbox's PID 1 gets it back), else None."""
+    import resource
+    if _NOFILE_ORIG is None or _NOFILE_ORIG == resource.getrlimit(resource.RLIMIT_NOFILE):
+        return None
+    return _NOFILE_ORIG
+
+
 def restore_nofile(pid: int) -> None:
     """Give process `pid` (a sandbox's PID 1, before it runs anything) the open-file
     limit this process started with, if raise_nofile() changed it."""
     import resource
-    if _NOFILE_ORIG is None or _NOFILE_ORIG == resource.getrlimit(resource.RLIMIT_NOFILE):
-        return
-    resource.prlimit(pid, resource.RLIMIT_NOFILE, _NOFILE_ORIG)
+    orig = nofile_to_restore()
+    if orig is not None:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, orig)

@@ -1,7 +1,7 @@
 """The audit recorder of one dsec process: eBPF sensors -> durable spool.
 
     rec = Recorder(node)                    # compiles and attaches the eBPF programs once
-    rec.watch(sandbox_id, cgroup_id, policy=p, cgroup_path=path)   # before any sandbox process
+    rec.watch(sandbox_id, cgroup_id, policy=p, cgroup_path=path)   # before any process of the sandbox's
     rec.started(cgroup_id, supervisor_pid)  # enforcement starts here (the supervisor is exempt)
     rec.set_step(cgroup_id, 2)
     rec.record({...})                       # the launcher's own records (sandbox_start/exit ...):
@@ -353,15 +353,21 @@ class Recorder:
         return ticket
 
     # -- sandboxes ----------------------------------------------------------------------
+    def check_enforceable(self, policy) -> None:
+        """An enforce-mode policy whose eBPF programs cannot load is refused (exit 125)
+        instead of running unconfined (watch() checks again)."""
+        if self.enforcer is None and policy.mode == "enforce":
+            raise DsecError(f"policy {policy.name} (enforce) needs eBPF enforcement, which is "
+                            f"unavailable: {self.enforce_error or 'disabled'}", EXIT_DSEC)
+
     def watch(self, sandbox_id: str, cgroup_id: int, policy=None, cgroup_path: str | None = None,
               step: int = 0, image_digest: str = "", **labels):
-        """Audit cgroup `cgroup_id` from now on. With a policy, its eBPF enforcement
-        starts at started(); an enforce-mode policy whose programs cannot load
-        refuses here (exit 125) instead of running unconfined."""
+        """Audit cgroup `cgroup_id` from now on (from its init's HELLO: the launcher's
+        on_started). With a policy, its eBPF enforcement starts at started(); an
+        enforce-mode policy whose programs cannot load refuses here (exit 125)
+        instead of running unconfined."""
         if policy is not None:
-            if self.enforcer is None and policy.mode == "enforce":
-                raise DsecError(f"policy {policy.name} (enforce) needs eBPF enforcement, which is "
-                                f"unavailable: {self.enforce_error or 'disabled'}", EXIT_DSEC)
+            self.check_enforceable(policy)
             self.policies[sandbox_id] = policy
             labels.update(policy.identity())
         if image_digest:

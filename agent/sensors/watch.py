@@ -15,8 +15,8 @@ record has the same shape whoever launched it:
   step_end       its exit, signal, timeout, wall and CPU time;
   sandbox_exit   the summary (file changes bounded), labels, audit totals.
 
-It registers the sandbox with the Recorder (rec.watch) at its cgroup,
-starts enforcement once the supervisor exists, moves the step counter with
+It registers the sandbox with the Recorder (rec.watch) and starts
+enforcement once the supervisor is in the cgroup and has said HELLO, moves the step counter with
 each step, catches up on the record before the namespaces go, and reads the
 sensors' totals at the end (`stats`; summary["audit"] says the same).
 
@@ -174,20 +174,25 @@ class SandboxWatch:
     def on_cgroup(self, sandbox_id, cgroup_id):
         self.sandbox_id = sandbox_id
         self.cgroup_id = cgroup_id
-        if self.rec is not None:
-            from agent.sandbox import cgroups
-            path = cgroups.SandboxCgroup(cgroups.detect(), sandbox_id).v2_path
-            self.rec.watch(sandbox_id, cgroup_id, policy=self.spec.policy, cgroup_path=path, step=0,
-                           image_digest=(getattr(self.spec, "image", None) or {}).get("digest", ""),
-                           **self.sensor_labels)
-            self.watched = True
+        if self.rec is not None and self.spec.policy is not None:
+            self.rec.check_enforceable(self.spec.policy)     # refused before any process exists
         if not self.defer_start:
             self._record_start()
 
     def on_started(self, sandbox_id, pid):
-        """dsec-init exists: enforcement starts. Returns the rule kinds the eBPF
-        enforcement sensor now enforces for the sandbox (the launcher refuses a
-        policy whose eBPF rules nobody enforces)."""
+        """dsec-init is in the cgroups and its own start is done (HELLO): the
+        sensors watch the cgroup from here (dsec-init is born inside it: a watch
+        begun earlier would record its exec), then enforcement starts. Nothing of
+        the sandbox's has run yet. Returns the rule kinds the eBPF enforcement
+        sensor now enforces for the sandbox (the launcher refuses a policy whose
+        eBPF rules nobody enforces)."""
+        if self.rec is not None and not self.watched:
+            from agent.sandbox import cgroups
+            path = cgroups.SandboxCgroup(cgroups.detect(), sandbox_id).v2_path
+            self.rec.watch(sandbox_id, self.cgroup_id, policy=self.spec.policy, cgroup_path=path,
+                           step=0, image_digest=(getattr(self.spec, "image", None) or {}).get("digest", ""),
+                           **self.sensor_labels)
+            self.watched = True
         if self.watched and self.rec.started(self.cgroup_id, pid):
             from policies.compile import ebpf_concerns
             return ebpf_concerns(self.spec.policy)

@@ -1,16 +1,17 @@
 /* dsec-init: PID 1 of a dsec sandbox (docs/launcher.md, "PID 1").
  *
- * The launcher (agent/sandbox/launcher.py) starts this program with
- * posix_spawn from a thread that has unshared the pid, mount, ipc, uts and
- * net namespaces: it is PID 1 of the sandbox from its first instruction and
- * has never held the launcher's memory (no keys, no passwords, no agent
- * state). argv is "dsec-init", the environment is empty, fd 3 is the control
- * socket (SOCK_SEQPACKET, protocol in proto.h), nothing else is open.
+ * The launcher starts this program with clone3 in new pid, mount, ipc, uts
+ * and net namespaces, inside the sandbox's cgroup2 directory (or posix_spawn:
+ * agent/sandbox/spawn.py): PID 1 from its first instruction, it never held the
+ * launcher's memory (no keys, no passwords, no agent state). argv is
+ * "dsec-init", the environment is empty, fd 3 is the control socket
+ * (SOCK_SEQPACKET, protocol in proto.h), nothing else is open.
  *
  * The launcher decides everything (mount plan, uid/gid, the seccomp program
  * compiled once per policy, sysctls, each step's argv/env/workdir); this
  * program carries it out, in a short straight line of syscalls:
  *
+ *   JOIN    "0" written into each v1 cgroup `tasks` file passed -> HELLO
  *   CONFIG  sysctls (in the new net/pid namespaces), hostname, loopback up,
  *           the mount plan (every path inside the new root resolved with
  *           openat2 RESOLVE_IN_ROOT: a symlink in a rootfs never leads
@@ -953,6 +954,47 @@ static int64_t now_ms(void)
  * is cloned from PID 1 and inherits it (a bounding set only limits what an execve can gain: PID
  * 1 keeps its effective capabilities for the steps' set-up, setresuid and signals). Checked:
  * a step never starts with a capability in its bounding set. */
+/* JOIN, the launcher's first message: move this process into the v1 cgroups whose
+ * `tasks` files came with it (a hybrid host; the cgroup2 directory we were born in,
+ * clone3(CLONE_INTO_CGROUP)). "0" moves the calling thread alone -- we have one --
+ * and a single thread's move skips the kernel's global cgroup_threadgroup_rwsem,
+ * whose writer (a cgroup.procs write) waits for an RCU grace period. Done before
+ * HELLO: the sensors register the sandbox after it, so none of this is in its
+ * record. */
+static void join_cgroups(void)
+{
+    int fds[MAX_FDS], nfds;
+    ssize_t n = recv_msg(fds, &nfds);
+    if (n <= 0)
+        _exit(125);                  /* the launcher went away */
+    uint32_t type = 0;
+    memcpy(&type, inbuf, n >= 4 ? 4 : 0);
+    if (n < 4 || type != DSEC_MSG_JOIN)
+        fatal("expected JOIN, got message type %u", type);
+    const unsigned char *p = inbuf + 4, *end = inbuf + n;
+    struct item it;
+    int k = 0;
+    while (next_item(&p, end, &it) > 0) {
+        if (it.tag != DSEC_T_PATH)
+            continue;
+        if (k >= nfds)
+            fatal("JOIN names more cgroups than it passed files");
+        char name[64];
+        size_t len = it.len < sizeof(name) - 1 ? it.len : sizeof(name) - 1;
+        memcpy(name, it.data, len);
+        name[len] = 0;
+        ssize_t w;
+        do {
+            w = write(fds[k], "0", 1);
+        } while (w < 0 && errno == EINTR);
+        if (w != 1)
+            fatal("cannot join its %s cgroup: %s", name, w < 0 ? strerror(errno) : "short write");
+        close(fds[k++]);
+    }
+    if (k != nfds)
+        fatal("JOIN passed %d cgroup files for %d names", nfds, k);
+}
+
 static void drop_bounding_set(void)
 {
     for (int c = 0; c <= last_cap; c++)
@@ -981,6 +1023,7 @@ int main(void)
     int big = 4 << 20;
     setsockopt(CTL, SOL_SOCKET, SO_SNDBUFFORCE, &big, sizeof(big));
     setsockopt(CTL, SOL_SOCKET, SO_RCVBUFFORCE, &big, sizeof(big));
+    join_cgroups();
 
     /* Every signal at its default action, once (what a step starts with: it then resets only
      * the ones below). Through the system call: libc's sigaction refuses the two signals it
@@ -1012,10 +1055,11 @@ int main(void)
     if (sfd < 0)
         fatal("signalfd: %s", strerror(errno));
 
-    /* The launcher moves us into the sandbox's cgroups only once this arrives,
-     * and configures us after that: our own exec and the set-up above are never
-     * in the sandbox's record, and the eBPF exemption it gives this pid is not
-     * undone by an exec of ours that comes late (a loaded node). */
+    /* The launcher registers the sandbox with the sensors (and, on the fallback
+     * path, moves us into its cgroups) only once this arrives, and configures us
+     * after that: our own exec and the set-up above are never in the sandbox's
+     * record, and the eBPF exemption it gives this pid is not undone by an exec
+     * of ours that comes late (a loaded node). */
     out_begin(DSEC_MSG_HELLO);
     out_send();
 

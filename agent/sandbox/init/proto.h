@@ -17,13 +17,16 @@
 #define DSEC_INIT_PROTO_H
 
 /* ---- launcher -> init ---------------------------------------------------- */
-#define DSEC_MSG_CONFIG 1       /* the first message: sysctls, hostname, mount plan, credentials, seccomp */
+#define DSEC_MSG_CONFIG 1       /* after HELLO: sysctls, hostname, mount plan, credentials, seccomp */
 #define DSEC_MSG_GO 2           /* the network is configured (no-op for init; kept for the order) */
 #define DSEC_MSG_EXEC 3         /* one step: STEP, ARG..., ENV..., WORKDIR, PATHVAR + fds */
 #define DSEC_MSG_SIGNAL 4       /* SIG, STEP (0 = every running step), GROUP */
 #define DSEC_MSG_TERMINATE 5    /* SIGTERM to every process of the sandbox */
 #define DSEC_MSG_CLOSE 6        /* kill everything, report CLOSED, hold (HOLD), exit */
 #define DSEC_MSG_RELEASE 7      /* end the hold */
+#define DSEC_MSG_JOIN 8         /* the first message: the `tasks` files (fds) of the v1 cgroups init
+                                 * moves itself into before HELLO, one PATH (the hierarchy's name)
+                                 * per fd; none when it was born in them, or joined by the launcher */
 
 /* ---- init -> launcher ---------------------------------------------------- */
 #define DSEC_MSG_READY 101      /* CREATED... (mount points dsec created in the upper layer) */

@@ -1,0 +1,157 @@
+"""dsec-init born in its sandbox's cgroups (agent/sandbox/spawn.py): clone3 with
+CLONE_INTO_CGROUP for the cgroup2 directory, dsec-init's own "0" into the v1
+hierarchies' `tasks` files; the fallback (posix_spawn, then the launcher's
+cgroup.procs writes) where that is unavailable.
+
+Checked on real cgroups: dsec-init, a step and the step's child are members of
+every hierarchy of the sandbox (read from /proc/PID/cgroup), and the limits hold
+for them (memory: OOM kill, pids: a refused fork, cpu: CFS throttling), on both
+paths; the fallback says why once and is counted in dsec.sandbox.starts. And the
+record: the sensors watch the cgroup from dsec-init's HELLO on, so nothing of its
+own start (its exec, its joins) is in it, under an exec allowlist that would kill
+an exec it saw."""
+from __future__ import annotations
+
+import logging
+import os
+import textwrap
+
+import pytest
+
+from agent.sandbox import cgroups, spawn
+from agent.sandbox.launcher import Sandbox, SandboxSpec
+from exporters.metrics import METRICS
+
+MEMORY, PIDS, CPUS = 64 << 20, 24, 0.1
+
+
+@pytest.fixture(params=["clone3", "posix_spawn"])
+def start_path(request, monkeypatch, caplog):
+    """The start path to use, decided afresh (spawn.STATE is per process)."""
+    monkeypatch.setattr(spawn, "STATE", {"path": None, "reason": ""})
+    if request.param == "posix_spawn":
+        monkeypatch.setenv("DSEC_CLONE3", "0")
+    else:
+        monkeypatch.delenv("DSEC_CLONE3", raising=False)
+    caplog.set_level(logging.WARNING, logger="dsec.launcher")
+    return request.param
+
+
+def _cgroups_of(pid: int) -> dict[str, str]:
+    """hierarchy -> path, from /proc/PID/cgroup ("" for cgroup2)."""
+    out = {}
+    with open(f"/proc/{pid}/cgroup") as f:
+        for line in f:
+            _, ctrls, path = line.rstrip("\n").split(":", 2)
+            for c in ctrls.split(",") if ctrls else [""]:
+                out[c] = path
+    return out
+
+
+def _expected(cg: cgroups.SandboxCgroup) -> dict[str, str]:
+    rel = f"/{cgroups.PARENT}/{cg.sandbox_id}"
+    want = {c: rel for c in cg.v1_paths}
+    if cg.v2_path:
+        want[""] = rel
+    return want
+
+
+def _run(sb, argv, **kw):
+    r, w = os.pipe()
+    try:
+        st = sb.exec(argv, stdout=w, stderr=w, **kw)
+    finally:
+        os.close(w)
+    with os.fdopen(r, "rb") as f:
+        return st, f.read().decode(errors="replace")
+
+
+def test_init_and_a_step_are_in_every_hierarchy_with_the_limits_applied(start_path, caplog):
+    before = METRICS.counter("dsec.sandbox.starts", path=start_path)
+    sb = Sandbox(SandboxSpec(argv=[], memory=MEMORY, pids=PIDS, cpus=CPUS)).start()
+    try:
+        assert spawn.STATE["path"] == start_path
+        assert METRICS.counter("dsec.sandbox.starts", path=start_path) == before + 1
+        fallback_said = [r.getMessage() for r in caplog.records if "DSEC_CLONE3=0" in r.getMessage()]
+        assert bool(fallback_said) == (start_path == "posix_spawn"), fallback_said
+        want = _expected(sb.cg)
+        assert set(want) >= {"", "memory", "pids", "cpu"} or cgroups.detect().mode != "hybrid", want
+        init = _cgroups_of(sb.sup_pid)
+        assert {k: init.get(k) for k in want} == want, init
+
+        # a step and its child (pids 1 and 2 of the sandbox are init and the step's shell)
+        st, out = _run(sb, ["sh", "-c", "cat /proc/self/cgroup; echo ==; sh -c 'cat /proc/self/cgroup'"])
+        assert st.exit_code == 0, out
+        for part in out.split("==\n"):
+            got = {}
+            for line in part.splitlines():
+                _, ctrls, path = line.split(":", 2)
+                for c in ctrls.split(",") if ctrls else [""]:
+                    got[c] = path
+            assert {k: got.get(k) for k in want} == want, out
+
+        # the limits hold for them: the files say so, and the kernel enforces them
+        assert sb.cg.limits() == {"cpus": CPUS, "memory": MEMORY, "pids": PIDS}
+        throttled = sb.cg.cpu_stat()["nr_throttled"]
+        st, _ = _run(sb, ["python3", "-c", "import time\nt = time.process_time()\n"
+                                           "while time.process_time() - t < 0.05: pass"], timeout=60)
+        assert st.exit_code == 0
+        assert sb.cg.cpu_stat()["nr_throttled"] > throttled
+        st, out = _run(sb, ["python3", "-c", "b = bytearray(256 << 20); print(len(b))"], timeout=60)
+        assert st.oom_killed and st.signal == 9, (st.to_dict(), out)
+        # last: the sleeps hold the pids until close
+        st, out = _run(sb, ["sh", "-c", f"for i in $(seq {PIDS + 8}); do sleep 30 & done; echo started"],
+                       timeout=60)
+        assert "fork" in out.lower(), out
+        assert _cgroups_of(sb.sup_pid) == init          # init lives on, where it was
+    finally:
+        sb.close()
+
+
+POLICY = textwrap.dedent("""\
+    apiVersion: dsec/v1
+    kind: SandboxPolicy
+    metadata: {name: init-cgroups}
+    spec:
+      mode: enforce
+      exec: {allow: ["/usr/bin/true"]}
+    """)
+
+
+@pytest.fixture(scope="module")
+def recorder(tmp_path_factory):
+    from agent.sensors.recorder import Recorder
+    from exporters.spool import Spool
+    rec = Recorder(spool=Spool(str(tmp_path_factory.mktemp("spool"))))
+    yield rec
+    rec.close()
+
+
+def test_the_record_has_nothing_of_init_s_own_start_or_join(recorder, sid):
+    from agent.sensors.watch import SandboxWatch
+    from policies.load import load_policy_text
+    seen: list[dict] = []
+    recorder.add_tap(seen.extend)
+    try:
+        spec = SandboxSpec(argv=[], sandbox_id=sid, policy=load_policy_text(POLICY), memory=MEMORY, pids=PIDS)
+        sb = Sandbox(spec, **SandboxWatch(recorder, spec).hooks()).start()
+        init_pid = sb.sup_pid
+        try:
+            assert spawn.available()
+            st = sb.exec(["/usr/bin/true"])
+            assert st.exit_code == 0, st.to_dict()
+        finally:
+            summary = sb.close()
+        assert recorder.flush(timeout=10)
+    finally:
+        recorder.remove_tap(seen.extend)
+    assert summary["audit"]["lost"] == 0, summary["audit"]
+    recs = [r for r in seen if r.get("sandbox_id") == sid]
+    # the workload's exec only, allowed: not dsec-init's (born inside the cgroup, before the watch)
+    execs = [(r["kind"], r.get("path"), r.get("decision")) for r in recs if r["kind"].startswith("exec")]
+    assert execs == [("exec", "/usr/bin/true", "allowed")], execs
+    # of init's own, only what it does for the steps (their forks) and its exit
+    own = sorted({r["kind"] for r in recs if r.get("pid") == init_pid})
+    assert set(own) <= {"fork", "exit"}, [r for r in recs if r.get("pid") == init_pid]
+    assert not [r for r in recs if "cgroup" in str(r.get("path") or "")], recs
+    assert [r["kind"] for r in recs if r["kind"] == "sandbox_start"] == ["sandbox_start"]
