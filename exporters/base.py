@@ -216,7 +216,12 @@ class SpoolSink:
 
     def flush(self, timeout: float = 30.0) -> FlushResult:
         """Deliver everything in the spool now, retrying until `timeout` seconds
-        have passed. Never raises for an outage: the result says what is pending."""
+        have passed. Never raises for an outage: the result says what is pending.
+        What is appended while it delivers waits for the next flush: under a steady
+        stream of records, run() would otherwise send one small batch after another
+        with no pause (each as long as the last insert took), and a ClickHouse insert
+        costs the server a new part (a file per column) to write and merge whatever
+        its size: 1 pass each flush_interval keeps the batches large."""
         deadline = time.monotonic() + timeout
         res = FlushResult(label=self.label)
         if not self.reader.lock(timeout):
@@ -224,6 +229,7 @@ class SpoolSink:
             res.pending, res.pending_bytes = self.reader.backlog()
             return res
         try:
+            head = self.spool.head()
             while True:
                 try:
                     batch = self.reader.read(self.batch_records)
@@ -236,6 +242,9 @@ class SpoolSink:
                     self.total_sent += n
                     self.total_damaged += len(batch.damage)
                     self.attempts = 0
+                    if batch.end >= head:
+                        res.error = None
+                        break               # the rest came after this flush began
                 except ReportedError as e:   # configuration: schema newer (SchemaError), bad URL ...
                     self._on_failure(e)
                     res.error, res.fatal = e.message, True
