@@ -139,13 +139,16 @@ _preflight_ok = False
 _private_ok: set = set()
 
 
-def _private_dir(path: str):
-    """A directory of dsec's state that only root may enter (0700), made so once per process."""
+def _private_dir(path: str, spread: bool = False):
+    """A directory of dsec's state that only root may enter (0700), made so once per process;
+    spread: its subdirectories spread over the file system (rootfs.spread_subdirs)."""
     if path in _private_ok:
         return
     os.makedirs(path, mode=0o700, exist_ok=True)
     if os.stat(path).st_mode & 0o077:
         os.chmod(path, 0o700)
+    if spread:
+        rootfs.spread_subdirs(path)
     _private_ok.add(path)
 
 
@@ -287,7 +290,7 @@ class Sandbox:
                 raise DsecError(f"volume {src!r} -> {tgt!r}: the source must exist on the host and the target "
                                 f"be an absolute path", EXIT_DSEC)
         self.started_at = time.time()
-        _private_dir(SANDBOX_DIR)
+        _private_dir(SANDBOX_DIR, spread=True)
         self.dir = os.path.join(SANDBOX_DIR, self.sid)
         from agent.sandbox.gclock import start_guard
         self._gc_guard = start_guard()   # gc waits until this sandbox is visibly live (issue 13)
