@@ -30,7 +30,8 @@ Delivery contract (for every sink):
 
 Batching and flushing: `batch_records` caps a batch; `flush_interval` is the
 longest a record waits in the spool while the sink keeps up (run() delivers
-everything pending, then waits flush_interval, or less when poked).
+what the spool held when the pass began, then waits flush_interval, or less
+when poked).
 """
 from __future__ import annotations
 
