@@ -237,6 +237,7 @@ class Sandbox:
         self.dir = None
         self.lock_fd = -1
         self.lease = None
+        self._state: dict = {}           # what state.json says (written, never read back)
         self.uid = self.gid = None
         self.cg: cgroups.SandboxCgroup | None = None
         self.cgroup_id = 0
@@ -446,15 +447,15 @@ class Sandbox:
             self.created_mountpoints.append("/workspace")
 
     def _write_state(self, update: dict):
+        """state.json (for gc) replaced atomically; its content kept here, not read back."""
         path = os.path.join(self.dir, "state.json")
-        try:
-            with open(path) as f:
-                st = json.load(f)
-        except (OSError, ValueError):
-            st = {}
+        st = self._state
         st.update(update)
-        with open(path + ".tmp", "w") as f:
-            json.dump(st, f)
+        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, json.dumps(st).encode())
+        finally:
+            os.close(fd)
         os.rename(path + ".tmp", path)
 
     def _hook(self, name, *args):
