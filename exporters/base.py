@@ -30,7 +30,8 @@ Delivery contract (for every sink):
 
 Batching and flushing: `batch_records` caps a batch; `flush_interval` is the
 longest a record waits in the spool while the sink keeps up (run() delivers
-everything pending, then waits flush_interval, or less when poked).
+what the spool held when the pass began, then waits flush_interval, or less
+when poked).
 """
 from __future__ import annotations
 
@@ -216,7 +217,12 @@ class SpoolSink:
 
     def flush(self, timeout: float = 30.0) -> FlushResult:
         """Deliver everything in the spool now, retrying until `timeout` seconds
-        have passed. Never raises for an outage: the result says what is pending."""
+        have passed. Never raises for an outage: the result says what is pending.
+        What is appended while it delivers waits for the next flush: under a steady
+        stream of records, run() would otherwise send one small batch after another
+        with no pause (each as long as the last insert took), and a ClickHouse insert
+        costs the server a new part (a file per column) to write and merge whatever
+        its size: 1 pass each flush_interval keeps the batches large."""
         deadline = time.monotonic() + timeout
         res = FlushResult(label=self.label)
         if not self.reader.lock(timeout):
@@ -224,6 +230,7 @@ class SpoolSink:
             res.pending, res.pending_bytes = self.reader.backlog()
             return res
         try:
+            head = self.spool.head()
             while True:
                 try:
                     batch = self.reader.read(self.batch_records)
@@ -236,6 +243,9 @@ class SpoolSink:
                     self.total_sent += n
                     self.total_damaged += len(batch.damage)
                     self.attempts = 0
+                    if batch.end >= head:
+                        res.error = None
+                        break               # the rest came after this flush began
                 except ReportedError as e:   # configuration: schema newer (SchemaError), bad URL ...
                     self._on_failure(e)
                     res.error, res.fatal = e.message, True

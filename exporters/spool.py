@@ -1055,6 +1055,18 @@ class Spool:
         out.sort()
         return out
 
+    def head(self) -> Position:
+        """The spool's end now: where the next append goes (a sink whose cursor is
+        here has delivered everything appended so far)."""
+        segs = self.segments()
+        if not segs:
+            return Position(1, 0)
+        try:
+            size = os.path.getsize(self.seg_path(segs[-1]))
+        except OSError:
+            size = 0
+        return Position(segs[-1], size)
+
     def is_head(self, seq: int) -> bool:
         return not os.path.exists(self.seg_path(seq + 1))
 

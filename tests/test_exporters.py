@@ -600,3 +600,28 @@ def test_dsec_export_delivers_to_several_sinks(tmp_path, receiver, clickhouse_ur
     r = subprocess.run([DSEC, "export", "--sink", "otlp", "--otlp-endpoint", "http://127.0.0.1:1", "--timeout", "0"],
                        env=env, capture_output=True, timeout=60)
     assert r.returncode == 1 and b"3 still in the spool" in r.stdout and b"UNAVAILABLE" in r.stdout
+
+
+def test_a_flush_delivers_what_the_spool_held_when_it_began_and_leaves_later_appends_to_the_next(tmp_path, spool):
+    """Under a steady stream of appends, a flush used to chase the spool's end: one
+    small batch after another with no pause (on ClickHouse, a part per insert to
+    write and merge). It ends at the end it saw; run() waits its interval."""
+    for i in range(5):
+        spool.append_many(evs("sb-f", 5, start=5 * i))
+
+    class Appending(JsonlSink):
+        extra = 0
+
+        def deliver_batch(self, batch):
+            super().deliver_batch(batch)
+            if self.extra < 3:                     # the recorder appending meanwhile
+                spool.append_many(evs("sb-f", 1, start=100 + self.extra))
+                self.extra += 1
+    path = str(tmp_path / "f.jsonl")
+    sink = Appending(spool, path=path, batch_records=10)
+    first = sink.flush(5)            # 3 batches: the last one reads on past the end it saw, then it stops
+    assert first.error is None and first.sent >= 25 and first.pending >= 1 and first.sent + first.pending == 28
+    assert sink.flush(5).sent == first.pending
+    assert [json.loads(x)["event_id"] for x in open(path).read().splitlines()] == \
+        [f"sb-f-{i}" for i in range(25)] + ["sb-f-100", "sb-f-101", "sb-f-102"]
+    sink.close()

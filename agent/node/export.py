@@ -139,16 +139,7 @@ class ClickHouseExport:
 
     def head(self):
         """The spool's end position now."""
-        from exporters.spool import Position
-        sp = self.spool
-        segs = sp.segments()
-        if not segs:
-            return Position(1, 0)
-        try:
-            size = os.path.getsize(sp.seg_path(segs[-1]))
-        except OSError:
-            size = 0
-        return Position(segs[-1], size)
+        return self.spool.head()
 
     def wait_exported(self, pos, timeout: float) -> bool:
         """True once the ClickHouse sink's cursor is at or past `pos`."""

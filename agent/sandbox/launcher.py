@@ -145,13 +145,16 @@ _preflight_ok = False
 _private_ok: set = set()
 
 
-def _private_dir(path: str):
-    """A directory of dsec's state that only root may enter (0700), made so once per process."""
+def _private_dir(path: str, spread: bool = False):
+    """A directory of dsec's state that only root may enter (0700), made so once per process;
+    spread: its subdirectories spread over the file system (rootfs.spread_subdirs)."""
     if path in _private_ok:
         return
     os.makedirs(path, mode=0o700, exist_ok=True)
     if os.stat(path).st_mode & 0o077:
         os.chmod(path, 0o700)
+    if spread:
+        rootfs.spread_subdirs(path)
     _private_ok.add(path)
 
 
@@ -240,6 +243,7 @@ class Sandbox:
         self.dir = None
         self.lock_fd = -1
         self.lease = None
+        self._state: dict = {}           # what state.json says (written, never read back)
         self.uid = self.gid = None
         self.cg: cgroups.SandboxCgroup | None = None
         self.cgroup_id = 0
@@ -293,7 +297,7 @@ class Sandbox:
                 raise DsecError(f"volume {src!r} -> {tgt!r}: the source must exist on the host and the target "
                                 f"be an absolute path", EXIT_DSEC)
         self.started_at = time.time()
-        _private_dir(SANDBOX_DIR)
+        _private_dir(SANDBOX_DIR, spread=True)
         self.dir = os.path.join(SANDBOX_DIR, self.sid)
         from agent.sandbox.gclock import start_guard
         self._gc_guard = start_guard()   # gc waits until this sandbox is visibly live (issue 13)
@@ -448,15 +452,15 @@ class Sandbox:
             self.created_mountpoints.append("/workspace")
 
     def _write_state(self, update: dict):
+        """state.json (for gc) replaced atomically; its content kept here, not read back."""
         path = os.path.join(self.dir, "state.json")
-        try:
-            with open(path) as f:
-                st = json.load(f)
-        except (OSError, ValueError):
-            st = {}
+        st = self._state
         st.update(update)
-        with open(path + ".tmp", "w") as f:
-            json.dump(st, f)
+        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, json.dumps(st).encode())
+        finally:
+            os.close(fd)
         os.rename(path + ".tmp", path)
 
     def _hook(self, name, *args):

@@ -209,8 +209,11 @@ class Enricher:
         True when none is left. Nothing is skipped."""
         deadline = time.monotonic() + timeout
         with self._cond:
+            if not self._busy.get(cgroup_id, 0):
+                return True                  # (every close asks: most sandboxes have nothing left)
+            # no wake-up: with a job of this sandbox queued or being read, the worker is not
+            # waiting; it takes the urgent sandbox's jobs first at its next pick
             self._urgent.add(cgroup_id)
-            self._cond.notify_all()
             try:
                 while self._busy.get(cgroup_id, 0) and (left := deadline - time.monotonic()) > 0:
                     self._cond.wait(min(0.1, left))
