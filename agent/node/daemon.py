@@ -965,10 +965,10 @@ class Agent:
 
     # ================================================================ exec
 
-    def exec_step(self, start: dict, inputs, register_cancel, time_remaining, caller=ADMIN):
+    def exec_step(self, start: dict, inputs, register_cancel, time_remaining, caller=ADMIN, hangup: int = -1):
         """One step; a generator of ("started", step, ts_ns) | ("stdout", bytes) |
         ("stderr", bytes) | ("exit", dict) (agent/node/steps.py)."""
-        return steps.exec_step(self, start, inputs, register_cancel, time_remaining, caller)
+        return steps.exec_step(self, start, inputs, register_cancel, time_remaining, caller, hangup)
 
     # ================================================================ policy update
 

@@ -93,6 +93,8 @@ class StepRun:
         self.oom = False
         self.rpc_done = False
         self.pending_signals: list[int] = []
+        self.cancel = None                  # steps.exec_step's: stop the step as a cancelled call
+        self.hangup = -1                    # the step socket's connection, watched for the caller's going
 
     def wake(self):
         with self.lock:

@@ -28,10 +28,12 @@ from agent.node.requests import check_exec
 log = logging.getLogger("dsec.agent")
 
 
-def exec_step(agent, start: dict, inputs, register_cancel, time_remaining, caller=None):
+def exec_step(agent, start: dict, inputs, register_cancel, time_remaining, caller=None, hangup: int = -1):
     """One step; a generator of ("started", step, ts_ns) | ("stdout", bytes) |
     ("stderr", bytes) | ("exit", dict). Raises ApiError (also after "exit",
-    when the sandbox was stopped under the step)."""
+    when the sandbox was stopped under the step). hangup: the caller's connection
+    (the step socket, agent/node/stepsock.py), watched while the step waits and runs:
+    its hang-up cancels the step as a cancelled call does."""
     argv = start.get("argv") or []
     env, workdir, timeout, grace = check_exec(start)
     rec = agent.lookup(start["sandbox_id"], caller, "Exec") if caller is not None else \
@@ -48,6 +50,8 @@ def exec_step(agent, start: dict, inputs, register_cancel, time_remaining, calle
         run.wake()
         agent._submit_work(_cancelled_step, agent, rec, run, close_after)
     register_cancel(cancel)
+    run.cancel = cancel
+    run.hangup = hangup
     try:
         yield from _exec_step(agent, rec, run, start, env, workdir, timeout, grace, close_after, inputs,
                               time_remaining)
@@ -63,7 +67,7 @@ def _exec_step(agent, rec, run, start, env, workdir, timeout, grace, close_after
     # wait until it runs
     with rec.changed:                  # the agent's lock; woken by this sandbox's changes only
         while rec.state in (QUEUED, STARTING):
-            if run.cancelled:
+            if run.cancelled or _hung_up(run):
                 return
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -72,13 +76,15 @@ def _exec_step(agent, rec, run, start, env, workdir, timeout, grace, close_after
         if rec.state != RUNNING or rec.stop_kind is not None:
             raise _gone(agent, rec)
     while not rec.step_lock.acquire(timeout=STREAM_POLL):
-        if run.cancelled:
+        if run.cancelled or _hung_up(run):
             return
         if deadline is not None and time.monotonic() > deadline:
             raise ApiError("DEADLINE_EXCEEDED", f"sandbox {rec.id}: the previous step is still running")
         if rec.state != RUNNING:
             raise _gone(agent, rec)
     try:
+        if run.cancelled or _hung_up(run):
+            return                  # its caller went away while it waited its turn: it never runs
         if rec.state != RUNNING or rec.stop_kind is not None:
             raise _gone(agent, rec)
         yield from _run_step(agent, rec, run, start, env, workdir, timeout, grace or None, inputs)
@@ -274,7 +280,10 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
             tmo = STREAM_POLL if done_at is None else 0.05
             if not run.done:
                 tmo = min(tmo, left)
-            r, w = _wait(readers, wake_r, in_w if in_w >= 0 and run.stdin_buf else -1, tmo)
+            r, w = _wait(readers, wake_r, in_w if in_w >= 0 and run.stdin_buf else -1, tmo, run.hangup)
+            if run.hangup >= 0 and run.hangup in r:
+                run.hangup = -1             # the caller went away mid-step: as a cancelled call
+                run.cancel()
             got = False
             item = started()
             if item:                    # it started and wrote while this thread waited: "started" first
@@ -286,7 +295,7 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
                 if left is None:
                     finish(lst)
             for fd in r:
-                if fd == wake_r:
+                if fd not in readers:
                     continue
                 try:
                     data = os.read(fd, READ_CHUNK)
@@ -463,15 +472,33 @@ def _drain(fd: int) -> None:
         pass
 
 
-def _wait(readers, wake_r: int, in_w: int, timeout: float) -> tuple[list[int], bool]:
+def _hung_up(run: StepRun) -> bool:
+    """While a step waits its turn: the step socket's caller went away (a hang-up of
+    run.hangup), then the step is cancelled as a cancelled call's is."""
+    if run.hangup < 0:
+        return False
+    p = select.poll()
+    p.register(run.hangup, select.POLLRDHUP)
+    if not p.poll(0):
+        return False
+    run.hangup = -1
+    run.cancel()
+    return True
+
+
+def _wait(readers, wake_r: int, in_w: int, timeout: float, hangup: int = -1) -> tuple[list[int], bool]:
     """poll(2), not select(2): an agent holding many sandboxes has fds past 1023,
     which select() cannot watch. Returns (readable fds, whether in_w is writable);
-    a hung-up or errored fd counts as readable (its read returns EOF or the error)."""
+    a hung-up or errored fd counts as readable (its read returns EOF or the error),
+    and so does `hangup` (a caller's connection) once its peer has gone (POLLRDHUP: data
+    it sent meanwhile is not looked at)."""
     p = select.poll()
     for fd in list(readers) + [wake_r]:
         p.register(fd, select.POLLIN)
     if in_w >= 0:
         p.register(in_w, select.POLLOUT)
+    if hangup >= 0:
+        p.register(hangup, select.POLLRDHUP)
     try:
         ready = p.poll(int(timeout * 1000))
     except InterruptedError:
