@@ -24,20 +24,29 @@ _reads = itertools.count()
 
 
 class GatedSpool:
-    """Spool.append_many, each call held at its start until released; the calls counted."""
+    """Spool.append_many, each call held at its start until released (with hold_locked: held
+    inside the spool's writer lock, as a slow fdatasync holds it); the calls counted."""
 
     def __init__(self, path):
         self.spool = Spool(path)
         self.calls: list[list[str]] = []          # the states of each append, in order
         self.entered = [threading.Event() for _ in range(8)]
         self.release = [threading.Event() for _ in range(8)]
+        self.hold_locked = False
 
-    def append_many(self, records):
+    def append_many(self, records, on_locked=None):
         i = len(self.calls)
         self.calls.append([json.loads(r["extra"])["state"] for r in records])
-        self.entered[i].set()
-        assert self.release[i].wait(WAIT), f"append {i} never released"
-        return self.spool.append_many(records)
+
+        def locked():
+            if on_locked is not None:
+                on_locked()
+            self.entered[i].set()
+            assert self.release[i].wait(WAIT), f"append {i} never released"
+        if self.hold_locked:
+            return self.spool.append_many(records, locked)
+        locked()
+        return self.spool.append_many(records, on_locked)
 
 
 def spooled_states(path) -> set[str]:
@@ -148,3 +157,51 @@ def test_flush_waits_for_the_append_of_its_records_only(agent):
         t.join(WAIT)
         assert not t.is_alive() and t.state in t.seen
     assert len(agent.spool.calls) == 2
+
+
+def test_a_steps_start_waits_for_the_order_of_the_last_records_not_their_fdatasync(agent):
+    """A step starts once the previous step's records are in an append that holds the spool's
+    writer lock (agent/node/steps.py: _flush_emits(ordered=True)): every later append, the
+    recorder's events of the new step, is written after them and durable only after them, so
+    the step need not wait for that append's fdatasync. A plain flush still waits for it."""
+    agent.spool.hold_locked = True
+    writer = Flusher(agent, "step_ended")               # the emit writer's append, held in the lock
+    writer.start()
+    assert agent.spool.entered[0].wait(WAIT)
+    done = threading.Event()
+    starter = threading.Thread(target=lambda: (agent._flush_emits(ordered=True), done.set()), daemon=True)
+    starter.start()
+    assert done.wait(WAIT), "the step's start waited for the append's end, not its order"
+    durable = Flusher(agent, "close")                   # e.g. CloseSandbox: durable, not only ordered
+    durable.start()
+    assert durable.queued.wait(WAIT)
+    recorder = threading.Thread(target=lambda: agent.spool.spool.append_many(
+        [dict(agent_record(agent, "next_step_event"))]), daemon=True)
+    recorder.start()                                    # the recorder's next append: behind the lock
+    recorder.join(0.2)
+    assert recorder.is_alive() and writer.is_alive() and durable.is_alive()
+    agent.spool.release[0].set()
+    agent.spool.release[1].set()                        # the close's own append (after the recorder's)
+    for t in (writer, recorder, durable):
+        t.join(WAIT)
+        assert not t.is_alive()
+    assert "step_ended" in writer.seen and "close" in durable.seen
+    order = []
+    r = Spool(agent.spool.spool.path).reader("order")
+    while True:
+        b = r.read()
+        if not b.records:
+            break
+        order += [json.loads(x["extra"])["state"] for x in b.records]
+        r.commit(b)
+    r.close()
+    assert "step_ended" in order and "next_step_event" in order, order
+    assert order.index("step_ended") < order.index("next_step_event"), order
+
+
+def agent_record(agent, state: str) -> dict:
+    """A normalized lifecycle record as the agent's emit path spools them."""
+    from audit_schema.events import normalize
+    return normalize({"kind": "lifecycle", "sandbox_id": "", "step": 0, "ts_ns": 1, "pid": 1,
+                      "event_id": f"test-{state}", "node": agent.node,
+                      "extra": json.dumps({"state": state})})

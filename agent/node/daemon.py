@@ -136,6 +136,7 @@ class Agent:
         self._emit_cv = threading.Condition(threading.Lock())
         self._emit_queued = 0
         self._emit_durable = 0
+        self._emit_ordered = 0      # queued records up to here are durable or in an append holding the spool lock
         self._emit_busy = False
         self._emit_failures = 0
         self._emit_kick = threading.Event()     # _flush_emits_soon -> the emit writer thread
@@ -323,34 +324,45 @@ class Agent:
             self._emitq.append(r)
             self._emit_queued += 1
 
-    def _flush_emits(self):
+    def _flush_emits(self, ordered: bool = False):
         """Return once every agent record queued before the call is durable in the spool (group
         commit). The flush that finds no append in flight takes everything queued, by any thread,
         into one durable append (one fdatasync); a flush whose records are in the append in flight
         waits for that append, and then returns; one that finds nothing left to write returns
-        without taking a lock."""
+        without taking a lock. ordered=True (a step's start, agent/node/steps.py): return once
+        they are durable or in an append that holds the spool's writer lock: every later append
+        (the recorder's events of what follows) is then written after them and, the spool's
+        appends and their fdatasync being serialised under that lock, durable only after them."""
         target = self._emit_queued
-        if self._emit_durable >= target:
+        if (self._emit_ordered if ordered else self._emit_durable) >= target:
             return                   # all queued so far is durable (set only after the append returned)
         cv = self._emit_cv
         with cv:
-            while self._emit_busy and self._emit_durable < target:
+            while self._emit_busy and (self._emit_ordered if ordered else self._emit_durable) < target:
                 cv.wait()
-            if self._emit_durable >= target:
+            if (self._emit_ordered if ordered else self._emit_durable) >= target:
                 return               # another thread's append carried ours
             self._emit_busy = True
             taken = list(self._emitq)
             self._emitq.clear()
             upto = self._emit_queued
         try:
-            self._append_emits(taken)
+            self._append_emits(taken, upto)
         finally:
             with cv:
                 self._emit_durable = upto
+                self._emit_ordered = max(self._emit_ordered, upto)
                 self._emit_busy = False
                 cv.notify_all()
 
-    def _append_emits(self, taken: list):
+    def _emits_locked(self, upto: int):
+        """The append of the records up to `upto` holds the spool's writer lock (spool.append_many's
+        on_locked): the flushes waiting only for their order may go on."""
+        with self._emit_cv:
+            self._emit_ordered = max(self._emit_ordered, upto)
+            self._emit_cv.notify_all()
+
+    def _append_emits(self, taken: list, upto: int):
         """One durable append of `taken` (only the flush that set _emit_busy calls it)."""
         from audit_schema.events import normalize
         batch = []
@@ -366,7 +378,7 @@ class Agent:
         if not batch or self.spool is None:
             return
         try:
-            self.spool.append_many(batch)
+            self.spool.append_many(batch, on_locked=lambda: self._emits_locked(upto))
         except ReportedError as e:
             self._emit_failures += len(batch)
             log.error("%d lifecycle audit record(s) could not be spooled: %s", len(batch), e.message)

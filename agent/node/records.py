@@ -95,6 +95,7 @@ class StepRun:
         self.pending_signals: list[int] = []
         self.cancel = None                  # steps.exec_step's: stop the step as a cancelled call
         self.hangup = -1                    # the step socket's connection, watched for the caller's going
+        self.kick = False                   # the step's end records wait to be appended (after the reply)
 
     def wake(self):
         with self.lock:

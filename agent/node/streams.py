@@ -29,9 +29,9 @@ class TapSpool:
         self._spool = spool
         self._on_records = on_records
 
-    def append_many(self, records) -> int:
+    def append_many(self, records, on_locked=None) -> int:
         records = list(records)
-        n = self._spool.append_many(records)
+        n = self._spool.append_many(records, on_locked)
         try:
             self._on_records(records)
         except Exception:  # noqa: BLE001 - a subscriber must never break the audit
