@@ -522,13 +522,10 @@ class Sandbox:
                 self._ready = {"created": [ip.text(c) for c in f.get(T.CREATED, [])]}
             elif mtype == MSG.ERROR:
                 self.setup_error = one(T.MSG, ip.text, "unknown error")
-            elif mtype == MSG.STARTED:
-                st = self.steps.get(one(T.STEP, default=0))
-                if st:
-                    st.pid = one(T.PID, default=0)
             elif mtype == MSG.STEP_EXIT:
                 st = self.steps.get(one(T.STEP, default=0))
                 if st and not st.done:
+                    st.pid = one(T.PID, default=0)
                     m = {"status": one(T.STATUS, ip.i64), "cpu_ms": one(T.CPU_US, default=0) // 1000,
                          "max_rss_bytes": one(T.MAXRSS_KB, default=0) * 1024}
                     if T.EXEC_ERRNO in f:
