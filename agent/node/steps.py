@@ -167,13 +167,18 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
     # _flush_emits_soon in exec_step): it is in the spool before anything of this step is recorded,
     # and durable before it (in an append holding the spool's lock: no need to wait for its fdatasync)
     agent._flush_emits(ordered=True)
-    in_r, in_w = os.pipe2(os.O_CLOEXEC)
+    if inputs is None and start.get("close_stdin") and not start.get("stdin"):
+        in_r = in_w = -1                # no stdin at all: the step reads /dev/null, no pipe
+    else:
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(in_w, False)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     wake_r, wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-    for fd in (in_w, out_r, err_r):
+    for fd in (out_r, err_r):
         os.set_blocking(fd, False)
     run.wake_w = wake_w
+    run.owner = _thread.get_ident()     # its own wake-ups are not needed (StepRun.wake)
     if start.get("stdin"):
         run.stdin_buf.append(start["stdin"])
         run.stdin_bytes = len(start["stdin"])
@@ -223,14 +228,13 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
     lst = None
     try:
         with _step_failure(run, rec):
-            lst = sb.exec_begin(argv, env=env or None, workdir=workdir, stdin=in_r, stdout=out_w, stderr=err_w,
-                                timeout=timeout or None, grace=grace, stdin_bytes=known_stdin, on_done=run.wake)
+            lst = sb.exec_begin(argv, env=env or None, workdir=workdir, stdin=in_r if in_r >= 0 else None,
+                                stdout=out_w, stderr=err_w, timeout=timeout or None, grace=grace,
+                                stdin_bytes=known_stdin, on_done=run.wake)
     finally:
         for fd in (in_r, out_w, err_w):     # dsec-init has its copies (or the step never ran)
-            try:
+            if fd >= 0:
                 os.close(fd)
-            except OSError:
-                pass
     if lst is None:
         run.done = True
     elif timeout:
@@ -252,8 +256,8 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
     done_at = None
     left = STREAM_POLL
     if lst is not None:
-        # on_step's wake-up (it named the step on this very thread) would cost the loop a round:
-        # drained, then the step's end checked once (an on_done drained with it had set done first)
+        # an on_done that came already (a step that ended at once) would cost the loop a round:
+        # drained, then the step's end checked once (the on_done drained had set done first)
         _drain(wake_r)
         left = sb.exec_poll(lst)
         if left is None:

@@ -125,6 +125,18 @@ class Result:
         self.summary = summary
 
 
+_DEVNULL = -1
+
+
+def _devnull() -> int:
+    """One /dev/null descriptor for the steps given no stdin (or output) of their own, opened
+    once (dsec-init receives its own copy with each step)."""
+    global _DEVNULL
+    if _DEVNULL < 0:
+        _DEVNULL = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    return _DEVNULL
+
+
 def new_sandbox_id() -> str:
     return "sbx-" + os.urandom(6).hex()
 
@@ -604,16 +616,12 @@ class Sandbox:
         fds = [stdin, stdout, stderr]
         while fds and fds[-1] is None:
             fds.pop()
-        opened = []
         if None in fds:
-            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-            opened.append(null)
+            null = _devnull()
             fds = [null if fd is None else fd for fd in fds]
         try:
             self._send(msg, fds)
         finally:
-            for fd in opened:
-                os.close(fd)
             # what the step runs (the step_start record, stamped before the send): built while
             # dsec-init clones and execs the step, not before (it is only queued; the record's
             # order and time are as before; ~50 us of a step's latency on a busy node)
