@@ -25,6 +25,7 @@ def agent(tmp_path_factory, clickhouse_url):
     yield from module_agent(tmp_path_factory, clickhouse_url, {
         "capacity": {"cpus": 4, "memory": "8G", "reserve_memory": 0, "cpu_oversubscription": 8},
         "scheduling": {"tick_seconds": 0.2},
+        "limits": {"max_concurrent_rpcs": 8},           # the run socket's connections too
     })
 
 
@@ -291,3 +292,32 @@ def test_the_async_sdk_uses_it_and_a_cancelled_task_ends_its_step(agent, client)
     ends = _steps_of(client, sid, ["step_end"], 4)
     third = [e for e in ends if e["step"] == 3]
     assert third and third[0]["signal"] == 15, ends
+
+
+def test_with_every_connection_taken_a_step_goes_over_grpc(agent, client):
+    sb = client.create(warm=False)
+    client._steps.close()                               # its idle connection gives its slot back
+    held = []
+    try:
+        while True:                                     # until one is refused: every slot is taken
+            assert len(held) <= 8                       # limits.max_concurrent_rpcs: 8
+            s = _conn(agent)
+            s.settimeout(1.0)
+            try:
+                f = read_frame(s)                       # refused at once, or accepted and waiting
+            except (socket.timeout, TimeoutError):
+                held.append(s)
+                continue
+            s.close()
+            assert f[0] == "E" and "too many connections to the run socket" in loads(f[1])["message"], f
+            break
+        r = sb.exec(["echo", "over grpc"])              # its connection is refused: gRPC, not an error
+        assert r.stdout == b"over grpc\n" and client._steps.supported and not client._steps._idle
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + 10
+    while not client._steps._idle and time.monotonic() < deadline:
+        assert sb.exec(["true"]).code == 0              # the slots come back: the step socket again
+    assert client._steps._idle
+    sb.close()

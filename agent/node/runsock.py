@@ -66,7 +66,8 @@ class RunSocketService:
                 c.close()
                 return
             if not self._slots.acquire(blocking=False):
-                _refuse(c, "RESOURCE_EXHAUSTED", "too many dsec run calls at once (limits.max_concurrent_rpcs)")
+                _refuse(c, "RESOURCE_EXHAUSTED", "too many connections to the run socket at once "
+                                                  "(limits.max_concurrent_rpcs)")
                 continue
             with self._lock:
                 self._conns.add(c)

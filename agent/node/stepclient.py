@@ -22,6 +22,7 @@ from agent.node.runclient import _HEAD, MAX_FRAME, connect, dumps, loads, read_f
 KEEP = 8                        # idle connections a client keeps
 MAX_STDIN = 4 << 20             # a step with more stdin than this goes over gRPC (one frame carries it)
 _OLD_AGENT = "the first frame must be a request (R), got 'X'"
+_FULL = "at once (limits.max_concurrent_rpcs)"           # runsock's refusal of one connection too many
 
 
 class StepError(Exception):
@@ -98,6 +99,8 @@ def _check_error(conns, err: StepError, fresh: bool):
     if fresh and err.code == "INVALID_ARGUMENT" and _OLD_AGENT in err.message:
         conns.supported = False     # an agent without steps on its run socket: nothing ran
         raise Unsupported(err.message)
+    if fresh and err.code == "RESOURCE_EXHAUSTED" and _FULL in err.message:
+        raise Unsupported(err.message)      # the socket's connections are all taken: gRPC this time
     raise err
 
 
@@ -146,7 +149,14 @@ def run_step(conns: StepConnections, frame: bytes):
         raise Unsupported(f"nothing answers at {conns.path}")
     reuse = False
     try:
-        s.sendall(frame)
+        try:
+            s.sendall(frame)
+        except OSError:
+            if fresh:               # refused as it was accepted (too many connections): its E says so
+                f = read_frame(s)
+                if f is not None and f[0] == "E":
+                    _check_error(conns, _item(*f)[1], fresh)
+            raise
         while True:
             f = read_frame(s)
             if f is None:
@@ -208,8 +218,15 @@ async def run_step_async(conns: AsyncStepConnections, frame: bytes):
         raise Unsupported(f"nothing answers at {conns.path}")
     reuse = False
     try:
-        w.write(frame)
-        await w.drain()
+        try:
+            w.write(frame)
+            await w.drain()
+        except OSError:
+            if fresh:               # refused as it was accepted: its E says so
+                head = await r.read(_HEAD.size)
+                if len(head) == _HEAD.size and head[:1] == b"E":
+                    _check_error(conns, _item("E", await r.readexactly(_HEAD.unpack(head)[1]))[1], fresh)
+            raise
         while True:
             try:
                 head = await r.readexactly(_HEAD.size)
