@@ -24,28 +24,19 @@ _reads = itertools.count()
 
 
 class GatedSpool:
-    """Spool.append_many, each call held at its start until released (with hold_locked: held
-    inside the spool's writer lock, as a slow fdatasync holds it); the calls counted."""
+    """Spool.append_many, each call held at its start until released; the calls counted."""
 
     def __init__(self, path):
         self.spool = Spool(path)
         self.calls: list[list[str]] = []          # the states of each append, in order
         self.entered = [threading.Event() for _ in range(8)]
         self.release = [threading.Event() for _ in range(8)]
-        self.hold_locked = False
 
     def append_many(self, records, on_locked=None):
         i = len(self.calls)
         self.calls.append([json.loads(r["extra"])["state"] for r in records])
-
-        def locked():
-            if on_locked is not None:
-                on_locked()
-            self.entered[i].set()
-            assert self.release[i].wait(WAIT), f"append {i} never released"
-        if self.hold_locked:
-            return self.spool.append_many(records, locked)
-        locked()
+        self.entered[i].set()
+        assert self.release[i].wait(WAIT), f"append {i} never released"
         return self.spool.append_many(records, on_locked)
 
 
@@ -159,35 +150,34 @@ def test_flush_waits_for_the_append_of_its_records_only(agent):
     assert len(agent.spool.calls) == 2
 
 
-def test_a_steps_start_waits_for_the_order_of_the_last_records_not_their_fdatasync(agent):
-    """A step starts once the previous step's records are in an append that holds the spool's
-    writer lock (agent/node/steps.py: _flush_emits(ordered=True)): every later append, the
-    recorder's events of the new step, is written after them and durable only after them, so
-    the step need not wait for that append's fdatasync. A plain flush still waits for it."""
-    agent.spool.hold_locked = True
-    writer = Flusher(agent, "step_ended")               # the emit writer's append, held in the lock
+def test_a_steps_start_reserves_the_order_of_the_last_records_the_recorder_waits_for_it(agent):
+    """A step's start does not wait for the previous step's records (agent/node/steps.py:
+    _reserve_emits): the recorder's next append, which may hold the new step's events, waits at
+    its gate (TapSpool, Agent._emits_gate) until they are in the spool's append order (in the
+    append that holds the spool's writer lock), and lands after them; appends and their
+    fdatasync being serialised under that lock, it is durable only after them."""
+    from agent.node.streams import TapSpool
+    gated = agent.spool
+    agent.spool = TapSpool(gated, lambda records: None, agent._emits_gate)
+    writer = Flusher(agent, "step_ended")               # the emit writer's append, held before the lock
     writer.start()
-    assert agent.spool.entered[0].wait(WAIT)
-    done = threading.Event()
-    starter = threading.Thread(target=lambda: (agent._flush_emits(ordered=True), done.set()), daemon=True)
-    starter.start()
-    assert done.wait(WAIT), "the step's start waited for the append's end, not its order"
-    durable = Flusher(agent, "close")                   # e.g. CloseSandbox: durable, not only ordered
-    durable.start()
-    assert durable.queued.wait(WAIT)
-    recorder = threading.Thread(target=lambda: agent.spool.spool.append_many(
-        [dict(agent_record(agent, "next_step_event"))]), daemon=True)
-    recorder.start()                                    # the recorder's next append: behind the lock
+    assert gated.entered[0].wait(WAIT)
+    agent._reserve_emits()                              # the next step starts: no wait
+    recorder = threading.Thread(target=lambda: agent.spool.append_many(
+        [agent_record(agent, "next_step_event")]), daemon=True)
+    recorder.start()                                    # the recorder's next append: at its gate
     recorder.join(0.2)
-    assert recorder.is_alive() and writer.is_alive() and durable.is_alive()
-    agent.spool.release[0].set()
-    agent.spool.release[1].set()                        # the close's own append (after the recorder's)
-    for t in (writer, recorder, durable):
+    assert recorder.is_alive() and writer.is_alive() and len(gated.calls) == 1
+    gated.release[0].set()
+    assert gated.entered[1].wait(WAIT)                  # the recorder's append, after the step's records
+    assert gated.calls[1] == ["next_step_event"]
+    gated.release[1].set()
+    for t in (writer, recorder):
         t.join(WAIT)
         assert not t.is_alive()
-    assert "step_ended" in writer.seen and "close" in durable.seen
+    assert "step_ended" in writer.seen
     order = []
-    r = Spool(agent.spool.spool.path).reader("order")
+    r = Spool(gated.spool.path).reader("order")
     while True:
         b = r.read()
         if not b.records:
@@ -195,8 +185,11 @@ def test_a_steps_start_waits_for_the_order_of_the_last_records_not_their_fdatasy
         order += [json.loads(x["extra"])["state"] for x in b.records]
         r.commit(b)
     r.close()
-    assert "step_ended" in order and "next_step_event" in order, order
-    assert order.index("step_ended") < order.index("next_step_event"), order
+    assert order == ["step_ended", "next_step_event"], order
+    gated.release[2].set()
+    agent._reserve_emits()                              # nothing queued since: the gate lets it by
+    agent.spool.append_many([agent_record(agent, "later")])
+    assert gated.calls[2:] == [["later"]]
 
 
 def agent_record(agent, state: str) -> dict:

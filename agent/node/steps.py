@@ -164,9 +164,10 @@ def _cancelled_step(agent, rec: SandboxRecord, run: StepRun, close_after: bool):
 def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inputs):
     sb = rec.sandbox
     # the previous step's end record was queued, not yet known durable (its reply did not wait:
-    # _flush_emits_soon in exec_step): it is in the spool before anything of this step is recorded,
-    # and durable before it (in an append holding the spool's lock: no need to wait for its fdatasync)
-    agent._flush_emits(ordered=True)
+    # _flush_emits_soon in exec_step): it goes to the spool before anything of this step is recorded
+    # (the recorder's appends wait for it at their gate), and is durable before it (the spool's
+    # appends and their fdatasync are serialised): this step need not wait for that append
+    agent._reserve_emits()
     if inputs is None and start.get("close_stdin") and not start.get("stdin"):
         in_r = in_w = -1                # no stdin at all: the step reads /dev/null, no pipe
     else:
