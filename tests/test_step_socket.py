@@ -108,6 +108,23 @@ def test_a_step_over_it_streams_and_keeps_its_connection(client):
         assert sb.exec(["true"]).code == 0
 
 
+def test_a_forked_child_does_not_share_its_parents_connections(client):
+    with client.create(warm=False) as sb:
+        assert sb.exec(["true"]).code == 0 and len(client._steps._idle) == 1
+        parent_conn = client._steps._idle[0]
+        pid = os.fork()
+        if pid == 0:                                    # the child: a step of its own, not on the parent's
+            code = 1
+            try:
+                r = sb.exec(["echo", "child"])
+                code = 0 if r.stdout == b"child\n" and client._steps._idle[0] is not parent_conn else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert client._steps._idle == [parent_conn] and sb.exec(["echo", "parent"]).stdout == b"parent\n"
+
+
 def _norm(e: dict, sid: str) -> dict:
     """A record without what differs between two runs of the same step (ids, times, pids, the
     sandbox's host uid, where the enrichment found the binary: /proc/PID/exe or the root)."""

@@ -116,9 +116,13 @@ class StepConnections:
         self.supported = True
         self._idle: list = []
         self._lock = _thread.allocate_lock()
+        self._pid = os.getpid()
 
     def take(self):
         """(socket, fresh) or (None, True) when nothing answers."""
+        if os.getpid() != self._pid:        # a forked child: the idle connections are the parent's
+            with self._lock:
+                self._idle, self._pid = [], os.getpid()
         while True:
             with self._lock:
                 s = self._idle.pop() if self._idle else None
