@@ -106,6 +106,13 @@ def test_a_step_over_it_streams_and_keeps_its_connection(client):
         with pytest.raises(NotFound, match="no sandbox 'nope'"):
             client.sandbox("nope").exec(["true"])
         assert sb.exec(["true"]).code == 0
+        big = b"y" * (5 << 20)                          # more stdin than one frame takes: over gRPC
+        assert sb.exec(["wc", "-c"], stdin=big).stdout.strip() == b"5242880"
+        assert sb.exec(["sh", "-c", "cat | wc -c"], stdin=b"z" * 100_000).stdout.strip() == b"100000"
+    once = client.create(warm=False)                    # close_after: the exit carries the summary
+    r = client.exec(once.id, ["sh", "-c", "echo x > /workspace/f"], close_after=True)
+    assert r.code == 0 and r.summary and any(c["path"] == "/workspace/f" for c in r.summary["changes"])
+    assert client.get(once.id).state == "exited"
 
 
 def test_a_forked_child_does_not_share_its_parents_connections(client):
