@@ -113,19 +113,22 @@ def _step(agent, w, payload: bytes, caller, limit: int, hangup: int) -> None:
     try:
         for item in gen:
             k = item[0]
-            if k == "stdout":
-                w.send("o", item[1])
-            elif k == "stderr":
-                w.send("e", item[1])
-            elif k == "exit":
-                exited = True
-                w.send_json("x", item[1])
-            elif k == "started":
-                w.send_json("S", {"step": item[1], "ts_ns": item[2]})
-    except (BrokenPipeError, ConnectionResetError):
+            try:
+                if k == "stdout":
+                    w.send("o", item[1])
+                elif k == "stderr":
+                    w.send("e", item[1])
+                elif k == "exit":
+                    exited = True
+                    w.send_json("x", item[1])
+                elif k == "started":
+                    w.send_json("S", {"step": item[1], "ts_ns": item[2]})
+            except OSError as e:
+                raise _Gone(e) from None
+    except _Gone as e:
         for cb in cancels:          # the client went away mid-step: as a cancelled Exec, before the
             cb()                    # generator closes (exec_step's cancel checks that)
-        raise
+        raise e.err
     except ApiError as e:           # after the exit: its `final` said it already
         if not exited:
             w.send_json("E", {"code": e.code, "message": e.message})
@@ -138,6 +141,14 @@ def _step(agent, w, payload: bytes, caller, limit: int, hangup: int) -> None:
             w.send_json("E", {"code": "INTERNAL", "message": f"internal error: {type(e).__name__}: {e}"})
     finally:
         gen.close()
+
+
+class _Gone(Exception):
+    """A frame could not be sent: the client is gone (the connection's error in `err`)."""
+
+    def __init__(self, err: OSError):
+        super().__init__(str(err))
+        self.err = err
 
 
 def _no_deadline():
