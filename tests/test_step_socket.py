@@ -287,9 +287,13 @@ def test_a_client_that_goes_away_ends_its_step_and_a_waiting_one_never_runs(agen
     a.close()                                           # mid-step: the step is stopped (SIGTERM)
     r = sb.exec(["echo", "next"])                       # runs once the stopped step has ended
     assert r.stdout == b"next\n" and r.step == 2, r     # b's step never ran
-    ends = _steps_of(client, sb.id, ["step_end"], 2)
-    first = [e for e in ends if e["step"] == 1]
-    assert first and first[0]["signal"] == 15, ends
+    c = _conn(agent)                                    # gone while the agent sends its output
+    _step(c, {"sandbox_id": sb.id, "argv": ["yes"], "started": False})
+    assert read_frame(c)[0] == "o"
+    c.close()
+    assert sb.exec(["echo", "after"]).step == 4
+    ends = _steps_of(client, sb.id, ["step_end"], 4)
+    assert {e["step"]: e["signal"] for e in ends if e["step"] in (1, 3)} == {1: 15, 3: 15}, ends
     sb.close()
 
 
