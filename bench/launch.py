@@ -34,7 +34,9 @@ Measures, N times each, interleaved so that machine noise hits all alike:
                 ready, refilled in the background); the share of requests served warm is printed
   agent-once-cold, agent-once-warm  the same two as one RunOnce call (Client.run_once: create +
                 exec + close in one unary call), against the same agent in the same run
-  agent-step    one more step (Exec /bin/true) in a live sandbox of that agent, from the SDK
+  agent-step    one more step (Exec /bin/true) in a live sandbox of that agent, from the SDK (over
+                the agent's run socket: docs/agent.md "Steps over the run socket")
+  agent-step-grpc  the same step over gRPC (Client(step_socket=False)), in a sandbox of its own
   dsec-cli-agent `dsec run -- /bin/true` with the agent running (the CLI's start-up + the agent;
                 it returns once the run's audit record is durable in the agent's spool); this is
                 also `dsec run` with no agent of the user's (DSEC_AGENT=auto starts one on first use
@@ -458,6 +460,7 @@ def main():
     cases.update({"py-start": py_start, "py-imports": py_imports, "dsec-cli": dsec_cli, "dsec-inproc": dsec_inproc})
     agent = None
     live = []
+    grpc_live = []                  # agent-step-grpc's client and sandbox
     warm_hits = [0, 0, 0, 0]
     cli_warm_ids = []               # dsec-cli-agent-warm's sandboxes
     if not a.no_agent:
@@ -491,6 +494,13 @@ def main():
                 live.append(agent.client.create(memory="128M", pids=256, warm=False))
             assert live[0].exec(["/bin/true"]).code == 0
 
+        def agent_step_grpc():
+            if not grpc_live:
+                from agent.node.client import Client
+                c = Client(agent.socket, step_socket=False)
+                grpc_live[:] = [c, c.create(memory="128M", pids=256, warm=False)]
+            assert grpc_live[1].exec(["/bin/true"]).code == 0
+
         def dsec_cli_agent():
             subprocess.run([DSEC, "run", "--", "/bin/true"], check=True, stdout=devnull, stderr=devnull,
                            env=agent_env)
@@ -505,10 +515,13 @@ def main():
             cli_warm_ids.append(r.stderr.split(b"dsec: sandbox ", 1)[1].split()[0].decode())
         cases.update({"agent-cold": agent_cold, "agent-warm": agent_warm, "agent-once-cold": agent_once_cold,
                       "agent-once-warm": agent_once_warm, "agent-step": agent_step,
+                      "agent-step-grpc": agent_step_grpc,
                       "dsec-cli-agent": dsec_cli_agent, "dsec-cli-agent-export": dsec_cli_agent_export,
                       "dsec-cli-agent-warm": dsec_cli_agent_warm})
         if not hasattr(agent.client, "run_once"):     # an older SDK (this bench run against an older tree)
             del cases["agent-once-cold"], cases["agent-once-warm"]
+        if not hasattr(agent.client, "_steps"):       # an SDK without the step socket: agent-step is gRPC
+            del cases["agent-step-grpc"]
     only = set(filter(None, a.only.split(",")))
     for k in only - set(cases):
         raise SystemExit(f"bench: --only {k}: no such case ({', '.join(cases)})")
@@ -537,7 +550,8 @@ def main():
         print("ratios of medians:")
         anchors = [b for b in ("bwrap", "crun", "fork+exec") if b in med]
         for k in ("dsec-cli", "dsec-inproc", "agent-cold", "agent-warm", "agent-once-cold", "agent-once-warm",
-                  "agent-step", "dsec-cli-agent", "dsec-cli-agent-export", "dsec-cli-agent-warm"):
+                  "agent-step", "agent-step-grpc", "dsec-cli-agent", "dsec-cli-agent-export",
+                  "dsec-cli-agent-warm"):
             if k in med:
                 print(f"  {k:22} " + "  ".join(f"{med[k] / med[b]:7.2f}x {b}" for b in anchors))
         for k in ("cold", "warm"):
@@ -577,8 +591,10 @@ def main():
                     print(f"  concurrency {conc:2d} RunOnce / 3 calls: {got[True][0] / got[False][0]:.2f}x "
                           f"sandboxes/s, {got[True][1] / max(got[False][1], 1e-9):.2f}x agent CPU per sandbox")
     finally:
-        for sb in live:
+        for sb in live + grpc_live[1:]:
             sb.close()
+        if grpc_live:
+            grpc_live[0].close()
         if agent is not None:
             agent.stop()
         crun.close()

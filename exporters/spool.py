@@ -1104,11 +1104,15 @@ class Spool:
     def append(self, record: dict) -> None:
         self.append_many([record])
 
-    def append_many(self, records) -> int:
+    def append_many(self, records, on_locked=None) -> int:
         """Validate, frame and append records (all or none); returns how many were
         written: len(records), or 0 when the disk budget made the spool drop them
         (the drop policy, module doc; the loss is recorded, never silent).
-        Raises ExportError naming the bad record, or an I/O failure."""
+        Raises ExportError naming the bad record, or an I/O failure. on_locked():
+        called once the writer lock is held, before the write: every append that
+        starts later (any writer of this spool) comes after these records, and with
+        fsync "always" is durable only after they are (appends and their fdatasync
+        are serialised under the lock)."""
         records = records if isinstance(records, list) else list(records)
         tr3 = _transposed(records, True) if self.frames == "batch" and len(records) >= BATCH_MIN else None
         tr = tr3[:2] if tr3 is not None else None
@@ -1127,6 +1131,8 @@ class Spool:
             return 0
         dropped = None
         with self.locked():
+            if on_locked is not None:
+                on_locked()
             if not self._room(len(data)):
                 if self.on_full == "error":
                     used = self._used_bytes(exact=True)

@@ -32,12 +32,12 @@ class GatedSpool:
         self.entered = [threading.Event() for _ in range(8)]
         self.release = [threading.Event() for _ in range(8)]
 
-    def append_many(self, records):
+    def append_many(self, records, on_locked=None):
         i = len(self.calls)
         self.calls.append([json.loads(r["extra"])["state"] for r in records])
         self.entered[i].set()
         assert self.release[i].wait(WAIT), f"append {i} never released"
-        return self.spool.append_many(records)
+        return self.spool.append_many(records, on_locked)
 
 
 def spooled_states(path) -> set[str]:
@@ -148,3 +148,53 @@ def test_flush_waits_for_the_append_of_its_records_only(agent):
         t.join(WAIT)
         assert not t.is_alive() and t.state in t.seen
     assert len(agent.spool.calls) == 2
+
+
+def test_a_steps_start_reserves_the_order_of_the_last_records_the_recorder_waits_for_it(agent):
+    """A step's start does not wait for the previous step's records (agent/node/steps.py:
+    _reserve_emits): the recorder's next append, which may hold the new step's events, waits at
+    its gate (TapSpool, Agent._emits_gate) until they are in the spool's append order (in the
+    append that holds the spool's writer lock), and lands after them; appends and their
+    fdatasync being serialised under that lock, it is durable only after them."""
+    from agent.node.streams import TapSpool
+    gated = agent.spool
+    agent.spool = TapSpool(gated, lambda records: None, agent._emits_gate)
+    writer = Flusher(agent, "step_ended")               # the emit writer's append, held before the lock
+    writer.start()
+    assert gated.entered[0].wait(WAIT)
+    agent._reserve_emits()                              # the next step starts: no wait
+    recorder = threading.Thread(target=lambda: agent.spool.append_many(
+        [agent_record(agent, "next_step_event")]), daemon=True)
+    recorder.start()                                    # the recorder's next append: at its gate
+    recorder.join(0.2)
+    assert recorder.is_alive() and writer.is_alive() and len(gated.calls) == 1
+    gated.release[0].set()
+    assert gated.entered[1].wait(WAIT)                  # the recorder's append, after the step's records
+    assert gated.calls[1] == ["next_step_event"]
+    gated.release[1].set()
+    for t in (writer, recorder):
+        t.join(WAIT)
+        assert not t.is_alive()
+    assert "step_ended" in writer.seen
+    order = []
+    r = Spool(gated.spool.path).reader("order")
+    while True:
+        b = r.read()
+        if not b.records:
+            break
+        order += [json.loads(x["extra"])["state"] for x in b.records]
+        r.commit(b)
+    r.close()
+    assert order == ["step_ended", "next_step_event"], order
+    gated.release[2].set()
+    agent._reserve_emits()                              # nothing queued since: the gate lets it by
+    agent.spool.append_many([agent_record(agent, "later")])
+    assert gated.calls[2:] == [["later"]]
+
+
+def agent_record(agent, state: str) -> dict:
+    """A normalized lifecycle record as the agent's emit path spools them."""
+    from audit_schema.events import normalize
+    return normalize({"kind": "lifecycle", "sandbox_id": "", "step": 0, "ts_ns": 1, "pid": 1,
+                      "event_id": f"test-{state}", "node": agent.node,
+                      "extra": json.dumps({"state": state})})

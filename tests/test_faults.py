@@ -446,12 +446,12 @@ class _FailingAppends:
     def __getattr__(self, name):
         return getattr(self.spool, name)
 
-    def append_many(self, records):
+    def append_many(self, records, on_locked=None):
         self.calls += 1
         if self.n > 0:
             self.n -= 1
             raise OSError(5, "Input/output error (injected)")
-        return self.spool.append_many(records)
+        return self.spool.append_many(records, on_locked)
 
 
 def _spooled_states(spool, sid):

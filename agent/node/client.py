@@ -40,7 +40,7 @@ import queue
 from dataclasses import dataclass, field
 
 from agent.errors import DsecError
-from agent.node.runclient import DEFAULT_SOCKET, ENV_SOCKET  # noqa: F401 - defined where dsec run reads them
+from agent.node.runclient import DEFAULT_SOCKET, ENV_SOCKET, run_socket_path  # noqa: F401 - defined where dsec run reads them
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
@@ -352,12 +352,16 @@ def _volume(v):
     return pb.Volume(host_path=host, sandbox_path=sandbox, read_write=rw)
 
 
-def _exec_start(sandbox_id, argv, *, env=None, workdir=None, stdin=None, close_stdin=True, timeout=None,
-                grace=None, close_after=False, wait_export=False, started=True):
-    from agent.node.proto import pb
+def _check_argv(argv):
     if isinstance(argv, (str, bytes)):
         raise InvalidArgument("INVALID_ARGUMENT", "argv: a list of arguments, not one string "
                                                   "(use ['sh', '-c', cmd] for a shell command)")
+
+
+def _exec_start(sandbox_id, argv, *, env=None, workdir=None, stdin=None, close_stdin=True, timeout=None,
+                grace=None, close_after=False, wait_export=False, started=True):
+    from agent.node.proto import pb
+    _check_argv(argv)
     return pb.ExecInput(start=pb.ExecStart(
         sandbox_id=sandbox_id, argv=[_b(a) for a in argv], env=_env(env), workdir=workdir or "",
         stdin=_b(stdin) if stdin is not None else b"", close_stdin=close_stdin, timeout_seconds=float(timeout or 0),
@@ -371,6 +375,32 @@ def _exit(m, out: bytearray, err: bytearray) -> ExecResult:
                       wall_ms=m.wall_ms, cpu_ms=m.cpu_ms, max_rss_bytes=m.max_rss_bytes, stdout=bytes(out),
                       stderr=bytes(err), sandbox_state=m.sandbox_state, sandbox_reason=m.sandbox_reason,
                       preempted=m.preempted, summary=json.loads(m.summary_json) if m.summary_json else None)
+
+
+def _exit_json(d: dict, out: bytearray, err: bytearray) -> ExecResult:
+    """A step socket's exit (agent/node/stepclient.py) as _exit makes a gRPC ExitStatus one."""
+    return ExecResult(step=d["step"], code=d["code"], exit_code=d.get("exit_code"), signal=d.get("signal") or 0,
+                      timed_out=bool(d.get("timed_out")), oom_killed=bool(d.get("oom_killed")),
+                      error=d.get("error") or "", wall_ms=d.get("wall_ms") or 0, cpu_ms=d.get("cpu_ms") or 0,
+                      max_rss_bytes=d.get("max_rss_bytes") or 0, stdout=bytes(out), stderr=bytes(err),
+                      sandbox_state=d.get("sandbox_state") or "", sandbox_reason=d.get("sandbox_reason") or "",
+                      preempted=bool(d.get("preempted")), summary=d.get("summary"))
+
+
+def _step_frame(steps, sandbox_id, argv, stdin, stdin_stream, **kw) -> bytes | None:
+    """The step as a step-socket frame when it can go that way (a unix-socket agent that serves
+    it, no stdin stream, stdin small enough), else None (gRPC)."""
+    if steps is None or not steps.supported or stdin_stream is not None:
+        return None
+    from agent.node.stepclient import step_request
+    _check_argv(argv)
+    return step_request(sandbox_id, argv, stdin=_b(stdin) if stdin is not None else None, **kw)
+
+
+def _step_error(e, out: bytearray, err: bytearray, result) -> AgentError:
+    if result is None and (out or err):
+        result = ExecResult(stdout=bytes(out), stderr=bytes(err))
+    return _status_error(e.code, e.message, result)
 
 
 def _exec_item(m, out: bytearray, err: bytearray):
@@ -517,12 +547,18 @@ class Client:
     """A connection to a dsec agent. Thread-safe; use one per process."""
 
     def __init__(self, target: str | None = None, *, tls: TLS | None = None, timeout: float = 60.0,
-                 connect_timeout: float = 5.0):
+                 connect_timeout: float = 5.0, step_socket: bool = True):
         import grpc
         from agent.node.proto import pb_grpc
         self.target = _normalize_target(target)
         _check_target(self.target, tls)
         self.timeout = timeout
+        # steps in live sandboxes over the agent's run socket, not gRPC (agent/node/stepclient.py;
+        # step_socket=False: always gRPC)
+        self._steps = None
+        if step_socket and tls is None and self.target.startswith("unix:"):
+            from agent.node.stepclient import StepConnections
+            self._steps = StepConnections(run_socket_path(self.target[len("unix:"):]))
         # server-streaming calls (ExecOnce, events) read on the caller's thread, not through
         # gRPC's channel spin thread: one thread hop less per message (grpc.experimental.ChannelOptions
         # .SingleThreadedUnaryStream; importing grpc.experimental costs start-up time)
@@ -568,6 +604,8 @@ class Client:
             raise _convert(e) from None
 
     def close(self):
+        if self._steps is not None:
+            self._steps.close()
         self._channel.close()
 
     def __enter__(self):
@@ -710,6 +748,36 @@ class Client:
         also forward signals (dsec run); started=False: no ("started", step) (the agent does not
         send it; the step is the result's)."""
         from agent.node.proto import pb
+        frame = None if inputs is not None else _step_frame(
+            self._steps, sandbox_id, argv, stdin, stdin_stream, env=env, workdir=workdir, timeout=timeout,
+            grace=grace, close_after=close_after, wait_export=wait_export, started=started)
+        if frame is not None:
+            from agent.node.stepclient import StepError, Unsupported, run_step
+            out, err = bytearray(), bytearray()
+            result = final = None
+            gen = run_step(self._steps, frame)
+            try:
+                for item in gen:
+                    if item[0] == "exit":
+                        final = item[1]
+                        result = _exit_json(final, out, err)
+                        continue
+                    if item[0] == "stdout":
+                        out += item[1]
+                    elif item[0] == "stderr":
+                        err += item[1]
+                    yield item
+            except Unsupported:
+                pass                    # nothing ran: gRPC below
+            except StepError as e:
+                raise _step_error(e, out, err, result) from None
+            else:
+                if final.get("error_code"):
+                    raise _status_error(final["error_code"], final.get("error_message") or "", result)
+                yield ("exit", result)
+                return
+            finally:
+                gen.close()             # left early: the connection closes, the step stops
         self._connect()
         if inputs is None:
             first = _exec_start(sandbox_id, argv, env=env, workdir=workdir, stdin=stdin,
@@ -900,13 +968,17 @@ class AsyncClient:
     step (SIGTERM, grace, SIGKILL), as when a blocking client goes away."""
 
     def __init__(self, target: str | None = None, *, tls: TLS | None = None, timeout: float = 60.0,
-                 connect_timeout: float = 5.0):
+                 connect_timeout: float = 5.0, step_socket: bool = True):
         import grpc
         from agent.node.proto import pb_grpc
         self.target = _normalize_target(target)
         _check_target(self.target, tls)
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self._steps = None              # as Client's: steps over the run socket
+        if step_socket and tls is None and self.target.startswith("unix:"):
+            from agent.node.stepclient import AsyncStepConnections
+            self._steps = AsyncStepConnections(run_socket_path(self.target[len("unix:"):]))
         if tls is None:
             self._channel = grpc.aio.insecure_channel(self.target, options=_options(None))
         else:
@@ -935,6 +1007,8 @@ class AsyncClient:
             raise _convert(e) from None
 
     async def close(self):
+        if self._steps is not None:
+            self._steps.close()
         await self._channel.close()
 
     async def __aenter__(self):
@@ -1054,6 +1128,36 @@ class AsyncClient:
         chunks; started=False: no ("started", step). Leaving the loop early (or cancelling the
         task) cancels the call."""
         from agent.node.proto import pb
+        frame = _step_frame(self._steps, sandbox_id, argv, stdin, stdin_stream, env=env, workdir=workdir,
+                            timeout=timeout, grace=grace, close_after=close_after, wait_export=wait_export,
+                            started=started)
+        if frame is not None:
+            from agent.node.stepclient import StepError, Unsupported, run_step_async
+            out, err = bytearray(), bytearray()
+            result = final = None
+            gen = run_step_async(self._steps, frame)
+            try:
+                async for item in gen:
+                    if item[0] == "exit":
+                        final = item[1]
+                        result = _exit_json(final, out, err)
+                        continue
+                    if item[0] == "stdout":
+                        out += item[1]
+                    elif item[0] == "stderr":
+                        err += item[1]
+                    yield item
+            except Unsupported:
+                pass                    # nothing ran: gRPC below
+            except StepError as e:
+                raise _step_error(e, out, err, result) from None
+            else:
+                if final.get("error_code"):
+                    raise _status_error(final["error_code"], final.get("error_message") or "", result)
+                yield ("exit", result)
+                return
+            finally:
+                await gen.aclose()      # left early or cancelled: the connection closes, the step stops
         first = _exec_start(sandbox_id, argv, env=env, workdir=workdir, stdin=stdin,
                             close_stdin=stdin_stream is None, timeout=timeout, grace=grace,
                             close_after=close_after, wait_export=wait_export, started=started)

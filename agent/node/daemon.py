@@ -136,6 +136,9 @@ class Agent:
         self._emit_cv = threading.Condition(threading.Lock())
         self._emit_queued = 0
         self._emit_durable = 0
+        self._emit_ordered = 0      # queued records up to here are durable or in an append holding the spool lock
+        self._emit_reserved = 0     # queued records up to here go to the spool before any later append of others
+        self._emit_thread = 0       # the thread whose append is in flight
         self._emit_busy = False
         self._emit_failures = 0
         self._emit_kick = threading.Event()     # _flush_emits_soon -> the emit writer thread
@@ -187,7 +190,7 @@ class Agent:
         self._layout = cgroups.detect()
         self.started_ns = time.time_ns()
         self.previous_agent = self.run_dir.take()
-        self.spool = TapSpool(Spool(), self.streams.offer)
+        self.spool = TapSpool(Spool(), self.streams.offer, self._emits_gate)
         setup = load_audit(cfg, self.node, self.spool)
         self.rec, self.audit_feature, self.enforce_feature = setup.rec, setup.audit, setup.enforcement
         self.degraded += setup.degraded
@@ -323,34 +326,65 @@ class Agent:
             self._emitq.append(r)
             self._emit_queued += 1
 
-    def _flush_emits(self):
+    def _flush_emits(self, ordered: bool = False):
         """Return once every agent record queued before the call is durable in the spool (group
         commit). The flush that finds no append in flight takes everything queued, by any thread,
         into one durable append (one fdatasync); a flush whose records are in the append in flight
         waits for that append, and then returns; one that finds nothing left to write returns
-        without taking a lock."""
+        without taking a lock. ordered=True (the recorder's gate, _emits_gate): return once
+        they are durable or in an append that holds the spool's writer lock: every later append
+        (the recorder's events of what follows) is then written after them and, the spool's
+        appends and their fdatasync being serialised under that lock, durable only after them."""
         target = self._emit_queued
-        if self._emit_durable >= target:
+        if (self._emit_ordered if ordered else self._emit_durable) >= target:
             return                   # all queued so far is durable (set only after the append returned)
         cv = self._emit_cv
         with cv:
-            while self._emit_busy and self._emit_durable < target:
+            while self._emit_busy and (self._emit_ordered if ordered else self._emit_durable) < target:
                 cv.wait()
-            if self._emit_durable >= target:
+            if (self._emit_ordered if ordered else self._emit_durable) >= target:
                 return               # another thread's append carried ours
             self._emit_busy = True
+            self._emit_thread = threading.get_ident()
             taken = list(self._emitq)
             self._emitq.clear()
             upto = self._emit_queued
         try:
-            self._append_emits(taken)
+            self._append_emits(taken, upto)
         finally:
             with cv:
                 self._emit_durable = upto
+                self._emit_ordered = max(self._emit_ordered, upto)
                 self._emit_busy = False
+                self._emit_thread = 0
                 cv.notify_all()
 
-    def _append_emits(self, taken: list):
+    def _reserve_emits(self):
+        """A step's start (agent/node/steps.py): every agent record queued so far (the previous
+        step's step_started/step_ended) goes to the spool before anything appended after this
+        call: the recorder's appends wait for them at their gate (_emits_gate), so the step need
+        not wait for their append (its Python work, the spool's lock, its fdatasync). Kicks the
+        emit writer. The spool's appends and their fdatasync are serialised under its writer
+        lock: what is appended after them is durable only after them."""
+        if self._emit_reserved < self._emit_queued:
+            self._emit_reserved = self._emit_queued
+            self._emit_kick.set()
+
+    def _emits_gate(self):
+        """Before each append of the recorder (TapSpool's before_append): the agent records a
+        step's start reserved are in the spool's append order first (durable, or in the append
+        that holds its writer lock): the batch being appended may hold that step's events."""
+        if self._emit_ordered < self._emit_reserved and self._emit_thread != threading.get_ident():
+            self._flush_emits(ordered=True)         # (not for the emit append itself)
+
+    def _emits_locked(self, upto: int):
+        """The append of the records up to `upto` holds the spool's writer lock (spool.append_many's
+        on_locked): the flushes waiting only for their order may go on."""
+        with self._emit_cv:
+            self._emit_ordered = max(self._emit_ordered, upto)
+            self._emit_cv.notify_all()
+
+    def _append_emits(self, taken: list, upto: int):
         """One durable append of `taken` (only the flush that set _emit_busy calls it)."""
         from audit_schema.events import normalize
         batch = []
@@ -366,7 +400,7 @@ class Agent:
         if not batch or self.spool is None:
             return
         try:
-            self.spool.append_many(batch)
+            self.spool.append_many(batch, on_locked=lambda: self._emits_locked(upto))
         except ReportedError as e:
             self._emit_failures += len(batch)
             log.error("%d lifecycle audit record(s) could not be spooled: %s", len(batch), e.message)
@@ -965,10 +999,10 @@ class Agent:
 
     # ================================================================ exec
 
-    def exec_step(self, start: dict, inputs, register_cancel, time_remaining, caller=ADMIN):
+    def exec_step(self, start: dict, inputs, register_cancel, time_remaining, caller=ADMIN, hangup: int = -1):
         """One step; a generator of ("started", step, ts_ns) | ("stdout", bytes) |
         ("stderr", bytes) | ("exit", dict) (agent/node/steps.py)."""
-        return steps.exec_step(self, start, inputs, register_cancel, time_remaining, caller)
+        return steps.exec_step(self, start, inputs, register_cancel, time_remaining, caller, hangup)
 
     # ================================================================ policy update
 

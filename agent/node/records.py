@@ -10,6 +10,7 @@ them under its lock. Each SandboxRecord has its own condition on that lock
 """
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import threading
@@ -93,8 +94,14 @@ class StepRun:
         self.oom = False
         self.rpc_done = False
         self.pending_signals: list[int] = []
+        self.cancel = None                  # steps.exec_step's: stop the step as a cancelled call
+        self.hangup = -1                    # the step socket's connection, watched for the caller's going
+        self.kick = False                   # the step's end records wait to be appended (after the reply)
+        self.owner = 0                      # the thread that runs the step's loop (agent/node/steps.py)
 
     def wake(self):
+        if self.owner == _thread.get_ident():
+            return              # the step's own thread: it looks at the step's state before it waits
         with self.lock:
             if self.wake_w >= 0:
                 try:

@@ -1,9 +1,11 @@
 """The agent's side of `dsec run`'s own socket (protocol: agent/node/runclient.py):
-one connection = CreateSandbox (wait until it runs) + one Exec with close_after,
-through the same agent calls as the gRPC API (agent/node/api.py), so the checks,
-the audit records and what is durable before the reply are the same. Root only:
-the socket is created 0600 like the gRPC one; its callers are the admin caller
-of a unix-socket gRPC call.
+a connection that opens with R is CreateSandbox (wait until it runs) + one Exec with
+close_after; one that opens with X carries the SDK's steps (agent/node/stepsock.py).
+Both go through the same agent calls as the gRPC API (agent/node/api.py), so the
+checks, the audit records and what is durable before the reply are the same. Root
+only: the socket is created 0600 like the gRPC one, and a peer whose SO_PEERCRED uid
+is not root's (nor the agent's) is refused (PERMISSION_DENIED, an access_denied
+record); its callers are the admin caller of a unix-socket gRPC call.
 
     svc = RunSocketService(agent, api.create_dict).start()   # listens on run_socket_path(cfg.socket)
     svc.stop_accepting(); ...; svc.close()    # as the HTTP listeners (api.serve)
@@ -15,6 +17,7 @@ import logging
 import os
 import select
 import socket
+import struct
 import threading
 
 from agent.errors import ReportedError
@@ -63,7 +66,8 @@ class RunSocketService:
                 c.close()
                 return
             if not self._slots.acquire(blocking=False):
-                _refuse(c, "RESOURCE_EXHAUSTED", "too many dsec run calls at once (limits.max_concurrent_rpcs)")
+                _refuse(c, "RESOURCE_EXHAUSTED", "too many connections to the run socket at once "
+                                                  "(limits.max_concurrent_rpcs)")
                 continue
             with self._lock:
                 self._conns.add(c)
@@ -93,10 +97,22 @@ class RunSocketService:
 
     def _serve(self, c: socket.socket):
         calls = self.agent.calls
-        calls.begin()
         w = FrameWriter(c)
+        counted = False
         try:
-            self._one(c, w)
+            if not self._peer_allowed(c, w):
+                return
+            first = read_frame(c)
+            if first is None:
+                return
+            kind, payload = first
+            if kind == "X":             # the SDK's steps, as many as the connection carries
+                from agent.node.stepsock import serve_steps
+                serve_steps(self.agent, c, w, payload, "unix:" + self.path)
+                return
+            calls.begin()
+            counted = True
+            self._one(c, w, kind, payload)
         except (BrokenPipeError, ConnectionResetError):
             pass
         except ProtocolError as e:
@@ -109,7 +125,8 @@ class RunSocketService:
             log.exception("dsec run socket: internal error")
             _send_error(w, "INTERNAL", f"internal error: {type(e).__name__}: {e}")
         finally:
-            calls.end()
+            if counted:
+                calls.end()
             with self._lock:
                 self._conns.discard(c)
             try:
@@ -119,14 +136,26 @@ class RunSocketService:
             c.close()
             self._slots.release()
 
-    def _one(self, c, w):
+    def _peer_allowed(self, c, w) -> bool:
+        """The kernel's word on who connected (SO_PEERCRED): root, or the agent's own uid.
+        The socket's mode already keeps others out; this holds if it is ever loosened."""
+        pid, uid, gid = struct.unpack("3i", c.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                         struct.calcsize("3i")))
+        if uid in (0, os.geteuid()):
+            return True
+        reason = (f"uid {uid} (pid {pid}) may not use the agent's socket {self.path}: only root "
+                  f"(the socket is the node's admin)")
+        try:
+            self.agent.audit_refusal(f"unix:{self.path}", [f"uid:{uid}"], "run socket", reason)
+        except Exception:  # noqa: BLE001
+            log.exception("could not audit a refused caller")
+        _send_error(w, "PERMISSION_DENIED", reason)
+        return False
+
+    def _one(self, c, w, kind: str, payload: bytes):
         from agent.node.client import AgentError, _create_request
-        first = read_frame(c)
-        if first is None:
-            return
-        kind, payload = first
         if kind != "R":
-            raise ProtocolError(f"the first frame must be a request (R), got {kind!r}")
+            raise ProtocolError(f"the first frame must be a request (R) or a step (X), got {kind!r}")
         try:
             req = json.loads(payload)
             create, ex = dict(req["create"]), dict(req["exec"])

@@ -28,10 +28,12 @@ from agent.node.requests import check_exec
 log = logging.getLogger("dsec.agent")
 
 
-def exec_step(agent, start: dict, inputs, register_cancel, time_remaining, caller=None):
+def exec_step(agent, start: dict, inputs, register_cancel, time_remaining, caller=None, hangup: int = -1):
     """One step; a generator of ("started", step, ts_ns) | ("stdout", bytes) |
     ("stderr", bytes) | ("exit", dict). Raises ApiError (also after "exit",
-    when the sandbox was stopped under the step)."""
+    when the sandbox was stopped under the step). hangup: the caller's connection
+    (the step socket, agent/node/stepsock.py), watched while the step waits and runs:
+    its hang-up cancels the step as a cancelled call does."""
     argv = start.get("argv") or []
     env, workdir, timeout, grace = check_exec(start)
     rec = agent.lookup(start["sandbox_id"], caller, "Exec") if caller is not None else \
@@ -48,11 +50,18 @@ def exec_step(agent, start: dict, inputs, register_cancel, time_remaining, calle
         run.wake()
         agent._submit_work(_cancelled_step, agent, rec, run, close_after)
     register_cancel(cancel)
+    run.cancel = cancel
+    run.hangup = hangup
     try:
         yield from _exec_step(agent, rec, run, start, env, workdir, timeout, grace, close_after, inputs,
                               time_remaining)
     finally:
         run.rpc_done = True
+        if run.kick:
+            # the step's end records go to the spool once its reply is sent, not while it is: the
+            # emit writer's Python work held the GIL the reply's thread needed (~0.1 ms a step;
+            # appending them on this thread after the reply measured slower than the hand-off)
+            agent._flush_emits_soon()
 
 
 def _exec_step(agent, rec, run, start, env, workdir, timeout, grace, close_after, inputs, time_remaining):
@@ -63,7 +72,7 @@ def _exec_step(agent, rec, run, start, env, workdir, timeout, grace, close_after
     # wait until it runs
     with rec.changed:                  # the agent's lock; woken by this sandbox's changes only
         while rec.state in (QUEUED, STARTING):
-            if run.cancelled:
+            if run.cancelled or _hung_up(run):
                 return
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -72,13 +81,15 @@ def _exec_step(agent, rec, run, start, env, workdir, timeout, grace, close_after
         if rec.state != RUNNING or rec.stop_kind is not None:
             raise _gone(agent, rec)
     while not rec.step_lock.acquire(timeout=STREAM_POLL):
-        if run.cancelled:
+        if run.cancelled or _hung_up(run):
             return
         if deadline is not None and time.monotonic() > deadline:
             raise ApiError("DEADLINE_EXCEEDED", f"sandbox {rec.id}: the previous step is still running")
         if rec.state != RUNNING:
             raise _gone(agent, rec)
     try:
+        if run.cancelled or _hung_up(run):
+            return                  # its caller went away while it waited its turn: it never runs
         if rec.state != RUNNING or rec.stop_kind is not None:
             raise _gone(agent, rec)
         yield from _run_step(agent, rec, run, start, env, workdir, timeout, grace or None, inputs)
@@ -153,15 +164,22 @@ def _cancelled_step(agent, rec: SandboxRecord, run: StepRun, close_after: bool):
 def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inputs):
     sb = rec.sandbox
     # the previous step's end record was queued, not yet known durable (its reply did not wait:
-    # _flush_emits_soon below): it is in the spool before anything of this step is recorded
-    agent._flush_emits()
-    in_r, in_w = os.pipe2(os.O_CLOEXEC)
+    # _flush_emits_soon in exec_step): it goes to the spool before anything of this step is recorded
+    # (the recorder's appends wait for it at their gate), and is durable before it (the spool's
+    # appends and their fdatasync are serialised): this step need not wait for that append
+    agent._reserve_emits()
+    if inputs is None and start.get("close_stdin") and not start.get("stdin"):
+        in_r = in_w = -1                # no stdin at all: the step reads /dev/null, no pipe
+    else:
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(in_w, False)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     wake_r, wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-    for fd in (in_w, out_r, err_r):
+    for fd in (out_r, err_r):
         os.set_blocking(fd, False)
     run.wake_w = wake_w
+    run.owner = _thread.get_ident()     # its own wake-ups are not needed (StepRun.wake)
     if start.get("stdin"):
         run.stdin_buf.append(start["stdin"])
         run.stdin_bytes = len(start["stdin"])
@@ -211,14 +229,13 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
     lst = None
     try:
         with _step_failure(run, rec):
-            lst = sb.exec_begin(argv, env=env or None, workdir=workdir, stdin=in_r, stdout=out_w, stderr=err_w,
-                                timeout=timeout or None, grace=grace, stdin_bytes=known_stdin, on_done=run.wake)
+            lst = sb.exec_begin(argv, env=env or None, workdir=workdir, stdin=in_r if in_r >= 0 else None,
+                                stdout=out_w, stderr=err_w, timeout=timeout or None, grace=grace,
+                                stdin_bytes=known_stdin, on_done=run.wake)
     finally:
         for fd in (in_r, out_w, err_w):     # dsec-init has its copies (or the step never ran)
-            try:
+            if fd >= 0:
                 os.close(fd)
-            except OSError:
-                pass
     if lst is None:
         run.done = True
     elif timeout:
@@ -240,8 +257,8 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
     done_at = None
     left = STREAM_POLL
     if lst is not None:
-        # on_step's wake-up (it named the step on this very thread) would cost the loop a round:
-        # drained, then the step's end checked once (an on_done drained with it had set done first)
+        # an on_done that came already (a step that ended at once) would cost the loop a round:
+        # drained, then the step's end checked once (the on_done drained had set done first)
         _drain(wake_r)
         left = sb.exec_poll(lst)
         if left is None:
@@ -274,7 +291,10 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
             tmo = STREAM_POLL if done_at is None else 0.05
             if not run.done:
                 tmo = min(tmo, left)
-            r, w = _wait(readers, wake_r, in_w if in_w >= 0 and run.stdin_buf else -1, tmo)
+            r, w = _wait(readers, wake_r, in_w if in_w >= 0 and run.stdin_buf else -1, tmo, run.hangup)
+            if run.hangup >= 0 and run.hangup in r:
+                run.hangup = -1             # the caller went away mid-step: as a cancelled call
+                run.cancel()
             got = False
             item = started()
             if item:                    # it started and wrote while this thread waited: "started" first
@@ -286,7 +306,7 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
                 if left is None:
                     finish(lst)
             for fd in r:
-                if fd == wake_r:
+                if fd not in readers:
                     continue
                 try:
                     data = os.read(fd, READ_CHUNK)
@@ -350,7 +370,7 @@ def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inp
     # spool lock and fdatasync on a busy node): the emit writer appends them at once, before any
     # later agent record (FIFO), before this sandbox's next step starts (above) and before its
     # close returns (close flushes, and waits for an append under way). docs/agent.md "Steps".
-    agent._flush_emits_soon()
+    run.kick = True                 # exec_step kicks the emit writer once the reply is sent
     if st is not None and not run.cancelled:
         agent.snapshots.after_step(rec)      # automatic snapshots: the state this step left, before its reply
 
@@ -463,15 +483,33 @@ def _drain(fd: int) -> None:
         pass
 
 
-def _wait(readers, wake_r: int, in_w: int, timeout: float) -> tuple[list[int], bool]:
+def _hung_up(run: StepRun) -> bool:
+    """While a step waits its turn: the step socket's caller went away (a hang-up of
+    run.hangup), then the step is cancelled as a cancelled call's is."""
+    if run.hangup < 0:
+        return False
+    p = select.poll()
+    p.register(run.hangup, select.POLLRDHUP)
+    if not p.poll(0):
+        return False
+    run.hangup = -1
+    run.cancel()
+    return True
+
+
+def _wait(readers, wake_r: int, in_w: int, timeout: float, hangup: int = -1) -> tuple[list[int], bool]:
     """poll(2), not select(2): an agent holding many sandboxes has fds past 1023,
     which select() cannot watch. Returns (readable fds, whether in_w is writable);
-    a hung-up or errored fd counts as readable (its read returns EOF or the error)."""
+    a hung-up or errored fd counts as readable (its read returns EOF or the error),
+    and so does `hangup` (a caller's connection) once its peer has gone (POLLRDHUP: data
+    it sent meanwhile is not looked at)."""
     p = select.poll()
     for fd in list(readers) + [wake_r]:
         p.register(fd, select.POLLIN)
     if in_w >= 0:
         p.register(in_w, select.POLLOUT)
+    if hangup >= 0:
+        p.register(hangup, select.POLLRDHUP)
     try:
         ready = p.poll(int(timeout * 1000))
     except InterruptedError:

@@ -23,15 +23,19 @@ log = logging.getLogger("dsec.agent")
 
 class TapSpool:
     """The recorder's spool with a tap: records appended are also handed to
-    `on_records` (the StreamEvents fan-out). Everything else is the Spool's."""
+    `on_records` (the StreamEvents fan-out), and `before_append()` is called before
+    each append (agent/node/daemon.py _emits_gate). Everything else is the Spool's."""
 
-    def __init__(self, spool, on_records):
+    def __init__(self, spool, on_records, before_append=None):
         self._spool = spool
         self._on_records = on_records
+        self._before_append = before_append
 
-    def append_many(self, records) -> int:
+    def append_many(self, records, on_locked=None) -> int:
         records = list(records)
-        n = self._spool.append_many(records)
+        if self._before_append is not None:
+            self._before_append()
+        n = self._spool.append_many(records, on_locked)
         try:
             self._on_records(records)
         except Exception:  # noqa: BLE001 - a subscriber must never break the audit

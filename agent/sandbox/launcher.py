@@ -131,6 +131,18 @@ class Result:
         self.summary = summary
 
 
+_DEVNULL = -1
+
+
+def _devnull() -> int:
+    """One /dev/null descriptor for the steps given no stdin (or output) of their own, opened
+    once (dsec-init receives its own copy with each step)."""
+    global _DEVNULL
+    if _DEVNULL < 0:
+        _DEVNULL = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    return _DEVNULL
+
+
 def new_sandbox_id() -> str:
     return "sbx-" + os.urandom(6).hex()
 
@@ -531,13 +543,10 @@ class Sandbox:
                 self._ready = {"created": [ip.text(c) for c in f.get(T.CREATED, [])]}
             elif mtype == MSG.ERROR:
                 self.setup_error = one(T.MSG, ip.text, "unknown error")
-            elif mtype == MSG.STARTED:
-                st = self.steps.get(one(T.STEP, default=0))
-                if st:
-                    st.pid = one(T.PID, default=0)
             elif mtype == MSG.STEP_EXIT:
                 st = self.steps.get(one(T.STEP, default=0))
                 if st and not st.done:
+                    st.pid = one(T.PID, default=0)
                     m = {"status": one(T.STATUS, ip.i64), "cpu_ms": one(T.CPU_US, default=0) // 1000,
                          "max_rss_bytes": one(T.MAXRSS_KB, default=0) * 1024}
                     if T.EXEC_ERRNO in f:
@@ -616,16 +625,12 @@ class Sandbox:
         fds = [stdin, stdout, stderr]
         while fds and fds[-1] is None:
             fds.pop()
-        opened = []
         if None in fds:
-            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-            opened.append(null)
+            null = _devnull()
             fds = [null if fd is None else fd for fd in fds]
         try:
             self._send(msg, fds)
         finally:
-            for fd in opened:
-                os.close(fd)
             # what the step runs (the step_start record, stamped before the send): built while
             # dsec-init clones and execs the step, not before (it is only queued; the record's
             # order and time are as before; ~50 us of a step's latency on a busy node)

@@ -22,8 +22,8 @@
  *           workdir, close every other fd, oom_score_adj, capabilities
  *           dropped (ambient, then setresgid/setresuid, capset for uid 0; the
  *           bounding set is PID 1's, already empty), no_new_privs, seccomp,
- *           execve                                            -> STARTED
- *           every exit of a step's main process               -> STEP_EXIT
+ *           execve (no STARTED message: a wake-up of the agent per step)
+ *           every exit of a step's main process (its pid)     -> STEP_EXIT
  *   SIGNAL / TERMINATE   forwarded; signals sent to PID 1 go to every step
  *   CLOSE   SIGKILL to everything, reap                        -> CLOSED,
  *           then hold the namespaces until RELEASE (bounded) so the
@@ -899,10 +899,6 @@ static void start_step(size_t n, int *fds, int nfds)
     steps[nsteps].pid = pid;
     steps[nsteps].step = step;
     nsteps++;
-    out_begin(DSEC_MSG_STARTED);
-    out_u64(DSEC_T_STEP, step);
-    out_u64(DSEC_T_PID, (uint64_t)pid);
-    out_send();
 }
 
 /* reap every child that has exited; 1 while children remain, 0 when none */

@@ -31,7 +31,7 @@
 /* ---- init -> launcher ---------------------------------------------------- */
 #define DSEC_MSG_READY 101      /* CREATED... (mount points dsec created in the upper layer) */
 #define DSEC_MSG_ERROR 102      /* MSG: set-up failed (init exits 125) */
-#define DSEC_MSG_STARTED 103    /* STEP, PID */
+#define DSEC_MSG_STARTED 103    /* STEP, PID: no longer sent (a step's pid is in its STEP_EXIT) */
 #define DSEC_MSG_STEP_EXIT 104  /* STEP, PID, STATUS | EXEC_ERRNO + STAGE + MSG, CPU_US, MAXRSS_KB */
 #define DSEC_MSG_CLOSED 105     /* CPU_US, MAXRSS_KB, OWNER_GONE */
 #define DSEC_MSG_HELLO 106      /* the first message: init runs (its exec and set-up are done) */
