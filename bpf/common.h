@@ -277,25 +277,218 @@ static __always_inline u32 dsec_read_path(char *dst, const char *src, u32 *statu
 }
 
 /* Emit a record held in a map value (variable size) of sandbox cgid, whose
- * state is st (0: removed while the syscall was in flight); counts it either way. */
+ * state is st (0: removed while the syscall was in flight) and configuration
+ * cfg (0: removed); counts it either way. 1: emitted. */
+static __always_inline int dsec_output_cfg(void *rec, u64 size, u64 max, u64 cgid, u32 kind,
+                                           struct dsec_state *st, struct dsec_sandbox *cfg)
+{
+    if (!st)
+        return 0;
+    size = dsec_record_size(size, max);
+    if (!dsec_admit_bytes(cfg, st, kind, size))
+        return 0;
+    if (events.ringbuf_output(rec, size, dsec_wake_flags()) == 0) {
+        dsec_count_emitted(st, kind);
+        return 1;
+    }
+    dsec_count_lost(cfg, st, DSEC_LOST_RINGBUF_FULL, kind);
+    return 0;
+}
+
 static __always_inline void dsec_output_st(void *rec, u64 size, u64 max, u64 cgid, u32 kind,
                                            struct dsec_state *st)
 {
-    if (!st)
-        return;
-    size = dsec_record_size(size, max);
-    struct dsec_sandbox *cfg = sandboxes.lookup(&cgid);
-    if (!dsec_admit_bytes(cfg, st, kind, size))
-        return;
-    if (events.ringbuf_output(rec, size, dsec_wake_flags()) == 0)
-        dsec_count_emitted(st, kind);
-    else
-        dsec_count_lost(cfg, st, DSEC_LOST_RINGBUF_FULL, kind);
+    if (st)
+        dsec_output_cfg(rec, size, max, cgid, kind, st, sandboxes.lookup(&cgid));
 }
 
 static __always_inline void dsec_output(void *rec, u64 size, u64 max, u64 cgid, u32 kind)
 {
     dsec_output_st(rec, size, max, cgid, kind, sbx_state.lookup(&cgid));
+}
+
+/* ---- repeats: counted in the kernel, not copied into the ring --------------
+ * A file or connect record that repeats one already emitted -- the same
+ * process, sandbox, step, kind, syscall, flags, mode, dirfd, result, comm,
+ * ids and strings: every byte of the record but its timestamp and thread id --
+ * is counted in `agg` instead of being emitted, when the sandbox's
+ * configuration allows its kind (dsec_sandbox.agg_kinds, set by userspace only
+ * where the policy's decision cannot be anything but "allowed" for it:
+ * agent/sensors/repeats.py) and the record qualifies (dsec_agg_wanted: no
+ * status bits, absolute paths, no failed write, a loopback or unix connect).
+ * The first occurrence is emitted in full at once, and makes the entry; the
+ * entry keeps it and counts the repeats (count, last_ns). Userspace reads the
+ * counts every flush period and turns what grew into summary records; it
+ * retires a generation (bumps dsec_sandbox.agg_gen: at a step change, when the
+ * sandbox holds too many entries) and, once no program can still be counting
+ * into it, reads it a last time and deletes its entries, as it does all of a
+ * sandbox's at its removal. Every counted occurrence is also counted in
+ * dsec_state.aggregated: what the summaries report adds up to it. */
+BPF_F_TABLE("hash", struct dsec_agg_key, struct dsec_agg_val, agg, DSEC_AGG_ENTRIES, BPF_F_NO_PREALLOC);
+BPF_PERCPU_ARRAY(agg_scratch, struct dsec_agg_val, 1);
+
+#define DSEC_AGG_WORDS ((DSEC_FIXED_BYTES + DSEC_AGG_STR) / 8)
+#define DSEC_AF_UNIX 1
+#define DSEC_AF_INET 2
+#define DSEC_AF_INET6 10
+
+/* word i of a record as it identifies an occurrence, n words long: the
+ * timestamp (word 0) is left out by the callers, the thread id (the upper half
+ * of word 3: pid, tid) masked off, the last word cut at the record's size,
+ * words past it 0. Without a branch on n: the loops over words then run to
+ * their constant bound with one verifier state (a branch per word split the
+ * states past the verifier's limit, and clang turned `i < n` exits into
+ * `i == n` ones whose bound the verifier cannot see); the masks are built with
+ * arithmetic shifts, hidden from clang so it does not make branches of them. */
+static __always_inline u64 dsec_agg_word(const u64 *w, u32 i, u32 n, u64 tail)
+{
+    u64 x = w[i];
+    if (i == 3)             /* i is the loop's own counter: one path per iteration */
+        x &= 0xffffffffULL;
+    u64 below = (u64)i - (u64)n;            /* i < n: the sign bit set */
+    DSEC_BARRIER(below);
+    x &= (u64)((s64)below >> 63);
+    u64 z = (u64)(i ^ (n - 1));             /* 0 on the last word */
+    u64 last = (z - 1) & ~z;                /* sign bit set iff z == 0 */
+    DSEC_BARRIER(last);
+    x &= tail | ~(u64)((s64)last >> 63);
+    return x;
+}
+
+/* a word count, at most DSEC_AGG_WORDS */
+static __always_inline u32 dsec_agg_n(u32 n)
+{
+    return n > DSEC_AGG_WORDS ? DSEC_AGG_WORDS : n;
+}
+
+/* Does this record qualify, and under which hash? Its user pointers (read
+ * late, if at all, by now) are cleared: they are no part of what it says. */
+static __always_inline int dsec_agg_wanted(struct dsec_sandbox *cfg, struct dsec_event_small *e, u32 kind,
+                                           u64 *hash, u32 *nwords, u64 *tail)
+{
+    if (!(cfg->agg_kinds & (1U << (kind & 31))))
+        return 0;
+    u64 size = e->h.size;
+    if (size < DSEC_FIXED_BYTES || size > DSEC_FIXED_BYTES + DSEC_AGG_STR)
+        return 0;
+    if (kind == DSEC_KIND_CONNECT) {
+        if (e->u.connect.status)
+            return 0;
+        u16 fam = *(u16 *)&e->u.connect.addr[0];
+        u32 alen = e->u.connect.addrlen;
+        if (fam == DSEC_AF_INET) {
+            if (alen < 8 || e->u.connect.addr[4] != 127)     /* 127.0.0.0/8 */
+                return 0;
+        } else if (fam == DSEC_AF_INET6) {
+            u64 *a = (u64 *)&e->u.connect.addr[8];             /* ::1 exactly */
+            if (alen < 24 || a[0] != 0 || a[1] != 0x0100000000000000ULL)
+                return 0;
+        } else if (fam != DSEC_AF_UNIX) {
+            return 0;
+        }
+        e->u.connect.uaddr = 0;
+    } else {
+        if (e->u.file.status || e->u.file.ret < 0 || e->buf[0] != '/')
+            return 0;
+        if (kind == DSEC_KIND_RENAME) {
+            u32 off = e->u.file.path2_off & DSEC_FILE_OFF_MASK;
+            if (e->buf[off] != '/')
+                return 0;
+        }
+        e->u.file.upath = 0;
+        e->u.file.upath2 = 0;
+    }
+    u32 n = dsec_agg_n((size + 7) / 8);
+    u64 t = size & 7 ? (1ULL << ((size & 7) * 8)) - 1 : ~0ULL;
+    const u64 *w = (const u64 *)e;
+    u64 h = 0x9E3779B97F4A7C15ULL ^ n;
+#pragma nounroll
+    for (u32 i = 1; i < DSEC_AGG_WORDS; i++) {
+        h = (h ^ dsec_agg_word(w, i, n, t)) * 0x100000001B3ULL;
+        h ^= h >> 29;
+    }
+    *hash = h;
+    *nwords = n;
+    *tail = t;
+    return 1;
+}
+
+/* A repeat of an entry of `agg`: counted (1), or 0 -- no entry, or one whose
+ * bytes differ (a hash collision: emitted in full, never merged). */
+static __always_inline int dsec_agg_repeat(struct dsec_state *st, struct dsec_event_small *e,
+                                           struct dsec_agg_key *k, u32 n, u64 tail)
+{
+    struct dsec_agg_val *v = agg.lookup(k);
+    if (!v)
+        return 0;
+    const u64 *w = (const u64 *)e;
+    const u64 *s = (const u64 *)&v->rec;
+    u64 diff = 0;
+#pragma nounroll
+    for (u32 i = 1; i < DSEC_AGG_WORDS; i++)
+        diff |= dsec_agg_word(w, i, n, tail) ^ dsec_agg_word(s, i, n, tail);
+    if (diff)
+        return 0;
+    __sync_fetch_and_add(&v->count, 1);
+    v->last_ns = e->h.ts_ns;
+    dsec_count_kind(st->aggregated, e->h.kind);
+    return 1;
+}
+
+/* The first occurrence was emitted: it makes the entry its repeats count in
+ * (when the sandbox's share of `agg`, and the table, have room). */
+static __always_inline void dsec_agg_first(struct dsec_sandbox *cfg, struct dsec_state *st,
+                                           struct dsec_event_small *e, struct dsec_agg_key *k,
+                                           u32 n, u64 tail)
+{
+    u64 held = __sync_fetch_and_add(&st->agg_held, 1);
+    if (held - cfg->agg_released >= DSEC_AGG_PER_SANDBOX) {
+        __sync_fetch_and_add(&st->agg_held, -1);
+        return;
+    }
+    u32 zero = 0;
+    struct dsec_agg_val *v = agg_scratch.lookup(&zero);
+    if (!v) {
+        __sync_fetch_and_add(&st->agg_held, -1);
+        return;
+    }
+    v->count = 0;
+    v->last_ns = e->h.ts_ns;
+    const u64 *w = (const u64 *)e;
+    u64 *d = (u64 *)&v->rec;
+#pragma nounroll
+    for (u32 i = 0; i < DSEC_AGG_WORDS; i++) {
+        u64 x = dsec_agg_word(w, i, n, tail);
+        if (i == 3)
+            x = w[3];       /* the first occurrence's thread id kept with it */
+        d[i] = x;
+    }
+    if (agg.insert(k, v) != 0)      /* there already (another CPU's first), or no room */
+        __sync_fetch_and_add(&st->agg_held, -1);
+}
+
+/* Emit the record `e` of sandbox cgid (state st, 0: gone) -- or count it, a
+ * repeat. */
+static __always_inline void dsec_emit_or_count(struct dsec_event_small *e, u64 cgid, u32 kind,
+                                               struct dsec_state *st)
+{
+    if (!st)
+        return;
+    struct dsec_sandbox *cfg = sandboxes.lookup(&cgid);
+    struct dsec_agg_key k = {};
+    u32 n = 0;
+    u64 tail = 0;
+    if (!cfg || !dsec_agg_wanted(cfg, e, kind, &k.hash, &n, &tail)) {
+        dsec_output_cfg(e, e->h.size, sizeof(struct dsec_event_small), cgid, kind, st, cfg);
+        return;
+    }
+    k.cgroup_id = cgid;
+    k.tgid = e->h.pid;
+    k.gen = cfg->agg_gen;
+    if (dsec_agg_repeat(st, e, &k, n, tail))
+        return;
+    if (dsec_output_cfg(e, e->h.size, sizeof(struct dsec_event_small), cgid, kind, st, cfg))
+        dsec_agg_first(cfg, st, e, &k, n, tail);
 }
 
 /* ---- file and connect syscalls: enter stores, exit emits ------------------ */
@@ -392,7 +585,7 @@ static __always_inline void dsec_pending_emit(u32 tid, struct dsec_event_small *
                 e->u.file.status |= DSEC_ST_LATE_READ;
         }
     }
-    dsec_output_st(e, e->h.size, sizeof(struct dsec_event_small), cgid, kind, st);
+    dsec_emit_or_count(e, cgid, kind, st);
     if (pending.delete(&tid) == 0)
         dsec_pending_give_st(st);
 }

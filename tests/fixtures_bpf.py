@@ -200,6 +200,9 @@ class Harness(SensorHarness):
         self.sensor.on_over_budget = lambda *a: self.over_budget_calls.append(a)
 
     def sandbox(self, cgroups: CgroupFactory, **labels) -> Sandbox:
+        """A registered sandbox; one record per event (no repeats counted in the
+        kernel) unless `aggregate` names the kinds (tests/test_repeats.py)."""
+        labels.setdefault("aggregate", ())
         return self._sandbox(cgroups, None, lambda cg, sid: self.sensor.add_sandbox(cg.id, sid, **labels))
 
 
