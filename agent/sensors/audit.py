@@ -237,6 +237,7 @@ class AuditSensor(RingSensor):
                                         labels.get("byte_burst", self.defaults["byte_burst"]), "byte budget")
         step = int(labels.get("step", 0))
         agg_kinds = tuple(labels.get("aggregate", AGGREGATE_KINDS)) if self.aggregate else ()
+        agg_kinds = agg_kinds if self.repeats.table is not None else ()
         agg_mask = self.repeats.mask(agg_kinds)
         with self._lock:
             self._check_open()
@@ -403,9 +404,9 @@ class AuditSensor(RingSensor):
         emitted, lost = self._state_counts(st)
         kinds = self.consts.kinds
         by_kind = {kinds.get(k, str(k)): n for k, n in enumerate(st.inflight_kind) if n > 0}
-        aggregated = {kinds.get(k, str(k)): n for k, n in enumerate(st.aggregated) if n}
+        aggregated = {kinds.get(k, str(k)): n for k, n in enumerate(getattr(st, "aggregated", ())) if n}
         return {"emitted": emitted, "lost": lost, "inflight": st.inflight, "inflight_kind": by_kind,
-                "stopped": st.stopped, "aggregated": aggregated, "agg_held": st.agg_held}
+                "stopped": st.stopped, "aggregated": aggregated, "agg_held": getattr(st, "agg_held", 0)}
 
     @staticmethod
     def _totals(state: dict | None, unfinished: int) -> dict:

@@ -41,7 +41,10 @@ ENV = "DSEC_AUDIT_AGGREGATE"    # on (default) | off: the node-wide switch of an
 
 class Repeats:
     def __init__(self, bpf, decoder, consts):
-        self.table = bpf[b"agg"]
+        try:
+            self.table = bpf[b"agg"]
+        except KeyError:        # a bpf/ tree without it (DSEC_BPF_DIR: bench/kcost.py --compare)
+            self.table = None
         self.decoder = decoder
         self.numbers = consts.kind_numbers
         self.per_sandbox = int(consts.values.get("DSEC_AGG_PER_SANDBOX", 1024))
@@ -61,7 +64,7 @@ class Repeats:
         return m
 
     def add(self, cgroup_id: int, kinds) -> None:
-        self._sbx[cgroup_id] = {"kinds": tuple(kinds), "gen": 0, "retiring": {}, "released": 0,
+        self._sbx[cgroup_id] = {"kinds": tuple(kinds) if self.table is not None else (), "gen": 0, "retiring": {}, "released": 0,
                                 "reported": {}, "summaries": 0, "seen": -1}
 
     def forget(self, cgroup_id: int) -> None:
@@ -149,6 +152,8 @@ class Repeats:
         last time and deleted. states: cgroup id -> its state (AuditSensor._read_state); cfgs:
         a callable(cgroup_id, fn) that applies fn to the sandbox's configuration and
         writes it back."""
+        if self.table is None:
+            return []
         now = time.monotonic()
         due = False
         for cgid, st in states.items():
@@ -194,7 +199,7 @@ class Repeats:
         counted that no summary reported (empty unless something went wrong)."""
         s = self._sbx.get(cgroup_id)
         out: list[dict] = []
-        if s is None:
+        if s is None or self.table is None:
             return out, {}
         for key, val in self._entries():
             if int(key.cgroup_id) == cgroup_id:
