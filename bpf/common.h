@@ -328,31 +328,84 @@ BPF_F_TABLE("hash", struct dsec_agg_key, struct dsec_agg_val, agg, DSEC_AGG_ENTR
 BPF_PERCPU_ARRAY(agg_scratch, struct dsec_agg_val, 1);
 
 #define DSEC_AGG_WORDS ((DSEC_FIXED_BYTES + DSEC_AGG_STR) / 8)
+#define DSEC_AGG_HDR_WORDS (DSEC_FIXED_BYTES / 8)     /* header and body; the strings after */
+/* a file record's header and body: the union's rest is 0 for it (dsec_pending_begin) */
+#define DSEC_AGG_FILE_WORDS ((sizeof(struct dsec_hdr) + sizeof(struct dsec_file) + 7) / 8)
 #define DSEC_AF_UNIX 1
 #define DSEC_AF_INET 2
 #define DSEC_AF_INET6 10
+#define DSEC_AGG_MUL 0x100000001B3ULL
 
-/* word i of a record as it identifies an occurrence, n words long: the
- * timestamp (word 0) is left out by the callers, the thread id (the upper half
- * of word 3: pid, tid) masked off, the last word cut at the record's size,
- * words past it 0. Without a branch on n: the loops over words then run to
- * their constant bound with one verifier state (a branch per word split the
- * states past the verifier's limit, and clang turned `i < n` exits into
- * `i == n` ones whose bound the verifier cannot see); the masks are built with
- * arithmetic shifts, hidden from clang so it does not make branches of them. */
-static __always_inline u64 dsec_agg_word(const u64 *w, u32 i, u32 n, u64 tail)
+/* What identifies an occurrence: the words of its record from 1 (word 0 is
+ * the timestamp) to hb (the end of the kind's body), the thread id (the upper
+ * half of word 3: pid, tid) masked off, then its strings (words
+ * DSEC_AGG_HDR_WORDS to n), the last word cut at the record's size.
+ *
+ * The loops keep their constant bounds and leave at hb / n through a copy of
+ * the counter clang cannot see through: it otherwise turns them into loops
+ * that end at i == n, whose bound the verifier cannot see. A branch that left
+ * the loop does not multiply the verifier's states; one that goes on in it
+ * would (the last word's mask is arithmetic for that). */
+static __always_inline u64 dsec_agg_cut(u64 x, u32 i, u32 n, u64 tail)
 {
-    u64 x = w[i];
-    if (i == 3)             /* i is the loop's own counter: one path per iteration */
-        x &= 0xffffffffULL;
-    u64 below = (u64)i - (u64)n;            /* i < n: the sign bit set */
-    DSEC_BARRIER(below);
-    x &= (u64)((s64)below >> 63);
     u64 z = (u64)(i ^ (n - 1));             /* 0 on the last word */
     u64 last = (z - 1) & ~z;                /* sign bit set iff z == 0 */
     DSEC_BARRIER(last);
-    x &= tail | ~(u64)((s64)last >> 63);
-    return x;
+    return x & (tail | ~(u64)((s64)last >> 63));
+}
+
+static __always_inline u64 dsec_agg_hash(const u64 *w, u32 hb, u32 n, u64 tail)
+{
+    u64 h = 0x9E3779B97F4A7C15ULL ^ n;
+#pragma nounroll
+    for (u32 i = 1; i < DSEC_AGG_HDR_WORDS; i++) {
+        u32 j = i;
+        DSEC_BARRIER(j);
+        if (j >= hb)
+            break;
+        u64 x = w[i];
+        if (i == 3)         /* i is the loop's own counter: one path per iteration */
+            x &= 0xffffffffULL;
+        h = (h ^ x) * DSEC_AGG_MUL;
+        h ^= h >> 29;
+    }
+#pragma nounroll
+    for (u32 i = DSEC_AGG_HDR_WORDS; i < DSEC_AGG_WORDS; i++) {
+        u32 j = i;
+        DSEC_BARRIER(j);
+        if (j >= n)
+            break;
+        h = (h ^ dsec_agg_cut(w[i], j, n, tail)) * DSEC_AGG_MUL;
+        h ^= h >> 29;
+    }
+    return h;
+}
+
+/* 1: records w and s say the same (the words dsec_agg_hash reads are equal) */
+static __always_inline int dsec_agg_same(const u64 *w, const u64 *s, u32 hb, u32 n, u64 tail)
+{
+#pragma nounroll
+    for (u32 i = 1; i < DSEC_AGG_HDR_WORDS; i++) {
+        u32 j = i;
+        DSEC_BARRIER(j);
+        if (j >= hb)
+            break;
+        u64 x = w[i] ^ s[i];
+        if (i == 3)
+            x &= 0xffffffffULL;
+        if (x)
+            return 0;
+    }
+#pragma nounroll
+    for (u32 i = DSEC_AGG_HDR_WORDS; i < DSEC_AGG_WORDS; i++) {
+        u32 j = i;
+        DSEC_BARRIER(j);
+        if (j >= n)
+            break;
+        if (dsec_agg_cut(w[i] ^ s[i], j, n, tail))
+            return 0;
+    }
+    return 1;
 }
 
 /* a word count, at most DSEC_AGG_WORDS */
@@ -362,7 +415,8 @@ static __always_inline u32 dsec_agg_n(u32 n)
 }
 
 /* Does this record qualify, and under which hash? Its user pointers (read
- * late, if at all, by now) are cleared: they are no part of what it says. */
+ * late, if at all, by now) are cleared: they are no part of what it says.
+ * *nwords: its words (n) | the end of its header and body (hb) << 16. */
 static __always_inline int dsec_agg_wanted(struct dsec_sandbox *cfg, struct dsec_event_small *e, u32 kind,
                                            u64 *hash, u32 *nwords, u64 *tail)
 {
@@ -400,15 +454,9 @@ static __always_inline int dsec_agg_wanted(struct dsec_sandbox *cfg, struct dsec
     }
     u32 n = dsec_agg_n((size + 7) / 8);
     u64 t = size & 7 ? (1ULL << ((size & 7) * 8)) - 1 : ~0ULL;
-    const u64 *w = (const u64 *)e;
-    u64 h = 0x9E3779B97F4A7C15ULL ^ n;
-#pragma nounroll
-    for (u32 i = 1; i < DSEC_AGG_WORDS; i++) {
-        h = (h ^ dsec_agg_word(w, i, n, t)) * 0x100000001B3ULL;
-        h ^= h >> 29;
-    }
-    *hash = h;
-    *nwords = n;
+    u32 hb = kind == DSEC_KIND_CONNECT ? DSEC_AGG_HDR_WORDS : DSEC_AGG_FILE_WORDS;
+    *hash = dsec_agg_hash((const u64 *)e, hb, n, t);
+    *nwords = n | (hb << 16);
     *tail = t;
     return 1;
 }
@@ -421,13 +469,7 @@ static __always_inline int dsec_agg_repeat(struct dsec_state *st, struct dsec_ev
     struct dsec_agg_val *v = agg.lookup(k);
     if (!v)
         return 0;
-    const u64 *w = (const u64 *)e;
-    const u64 *s = (const u64 *)&v->rec;
-    u64 diff = 0;
-#pragma nounroll
-    for (u32 i = 1; i < DSEC_AGG_WORDS; i++)
-        diff |= dsec_agg_word(w, i, n, tail) ^ dsec_agg_word(s, i, n, tail);
-    if (diff)
+    if (!dsec_agg_same((const u64 *)e, (const u64 *)&v->rec, n >> 16, n & 0xffff, tail))
         return 0;
     __sync_fetch_and_add(&v->count, 1);
     v->last_ns = e->h.ts_ns;
@@ -456,12 +498,12 @@ static __always_inline void dsec_agg_first(struct dsec_sandbox *cfg, struct dsec
     v->last_ns = e->h.ts_ns;
     const u64 *w = (const u64 *)e;
     u64 *d = (u64 *)&v->rec;
+    n &= 0xffff;
 #pragma nounroll
-    for (u32 i = 0; i < DSEC_AGG_WORDS; i++) {
-        u64 x = dsec_agg_word(w, i, n, tail);
-        if (i == 3)
-            x = w[3];       /* the first occurrence's thread id kept with it */
-        d[i] = x;
+    for (u32 i = 0; i < DSEC_AGG_WORDS; i++) {     /* the whole record, the words past its size 0 */
+        u64 below = (u64)i - (u64)n;                /* i < n: the sign bit set */
+        DSEC_BARRIER(below);
+        d[i] = dsec_agg_cut(w[i], i, n, tail) & (u64)((s64)below >> 63);
     }
     if (agg.insert(k, v) != 0)      /* there already (another CPU's first), or no room */
         __sync_fetch_and_add(&st->agg_held, -1);

@@ -137,6 +137,20 @@ def run_in_cgroup(cg: Cgroup | None, argv: list, **kw) -> subprocess.Popen:
     return subprocess.Popen(["/bin/sh", "-c", script, cg.procs_file, *argv], **kw)
 
 
+def listeners(tmp_path, backlog: int = 16):
+    """A TCP listener on 127.0.0.1 and a unix one at tmp_path/u.sock for a
+    workload to connect to: (tcp socket, unix path, unix socket); close both."""
+    import socket
+    tcp = socket.socket()
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(backlog)
+    path = str(tmp_path / "u.sock")
+    u = socket.socket(socket.AF_UNIX)
+    u.bind(path)
+    u.listen(backlog)
+    return tcp, path, u
+
+
 # ---------------------------------------------------------------- harness
 
 class Sandbox:

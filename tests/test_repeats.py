@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 
 import pytest
 
 from agent.sensors.repeats import KINDS
 from conftest import dsec
-from fixtures_bpf import PYTHON, run_in_cgroup
+from fixtures_bpf import PYTHON, listeners, run_in_cgroup
+from test_bpf_audit import _kill
 
 WORKLOAD = r'''
 import os, socket, sys
@@ -66,22 +66,10 @@ def _entries(sensor, cgroup_id) -> list:
     return [(k, v) for k, v in sensor.bpf[b"agg"].items() if k.cgroup_id == cgroup_id]
 
 
-def _kill(p):
-    if p.poll() is None:
-        p.kill()
-        p.wait()
-
-
 def test_repeats_counted_exactly_first_in_full_nothing_left(audit_sensor, audit_cgroups, tmp_path):
     h = audit_sensor
     n = 1000
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(256)
-    upath = str(tmp_path / "u.sock")
-    usrv = socket.socket(socket.AF_UNIX)
-    usrv.bind(upath)
-    usrv.listen(256)
+    srv, upath, usrv = listeners(tmp_path, 256)
     sbx = h.sandbox(audit_cgroups, aggregate=KINDS)
     d = str(tmp_path)
     p = run_in_cgroup(sbx.cg, [PYTHON, "-I", "-S", "-B", "-c", WORKLOAD, d, str(n), str(srv.getsockname()[1]),

@@ -31,8 +31,9 @@ is reported as events_lost (reason aggregate_unreported), never silent.
 """
 from __future__ import annotations
 
-import json
 import time
+
+from agent.sensors.denials import summary_extra
 
 KINDS = ("open_write", "unlink", "rename", "connect")    # what the kernel may count (bpf/common.h)
 RETIRE_SETTLE_S = 0.05          # a retired generation is read for the last time this long after
@@ -109,17 +110,10 @@ class Repeats:
         rec = self.decoder.decode(bytes(val.rec)[:size])
         if rec is None or rec.get("kind") == "events_lost":
             return None
-        try:
-            extra = json.loads(rec.get("extra") or "{}")
-        except ValueError:
-            extra = {}
-        if not isinstance(extra, dict):
-            extra = {}
         wall = self.decoder.wall_ns
         last = wall(int(val.last_ns))
-        extra.update(aggregated=True, aggregated_by="kernel", total=int(val.count) + 1,
-                     first_ts_ns=wall(int(val.rec.h.ts_ns)), last_ts_ns=last, pids=[int(key.tgid)])
-        rec["extra"] = json.dumps(extra, sort_keys=True)
+        rec["extra"] = summary_extra(rec.get("extra"), int(val.count) + 1, wall(int(val.rec.h.ts_ns)), last,
+                                     [int(key.tgid)], aggregated_by="kernel")
         rec["count"] = delta
         rec["ts_ns"] = last
         return rec
