@@ -158,7 +158,7 @@ class Repeats:
             held = st["agg_held"] - s["released"]
             if seen != s["seen"] or s["retiring"]:
                 due = True
-            if held >= self.per_sandbox // 2 and not any(now - t < RETIRE_SETTLE_S for t in s["retiring"].values()):
+            if held >= self.per_sandbox // 2 and not s["retiring"]:     # (one retired generation at a time)
                 cfgs(cgid, lambda cfg, cgid=cgid: self.next_gen(cgid, cfg))
                 due = True
             s["seen"] = seen
