@@ -462,9 +462,12 @@ static __always_inline int dsec_agg_wanted(struct dsec_sandbox *cfg, struct dsec
 }
 
 /* A repeat of an entry of `agg`: counted (1), or 0 -- no entry, or one whose
- * bytes differ (a hash collision: emitted in full, never merged). */
-static __always_inline int dsec_agg_repeat(struct dsec_state *st, struct dsec_event_small *e,
-                                           struct dsec_agg_key *k, u32 n, u64 tail)
+ * bytes differ (a hash collision: emitted in full, never merged). A counted
+ * repeat gives back what its admission took of the sandbox's fair share
+ * (dsec_admit at its sys_enter): it costs the pipeline nothing, so a loop of
+ * repeats is not cut by the budget meant to protect it. */
+static __always_inline int dsec_agg_repeat(struct dsec_sandbox *cfg, struct dsec_state *st,
+                                           struct dsec_event_small *e, struct dsec_agg_key *k, u32 n, u64 tail)
 {
     struct dsec_agg_val *v = agg.lookup(k);
     if (!v)
@@ -474,6 +477,8 @@ static __always_inline int dsec_agg_repeat(struct dsec_state *st, struct dsec_ev
     __sync_fetch_and_add(&v->count, 1);
     v->last_ns = e->h.ts_ns;
     dsec_count_kind(st->aggregated, e->h.kind);
+    if (cfg->interval_ns)
+        __sync_fetch_and_add(&st->tat, -cfg->interval_ns);
     return 1;
 }
 
@@ -527,7 +532,7 @@ static __always_inline void dsec_emit_or_count(struct dsec_event_small *e, u64 c
     k.cgroup_id = cgid;
     k.tgid = e->h.pid;
     k.gen = cfg->agg_gen;
-    if (dsec_agg_repeat(st, e, &k, n, tail))
+    if (dsec_agg_repeat(cfg, st, e, &k, n, tail))
         return;
     if (dsec_output_cfg(e, e->h.size, sizeof(struct dsec_event_small), cgid, kind, st, cfg))
         dsec_agg_first(cfg, st, e, &k, n, tail);

@@ -133,9 +133,9 @@ def test_audit_off_records_nothing(audit_env, sid):
     assert r.stdout == b""
 
 
-FLOOD = ("import os\n"
+FLOOD = ("import os\n"      # a name each: repeats of one would be counted in the kernel, not over budget
          "for i in range(40000):\n"
-         "    fd = os.open('/tmp/f', os.O_WRONLY | os.O_CREAT | os.O_APPEND)\n"
+         "    fd = os.open('/tmp/f%d' % i, os.O_WRONLY | os.O_CREAT | os.O_APPEND)\n"
          "    os.close(fd)\n"
          "print('done')\n")
 

@@ -164,6 +164,45 @@ def test_step_change_retires_the_counts_and_off_switch(audit_sensor, audit_cgrou
     assert t_off["aggregated"] == {} and t_off["summaries"] == 0
 
 
+MANY = r'''
+import os, sys, time
+d, keys = sys.argv[1], int(sys.argv[2])
+end = time.monotonic() + 20                      # bounded; killed long before
+rounds = 0
+while time.monotonic() < end:
+    for i in range(keys):
+        os.close(os.open(d + "/m%d" % i, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+    rounds += 1
+    if rounds == 2:
+        print("two rounds", flush=True)
+'''
+
+
+def test_many_keys_recycled_and_removal_mid_flow_exact(audit_sensor, audit_cgroups, tmp_path):
+    """More keys than half the sandbox's share of the table: generations are
+    retired (entries deleted, counts reported) while it runs; the sandbox is
+    removed while its process still writes. Exact all along; nothing left."""
+    h = audit_sensor
+    sbx = h.sandbox(audit_cgroups, aggregate=KINDS, rate=0)     # the budget is test_bpf_audit.py's
+    keys = h.sensor.repeats.per_sandbox // 2 + 100
+    p = run_in_cgroup(sbx.cg, [PYTHON, "-I", "-S", "-B", "-c", MANY, str(tmp_path), str(keys)],
+                      stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline() == b"two rounds\n"
+        s = h.sensor.repeats._sbx[sbx.cg.id]
+        assert h.poll_until(lambda: s["released"] > 0, 10)       # a retired generation deleted
+        totals = sbx.remove()                                     # while the process writes on
+    finally:
+        _kill(p)
+    assert not _entries(h.sensor, sbx.cg.id)
+    assert totals["lost_total"] == 0 and totals["aggregated"]["open_write"] > 0
+    mine = [r for r in sbx.of_kind("open_write") if r["path"].startswith(str(tmp_path) + "/m")]
+    assert _occurrences(mine) == totals["emitted"]["open_write"] + totals["aggregated"]["open_write"]
+    firsts = [r for r in mine if not _summary(r)]
+    assert len(firsts) > keys                                    # a retired key starts again in full
+    assert len({r["path"] for r in firsts}) == keys
+
+
 def test_aggregable_kinds_follow_the_policy():
     from policies.evaluate import aggregable_kinds
     from policies.load import load_policy_text

@@ -371,6 +371,11 @@ class AuditSensor(RingSensor):
             timeout_ms = 0          # then consume what is there, under the lock, without waiting again
         return self._poll(timeout_ms)
 
+    def _poll(self, timeout_ms: int) -> int:
+        if self.repeats.retire_due():
+            self._next_flush = 0.0      # a retired generation is read and deleted now, not a period later
+        return super()._poll(timeout_ms)
+
     def drain(self, cgroup_id: int | None = None) -> int:
         """Consume everything already in the ring buffer, report losses,
         deliver. Exec records waiting for enrichment are waited for (at most

@@ -87,6 +87,11 @@ class Repeats:
         if cfg is not None:
             cfg.agg_gen = s["gen"]
 
+    def retire_due(self) -> bool:
+        """A retired generation can be read a last time and deleted (its settle passed)."""
+        now = time.monotonic()
+        return any(now - t >= RETIRE_SETTLE_S for s in self._sbx.values() for t in s["retiring"].values())
+
     def gen(self, cgroup_id: int) -> int:
         s = self._sbx.get(cgroup_id)
         return s["gen"] if s else 0
