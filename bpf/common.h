@@ -354,18 +354,24 @@ static __always_inline u64 dsec_agg_cut(u64 x, u32 i, u32 n, u64 tail)
     return x & (tail | ~(u64)((s64)last >> 63));
 }
 
-static __always_inline u64 dsec_agg_hash(const u64 *w, u32 hb, u32 n, u64 tail)
+/* The identity words of record w, hashed (the return value), and compared
+ * with those of record s: *diff is 0 when they are the same (s = w: just the hash). */
+static __always_inline u64 dsec_agg_walk(const u64 *w, const u64 *s, u32 hb, u32 n, u64 tail, u64 *diff)
 {
     u64 h = 0x9E3779B97F4A7C15ULL ^ n;
+    u64 d = 0;
 #pragma nounroll
     for (u32 i = 1; i < DSEC_AGG_HDR_WORDS; i++) {
         u32 j = i;
         DSEC_BARRIER(j);
         if (j >= hb)
             break;
-        u64 x = w[i];
-        if (i == 3)         /* i is the loop's own counter: one path per iteration */
+        u64 x = w[i], y = s[i];
+        if (i == 3) {       /* i is the loop's own counter: one path per iteration */
             x &= 0xffffffffULL;
+            y &= 0xffffffffULL;
+        }
+        d |= x ^ y;
         h = (h ^ x) * DSEC_AGG_MUL;
         h ^= h >> 29;
     }
@@ -375,37 +381,13 @@ static __always_inline u64 dsec_agg_hash(const u64 *w, u32 hb, u32 n, u64 tail)
         DSEC_BARRIER(j);
         if (j >= n)
             break;
-        h = (h ^ dsec_agg_cut(w[i], j, n, tail)) * DSEC_AGG_MUL;
+        u64 x = dsec_agg_cut(w[i], j, n, tail);
+        d |= x ^ dsec_agg_cut(s[i], j, n, tail);
+        h = (h ^ x) * DSEC_AGG_MUL;
         h ^= h >> 29;
     }
+    *diff = d;
     return h;
-}
-
-/* 1: records w and s say the same (the words dsec_agg_hash reads are equal) */
-static __always_inline int dsec_agg_same(const u64 *w, const u64 *s, u32 hb, u32 n, u64 tail)
-{
-#pragma nounroll
-    for (u32 i = 1; i < DSEC_AGG_HDR_WORDS; i++) {
-        u32 j = i;
-        DSEC_BARRIER(j);
-        if (j >= hb)
-            break;
-        u64 x = w[i] ^ s[i];
-        if (i == 3)
-            x &= 0xffffffffULL;
-        if (x)
-            return 0;
-    }
-#pragma nounroll
-    for (u32 i = DSEC_AGG_HDR_WORDS; i < DSEC_AGG_WORDS; i++) {
-        u32 j = i;
-        DSEC_BARRIER(j);
-        if (j >= n)
-            break;
-        if (dsec_agg_cut(w[i] ^ s[i], j, n, tail))
-            return 0;
-    }
-    return 1;
 }
 
 /* a word count, at most DSEC_AGG_WORDS */
@@ -455,7 +437,8 @@ static __always_inline int dsec_agg_wanted(struct dsec_sandbox *cfg, struct dsec
     u32 n = dsec_agg_n((size + 7) / 8);
     u64 t = size & 7 ? (1ULL << ((size & 7) * 8)) - 1 : ~0ULL;
     u32 hb = kind == DSEC_KIND_CONNECT ? DSEC_AGG_HDR_WORDS : DSEC_AGG_FILE_WORDS;
-    *hash = dsec_agg_hash((const u64 *)e, hb, n, t);
+    u64 same;
+    *hash = dsec_agg_walk((const u64 *)e, (const u64 *)e, hb, n, t, &same);
     *nwords = n | (hb << 16);
     *tail = t;
     return 1;
@@ -472,7 +455,9 @@ static __always_inline int dsec_agg_repeat(struct dsec_sandbox *cfg, struct dsec
     struct dsec_agg_val *v = agg.lookup(k);
     if (!v)
         return 0;
-    if (!dsec_agg_same((const u64 *)e, (const u64 *)&v->rec, n >> 16, n & 0xffff, tail))
+    u64 diff;
+    dsec_agg_walk((const u64 *)e, (const u64 *)&v->rec, n >> 16, n & 0xffff, tail, &diff);
+    if (diff)
         return 0;
     __sync_fetch_and_add(&v->count, 1);
     v->last_ns = e->h.ts_ns;

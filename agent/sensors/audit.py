@@ -372,8 +372,9 @@ class AuditSensor(RingSensor):
         return self._poll(timeout_ms)
 
     def _poll(self, timeout_ms: int) -> int:
-        if self.repeats.retire_due():
-            self._next_flush = 0.0      # a retired generation is read and deleted now, not a period later
+        with self._lock:                # the repeats' bookkeeping changes under it (add, set_step, remove)
+            if self.repeats.retire_due():
+                self._next_flush = 0.0  # a retired generation is read and deleted now, not a period later
         return super()._poll(timeout_ms)
 
     def drain(self, cgroup_id: int | None = None) -> int:
