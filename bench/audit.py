@@ -24,7 +24,11 @@ Part 1, overhead. Three workloads in a real sandbox, each run with
             (accepted) plus N connects to a closed port (refused) (1 event each)
 The workload times itself (BENCH_ELAPSED_NS on stdout), so the sensor's compile,
 the detach of the programs and the ClickHouse flush at the end of `dsec run` are
-not in that figure; the whole command's wall time is reported beside it. Every
+not in that figure; the whole command's wall time is reported beside it, and
+the workload's own CPU (user + system, where its syscalls' BPF programs run):
+on a machine others load, wall times move several-fold between runs, the
+workload's CPU much less -- its ratio is what the kernel side adds, the wall
+ratio that plus the pipeline competing for the cores. Every
 audited run is checked: ClickHouse holds exactly the events the kernel emitted,
 counted as occurrences -- the kernel counts repeats of an allowed record instead
 of emitting each (agent/sensors/repeats.py), so the check compares the records
@@ -135,18 +139,23 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # ---------------------------------------------------------------- part 1: workloads
 
-EXEC_SH = ('t0=$(date +%s%N); i=0; while [ $i -lt {n} ]; do /bin/true; i=$((i+1)); done; '
-           't1=$(date +%s%N); echo BENCH_ELAPSED_NS=$((t1-t0))')
+# BENCH_CPU*: the workload's own CPU (user + system: the BPF programs run in its syscalls), which the
+# machine's other load moves far less than its wall time (`times` without a subshell: its second line
+# is the waited-for children's, the /bin/true's)
+EXEC_SH = ('times > /tmp/.c0; t0=$(date +%s%N); i=0; while [ $i -lt {n} ]; do /bin/true; i=$((i+1)); done; '
+           't1=$(date +%s%N); times > /tmp/.c1; echo BENCH_ELAPSED_NS=$((t1-t0)); '
+           'echo BENCH_CPU0=$(sed -n 2p /tmp/.c0); echo BENCH_CPU1=$(sed -n 2p /tmp/.c1)')
 
 OPEN_PY = r'''
 import sys, time
 n = int(sys.argv[1])
 names = ["/workspace/f%d" % i for i in range(64)]
-t = time.perf_counter_ns()
+t, c = time.perf_counter_ns(), time.process_time_ns()
 for i in range(n):
     with open(names[i & 63], "a") as f:
         f.write("x")
 print("BENCH_ELAPSED_NS=%d" % (time.perf_counter_ns() - t))
+print("BENCH_CPU_NS=%d" % (time.process_time_ns() - c))
 '''
 
 CONNECT_PY = r'''
@@ -156,7 +165,7 @@ srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(128)
 addr = srv.getsockname()
 closed = socket.socket(); closed.bind(("127.0.0.1", 0)); dead = closed.getsockname(); closed.close()
 refused = 0
-t = time.perf_counter_ns()
+t, cpu = time.perf_counter_ns(), time.process_time_ns()
 for i in range(n):
     c = socket.socket(); c.connect(addr); a, _ = srv.accept(); a.close(); c.close()
     c = socket.socket()
@@ -166,6 +175,7 @@ for i in range(n):
         refused += 1
     c.close()
 print("BENCH_ELAPSED_NS=%d" % (time.perf_counter_ns() - t))
+print("BENCH_CPU_NS=%d" % (time.process_time_ns() - cpu))
 assert refused == n, refused
 '''
 
@@ -196,10 +206,24 @@ def run_one(env, tmp, name, audit, argv, n_run):
         s = json.load(f)
     os.unlink(summ)
     a = s.get("audit") or {}
-    return {"sid": sid, "work": int(m.group(1)) / 1e9, "wall": wall,
+    return {"sid": sid, "work": int(m.group(1)) / 1e9, "wall": wall, "cpu": _workload_cpu(r.stdout),
             "events": sum((a.get("events") or {}).values()) + sum((a.get("aggregated") or {}).values()),
             "records": sum((a.get("events") or {}).values()) + a.get("summaries", 0), "lost": a.get("lost", 0),
             "init_own": a.get("init_own", 0), "pending": a.get("pending", 0)}
+
+
+def _workload_cpu(out: bytes) -> float:
+    """The workload's own CPU seconds (BENCH_CPU_NS, or the sh loop's children's `times`)."""
+    m = re.search(rb"BENCH_CPU_NS=(\d+)", out)
+    if m:
+        return int(m.group(1)) / 1e9
+    secs = []
+    for tag in (rb"BENCH_CPU0=", rb"BENCH_CPU1="):
+        m = re.search(tag + rb"(\d+)m([\d.]+)s (\d+)m([\d.]+)s", out)
+        if not m:
+            return 0.0
+        secs.append(sum(int(m.group(i)) * 60 + float(m.group(i + 1)) for i in (1, 3)))
+    return secs[1] - secs[0]
 
 
 def part_overhead(env, tmp, reps, quick, client, db):
@@ -213,7 +237,7 @@ def part_overhead(env, tmp, reps, quick, client, db):
             for m in ("off", "on"):
                 r = run_one(env, tmp, w, m, argv, i)
                 res[(w, m)].append(r)
-                print(f"   {w:8} {m:3} run {i}: workload {r['work'] * 1e3:8.1f} ms, command "
+                print(f"   {w:8} {m:3} run {i}: workload {r['work'] * 1e3:8.1f} ms (cpu {r['cpu'] * 1e3:7.1f}), command "
                       f"{r['wall'] * 1e3:8.1f} ms" + (f", {r['events']} events, {r['lost']} lost"
                                                        if m == "on" else ""), flush=True)
     # ClickHouse must hold exactly what the kernel emitted for every audited run: occurrences,
@@ -230,7 +254,8 @@ def part_overhead(env, tmp, reps, quick, client, db):
 
     print()
     print(f"{'workload':9}{'N':>6}{'events':>8}{'records':>8}{'lost':>6} | {'workload ms off':>15}{'on':>9}"
-          f"{'ratio':>7}{'us/event':>9} | {'command ms off':>14}{'on':>9}{'ratio':>7}")
+          f"{'ratio':>7}{'us/event':>9} | {'cpu ms off':>10}{'on':>8}{'ratio':>7} | {'command ms off':>14}{'on':>9}"
+          f"{'ratio':>7}")
     summary = {}
     for w, n, _ in wls:
         off, on = res[(w, "off")], res[(w, "on")]
@@ -241,8 +266,10 @@ def part_overhead(env, tmp, reps, quick, client, db):
         lost = sum(r["lost"] for r in on)
         per = (wn - wo) / ev * 1e6 if ev else 0.0
         summary[w] = (wn / wo, cn / co)
+        uo, un = statistics.median(r["cpu"] for r in off), statistics.median(r["cpu"] for r in on)
+        cpu_ratio = f"{un / uo:>6.2f}x" if uo > 0 else f"{'-':>7}"
         print(f"{w:9}{n:>6}{ev:>8.0f}{recs:>8.0f}{lost:>6} | {wo * 1e3:>15.1f}{wn * 1e3:>9.1f}{wn / wo:>6.2f}x"
-              f"{per:>9.1f}"
+              f"{per:>9.1f} | {uo * 1e3:>10.1f}{un * 1e3:>8.1f}{cpu_ratio}"
               f" | {co * 1e3:>14.1f}{cn * 1e3:>9.1f}{cn / co:>6.2f}x")
     fixed = statistics.median(
         (statistics.median(r["wall"] for r in res[(w, "on")]) - statistics.median(r["wall"] for r in res[(w, "off")]))
