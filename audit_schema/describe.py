@@ -7,7 +7,8 @@
                        nothing); --format json carries the exact bytes
     detail(ev)         what happened, without the kind ("/etc/profile (O_WRONLY|O_CREAT) -> EACCES")
     line(ev)           a label and the detail, as replay's timeline shows it
-                       ("write    /etc/profile (O_WRONLY|O_CREAT) -> EACCES")
+                       ("write    /etc/profile (O_WRONLY|O_CREAT) -> EACCES"); a summary of
+                       repeats adds "x20,000 between <first> and <last> (...)" (repeats_text)
     fmt_ts(ts_ns)      UTC wall-clock time with microseconds
     to_json_line(ev)   JSON, non-UTF-8 bytes kept as \\udcXX escapes (os.fsencode gives them back)
 
@@ -135,12 +136,32 @@ def detail(ev: dict, full: bool = False) -> str:
     return printable(ev.get("extra") or "", None if full else 100)
 
 
+def repeats_text(ev: dict) -> str:
+    """Of a summary record (extra.aggregated: repeats counted by the kernel or the
+    recorder's denial aggregator): "x20,000 between <first> and <last> (1,249 since
+    the last record)"; "" for any other record."""
+    extra = ev.get("extra")
+    if not extra or '"aggregated"' not in extra:
+        return ""
+    try:
+        e = json.loads(extra)
+        total, first, last = int(e["total"]), int(e["first_ts_ns"]), int(e["last_ts_ns"])
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return ""
+    if not e.get("aggregated"):
+        return ""
+    return (f"x{total:,} between {fmt_ts(first)} and {fmt_ts(last)} "
+            f"({int(ev.get('count') or 0):,} since the last record)")
+
+
 def line(ev: dict) -> str:
-    """The kind's label (padded) and the detail: one row of a timeline."""
+    """The kind's label (padded) and the detail: one row of a timeline; a summary of
+    repeats says how many and between when (repeats_text)."""
     k = ev.get("kind") or "?"
     label = LABELS.get(k, k)
     width = 17 if k in WIDE else 8
-    return f"{label:{width}} {detail(ev)}"
+    reps = repeats_text(ev)
+    return f"{label:{width}} {detail(ev)}" + (f"  {reps}" if reps else "")
 
 
 def fmt_ts(ts_ns: int) -> str:

@@ -90,8 +90,9 @@ FIELDS: tuple[Field, ...] = (
     Field("interp", "String", "exec: ELF PT_INTERP", bytes_like=True),
     Field("is_static", "UInt8", "exec: 1 for a static ELF"),
     Field("shebang", "String", "exec: a script's #! line", bytes_like=True),
-    Field("count", "UInt64", "events_lost: how many events are missing; syscall_* and aggregated denials "
-          "(extra.aggregated): occurrences since the last record"),
+    Field("count", "UInt64", "events_lost: how many events are missing; syscall_* and summaries of repeats "
+          "(extra.aggregated: identical denials, or allowed records counted in the kernel): occurrences since "
+          "the last record"),
     Field("extra", "String", "JSON object with anything else (kind-specific)"),
     # added by schema migration 2 (enforcement); new fields go last, so a table
     # created fresh and one migrated have the same column order

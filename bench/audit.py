@@ -24,8 +24,20 @@ Part 1, overhead. Three workloads in a real sandbox, each run with
             (accepted) plus N connects to a closed port (refused) (1 event each)
 The workload times itself (BENCH_ELAPSED_NS on stdout), so the sensor's compile,
 the detach of the programs and the ClickHouse flush at the end of `dsec run` are
-not in that figure; the whole command's wall time is reported beside it. Every
-audited run is checked: ClickHouse holds exactly the events the kernel emitted.
+not in that figure; the whole command's wall time is reported beside it, and
+the workload's own CPU (user + system, where its syscalls' BPF programs run):
+on a machine others load, wall times move several-fold between runs, the
+workload's CPU much less -- its ratio is what the kernel side adds, the wall
+ratio that plus the pipeline competing for the cores. Every
+audited run is checked: ClickHouse holds exactly the events the kernel emitted,
+counted as occurrences -- the kernel counts repeats of an allowed record instead
+of emitting each (agent/sensors/repeats.py), so the check compares the records
+it emitted plus the repeats it counted with ClickHouse's rows, a summary row
+(extra.aggregated) counting for its `count`.
+
+Parts 2, 3 and 5 measure one record per event: the kernel's counting of
+repeats is off there (the generator opens 64 files over and over; counted in
+the kernel, they would be a few summaries a second, not a pipeline's rate).
 
 Part 2, throughput. In this process: Recorder (eBPF sensor -> decoder -> spool)
 and ClickHouseExporter.run() in a thread, one cgroup2 of our own per step, a
@@ -127,18 +139,23 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # ---------------------------------------------------------------- part 1: workloads
 
-EXEC_SH = ('t0=$(date +%s%N); i=0; while [ $i -lt {n} ]; do /bin/true; i=$((i+1)); done; '
-           't1=$(date +%s%N); echo BENCH_ELAPSED_NS=$((t1-t0))')
+# BENCH_CPU*: the workload's own CPU (user + system: the BPF programs run in its syscalls), which the
+# machine's other load moves far less than its wall time (`times` without a subshell: its second line
+# is the waited-for children's, the /bin/true's)
+EXEC_SH = ('times > /tmp/.c0; t0=$(date +%s%N); i=0; while [ $i -lt {n} ]; do /bin/true; i=$((i+1)); done; '
+           't1=$(date +%s%N); times > /tmp/.c1; echo BENCH_ELAPSED_NS=$((t1-t0)); '
+           'echo BENCH_CPU0=$(sed -n 2p /tmp/.c0); echo BENCH_CPU1=$(sed -n 2p /tmp/.c1)')
 
 OPEN_PY = r'''
 import sys, time
 n = int(sys.argv[1])
 names = ["/workspace/f%d" % i for i in range(64)]
-t = time.perf_counter_ns()
+t, c = time.perf_counter_ns(), time.process_time_ns()
 for i in range(n):
     with open(names[i & 63], "a") as f:
         f.write("x")
 print("BENCH_ELAPSED_NS=%d" % (time.perf_counter_ns() - t))
+print("BENCH_CPU_NS=%d" % (time.process_time_ns() - c))
 '''
 
 CONNECT_PY = r'''
@@ -148,7 +165,7 @@ srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(128)
 addr = srv.getsockname()
 closed = socket.socket(); closed.bind(("127.0.0.1", 0)); dead = closed.getsockname(); closed.close()
 refused = 0
-t = time.perf_counter_ns()
+t, cpu = time.perf_counter_ns(), time.process_time_ns()
 for i in range(n):
     c = socket.socket(); c.connect(addr); a, _ = srv.accept(); a.close(); c.close()
     c = socket.socket()
@@ -158,6 +175,7 @@ for i in range(n):
         refused += 1
     c.close()
 print("BENCH_ELAPSED_NS=%d" % (time.perf_counter_ns() - t))
+print("BENCH_CPU_NS=%d" % (time.process_time_ns() - cpu))
 assert refused == n, refused
 '''
 
@@ -188,9 +206,24 @@ def run_one(env, tmp, name, audit, argv, n_run):
         s = json.load(f)
     os.unlink(summ)
     a = s.get("audit") or {}
-    return {"sid": sid, "work": int(m.group(1)) / 1e9, "wall": wall,
-            "events": sum((a.get("events") or {}).values()), "lost": a.get("lost", 0),
+    return {"sid": sid, "work": int(m.group(1)) / 1e9, "wall": wall, "cpu": _workload_cpu(r.stdout),
+            "events": sum((a.get("events") or {}).values()) + sum((a.get("aggregated") or {}).values()),
+            "records": sum((a.get("events") or {}).values()) + a.get("summaries", 0), "lost": a.get("lost", 0),
             "init_own": a.get("init_own", 0), "pending": a.get("pending", 0)}
+
+
+def _workload_cpu(out: bytes) -> float:
+    """The workload's own CPU seconds (BENCH_CPU_NS, or the sh loop's children's `times`)."""
+    m = re.search(rb"BENCH_CPU_NS=(\d+)", out)
+    if m:
+        return int(m.group(1)) / 1e9
+    secs = []
+    for tag in (rb"BENCH_CPU0=", rb"BENCH_CPU1="):
+        m = re.search(tag + rb"(\d+)m([\d.]+)s (\d+)m([\d.]+)s", out)
+        if not m:
+            return 0.0
+        secs.append(sum(int(m.group(i)) * 60 + float(m.group(i + 1)) for i in (1, 3)))
+    return secs[1] - secs[0]
 
 
 def part_overhead(env, tmp, reps, quick, client, db):
@@ -204,32 +237,39 @@ def part_overhead(env, tmp, reps, quick, client, db):
             for m in ("off", "on"):
                 r = run_one(env, tmp, w, m, argv, i)
                 res[(w, m)].append(r)
-                print(f"   {w:8} {m:3} run {i}: workload {r['work'] * 1e3:8.1f} ms, command "
+                print(f"   {w:8} {m:3} run {i}: workload {r['work'] * 1e3:8.1f} ms (cpu {r['cpu'] * 1e3:7.1f}), command "
                       f"{r['wall'] * 1e3:8.1f} ms" + (f", {r['events']} events, {r['lost']} lost"
                                                        if m == "on" else ""), flush=True)
-    # ClickHouse must hold exactly what the kernel emitted for every audited run
+    # ClickHouse must hold exactly what the kernel emitted for every audited run: occurrences,
+    # a summary of repeats the kernel counted (extra.aggregated) standing for its `count`
     on_runs = [r for (w, m), rs in res.items() if m == "on" for r in rs]
     rows = dict(client.execute(      # the kernel's kinds only (not the launcher's sandbox_*/step_* records)
-        f"SELECT sandbox_id, countIf(kind IN ('exec', 'fork', 'exit', 'connect', 'open_write', 'unlink', 'rename')) "
-        f"FROM {db}.events FINAL WHERE sandbox_id IN %(s)s GROUP BY sandbox_id",
+        f"SELECT sandbox_id, sum(if(position(extra, '\"aggregated\": true') > 0, count, 1)) "
+        f"FROM {db}.events FINAL WHERE sandbox_id IN %(s)s "
+        f"AND kind IN ('exec', 'fork', 'exit', 'connect', 'open_write', 'unlink', 'rename') GROUP BY sandbox_id",
         {"s": tuple(r["sid"] for r in on_runs)}))
     # (less dsec-init's own writes: the kernel counts them, the recorder leaves them out and says how many)
     bad = [(r["sid"], r["events"], r["init_own"], rows.get(r["sid"], 0)) for r in on_runs
            if rows.get(r["sid"], 0) != r["events"] - r["init_own"]]
 
     print()
-    print(f"{'workload':9}{'N':>6}{'events':>8}{'lost':>6} | {'workload ms off':>15}{'on':>9}{'ratio':>7}"
-          f"{'us/event':>9} | {'command ms off':>14}{'on':>9}{'ratio':>7}")
+    print(f"{'workload':9}{'N':>6}{'events':>8}{'records':>8}{'lost':>6} | {'workload ms off':>15}{'on':>9}"
+          f"{'ratio':>7}{'us/event':>9} | {'cpu ms off':>10}{'on':>8}{'ratio':>7} | {'command ms off':>14}{'on':>9}"
+          f"{'ratio':>7}")
     summary = {}
     for w, n, _ in wls:
         off, on = res[(w, "off")], res[(w, "on")]
         wo, wn = statistics.median(r["work"] for r in off), statistics.median(r["work"] for r in on)
         co, cn = statistics.median(r["wall"] for r in off), statistics.median(r["wall"] for r in on)
         ev = statistics.median(r["events"] for r in on)
+        recs = statistics.median(r["records"] for r in on)
         lost = sum(r["lost"] for r in on)
         per = (wn - wo) / ev * 1e6 if ev else 0.0
         summary[w] = (wn / wo, cn / co)
-        print(f"{w:9}{n:>6}{ev:>8.0f}{lost:>6} | {wo * 1e3:>15.1f}{wn * 1e3:>9.1f}{wn / wo:>6.2f}x{per:>9.1f}"
+        uo, un = statistics.median(r["cpu"] for r in off), statistics.median(r["cpu"] for r in on)
+        cpu_ratio = f"{un / uo:>6.2f}x" if uo > 0 else f"{'-':>7}"
+        print(f"{w:9}{n:>6}{ev:>8.0f}{recs:>8.0f}{lost:>6} | {wo * 1e3:>15.1f}{wn * 1e3:>9.1f}{wn / wo:>6.2f}x"
+              f"{per:>9.1f} | {uo * 1e3:>10.1f}{un * 1e3:>8.1f}{cpu_ratio}"
               f" | {co * 1e3:>14.1f}{cn * 1e3:>9.1f}{cn / co:>6.2f}x")
     fixed = statistics.median(
         (statistics.median(r["wall"] for r in res[(w, "on")]) - statistics.median(r["wall"] for r in res[(w, "off")]))
@@ -239,11 +279,14 @@ def part_overhead(env, tmp, reps, quick, client, db):
           f"detach, drain and ClickHouse flush in `dsec run`)")
     print("ratios (audit on / off, medians): " + ", ".join(
         f"{w} {a:.2f}x workload, {c:.2f}x command" for w, (a, c) in summary.items()))
+    print("(events: occurrences, the records the kernel emitted plus the repeats it counted; records: "
+          "rows, a summary of repeats one row)")
     if bad:
-        print(f"!! ClickHouse count differs from the kernel's emitted count: {bad}")
+        print(f"!! ClickHouse occurrences differ from the kernel's: {bad}")
     else:
-        print(f"ClickHouse check: {len(on_runs)} audited runs, each sandbox's rows (FINAL) == events the "
-              f"kernel emitted less dsec-init's own ({sum(r['events'] - r['init_own'] for r in on_runs)} in all)")
+        print(f"ClickHouse check: {len(on_runs)} audited runs, each sandbox's occurrences in ClickHouse (FINAL: "
+              f"rows, a summary row counting for its `count`) == events the kernel emitted or counted as repeats, "
+              f"less dsec-init's own ({sum(r['events'] - r['init_own'] for r in on_runs)} in all)")
     print(flush=True)
     summary["sids"] = {w: [r["sid"] for r in res[(w, "on")]] for w, _, _ in wls}
     return summary, not bad
@@ -413,6 +456,7 @@ class Pipeline:
         self.cgroups: list[str] = []
         self.gens: list[subprocess.Popen] = []
         t = time.perf_counter()
+        sensor_options.setdefault("aggregate", False)       # one record per event (the module's doc)
         self.rec = Recorder(node="bench", spool=self.spool, **sensor_options)
         self.compile_s = time.perf_counter() - t
         # per batch, never per record: a Python wrapper per record (even timing 1 call in 16)
@@ -756,7 +800,8 @@ class SinkBench:
         from exporters.spool import Spool
         self.url, self.tmp, self.cg_root = url, tmp, cg_root
         self.spool = Spool(os.path.join(tmp, "spool-sinks"), fsync="never")
-        self.rec = Recorder(node="bench", spool=self.spool, enforce=False, ring_bytes=ring_mib << 20)
+        self.rec = Recorder(node="bench", spool=self.spool, enforce=False, ring_bytes=ring_mib << 20,
+                            aggregate=False)        # one record per event (the module's doc)
         self.gen_dir = tempfile.mkdtemp(prefix="dsec-bench-gen3-", dir="/dev/shm")
         self.jsonl_path = os.path.join(tempfile.mkdtemp(prefix="dsec-bench-jsonl-", dir="/dev/shm"), "audit.jsonl")
         self.gen_exe = None             # part 3's generator: the Python one (GEN_PY), as before part 2's C one

@@ -6,7 +6,9 @@ In this process: the enforcement sensor and the audit sensor loaded as the
 agent loads them (agent/sensors/recorder.py: enforcement first, its cwd maps
 shared), one cgroup2 of our own registered with the audit sensor as a
 sandbox (budgets unlimited; no policy, so the enforcement sensor only looks
-it up, as for `dsec run` without a policy), and a reader thread that empties
+it up, as for `dsec run` without a policy -- --policy NAME enforces one, e.g.
+`default`, whose enforce-mode syscall programs then run on every syscall;
+no seccomp filter is installed here), and a reader thread that empties
 the ring buffer without decoding (RingReader.read: the kernel's records are
 consumed, the Python pipeline is not measured here -- bench/audit.py is).
 Kernel run-time statistics on (BPF_ENABLE_STATS while this runs: the kernel
@@ -26,7 +28,7 @@ program: runs and ns per run (run_time_ns / run_cnt) while the loop ran in
 the sandbox, and while it ran outside any sandbox (the cost for the rest of
 the node: those counts include every other process's runs meanwhile).
 
-    .venv/bin/python bench/kcost.py [--runs 5] [--quick] [--compare REV|DIR ...]
+    .venv/bin/python bench/kcost.py [--runs 5] [--quick] [--compare REV|DIR ...] [--policy NAME]
 
 --compare (repeatable) loads another bpf/ tree too -- a git revision's or a
 directory as it is (an experiment without a commit) -- each build in turn
@@ -152,7 +154,7 @@ class Loaded:
     """Both sensors loaded as the agent loads them, a sandbox registered, a
     reader thread emptying the ring without decoding."""
 
-    def __init__(self, sbx_cg: str, sid: str):
+    def __init__(self, sbx_cg: str, sid: str, policy=None):
         from agent.sensors.audit import AuditSensor
         from agent.sensors.enforce import EnforcementSensor
         t = time.perf_counter()
@@ -165,6 +167,9 @@ class Loaded:
         self.load_s = time.perf_counter() - t
         self.cgid = os.stat(sbx_cg).st_ino
         self.aud.add_sandbox(self.cgid, sid, rate=0, byte_rate=0)
+        self.policy = policy
+        if policy is not None:          # its enforcement too (the syscall programs of its mode)
+            self.enf.add_sandbox(self.cgid, sbx_cg, sid, policy)
         self.progs = Progs(("audit", self.aud.bpf), ("enforce", self.enf.bpf))
         self.stop = threading.Event()
         reader = self.aud._reader
@@ -180,6 +185,8 @@ class Loaded:
         self.stop.set()
         self.th.join(5)
         totals = self.aud.remove_sandbox(self.cgid)
+        if self.policy is not None:
+            self.enf.remove_sandbox(self.cgid)
         self.aud.close()
         self.enf.close()
         return totals
@@ -191,7 +198,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer operations per run")
     ap.add_argument("--compare", metavar="REV", action="append", default=[],
                     help="also load the sensors from REV's bpf/ (git; or a bpf/ directory), alternately; repeatable")
+    ap.add_argument("--policy", metavar="NAME|FILE",
+                    help="also enforce this policy on the sandbox cgroup (its syscall programs run; no seccomp "
+                         "filter is installed here); default: none, as `dsec run` without a policy")
     a = ap.parse_args(argv)
+    policy = None
+    if a.policy:
+        from policies.load import load_policy
+        policy = load_policy(a.policy)
     from agent.sensors.audit import cgroup2_mount
     from agent.sensors import common
     root = cgroup2_mount()
@@ -232,7 +246,7 @@ def main(argv=None) -> int:
             base_round()
             for b, bdir in builds:
                 use_bpf_dir(bdir)
-                loaded = Loaded(cgs["sandbox"], f"kcost-{tag}-{b}-{r}")
+                loaded = Loaded(cgs["sandbox"], f"kcost-{tag}-{b}-{r}", policy)
                 if r == 0:
                     print(f"   {b}: sensors loaded in {loaded.load_s:.1f} s", flush=True)
                 for w, n, argv_ in wls:

@@ -277,25 +277,250 @@ static __always_inline u32 dsec_read_path(char *dst, const char *src, u32 *statu
 }
 
 /* Emit a record held in a map value (variable size) of sandbox cgid, whose
- * state is st (0: removed while the syscall was in flight); counts it either way. */
+ * state is st (0: removed while the syscall was in flight) and configuration
+ * cfg (0: removed); counts it either way. 1: emitted. */
+static __always_inline int dsec_output_cfg(void *rec, u64 size, u64 max, u64 cgid, u32 kind,
+                                           struct dsec_state *st, struct dsec_sandbox *cfg)
+{
+    if (!st)
+        return 0;
+    size = dsec_record_size(size, max);
+    if (!dsec_admit_bytes(cfg, st, kind, size))
+        return 0;
+    if (events.ringbuf_output(rec, size, dsec_wake_flags()) == 0) {
+        dsec_count_emitted(st, kind);
+        return 1;
+    }
+    dsec_count_lost(cfg, st, DSEC_LOST_RINGBUF_FULL, kind);
+    return 0;
+}
+
 static __always_inline void dsec_output_st(void *rec, u64 size, u64 max, u64 cgid, u32 kind,
                                            struct dsec_state *st)
 {
-    if (!st)
-        return;
-    size = dsec_record_size(size, max);
-    struct dsec_sandbox *cfg = sandboxes.lookup(&cgid);
-    if (!dsec_admit_bytes(cfg, st, kind, size))
-        return;
-    if (events.ringbuf_output(rec, size, dsec_wake_flags()) == 0)
-        dsec_count_emitted(st, kind);
-    else
-        dsec_count_lost(cfg, st, DSEC_LOST_RINGBUF_FULL, kind);
+    if (st)
+        dsec_output_cfg(rec, size, max, cgid, kind, st, sandboxes.lookup(&cgid));
 }
 
 static __always_inline void dsec_output(void *rec, u64 size, u64 max, u64 cgid, u32 kind)
 {
     dsec_output_st(rec, size, max, cgid, kind, sbx_state.lookup(&cgid));
+}
+
+/* ---- repeats: counted in the kernel, not copied into the ring --------------
+ * A file or connect record that repeats one already emitted -- the same
+ * process, sandbox, step, kind, syscall, flags, mode, dirfd, result, comm,
+ * ids and strings: every byte of the record but its timestamp and thread id --
+ * is counted in `agg` instead of being emitted, when the sandbox's
+ * configuration allows its kind (dsec_sandbox.agg_kinds, set by userspace only
+ * where the policy's decision cannot be anything but "allowed" for it:
+ * agent/sensors/repeats.py) and the record qualifies (dsec_agg_wanted: no
+ * status bits, absolute paths, no failed write, a loopback or unix connect).
+ * The first occurrence is emitted in full at once, and makes the entry; the
+ * entry keeps it and counts the repeats (count, last_ns). Userspace reads the
+ * counts every flush period and turns what grew into summary records; it
+ * retires a generation (bumps dsec_sandbox.agg_gen: at a step change, when the
+ * sandbox holds too many entries) and, once no program can still be counting
+ * into it, reads it a last time and deletes its entries, as it does all of a
+ * sandbox's at its removal. Every counted occurrence is also counted in
+ * dsec_state.aggregated: what the summaries report adds up to it. */
+BPF_F_TABLE("hash", struct dsec_agg_key, struct dsec_agg_val, agg, DSEC_AGG_ENTRIES, BPF_F_NO_PREALLOC);
+BPF_PERCPU_ARRAY(agg_scratch, struct dsec_agg_val, 1);
+
+#define DSEC_AGG_WORDS ((DSEC_FIXED_BYTES + DSEC_AGG_STR) / 8)
+#define DSEC_AGG_HDR_WORDS (DSEC_FIXED_BYTES / 8)     /* header and body; the strings after */
+/* a file record's header and body: the union's rest is 0 for it (dsec_pending_begin) */
+#define DSEC_AGG_FILE_WORDS ((sizeof(struct dsec_hdr) + sizeof(struct dsec_file) + 7) / 8)
+#define DSEC_AF_UNIX 1
+#define DSEC_AF_INET 2
+#define DSEC_AF_INET6 10
+#define DSEC_AGG_MUL 0x100000001B3ULL
+
+/* What identifies an occurrence: the words of its record from 1 (word 0 is
+ * the timestamp) to hb (the end of the kind's body), the thread id (the upper
+ * half of word 3: pid, tid) masked off, then its strings (words
+ * DSEC_AGG_HDR_WORDS to n), the last word cut at the record's size.
+ *
+ * The loops keep their constant bounds and leave at hb / n through a copy of
+ * the counter clang cannot see through: it otherwise turns them into loops
+ * that end at i == n, whose bound the verifier cannot see. A branch that left
+ * the loop does not multiply the verifier's states; one that goes on in it
+ * would (the last word's mask is arithmetic for that). */
+static __always_inline u64 dsec_agg_cut(u64 x, u32 i, u32 n, u64 tail)
+{
+    u64 z = (u64)(i ^ (n - 1));             /* 0 on the last word */
+    u64 last = (z - 1) & ~z;                /* sign bit set iff z == 0 */
+    DSEC_BARRIER(last);
+    return x & (tail | ~(u64)((s64)last >> 63));
+}
+
+/* The identity words of record w, hashed (the return value), and compared
+ * with those of record s: *diff is 0 when they are the same (s = w: just the hash). */
+static __always_inline u64 dsec_agg_walk(const u64 *w, const u64 *s, u32 hb, u32 n, u64 tail, u64 *diff)
+{
+    u64 h = 0x9E3779B97F4A7C15ULL ^ n;
+    u64 d = 0;
+#pragma nounroll
+    for (u32 i = 1; i < DSEC_AGG_HDR_WORDS; i++) {
+        u32 j = i;
+        DSEC_BARRIER(j);
+        if (j >= hb)
+            break;
+        u64 x = w[i], y = s[i];
+        if (i == 3) {       /* i is the loop's own counter: one path per iteration */
+            x &= 0xffffffffULL;
+            y &= 0xffffffffULL;
+        }
+        d |= x ^ y;
+        h = (h ^ x) * DSEC_AGG_MUL;
+        h ^= h >> 29;
+    }
+#pragma nounroll
+    for (u32 i = DSEC_AGG_HDR_WORDS; i < DSEC_AGG_WORDS; i++) {
+        u32 j = i;
+        DSEC_BARRIER(j);
+        if (j >= n)
+            break;
+        u64 x = dsec_agg_cut(w[i], j, n, tail);
+        d |= x ^ dsec_agg_cut(s[i], j, n, tail);
+        h = (h ^ x) * DSEC_AGG_MUL;
+        h ^= h >> 29;
+    }
+    *diff = d;
+    return h;
+}
+
+/* a word count, at most DSEC_AGG_WORDS */
+static __always_inline u32 dsec_agg_n(u32 n)
+{
+    return n > DSEC_AGG_WORDS ? DSEC_AGG_WORDS : n;
+}
+
+/* Does this record qualify, and under which hash? Its user pointers (read
+ * late, if at all, by now) are cleared: they are no part of what it says.
+ * *nwords: its words (n) | the end of its header and body (hb) << 16. */
+static __always_inline int dsec_agg_wanted(struct dsec_sandbox *cfg, struct dsec_event_small *e, u32 kind,
+                                           u64 *hash, u32 *nwords, u64 *tail)
+{
+    if (!(cfg->agg_kinds & (1U << (kind & 31))))
+        return 0;
+    u64 size = e->h.size;
+    if (size < DSEC_FIXED_BYTES || size > DSEC_FIXED_BYTES + DSEC_AGG_STR)
+        return 0;
+    if (kind == DSEC_KIND_CONNECT) {
+        if (e->u.connect.status)
+            return 0;
+        u16 fam = *(u16 *)&e->u.connect.addr[0];
+        u32 alen = e->u.connect.addrlen;
+        if (fam == DSEC_AF_INET) {
+            if (alen < 8 || e->u.connect.addr[4] != 127)     /* 127.0.0.0/8 */
+                return 0;
+        } else if (fam == DSEC_AF_INET6) {
+            u64 *a = (u64 *)&e->u.connect.addr[8];             /* ::1 exactly */
+            if (alen < 24 || a[0] != 0 || a[1] != 0x0100000000000000ULL)
+                return 0;
+        } else if (fam != DSEC_AF_UNIX) {
+            return 0;
+        }
+        e->u.connect.uaddr = 0;
+    } else {
+        if (e->u.file.status || e->u.file.ret < 0 || e->buf[0] != '/')
+            return 0;
+        if (kind == DSEC_KIND_RENAME) {
+            u32 off = e->u.file.path2_off & DSEC_FILE_OFF_MASK;
+            if (e->buf[off] != '/')
+                return 0;
+        }
+        e->u.file.upath = 0;
+        e->u.file.upath2 = 0;
+    }
+    u32 n = dsec_agg_n((size + 7) / 8);
+    u64 t = size & 7 ? (1ULL << ((size & 7) * 8)) - 1 : ~0ULL;
+    u32 hb = kind == DSEC_KIND_CONNECT ? DSEC_AGG_HDR_WORDS : DSEC_AGG_FILE_WORDS;
+    u64 same;
+    *hash = dsec_agg_walk((const u64 *)e, (const u64 *)e, hb, n, t, &same);
+    *nwords = n | (hb << 16);
+    *tail = t;
+    return 1;
+}
+
+/* A repeat of an entry of `agg`: counted (1), or 0 -- no entry, or one whose
+ * bytes differ (a hash collision: emitted in full, never merged). A counted
+ * repeat gives back what its admission took of the sandbox's fair share
+ * (dsec_admit at its sys_enter): it costs the pipeline nothing, so a loop of
+ * repeats is not cut by the budget meant to protect it. */
+static __always_inline int dsec_agg_repeat(struct dsec_sandbox *cfg, struct dsec_state *st,
+                                           struct dsec_event_small *e, struct dsec_agg_key *k, u32 n, u64 tail)
+{
+    struct dsec_agg_val *v = agg.lookup(k);
+    if (!v)
+        return 0;
+    u64 diff;
+    dsec_agg_walk((const u64 *)e, (const u64 *)&v->rec, n >> 16, n & 0xffff, tail, &diff);
+    if (diff)
+        return 0;
+    __sync_fetch_and_add(&v->count, 1);
+    v->last_ns = e->h.ts_ns;
+    dsec_count_kind(st->aggregated, e->h.kind);
+    if (cfg->interval_ns)
+        __sync_fetch_and_add(&st->tat, -cfg->interval_ns);
+    return 1;
+}
+
+/* The first occurrence was emitted: it makes the entry its repeats count in
+ * (when the sandbox's share of `agg`, and the table, have room). */
+static __always_inline void dsec_agg_first(struct dsec_sandbox *cfg, struct dsec_state *st,
+                                           struct dsec_event_small *e, struct dsec_agg_key *k,
+                                           u32 n, u64 tail)
+{
+    u64 held = __sync_fetch_and_add(&st->agg_held, 1);
+    if (held - cfg->agg_released >= DSEC_AGG_PER_SANDBOX) {
+        __sync_fetch_and_add(&st->agg_held, -1);
+        return;
+    }
+    u32 zero = 0;
+    struct dsec_agg_val *v = agg_scratch.lookup(&zero);
+    if (!v) {
+        __sync_fetch_and_add(&st->agg_held, -1);
+        return;
+    }
+    v->count = 0;
+    v->last_ns = e->h.ts_ns;
+    const u64 *w = (const u64 *)e;
+    u64 *d = (u64 *)&v->rec;
+    n &= 0xffff;
+#pragma nounroll
+    for (u32 i = 0; i < DSEC_AGG_WORDS; i++) {     /* the whole record, the words past its size 0 */
+        u64 below = (u64)i - (u64)n;                /* i < n: the sign bit set */
+        DSEC_BARRIER(below);
+        d[i] = dsec_agg_cut(w[i], i, n, tail) & (u64)((s64)below >> 63);
+    }
+    if (agg.insert(k, v) != 0)      /* there already (another CPU's first), or no room */
+        __sync_fetch_and_add(&st->agg_held, -1);
+}
+
+/* Emit the record `e` of sandbox cgid (state st, 0: gone) -- or count it, a
+ * repeat. */
+static __always_inline void dsec_emit_or_count(struct dsec_event_small *e, u64 cgid, u32 kind,
+                                               struct dsec_state *st)
+{
+    if (!st)
+        return;
+    struct dsec_sandbox *cfg = sandboxes.lookup(&cgid);
+    struct dsec_agg_key k = {};
+    u32 n = 0;
+    u64 tail = 0;
+    if (!cfg || !dsec_agg_wanted(cfg, e, kind, &k.hash, &n, &tail)) {
+        dsec_output_cfg(e, e->h.size, sizeof(struct dsec_event_small), cgid, kind, st, cfg);
+        return;
+    }
+    k.cgroup_id = cgid;
+    k.tgid = e->h.pid;
+    k.gen = cfg->agg_gen;
+    if (dsec_agg_repeat(cfg, st, e, &k, n, tail))
+        return;
+    if (dsec_output_cfg(e, e->h.size, sizeof(struct dsec_event_small), cgid, kind, st, cfg))
+        dsec_agg_first(cfg, st, e, &k, n, tail);
 }
 
 /* ---- file and connect syscalls: enter stores, exit emits ------------------ */
@@ -392,7 +617,7 @@ static __always_inline void dsec_pending_emit(u32 tid, struct dsec_event_small *
                 e->u.file.status |= DSEC_ST_LATE_READ;
         }
     }
-    dsec_output_st(e, e->h.size, sizeof(struct dsec_event_small), cgid, kind, st);
+    dsec_emit_or_count(e, cgid, kind, st);
     if (pending.delete(&tid) == 0)
         dsec_pending_give_st(st);
 }

@@ -73,6 +73,13 @@
 #ifndef DSEC_MAX_LEVEL
 #define DSEC_MAX_LEVEL 16              /* cgroup depth searched for a sandbox ancestor */
 #endif
+#ifndef DSEC_AGG_ENTRIES
+#define DSEC_AGG_ENTRIES 16384         /* all sandboxes: repeated records counted in the kernel (`agg`) */
+#endif
+#ifndef DSEC_AGG_PER_SANDBOX
+#define DSEC_AGG_PER_SANDBOX 1024      /* of them, held by one sandbox at once (the rest emitted in full) */
+#endif
+#define DSEC_AGG_STR 256               /* string area of a record that may be counted as a repeat */
 
 #define DSEC_PATH_MAX 4096
 #define DSEC_EXEC_BUF_BYTES (DSEC_EXEC_OFF_MASK + 1 + DSEC_ARGV_BYTES)
@@ -312,6 +319,9 @@ struct dsec_sandbox {   /* sandboxes: cgroup id -> configuration, written by use
     __u64 byte_tol_ns;  /* burst_bytes * byte_ps / 1000 */
     __u32 step;
     __u32 mode;         /* DSEC_OVER_* */
+    __u32 agg_kinds;    /* bit (1 << kind): its repeats may be counted in the kernel (common.h "repeats") */
+    __u32 agg_gen;      /* the generation new counts go to (bumped by userspace: an older one is retired) */
+    __u64 agg_released; /* entries of `agg` userspace has taken back from this sandbox (dsec_state.agg_held) */
 };
 
 struct dsec_state {     /* sbx_state: cgroup id -> state, written by the kernel */
@@ -323,6 +333,28 @@ struct dsec_state {     /* sbx_state: cgroup id -> state, written by the kernel 
     __u64 lost[DSEC_NLOST * DSEC_NKINDS];   /* [reason * DSEC_NKINDS + kind] */
     __s64 inflight_kind[DSEC_NKINDS];       /* of them, by kind: each at most DSEC_MAX_INFLIGHT */
     __s64 pending_held; /* entries of the node-wide `pending` table it holds (file/connect) */
+    __u64 aggregated[DSEC_NKINDS];          /* occurrences counted as repeats in `agg`, not emitted */
+    __u64 agg_held;     /* entries of `agg` it ever made (less dsec_sandbox.agg_released: held now) */
+};
+
+/* ---- repeats counted in the kernel (common.h "repeats") ------------------ */
+struct dsec_agg_key {   /* agg: one identical record of one process, in one generation */
+    __u64 cgroup_id;
+    __u64 hash;         /* of the record less its timestamp and thread id (the bytes are compared too) */
+    __u32 tgid;
+    __u32 gen;          /* dsec_sandbox.agg_gen when the first occurrence was emitted */
+};
+
+struct dsec_agg_rec {   /* the first occurrence, as emitted (only the used part of buf) */
+    struct dsec_hdr h;
+    union dsec_body u;
+    char buf[DSEC_AGG_STR];
+};
+
+struct dsec_agg_val {
+    __u64 count;        /* repeats counted since the first occurrence (only ever grows) */
+    __u64 last_ns;      /* bpf_ktime_get_ns() of the latest one counted */
+    struct dsec_agg_rec rec;
 };
 
 struct dsec_exit_info { /* exit_info: tgid -> how it is ending */

@@ -192,6 +192,28 @@ def layout_refuses(policy, rec: dict) -> bool:
             and rec.get("family") in ("ipv4", "ipv6") and node_protected(rec.get("addr") or ""))
 
 
+# what the kernel may count as repeats (agent/sensors/repeats.py KINDS), and of a
+# connect only a loopback or unix destination (bpf/common.h dsec_agg_wanted)
+AGGREGABLE = ("open_write", "unlink", "rename", "connect")
+
+
+def aggregable_kinds(policy) -> tuple[str, ...]:
+    """The kinds whose repeats the kernel may count under `policy`: those whose every
+    record it would count -- a file write that succeeded, to an absolute path; a
+    connect to loopback or a unix socket -- decision() says "allowed" for whatever
+    the path or address: no policy, learn mode, no files rules (writes), no egress
+    rules (connects: loopback is never node-protected). Never a kind a record of
+    which could be denied, would-deny or failed."""
+    if policy is None or policy.mode == "learn":
+        return AGGREGABLE
+    out = []
+    if writable_paths(policy) is None:
+        out += ["open_write", "unlink", "rename"]
+    if policy.spec.egress is None:
+        out.append("connect")
+    return tuple(out)
+
+
 def decision(policy, rec: dict, host_addrs: dict | None = None) -> str:
     if policy is None:
         return "allowed"

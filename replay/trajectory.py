@@ -157,7 +157,8 @@ class Step:
 
 
 def _aggregated(r: dict) -> dict:
-    """extra of a record that stands for repeated identical denials (agent/sensors/denials.py), else {}."""
+    """extra of a record that stands for repeated identical records (denials: agent/sensors/denials.py;
+    repeats counted in the kernel: agent/sensors/repeats.py), else {}."""
     e = r.get("extra")
     if not e or '"aggregated"' not in e:
         return {}
@@ -271,9 +272,12 @@ class Trajectory:
                                                     d["subject"]))
 
     def counts(self) -> dict[str, int]:
+        """Occurrences by kind: a summary of repeats (extra.aggregated) counts for
+        the `count` occurrences it stands for, any other record for one."""
         out: dict[str, int] = {}
         for r in self.records:
-            out[r["kind"]] = out.get(r["kind"], 0) + 1
+            n = int(r.get("count") or 0) if _aggregated(r) else 1
+            out[r["kind"]] = out.get(r["kind"], 0) + n
         return out
 
     def step_roots(self, n: int) -> list[Proc]:

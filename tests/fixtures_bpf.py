@@ -137,6 +137,20 @@ def run_in_cgroup(cg: Cgroup | None, argv: list, **kw) -> subprocess.Popen:
     return subprocess.Popen(["/bin/sh", "-c", script, cg.procs_file, *argv], **kw)
 
 
+def listeners(tmp_path, backlog: int = 16):
+    """A TCP listener on 127.0.0.1 and a unix one at tmp_path/u.sock for a
+    workload to connect to: (tcp socket, unix path, unix socket); close both."""
+    import socket
+    tcp = socket.socket()
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(backlog)
+    path = str(tmp_path / "u.sock")
+    u = socket.socket(socket.AF_UNIX)
+    u.bind(path)
+    u.listen(backlog)
+    return tcp, path, u
+
+
 # ---------------------------------------------------------------- harness
 
 class Sandbox:
@@ -200,6 +214,9 @@ class Harness(SensorHarness):
         self.sensor.on_over_budget = lambda *a: self.over_budget_calls.append(a)
 
     def sandbox(self, cgroups: CgroupFactory, **labels) -> Sandbox:
+        """A registered sandbox; one record per event (no repeats counted in the
+        kernel) unless `aggregate` names the kinds (tests/test_repeats.py)."""
+        labels.setdefault("aggregate", ())
         return self._sandbox(cgroups, None, lambda cg, sid: self.sensor.add_sandbox(cg.id, sid, **labels))
 
 

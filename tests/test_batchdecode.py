@@ -8,7 +8,7 @@ import socket
 import struct
 import subprocess
 
-from fixtures_bpf import PYTHON, run_in_cgroup
+from fixtures_bpf import PYTHON, listeners, run_in_cgroup
 from test_bpf_audit import _free_port, _kill, _write
 
 
@@ -192,13 +192,7 @@ def test_batch_decode_gives_what_decode_gives(audit_sensor, audit_cgroups, tmp_p
         n = len(out)
         real_slow(raw, out)
         slow_kinds.extend(as_rec(i) for i in out[n:])
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    unix_path = str(tmp_path / "u.sock")
-    u = socket.socket(socket.AF_UNIX)
-    u.bind(unix_path)
-    u.listen(4)
+    listener, unix_path, u = listeners(tmp_path)
     sbx = h.sandbox(audit_cgroups)
     bd.decode_many = compared
     bd._slow = slow

@@ -309,6 +309,10 @@ class AuditConfig(_Base):
     required: bool = Field(True, description="refuse to start when the eBPF audit cannot load "
                                              "(false: run degraded, say so in Capabilities and the audit)")
     over_budget: Literal["summarise", "stop"] = "summarise"
+    aggregate_repeats: bool = Field(True, description="the kernel counts repeats of a record the policy can only "
+                                                      "allow (one record, then summaries with counts and first/last "
+                                                      "times) instead of emitting each; false: one record per event "
+                                                      "(docs/audit.md \"Repeats counted in the kernel\")")
 
 
 class IdentityConfig(_Base):

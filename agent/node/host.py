@@ -150,7 +150,8 @@ def load_audit(cfg, node: str, spool) -> AuditSetup:
     if not missing:
         from agent.sensors.recorder import Recorder
         try:
-            out.rec = Recorder(node=node, spool=spool, over_budget=cfg.audit.over_budget)
+            out.rec = Recorder(node=node, spool=spool, over_budget=cfg.audit.over_budget,
+                               aggregate=cfg.audit.aggregate_repeats)
         except ReportedError as e:
             err = e.message
     else:

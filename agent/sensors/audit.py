@@ -40,6 +40,7 @@ from agent.sensors.common import ringbuf_supported as _ringbuf_supported
 from agent.sensors.common import (check_sandbox_ids, compile_text, describe, loss_totals, map_discard, ring_pages,
                               source_text, token_bucket, tracepoints_in, unavailable, byte_bucket)
 from agent.sensors.decoder import SandboxInfo, load_constants
+from agent.sensors.repeats import ENV as AGGREGATE_ENV, KINDS as AGGREGATE_KINDS, Repeats
 from agent.errors import DsecError
 
 SOURCES = ("membership.h", "common.h", "process.c", "net.c", "files.c")   # concatenated in this order
@@ -148,9 +149,13 @@ class AuditSensor(RingSensor):
                  rate: float = DEFAULT_RATE, burst: int = DEFAULT_BURST,
                  byte_rate: float = DEFAULT_BYTE_RATE, byte_burst: int | None = None,
                  over_budget: str = "summarise", on_over_budget=None,
-                 enrich: bool = True, loss_interval_s: float = 0.5, cwd_pins: dict | None = None):
+                 enrich: bool = True, loss_interval_s: float = 0.5, cwd_pins: dict | None = None,
+                 aggregate: bool | None = None):
         """cwd_pins: the enforcement sensor's pinned cwd maps (EnforcementSensor.cwd_pins):
-        a relative exec's record then carries the cwd its exec check uses (process.c)."""
+        a relative exec's record then carries the cwd its exec check uses (process.c).
+        aggregate: let the kernel count repeated records (agent/sensors/repeats.py) of
+        the kinds each sandbox's `aggregate` label names (default: all it can count);
+        None: $DSEC_AUDIT_AGGREGATE ("off" turns it off; on by default)."""
         require_features()
         self.on_record = on_record
         self.on_over_budget = on_over_budget
@@ -164,6 +169,9 @@ class AuditSensor(RingSensor):
         self.argv_bytes = argv_bytes
         self.max_args = max_args
         self.loss_interval_s = loss_interval_s
+        if aggregate is None:
+            aggregate = os.environ.get(AGGREGATE_ENV, "on").strip().lower() not in ("off", "0", "no", "false")
+        self.aggregate = bool(aggregate)
         self.consts = load_constants()
         self.bpf = compile_bpf(build_cflags(ring_bytes=ring_bytes, argv_bytes=argv_bytes,
                                             max_args=max_args, max_inflight=max_inflight,
@@ -180,6 +188,7 @@ class AuditSensor(RingSensor):
         self._stop_notified: set[int] = set()
         events = self.bpf[b"events"]
         self._init_records(events, self.bpf[b"exec_scratch"].Leaf, node=node, enricher=enricher)
+        self.repeats = Repeats(self.bpf, self.decoder, self.consts)
         # a BPF ring buffer's map fd is pollable: readable when records wait (the same wake-up
         # libbpf's ring_buffer__poll waits for), so poll() can wait without the sensor lock
         self._ring_wait = select.poll()
@@ -209,9 +218,13 @@ class AuditSensor(RingSensor):
         into every record), root_pid (a process of the sandbox whose root is
         used for exec enrichment once the exec'ing process is gone), rate,
         burst, byte_rate, byte_burst, over_budget ("summarise" | "stop")
-        overriding the defaults.
+        overriding the defaults, aggregate (the kinds whose repeats the kernel
+        may count: only those the sandbox's policy can decide nothing but
+        "allowed" for, policies.evaluate.aggregable_kinds; default all of
+        repeats.KINDS; nothing when the sensor's aggregate is off).
         """
-        known = set(LABELS) | {"step", "root_pid", "rate", "burst", "byte_rate", "byte_burst", "over_budget"}
+        known = set(LABELS) | {"step", "root_pid", "rate", "burst", "byte_rate", "byte_burst", "over_budget",
+                               "aggregate"}
         bad = sorted(set(labels) - known)
         if bad:
             raise DsecError(f"add_sandbox: unknown label(s) {', '.join(bad)} (known: {', '.join(sorted(known))})")
@@ -223,6 +236,9 @@ class AuditSensor(RingSensor):
         byte_ps, byte_tol = byte_bucket(labels.get("byte_rate", self.defaults["byte_rate"]),
                                         labels.get("byte_burst", self.defaults["byte_burst"]), "byte budget")
         step = int(labels.get("step", 0))
+        agg_kinds = tuple(labels.get("aggregate", AGGREGATE_KINDS)) if self.aggregate else ()
+        agg_kinds = agg_kinds if self.repeats.table is not None else ()
+        agg_mask = self.repeats.mask(agg_kinds)
         with self._lock:
             self._check_open()
             if cgroup_id in self.decoder.sandboxes:
@@ -238,6 +254,8 @@ class AuditSensor(RingSensor):
             cfg.interval_ns, cfg.tolerance_ns, cfg.step = interval, tolerance, step
             cfg.byte_ps, cfg.byte_tol_ns = byte_ps, byte_tol
             cfg.mode = self.consts.over[mode]
+            cfg.agg_kinds = agg_mask
+            self.repeats.add(cgroup_id, agg_kinds)
             try:
                 self._state_map[self._state_map.Key(cgroup_id)] = self._state_map.Leaf()  # zeroed first
                 self._sandboxes_map[self._sandboxes_map.Key(cgroup_id)] = cfg
@@ -267,8 +285,26 @@ class AuditSensor(RingSensor):
             except KeyError:
                 raise DsecError(f"set_step: cgroup {cgroup_id} is not audited") from None
             cfg.step = step
+            self.repeats.next_gen(cgroup_id, cfg)       # the step's repeats: counted afresh
             self._sandboxes_map[key] = cfg
             self._steps[cgroup_id] = step
+
+    def set_aggregate(self, cgroup_id: int, kinds) -> None:
+        """The kinds whose repeats the kernel may count from now on (a new policy's);
+        what was counted before is reported as it was (its generation retired)."""
+        kinds = tuple(kinds) if self.aggregate else ()
+        mask = self.repeats.mask(kinds)
+        with self._lock:
+            self._check_open()
+            if cgroup_id not in self.decoder.sandboxes:
+                raise DsecError(f"set_aggregate: cgroup {cgroup_id} is not audited")
+            self.repeats.next_gen(cgroup_id, None)
+            self.repeats.set_kinds(cgroup_id, kinds)
+
+            def apply(cfg):
+                cfg.agg_kinds = mask
+                cfg.agg_gen = self.repeats.gen(cgroup_id)
+            self._update_cfg(cgroup_id, apply)
 
     def remove_sandbox(self, cgroup_id: int) -> dict:
         """Stop auditing: drain what the sandbox already emitted, report its
@@ -300,9 +336,15 @@ class AuditSensor(RingSensor):
             self._finish_enrichment_now(cgroup_id)
             state = self._read_state(cgroup_id)
             unfinished = max(0, state["inflight"]) if state else 0
-            self._flush_losses(cgroup_id, state, unfinished=unfinished)
+            summaries, unreported = self.repeats.finish(cgroup_id, state)
+            self._backlog.extend(summaries)
+            self._flush_losses(cgroup_id, state, unfinished=unfinished, unreported=unreported)
             map_discard(self._state_map, self._state_map.Key(cgroup_id))
             totals = self._totals(state, unfinished)
+            totals["summaries"] = self.repeats.summaries(cgroup_id)
+            if unreported:
+                totals["lost"]["aggregate_unreported"] = unreported
+                totals["lost_total"] += sum(unreported.values())
             self._keep_final(cgroup_id, totals)
             self._untrack(cgroup_id)
             self._stop_notified.discard(cgroup_id)
@@ -311,6 +353,7 @@ class AuditSensor(RingSensor):
 
     def _untrack(self, cgroup_id: int) -> None:
         super()._untrack(cgroup_id)
+        self.repeats.forget(cgroup_id)
         for d in (self._steps, self._modes):
             d.pop(cgroup_id, None)
 
@@ -327,6 +370,12 @@ class AuditSensor(RingSensor):
                 pass
             timeout_ms = 0          # then consume what is there, under the lock, without waiting again
         return self._poll(timeout_ms)
+
+    def _poll(self, timeout_ms: int) -> int:
+        with self._lock:                # the repeats' bookkeeping changes under it (add, set_step, remove)
+            if self.repeats.retire_due():
+                self._next_flush = 0.0  # a retired generation is read and deleted now, not a period later
+        return super()._poll(timeout_ms)
 
     def drain(self, cgroup_id: int | None = None) -> int:
         """Consume everything already in the ring buffer, report losses,
@@ -361,20 +410,46 @@ class AuditSensor(RingSensor):
         emitted, lost = self._state_counts(st)
         kinds = self.consts.kinds
         by_kind = {kinds.get(k, str(k)): n for k, n in enumerate(st.inflight_kind) if n > 0}
+        aggregated = {kinds.get(k, str(k)): n for k, n in enumerate(getattr(st, "aggregated", ())) if n}
         return {"emitted": emitted, "lost": lost, "inflight": st.inflight, "inflight_kind": by_kind,
-                "stopped": st.stopped}
+                "stopped": st.stopped, "aggregated": aggregated, "agg_held": getattr(st, "agg_held", 0)}
 
     @staticmethod
     def _totals(state: dict | None, unfinished: int) -> dict:
+        """loss_totals, the over-budget stops and "aggregated" ({kind: occurrences the
+        kernel counted as repeats instead of emitting them: in summary records})."""
         totals = loss_totals(state, unfinished)
         totals["stopped"] = state["stopped"] if state else 0
+        totals["aggregated"] = dict(state["aggregated"]) if state else {}
         return totals
 
-    def _flush_losses(self, cgroup_id: int, state: dict | None, unfinished: int = 0) -> None:
+    def _flush_all(self, final: bool) -> None:
+        """Every flush period: the summaries of repeats counted in the kernel, then losses."""
+        states = {cgid: self._read_state(cgid) for cgid in self._sandbox_ids()}
+        self._backlog.extend(self.repeats.flush(states, self._update_cfg))
+        for cgid, state in states.items():
+            self._flush_losses(cgid, state)
+
+    def _update_cfg(self, cgroup_id: int, fn) -> None:
+        """fn(configuration) of an audited sandbox, written back (with the lock)."""
+        key = self._sandboxes_map.Key(cgroup_id)
+        try:
+            cfg = self._sandboxes_map[key]
+        except KeyError:
+            return
+        fn(cfg)
+        self._sandboxes_map[key] = cfg
+
+    def _flush_losses(self, cgroup_id: int, state: dict | None, unfinished: int = 0,
+                      unreported: dict | None = None) -> None:
         info = self.decoder.sandboxes.get(cgroup_id)
         if info is None or state is None:
             return
-        self._report_losses(cgroup_id, info, self._steps.get(cgroup_id, 0), state["lost"], unfinished)
+        step = self._steps.get(cgroup_id, 0)
+        if unreported:      # counted in the kernel, in no summary (repeats.py): a hole, never silent
+            self._backlog.append(self.decoder.lost_record(info, step, "aggregate_unreported",
+                                                          sum(unreported.values()), unreported))
+        self._report_losses(cgroup_id, info, step, state["lost"], unfinished)
         if (state["stopped"] and self._modes.get(cgroup_id) == "stop"
                 and cgroup_id not in self._stop_notified):
             self._stop_notified.add(cgroup_id)

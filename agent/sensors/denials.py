@@ -70,15 +70,7 @@ class DenialAggregator:
     def _summary(self, st: dict) -> dict:
         first = st["first"]
         out = {k: v for k, v in first.items() if k not in ("event_id", "extra", "count")}
-        try:
-            extra = json.loads(first.get("extra") or "{}")
-        except ValueError:
-            extra = {}
-        if not isinstance(extra, dict):
-            extra = {}
-        extra.update(aggregated=True, total=st["total"], first_ts_ns=st["first_ts"], last_ts_ns=st["last_ts"],
-                     pids=list(st["pids"]))
-        out["extra"] = json.dumps(extra, sort_keys=True)
+        out["extra"] = summary_extra(first.get("extra"), st["total"], st["first_ts"], st["last_ts"], st["pids"])
         out["event_id"] = self.new_event_id()
         out["count"] = st["n"]
         out["ts_ns"] = st["last_ts"]
@@ -101,6 +93,21 @@ class DenialAggregator:
                 if st["n"]:
                     out.append(self._summary(st))
         return out
+
+
+def summary_extra(extra: str | None, total: int, first_ts: int, last_ts: int, pids, **more) -> str:
+    """The extra of a summary record: the first occurrence's extra (JSON) with
+    aggregated=true, total (occurrences so far, the first included),
+    first_ts_ns, last_ts_ns, pids and `more` -- the one shape of the denial
+    summaries here and of the repeats the kernel counts (repeats.py)."""
+    try:
+        d = json.loads(extra or "{}")
+    except ValueError:
+        d = {}
+    if not isinstance(d, dict):
+        d = {}
+    d.update(aggregated=True, total=total, first_ts_ns=first_ts, last_ts_ns=last_ts, pids=list(pids), **more)
+    return json.dumps(d, sort_keys=True)
 
 
 def _status(extra) -> tuple | str | None:

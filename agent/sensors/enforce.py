@@ -21,7 +21,7 @@ What is enforced where (docs/enforcement.md has the whole story):
             does); rules in LPM tries keyed by the sandbox's rule-set index.
   exec      sched_process_exec, attached through a BPF link pinned in bpffs
             (<pin_root>/enf-<pid>-<start>/exec): it outlives the agent too.
-  syscalls  raw_syscalls sys_enter (learn counters, audit reports) and
+  syscalls  the raw tracepoints sys_enter (learn counters, audit reports) and
             sys_exit (enforce reports), each attached only while a sandbox
             needs it (they run for every syscall on the host); seccomp,
             installed by the launcher, is what refuses the calls.
@@ -96,9 +96,8 @@ CWD_MAP_PINS = {"cwd_gen": ("gen", b"enf_cwd_gen"), "cwd": ("cwd", b"enf_cwd")} 
 # audit mode, sys_exit for enforce mode (docs/enforcement.md, "Cost")
 SYS_HOOK_LINGER_S = 10.0
 SYS_HOOKS = {"enter": ("raw", b"sys_enter", b"raw_tracepoint__sys_enter"),
-             "exit": ("tp", b"raw_syscalls:sys_exit", b"tracepoint__raw_syscalls__sys_exit"),
-             # enforce-mode socket rules: the arguments of socket() calls seccomp refused
-             "sock": ("raw", b"sys_exit", b"raw_tracepoint__sys_exit")}
+             # enforce mode: refused calls, and the arguments of socket() calls seccomp refused
+             "exit": ("raw", b"sys_exit", b"raw_tracepoint__sys_exit")}
 PROTO_BITS = {"tcp": 1, "udp": 2, "any": 1 | 2 | 4}
 MAPPED_V4 = ipaddress.ip_network("::ffff:0:0/96")
 
@@ -275,7 +274,7 @@ class _Sandbox:
     step: int = 0
     exempt: set = field(default_factory=set)
     adopted: int = 0                # programs of a previous agent detached from the cgroup
-    sys_hooks: list = field(default_factory=list)   # "enter" | "exit" | "sock": syscall programs it needs
+    sys_hooks: list = field(default_factory=list)   # "enter" | "exit": syscall programs it needs
     sock_keys: list = field(default_factory=list)   # (family, type) keys in sock_rules
 
 
@@ -376,7 +375,6 @@ class EnforcementSensor(RingSensor):
         self._sys_idle_since = {h: 0.0 for h in SYS_HOOKS}
         self.bpf.detach_raw_tracepoint(b"sys_enter")
         self.bpf.detach_raw_tracepoint(b"sys_exit")
-        self.bpf.detach_tracepoint(b"raw_syscalls:sys_exit")
         # exec: BCC attached it through a perf event owned by this process; re-attach
         # it through a BPF link pinned in bpffs, which outlives the process
         exec_fd = self.bpf.funcs[EXEC_FN].fd
@@ -508,8 +506,6 @@ class EnforcementSensor(RingSensor):
                 ct.memmove(cfg.sys_allow, syscall_bitmap(policy), len(cfg.sys_allow))
                 cfg.ns_deny = 1 if namespace_rules(policy).deny else 0
                 self._sys_hook_get(sb, "enter" if modes["sys"] in ("learn", "audit") else "exit")
-                if srules is not None and modes["sys"] == "enforce":
-                    self._sys_hook_get(sb, "sock")
                 self._cfg[self._cfg.Key(cgroup_id)] = cfg
                 self._bump_gen()
                 if modes["egress"] != "off":

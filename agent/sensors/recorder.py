@@ -52,7 +52,7 @@ import time
 from agent.errors import DsecError, EXIT_DSEC, EXIT_USAGE, ReportedError
 from audit_schema.events import normalize
 # per record, on the poll thread: imported once here
-from policies.evaluate import decision, layout_refusal, mark_refused_anyway
+from policies.evaluate import aggregable_kinds, decision, layout_refusal, mark_refused_anyway
 from agent.sensors.denials import AGGREGATED, SKIP_KINDS as AGGREGATE_SKIP, DenialAggregator
 from agent.sensors.permcheck import SandboxRoots
 
@@ -151,7 +151,8 @@ class Recorder:
                 init_pid, img, pol = ent
                 kind = rec.get("kind")
                 if init_pid and kind in INIT_OWN_KINDS and rec.get("pid") == init_pid:
-                    self.init_own[sid] = self.init_own.get(sid, 0) + 1
+                    # occurrences: a summary of repeats counted in the kernel stands for `count`
+                    self.init_own[sid] = self.init_own.get(sid, 0) + (rec.get("count") or 1)
                     taken[0] += 1
                     continue
                 if img and not rec.get("image_digest"):
@@ -372,6 +373,7 @@ class Recorder:
             labels.update(policy.identity())
         if image_digest:
             self.images[sandbox_id] = image_digest
+        labels.setdefault("aggregate", aggregable_kinds(policy))
         self.sensor.add_sandbox(cgroup_id, sandbox_id, step=step, **labels)
         self._watched[cgroup_id] = {"sandbox_id": sandbox_id, "policy": policy, "path": cgroup_path,
                                     "enforced": False, "step": step}
@@ -416,6 +418,7 @@ class Recorder:
         if not w["enforced"]:
             raise DsecError(f"sandbox {w['sandbox_id']} has no eBPF enforcement to update")
         self.enforcer.update_egress(cgroup_id, policy)
+        self.sensor.set_aggregate(cgroup_id, aggregable_kinds(policy))   # connects: per its egress rules
         w["policy"] = policy
         self.policies[w["sandbox_id"]] = policy
         return {"applied": ["egress"], "unchanged": ["exec", "syscalls", "namespaces", "mode"]}

@@ -254,7 +254,9 @@ class SandboxWatch:
         summary["audit"] = {"events": stats.get("emitted", 0), "lost": stats.get("lost_total", 0),
                             "stopped_over_budget": bool(stats.get("stopped")), "enabled": self.rec is not None,
                             # of the events, dsec-init's own writes (its oom_score_adj...): not the sandbox's record
-                            "init_own": stats.get("init_own", 0)}
+                            "init_own": stats.get("init_own", 0),
+                            # occurrences the kernel counted as repeats (in summary records, not one each)
+                            "aggregated": stats.get("aggregated", {}), "summaries": stats.get("summaries", 0)}
         if stats.get("error"):
             summary["audit"]["error"] = stats["error"]
         if self.syscall_counts():
