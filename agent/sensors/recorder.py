@@ -439,7 +439,7 @@ class Recorder:
 
     def unwatch(self, cgroup_id: int) -> dict:
         w = self._watched.pop(cgroup_id, None)
-        stats = self.sensor.remove_sandbox(cgroup_id)
+        stats = self.sensor.remove_sandbox(cgroup_id, cgroup_path=w and w["path"])
         if w:
             self.init_pids.pop(w["sandbox_id"], None)
             stats = dict(stats)
