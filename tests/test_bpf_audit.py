@@ -409,7 +409,8 @@ def test_an_empty_cgroup_is_known_and_its_removal_fenced(audit_sensor, audit_cgr
     assert not cgroup_populated(cg.path, cg.id)
     assert cgroup_populated(None, cg.id) and cgroup_populated(cg.path, cg.id + 1)   # unknown: may run
     p = run_in_cgroup(cg.child("inner"), ["/bin/sh", "-c", "/bin/true fenced; exec sleep 30"])
-    assert h.poll_until(lambda: sbx.of_kind("exec") and cgroup_populated(cg.path, cg.id), 10)
+    assert h.poll_until(lambda: ["sleep", "30"] in [r["argv"] for r in sbx.of_kind("exec")], 10)
+    assert cgroup_populated(cg.path, cg.id)                                         # through "inner"
     p.kill()
     p.wait(10)
     deadline = time.monotonic() + 10

@@ -144,6 +144,8 @@ def cgroup_populated(path: str | None, cgroup_id: int = 0) -> bool:
             data = os.read(efd, 4096)
         finally:
             os.close(efd)
+    except FileNotFoundError:
+        return False        # removed since it was opened (it is the sandbox's: its id was checked)
     except OSError:
         return True
     finally:
