@@ -269,6 +269,9 @@ class Agent:
             self.breaker.stop()
         if self.executor:
             self.executor.shutdown(wait=True, cancel_futures=False)
+        from agent.sandbox import trash
+        if not trash.drain(timeout):        # the host links (and state dirs) of the last closes
+            log.warning("background teardown not finished at shutdown: `dsec gc` removes what is left")
         self.streams.close_all()
         self._lifecycle("", "agent_stopped", reason=reason)
         self._flush_emits()
@@ -575,6 +578,7 @@ class Agent:
             self.node_images.prepare(rec.spec)   # a warm sandbox of an image profile
         sb = Sandbox(rec.spec, **self._hooks(rec, defer_start))
         sb.next_step = getattr(rec.spec, "first_step", 1)      # a fork goes on from its snapshot's step
+        sb.teardown_later = True        # an egress sandbox's host link: removed off the close's path (trash.py)
         with self._starts:
             try:
                 sb.start()
