@@ -225,7 +225,8 @@ def test_close_loses_no_event_of_a_workload_killed_while_it_forks_and_writes(rec
             assert recorder.flush(timeout=10)
             stats = watch.stats
             assert stats["lost_total"] == 0, stats
-            assert (recorder.sensor.fences, recorder.enforcer.fences) == (fences[0] + 1, fences[1] + 1)
+            if recorder.sensor._reader is not None:       # the bulk reader (BCC's own: the settle instead)
+                assert (recorder.sensor.fences, recorder.enforcer.fences) == (fences[0] + 1, fences[1] + 1)
             emitted = dict(stats["emitted"])
             for k, n in stats["enforcement"]["emitted"].items():
                 emitted[k] = emitted.get(k, 0) + n
