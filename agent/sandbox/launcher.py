@@ -695,10 +695,8 @@ class Sandbox:
 
     def terminate(self):
         """SIGTERM to every process of the sandbox (preemption, shutdown)."""
-        try:
+        with contextlib.suppress(ReportedError):
             self._send(ip.encode(MSG.TERMINATE))
-        except ReportedError:
-            pass
 
     def kill(self):
         """SIGKILL everything in the sandbox now (its cgroup)."""
@@ -723,10 +721,8 @@ class Sandbox:
                     try:
                         self._hook("on_workload_exit", self.sid)
                     finally:
-                        try:
+                        with contextlib.suppress(ReportedError):
                             self._send(ip.encode(MSG.RELEASE))
-                        except ReportedError:
-                            pass
             with self._cond:
                 end = time.monotonic() + timeout
                 while not self.supervisor_dead and time.monotonic() < end:
