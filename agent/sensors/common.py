@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import ctypes as ct
+import errno
 import logging
 import os
 import re
@@ -144,10 +145,10 @@ def cgroup_populated(path: str | None, cgroup_id: int = 0) -> bool:
             data = os.read(efd, 4096)
         finally:
             os.close(efd)
-    except FileNotFoundError:
-        return False        # removed since it was opened (it is the sandbox's: its id was checked)
-    except OSError:
-        return True
+    except OSError as e:
+        # ENOENT, or ENODEV from a node the kernel is removing: removed since it was opened
+        # (it is the sandbox's: its id was checked), and only an empty cgroup is removed
+        return e.errno not in (errno.ENOENT, errno.ENODEV)
     finally:
         os.close(fd)
     return b"populated 0\n" not in data
