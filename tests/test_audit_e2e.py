@@ -165,3 +165,78 @@ def test_over_budget_stop_kills_the_sandbox(audit_env, sid, tmp_path):
     s = json.loads(out.read_text())
     assert b"done" not in r.stdout
     assert r.returncode == 128 + 9 and s["audit"]["stopped_over_budget"] is True
+
+
+# a shell that forks (/bin/true, exec'd: fork, exec, exit records) and writes (open_write) until it is killed
+FORK_WRITE = "i=0; while :; do i=$((i+1)); /bin/true; echo $i > /tmp/w$i; done"
+FENCE_POLICY = """\
+apiVersion: dsec/v1
+kind: SandboxPolicy
+metadata: {name: close-fence}
+spec:
+  mode: audit
+  exec: {allow: ["/usr/bin/env"]}
+"""
+
+
+@pytest.fixture(scope="module")
+def recorder(tmp_path_factory):
+    from agent.sensors.recorder import Recorder
+    from exporters.spool import Spool
+    rec = Recorder(spool=Spool(str(tmp_path_factory.mktemp("spool"))))
+    yield rec
+    rec.close()
+
+
+def _occurrences(recs: list[dict]) -> dict:
+    """kind -> events the records stand for (an aggregated record: its count)."""
+    out: dict = {}
+    for r in recs:
+        agg = '"aggregated":true' in (r.get("extra") or "").replace(" ", "")
+        out[r["kind"]] = out.get(r["kind"], 0) + ((r.get("count") or 1) if agg else 1)
+    return out
+
+
+def test_close_loses_no_event_of_a_workload_killed_while_it_forks_and_writes(recorder, sid):
+    """Closed while its workload forks and writes, each sandbox's record holds
+    every event both sensors' kernel counters say they emitted, none lost: the
+    sensors' last read at a close is fenced by the ring's producer position once
+    the cgroup is empty (agent/sensors/common.py cgroup_populated, _consume_past).
+    Both ways a watch ends: on the launcher's on_gone (the node agent: the cgroup
+    empty, still there) and at on_exit (`dsec run`: the cgroup removed)."""
+    from agent.sandbox.launcher import Sandbox, SandboxSpec
+    from agent.sensors.watch import SandboxWatch
+    from policies.load import load_policy_text
+    policy = load_policy_text(FENCE_POLICY)
+    seen: list[dict] = []
+    recorder.add_tap(seen.extend)
+    try:
+        for i in range(12):
+            spec = SandboxSpec(argv=[], sandbox_id=f"{sid}-{i}", policy=policy, memory="128M", pids=256)
+            watch = SandboxWatch(recorder, spec)
+            extra = {"on_gone": lambda _sid, w=watch: w.unwatch()} if i % 2 else {}
+            fences = (recorder.sensor.fences, recorder.enforcer.fences)
+            sb = Sandbox(spec, **watch.hooks(), **extra).start()
+            try:
+                st = sb.exec(["/bin/sh", "-c", f"({FORK_WRITE}) & sleep {0.05 + 0.03 * i}"])
+                assert st.exit_code == 0, st.to_dict()
+            finally:
+                summary = sb.close()
+            assert recorder.flush(timeout=10)
+            stats = watch.stats
+            assert stats["lost_total"] == 0, stats
+            if recorder.sensor._reader is not None:       # the bulk reader (BCC's own: the settle instead)
+                assert (recorder.sensor.fences, recorder.enforcer.fences) == (fences[0] + 1, fences[1] + 1)
+            emitted = dict(stats["emitted"])
+            for k, n in stats["enforcement"]["emitted"].items():
+                emitted[k] = emitted.get(k, 0) + n
+            recs = [r for r in seen if r.get("sandbox_id") == spec.sandbox_id and r["kind"] in emitted]
+            got = _occurrences(recs)
+            own = stats.get("init_own", 0)          # dsec-init's own writes: counted, not recorded
+            assert sum(got.values()) == sum(emitted.values()) - own, (i, got, emitted, own)
+            assert {k: n for k, n in got.items() if k not in ("open_write", "unlink", "rename")} == \
+                {k: n for k, n in emitted.items() if k not in ("open_write", "unlink", "rename")}, (i, got, emitted)
+            assert emitted["fork"] > 5 and emitted["open_write"] > 5 and emitted["exec_violation"] > 5, emitted
+            assert summary["audit"]["lost"] == 0
+    finally:
+        recorder.remove_tap(seen.extend)

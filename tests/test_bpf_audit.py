@@ -398,6 +398,33 @@ def test_sub_cgroup_is_audited(audit_sensor, audit_cgroups):
     assert [r["argv"] for r in sbx.of_kind("exec")] == [["/bin/true", "nested"]]
 
 
+def test_an_empty_cgroup_is_known_and_its_removal_fenced(audit_sensor, audit_cgroups):
+    """cgroup_populated says False only when no task can run in the cgroup (or below it): its
+    cgroup.events says populated 0, or it is gone; then remove_sandbox reads the ring up to its
+    producer position (a fence) instead of sleeping REMOVAL_SETTLE_S, and has every record."""
+    from agent.sensors.common import cgroup_populated
+    h = audit_sensor
+    sbx = h.sandbox(audit_cgroups)
+    cg = sbx.cg
+    assert not cgroup_populated(cg.path, cg.id)
+    assert cgroup_populated(None, cg.id) and cgroup_populated(cg.path, cg.id + 1)   # unknown: may run
+    p = run_in_cgroup(cg.child("inner"), ["/bin/sh", "-c", "/bin/true fenced; exec sleep 30"])
+    assert h.poll_until(lambda: ["sleep", "30"] in [r["argv"] for r in sbx.of_kind("exec")], 10)
+    assert cgroup_populated(cg.path, cg.id)                                         # through "inner"
+    p.kill()
+    p.wait(10)
+    deadline = time.monotonic() + 10
+    while cgroup_populated(cg.path, cg.id) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    fences = h.sensor.fences
+    sbx.totals = h.sensor.remove_sandbox(cg.id, cgroup_path=cg.path)
+    assert h.sensor.fences == fences + 1
+    assert sbx.totals["emitted"] == {k: len(sbx.of_kind(k)) for k in sbx.totals["emitted"]}
+    assert ["/bin/true", "fenced"] in [r["argv"] for r in sbx.of_kind("exec")]
+    os.rmdir(os.path.join(cg.path, "inner"))
+    assert not cgroup_populated(os.path.join(cg.path, "inner"), 0)                 # gone
+
+
 # ---------------------------------------------------------------- losses
 
 def _flood(cg, target, n=20000, limit_s=5.0, **kw):

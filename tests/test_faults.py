@@ -519,6 +519,57 @@ def test_tickets_wait_for_the_record_and_every_one_before_it(tmp_path):
         spool.close()
 
 
+def test_append_with_one_append_the_callers_records_then_the_queue(tmp_path):
+    """The node agent's close (Recorder.append_with): its records (sandbox_exit, lifecycle) and
+    the recorder's queue (the sandbox's last kernel records, queued by unwatch(flush=False)) in
+    one durable append, the agent's first. Never while an append of the recorder is under way
+    (the agent's append may be what that one waits for at the spool's gate): then nothing is
+    done, and make_durable(ticket) appends the queue. When the joint append fails, the queue
+    goes alone (kept queued and retried if that fails too) and the caller appends its own."""
+    from agent.sensors.recorder import Recorder
+    from audit_schema.events import normalize
+    spool = Spool(str(tmp_path / "sp"), fsync="always")
+    counting = _FailingAppends(spool, 0)
+    rec = Recorder(node="faults", spool=counting, enforce=False)
+    rec._stop.set()                 # the poll thread stopped: the queue is what the test puts there
+    rec._thread.join(10)
+    sid = "with-" + uuid.uuid4().hex[:8]
+
+    def queue(*states):
+        return [rec.record({"kind": "lifecycle", "sandbox_id": sid, "extra": json.dumps({"state": s})}, wait=False)
+                for s in states][-1]
+
+    def theirs(state):
+        return [normalize({"kind": "lifecycle", "sandbox_id": sid, "event_id": uuid.uuid4().hex, "node": "faults",
+                           "ts_ns": time.time_ns(), "extra": json.dumps({"state": state})})]
+    try:
+        t = queue("k0", "k1")
+        calls = counting.calls
+        assert rec.append_with(theirs("exit0"))
+        assert counting.calls == calls + 1 and rec.wait_durable(t, timeout=0) and rec.ticket() == t
+        assert _spooled_states(spool, sid) == ["exit0", "k0", "k1"]
+        t = queue("k2")
+        with rec._flush_lock:                           # an append of the recorder under way
+            assert not rec.append_with(theirs("exit1"))
+        assert counting.calls == calls + 1 and not rec.wait_durable(t, timeout=0)
+        assert rec.make_durable(t, timeout=0) and counting.calls == calls + 2
+        assert _spooled_states(spool, sid)[3:] == ["k2"]
+        t = queue("k3")
+        counting.n = 1                                  # the joint append fails: ours alone, theirs not
+        assert not rec.append_with(theirs("exit2"))
+        assert counting.calls == calls + 4 and rec.wait_durable(t, timeout=0) and rec._error is None
+        assert _spooled_states(spool, sid)[4:] == ["k3"]
+        t = queue("k4")
+        counting.n = 2                                  # the disk fails: ours stay queued
+        assert not rec.append_with(theirs("exit3"))
+        assert not rec.wait_durable(t, timeout=0) and rec._error is not None
+        assert rec.make_durable(t, timeout=0)           # the poll thread's retry, or the close's
+        assert _spooled_states(spool, sid)[5:] == ["k4"]
+    finally:
+        rec.close()
+        spool.close()
+
+
 def test_a_ticket_whose_batch_the_spool_dropped_is_not_durable(tmp_path):
     """Issue 15: over the spool's disk budget a batch is dropped (recorded as events_lost,
     exporters/spool.py); wait_durable says so for its ticket instead of True."""

@@ -489,3 +489,40 @@ def test_a_closed_sandbox_s_state_leaves_at_once_and_the_trash_empties(sid, tmp_
     (left / "upper" / "_root" / "f").write_text("x")
     assert trash.sweep(str(tmp_path / "sandboxes")) == [str(left)]
     assert not left.exists()
+
+
+def test_an_egress_sandbox_s_link_goes_off_the_close_s_path_and_its_id_waits(sid):
+    """teardown_later (the node agent's): an egress sandbox's host link is removed by
+    trash.py's thread after close returns. Until then the sandbox is live to gc (its state
+    dir locked, its link not a stray) and a new start of its id waits; then both are gone.
+    The thread is held by a job queued first, so the order is the test's, not a race."""
+    from agent.sandbox import gc, netns, trash
+    from agent.sandbox.launcher import SANDBOX_DIR, Sandbox, SandboxSpec
+    hold, held = threading.Event(), threading.Event()
+    sb = Sandbox(SandboxSpec(argv=[], sandbox_id=sid, network="egress"))
+    sb.teardown_later = True
+    sb.start()
+    host_if = netns.ifnames(sid)[0]
+    again = None
+    try:
+        assert sb.exec(["/bin/true"]).exit_code == 0
+        trash.later("test-hold", lambda: (held.set(), hold.wait(30)))
+        assert held.wait(30)
+        sb.close()
+        assert os.path.exists(f"/sys/class/net/{host_if}") and os.path.isdir(os.path.join(SANDBOX_DIR, sid))
+        found = gc.collect()
+        assert sid in found["live"] and host_if not in found["links"] and sid not in found["orphans"]
+        with ThreadPoolExecutor(1) as ex:
+            started = ex.submit(lambda: Sandbox(SandboxSpec(argv=[], sandbox_id=sid, network="egress")).start())
+            time.sleep(0.3)
+            assert not started.done()                   # waits for the first one's teardown
+            hold.set()
+            again = started.result(60)
+        assert again.exec(["/bin/true"]).exit_code == 0
+    finally:
+        hold.set()
+        if again is not None:
+            again.close()
+        assert trash.drain(60)
+    assert not os.path.exists(f"/sys/class/net/{host_if}")
+    assert not os.path.exists(os.path.join(SANDBOX_DIR, sid))

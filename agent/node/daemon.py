@@ -269,6 +269,9 @@ class Agent:
             self.breaker.stop()
         if self.executor:
             self.executor.shutdown(wait=True, cancel_futures=False)
+        from agent.sandbox import trash
+        if not trash.drain(timeout):        # the host links (and state dirs) of the last closes
+            log.warning("background teardown not finished at shutdown: `dsec gc` removes what is left")
         self.streams.close_all()
         self._lifecycle("", "agent_stopped", reason=reason)
         self._flush_emits()
@@ -350,7 +353,7 @@ class Agent:
             self._emitq.clear()
             upto = self._emit_queued
         try:
-            self._append_emits(taken, upto)
+            self._append_emits(taken, upto, combine=not ordered)    # ordered: in a recorder append's gate
         finally:
             with cv:
                 self._emit_durable = upto
@@ -384,7 +387,7 @@ class Agent:
             self._emit_ordered = max(self._emit_ordered, upto)
             self._emit_cv.notify_all()
 
-    def _append_emits(self, taken: list, upto: int):
+    def _append_emits(self, taken: list, upto: int, combine: bool = False):
         """One durable append of `taken` (only the flush that set _emit_busy calls it)."""
         from audit_schema.events import normalize
         batch = []
@@ -400,7 +403,13 @@ class Agent:
         if not batch or self.spool is None:
             return
         try:
-            self.spool.append_many(batch, on_locked=lambda: self._emits_locked(upto))
+            locked = lambda: self._emits_locked(upto)     # noqa: E731
+            # the close's records and the recorder's queue (its sandbox's last kernel records, queued
+            # by its watch's end: SandboxWatch flush=False) in one append, the agent's first (a step's
+            # start reserved their place ahead of the recorder's: _emits_gate), when the recorder has
+            # no append under way; else ours alone (_finish makes the watch's records durable)
+            if not (combine and self.rec is not None and self.rec.append_with(batch, on_locked=locked)):
+                self.spool.append_many(batch, on_locked=locked)
         except ReportedError as e:
             self._emit_failures += len(batch)
             log.error("%d lifecycle audit record(s) could not be spooled: %s", len(batch), e.message)
@@ -510,7 +519,7 @@ class Agent:
                                  start_extra={"agent": self.instance, "warm_profile": rec.warm_profile,
                                               "priority": rec.priority},
                                  sensor_labels=sensor_labels, defer_start=defer_start, raise_errors=False,
-                                 created_ns=rec.created_ns)
+                                 created_ns=rec.created_ns, flush=False)
 
         def on_cgroup(sid, cg):
             rec.cgroup_id = cg
@@ -569,6 +578,7 @@ class Agent:
             self.node_images.prepare(rec.spec)   # a warm sandbox of an image profile
         sb = Sandbox(rec.spec, **self._hooks(rec, defer_start))
         sb.next_step = getattr(rec.spec, "first_step", 1)      # a fork goes on from its snapshot's step
+        sb.teardown_later = True        # an egress sandbox's host link: removed off the close's path (trash.py)
         with self._starts:
             try:
                 sb.start()
@@ -724,6 +734,8 @@ class Agent:
         self._release(rec, reason if state != EXITED else None)
         self._retire(rec)
         self._flush_emits()          # durable before anyone is told it ended
+        if self.rec is not None and rec.watch is not None and rec.watch.ticket:
+            self.rec.make_durable(rec.watch.ticket, 10)     # the watch's end, if that append did not carry it
         return summary
 
     def _cancel_locked(self, rec: SandboxRecord, reason: str):

@@ -46,6 +46,7 @@ teardown.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -201,6 +202,7 @@ class Sandbox:
         self.dir = None
         self.lock_fd = -1
         self.lease = None
+        self.teardown_later = False      # the node agent's: an egress host side off the close (trash.py)
         self._state: dict = {}           # what state.json says (written, never read back)
         self.uid = self.gid = None
         self.cg: cgroups.SandboxCgroup | None = None
@@ -258,6 +260,7 @@ class Sandbox:
         _private_dir(SANDBOX_DIR, spread=True)
         self.dir = os.path.join(SANDBOX_DIR, self.sid)
         from agent.sandbox.gclock import start_guard
+        trash.wait_for(self.sid)         # a closed sandbox of this id: its teardown's end
         self._gc_guard = start_guard()   # gc waits until this sandbox is visibly live (issue 13)
         try:
             os.mkdir(self.dir, 0o700)
@@ -638,10 +641,8 @@ class Sandbox:
 
     def terminate(self):
         """SIGTERM to every process of the sandbox (preemption, shutdown)."""
-        try:
+        with contextlib.suppress(ReportedError):
             self._send(ip.encode(MSG.TERMINATE))
-        except ReportedError:
-            pass
 
     def kill(self):
         """SIGKILL everything in the sandbox now (its cgroup)."""
@@ -666,10 +667,8 @@ class Sandbox:
                     try:
                         self._hook("on_workload_exit", self.sid)
                     finally:
-                        try:
+                        with contextlib.suppress(ReportedError):
                             self._send(ip.encode(MSG.RELEASE))
-                        except ReportedError:
-                            pass
             with self._cond:
                 end = time.monotonic() + timeout
                 while not self.supervisor_dead and time.monotonic() < end:
@@ -722,32 +721,30 @@ class Sandbox:
     def _teardown(self):
         """Remove everything the sandbox had on the host, whatever state we are in."""
         if self.sup_pid and not self.supervisor_dead:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.sup_pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             if self._reader is None:
-                try:
+                with contextlib.suppress(ChildProcessError):
                     os.waitpid(self.sup_pid, 0)
-                except ChildProcessError:
-                    pass
         if self._reader is not None:
             with self._cond:
                 self._cond.wait_for(lambda: self.supervisor_dead, timeout=5)
             STATUS.remove(self)      # before its fds are closed (their numbers are reused)
         if self.pidfd >= 0:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self.pidfd)
-            except OSError:
-                pass
         self.pidfd = -1
         with self._send_lock:
             if self.ctl is not None:
                 self.ctl.close()
                 self.ctl = None
-        left = []
-        if self.cg:
-            left = self.cg.remove()
+        left = self.cg.remove() if self.cg else []
+        if (self.net or self.spec.network == "egress") and self.teardown_later:
+            return trash.later(self.sid, lambda: self._teardown_rest(left))
+        self._teardown_rest(left)
+
+    def _teardown_rest(self, left: list):
+        """The host link, the state dir, its lock, the uid lease: gc sees it live until then."""
         if self.net or self.spec.network == "egress":
             from agent.sandbox import netns
             pol = self.spec.policy

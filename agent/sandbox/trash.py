@@ -1,6 +1,8 @@
-"""A closed sandbox's state directory, removed off the close's path.
+"""What of a closed sandbox's teardown runs off the close's path: its state
+directory, and (for the node agent) an egress sandbox's host link.
 
     trash.remove_later(state_dir)     # one rename; a background thread removes it
+    trash.later(sid, fn)              # fn() on that thread; until it has run, wait_for(sid) waits
     trash.drain(timeout=10)           # wait until everything queued is gone (also at exit)
     trash.sweep(sandboxes_dir)        # what a crash left (`dsec gc`, the agent's start)
 
@@ -12,6 +14,14 @@ on a busy one, nearly all of it waiting (on this VM's root file system, ext4
 without a journal mounted with `discard`, every freed block is discarded inline;
 ~1.3 ms of CPU): docs/launch-figures.md. Where the rename fails (no trash directory
 can be made, another file system) the directory is removed inline, as before.
+
+An egress sandbox's host link (agent/sandbox/netns.py teardown: the nftables
+element, then the veth, whose deletion waits for the kernel's synchronous
+unregister) took ~19 ms of a close; the node agent runs it here (the launcher's
+Sandbox.teardown_later), followed by the rest of the teardown that must come
+after it: the state directory's rename, its lock's release (until then `dsec
+gc` sees a live sandbox, links included) and the uid lease's. A start of the
+same sandbox id in this process waits for it (wait_for).
 """
 from __future__ import annotations
 
@@ -19,12 +29,14 @@ import atexit
 import os
 import queue
 import shutil
+import sys
 import threading
 
-_q: "queue.SimpleQueue[str | None]" = queue.SimpleQueue()
+_q: "queue.SimpleQueue" = queue.SimpleQueue()     # a path to remove, or (key, fn) to run
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _pending = 0
+_keys: dict[str, int] = {}          # key -> its jobs queued or running (later())
 _idle = threading.Condition(_lock)
 
 
@@ -35,7 +47,6 @@ def trash_dir(sandboxes_dir: str) -> str:
 
 def remove_later(state_dir: str) -> None:
     """Take `state_dir` out of the way now (rename) and remove it in the background."""
-    global _thread, _pending
     tdir = trash_dir(os.path.dirname(os.path.abspath(state_dir)))
     dest = os.path.join(tdir, f"{os.path.basename(state_dir)}-{os.urandom(4).hex()}")
     try:
@@ -49,24 +60,54 @@ def remove_later(state_dir: str) -> None:
     except OSError:
         shutil.rmtree(state_dir, ignore_errors=True)
         return
+    _put(dest)
+
+
+def later(key: str, fn) -> None:
+    """Run fn() on the background thread, after what is queued before it; until it has
+    run, wait_for(key) waits (a sandbox id: its next start waits for its teardown)."""
+    with _lock:
+        _keys[key] = _keys.get(key, 0) + 1
+    _put((key, fn))
+
+
+def wait_for(key: str, timeout: float = 30.0) -> bool:
+    """Wait until every job of `key` queued so far has run; False at the timeout."""
+    with _lock:
+        return _idle.wait_for(lambda: not _keys.get(key), timeout)
+
+
+def _put(item) -> None:
+    global _thread, _pending
     with _lock:
         _pending += 1
         if _thread is None:
             _thread = threading.Thread(target=_run, name="dsec-trash", daemon=True)
             _thread.start()
             atexit.register(drain)
-    _q.put(dest)
+    _q.put(item)
 
 
 def _run() -> None:
     global _pending
     while True:
-        path = _q.get()
-        shutil.rmtree(path, ignore_errors=True)
+        item = _q.get()
+        key = None
+        if isinstance(item, tuple):
+            key, fn = item
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - the thread outlives one failed job (said on stderr)
+                sys.stderr.write(f"dsec: background teardown of {key}: {e!r}\n")
+        else:
+            shutil.rmtree(item, ignore_errors=True)
         with _lock:
             _pending -= 1
-            if not _pending:
-                _idle.notify_all()
+            if key is not None:
+                _keys[key] -= 1
+                if not _keys[key]:
+                    del _keys[key]
+            _idle.notify_all()
 
 
 def drain(timeout: float = 10.0) -> bool:

@@ -37,8 +37,9 @@ import time
 from agent.sensors.common import BPF_DIR, TRACEFS, RINGBUF_MISSING, RingSensor, base_missing, cgroup2_mount
 from agent.sensors.common import StderrCapture as _StderrCapture, first_error as _first_error  # noqa: F401 (API)
 from agent.sensors.common import ringbuf_supported as _ringbuf_supported
-from agent.sensors.common import (check_sandbox_ids, compile_text, describe, loss_totals, map_discard, ring_pages,
-                              source_text, token_bucket, tracepoints_in, unavailable, byte_bucket)
+from agent.sensors.common import (cgroup_populated, check_sandbox_ids, compile_text, describe, loss_totals,
+                              map_discard, ring_pages, source_text, token_bucket, tracepoints_in, unavailable,
+                              byte_bucket)
 from agent.sensors.decoder import SandboxInfo, load_constants
 from agent.sensors.repeats import ENV as AGGREGATE_ENV, KINDS as AGGREGATE_KINDS, Repeats
 from agent.errors import DsecError
@@ -57,7 +58,7 @@ DEFAULT_BYTE_RATE = 8 << 20  # bytes of records per second per sandbox
 BYTE_BURST_SHARE = 8         # default byte burst: the ring buffer's size / this
 OVER_BUDGET = ("summarise", "stop")
 LABELS = ("policy_name", "policy_hash", "mode")
-REMOVAL_SETTLE_S = 0.005     # remove_sandbox: from the map removal to the ring's last consume
+REMOVAL_SETTLE_S = 0.005     # remove_sandbox of a cgroup that may still run: from the map removal to the last consume
 
 
 # ---------------------------------------------------------------- features
@@ -306,32 +307,41 @@ class AuditSensor(RingSensor):
                 cfg.agg_gen = self.repeats.gen(cgroup_id)
             self._update_cfg(cgroup_id, apply)
 
-    def remove_sandbox(self, cgroup_id: int) -> dict:
+    def remove_sandbox(self, cgroup_id: int, cgroup_path: str | None = None) -> dict:
         """Stop auditing: drain what the sandbox already emitted, report its
         losses as events_lost records, and return its totals
-        ({"emitted": {kind: n}, "lost": {reason: {kind: n}}, "lost_total": n})."""
+        ({"emitted": {kind: n}, "lost": {reason: {kind: n}}, "lost_total": n}).
+        cgroup_path: its cgroup2 directory; once that is empty (or gone), the
+        last record is known exactly (the fence below) instead of waited for."""
+        # every task gone: each has reserved (and committed) its last record already, so
+        # the ring's producer position read after this check bounds them all
+        exited = cgroup_path is not None and not cgroup_populated(cgroup_path, cgroup_id)
         with self._lock:
             self._check_open()
             if cgroup_id not in self.decoder.sandboxes:
                 return self._final(cgroup_id, "remove_sandbox")
             map_discard(self._sandboxes_map, self._sandboxes_map.Key(cgroup_id))
             removed = time.monotonic()
+            fence = self._ring_fence() if exited else None
             self._consume()
             self._decode_raw()
         # its exec records waiting for enrichment: its files read first, bounded, and
         # without the lock (unless the caller holds it: close()) so others keep decoding
         self._finish_enrichment(cgroup_id)
-        # programs already past the lookup finish (and commit their records) within
-        # microseconds: the ring is consumed again REMOVAL_SETTLE_S after the removal, and
-        # the wait holds no lock (it used to sleep under it: every other sandbox's
-        # add/step/remove and the poll thread waited with it)
-        settle = REMOVAL_SETTLE_S - (time.monotonic() - removed)
-        if settle > 0:
-            time.sleep(settle)
+        if fence is None:
+            # tasks may still run: programs already past the lookup finish (and commit their
+            # records) within microseconds: the ring is consumed again REMOVAL_SETTLE_S after
+            # the removal, and the wait holds no lock
+            settle = REMOVAL_SETTLE_S - (time.monotonic() - removed)
+            if settle > 0:
+                time.sleep(settle)
         with self._lock:
             if self._closed or cgroup_id not in self.decoder.sandboxes:
                 return self._final(cgroup_id, "remove_sandbox")     # removed meanwhile (close())
-            self._consume()
+            if fence is None:
+                self._consume()
+            else:
+                self._consume_past(fence)
             self._decode_raw()
             self._finish_enrichment_now(cgroup_id)
             state = self._read_state(cgroup_id)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import ctypes as ct
+import errno
 import logging
 import os
 import re
@@ -117,6 +118,40 @@ def cgroup2_mount() -> str | None:
     """Where the cgroup2 hierarchy is mounted (/sys/fs/cgroup/unified on hybrid
     hosts, /sys/fs/cgroup on pure v2), or None."""
     return next((where for where, fstype in _mounts() if fstype == "cgroup2"), None)
+
+
+def cgroup_populated(path: str | None, cgroup_id: int = 0) -> bool:
+    """Whether a task may still run in cgroup2 directory `path` (or below it):
+    False only when that is known not to be so -- its cgroup.events says
+    "populated 0", or the directory is gone (only an empty cgroup can be
+    removed); True otherwise (unreadable, no path, or another cgroup than
+    `cgroup_id` there now). An empty cgroup stays empty: nothing of the
+    sandbox's can run again, every task of it has passed cgroup_exit() in
+    do_exit(), and with it its last BPF program (sched_process_exit runs
+    before cgroup_exit; every program runs to its end in its task's context)."""
+    if not path:
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        if cgroup_id and os.fstat(fd).st_ino != cgroup_id:
+            return True
+        efd = os.open("cgroup.events", os.O_RDONLY, dir_fd=fd)
+        try:
+            data = os.read(efd, 4096)
+        finally:
+            os.close(efd)
+    except OSError as e:
+        # ENOENT, or ENODEV from a node the kernel is removing: removed since it was opened
+        # (it is the sandbox's: its id was checked), and only an empty cgroup is removed
+        return e.errno not in (errno.ENOENT, errno.ENODEV)
+    finally:
+        os.close(fd)
+    return b"populated 0\n" not in data
 
 
 def bpffs_mounted(path: str) -> bool:
@@ -333,6 +368,9 @@ ENRICH_WAIT_S = 5.0
 # a long-lived agent's memory does not grow with every sandbox it ever ran
 FINALS_KEPT = 256
 ENDED = "the sandbox ended before its file was read"
+# a removal's fence (RingSensor._consume_past) waits at most this long for a record in the ring
+# that is reserved and not yet committed (normally microseconds)
+FENCE_WAIT_S = 1.0
 
 
 def _u64s(arr) -> list:
@@ -377,6 +415,7 @@ class RingSensor:
         self._next_flush = 0.0
         self._closed = False
         self._reader = None             # ringbuf.RingReader, or None: BCC's callback reader
+        self.fences = 0                 # removals whose last records were known exactly (_consume_past)
         if ringbuf.supported() and os.environ.get("DSEC_RING_READER", "bulk") != "bcc":
             try:
                 self._reader = ringbuf.RingReader(ring.map_fd, int(ring.max_entries))
@@ -529,6 +568,34 @@ class RingSensor:
             self.bpf.ring_buffer_consume()
             if len(self._raw) == before:
                 return
+
+    def _ring_fence(self) -> int | None:
+        """The ring's producer position now: every record reserved so far lies
+        before it. None with BCC's reader (no positions to read)."""
+        return self._reader.producer_pos if self._reader is not None else None
+
+    def _consume_past(self, fence: int) -> bool:
+        """With the lock: consume until the consumer position has passed `fence`
+        (_ring_fence): every record reserved before it is then read, committed or
+        discarded -- the reader stops at a record still being written, so none is
+        skipped, and this waits for it (a program commits or discards what it
+        reserved before it returns: microseconds). False if FENCE_WAIT_S passed first."""
+        r = self._reader
+        deadline = None
+        while True:
+            self._consume()
+            if r.consumer_pos >= fence:
+                self.fences += 1
+                return True
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + FENCE_WAIT_S
+            elif now >= deadline:
+                log.warning("eBPF %s: a ring buffer record stayed uncommitted for %.1f s; a removed "
+                            "sandbox's last records may come after its removal (counted unattributed)",
+                            self.WHAT, FENCE_WAIT_S)
+                return False
+            time.sleep(0.0001)
 
     def _decoded(self, blob: bytes, spans) -> list:
         """Records and EnrichJobs of one chunk, in ring order: many per call

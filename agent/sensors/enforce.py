@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 from agent.sensors import bpfsys
 from agent.sensors.common import BPF_DIR, TRACEFS, RINGBUF_MISSING, RingSensor, base_missing
-from agent.sensors.common import byte_bucket
+from agent.sensors.common import byte_bucket, cgroup_populated
 from agent.sensors.common import (bpffs_mounted, cgroup2_mount, check_sandbox_ids, compile_text, describe, find_tracefs,
                               loss_totals, map_discard, ring_pages, ringbuf_supported, source_text, token_bucket,
                               tracepoint_program, tracepoints_in, unavailable)
@@ -276,19 +276,6 @@ class _Sandbox:
     adopted: int = 0                # programs of a previous agent detached from the cgroup
     sys_hooks: list = field(default_factory=list)   # "enter" | "exit": syscall programs it needs
     sock_keys: list = field(default_factory=list)   # (family, type) keys in sock_rules
-
-
-def _populated(cgroup_path: str) -> bool:
-    """Whether processes may still run in cgroup2 directory `cgroup_path` (or below it):
-    its cgroup.events says "populated 1", or it cannot be read (then assume so). A
-    cgroup that no longer exists is empty (only an empty cgroup can be removed)."""
-    try:
-        with open(os.path.join(cgroup_path, "cgroup.events"), "rb") as f:
-            return b"populated 0" not in f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
 
 
 def _mode_name(policy_mode: str, present: bool, learn_when_absent: bool = False) -> str:
@@ -594,14 +581,21 @@ class EnforcementSensor(RingSensor):
         """Stop enforcing: detach the egress programs, drain and report what is
         pending (syscall counts not yet reported, losses) and return the totals:
         {"emitted", "lost", "lost_total", "killed", "violations": {syscall: n},
-         "syscalls": {name: n} (learn), "destinations": [...] (learn)}."""
+         "syscalls": {name: n} (learn), "destinations": [...] (learn)}.
+        Once the sandbox's cgroup is empty (or gone), every record of it is read
+        (a fence: the ring's producer position read after that check)."""
         with self._lock:
             self._check_open()
             sb = self._sbx.get(cgroup_id)
             if sb is None:
                 return self._final(cgroup_id, "remove_sandbox")
+            exited = not cgroup_populated(sb.path, cgroup_id)
+            fence = self._ring_fence() if exited else None
             self._detach(sb)
-            self._consume()
+            if fence is None:
+                self._consume()
+            else:
+                self._consume_past(fence)
             self._decode_raw()
             self._flush_syscalls(cgroup_id, final=True)
             state = self._read_state(cgroup_id)
@@ -1020,7 +1014,7 @@ class EnforcementSensor(RingSensor):
         self._bump_gen()
         self._drop_sockets(sb.idx, sb.sock_keys)
         self._drop_rules(sb.idx, sb.egress_entries, sb.exec_keys)
-        if _populated(sb.path):
+        if cgroup_populated(sb.path, sb.cgroup_id):
             # processes of the sandbox may still run (and fork, and count violations): every
             # entry of the sandbox is found by a walk of the whole tables (two syscalls a key)
             for k, v in list(self._exempt.items()):     # the exempt processes and their children

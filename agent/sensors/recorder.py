@@ -10,6 +10,9 @@
     rec.wait_durable(t, timeout=5)          # True once that record and every one before it is spooled
     rec.flush(timeout=5)                    # everything queued so far (same as waiting on the last ticket)
     stats = rec.unwatch(cgroup_id)          # after the sandbox is gone: drains, reports losses
+    stats = rec.unwatch(cgroup_id, flush=False)   # ... queued only (t = rec.ticket()); then
+    rec.append_with(agent_records)          # another writer's records and the queue in one append
+    rec.make_durable(t, timeout=5)          # (or this, if that could not be done)
     rec.close()
 
 Two sensors, one per concern (Tetragon style): the audit sensor (exec, fork,
@@ -215,36 +218,81 @@ class Recorder:
             if fn in self._taps:
                 self._taps.remove(fn)
 
-    def _flush_pending(self):
+    def append_with(self, records: list[dict], on_locked=None) -> bool:
+        """`records` (another writer's on the same spool, normalized: the node agent's
+        lifecycle and sandbox records) and then every record queued here, in one durable
+        append (one fdatasync): a closing sandbox's sandbox_exit and its last kernel
+        records, queued by catch_up/unwatch(flush=False), durable together. Only when no
+        append of this recorder is under way: never waits for one (the node agent calls
+        it from its own append, which this recorder's appends may wait for at the spool's
+        gate). Returns whether `records` were appended; False: nothing of them was (the
+        lock was busy, nothing is queued here, or that append failed: then what is queued
+        here went alone, or stays queued and is retried, as ever) -- the caller appends
+        them itself. on_locked: the spool's (Spool.append_many)."""
+        try:
+            return bool(records) and self._flush_pending(before=records, on_locked=on_locked, wait=False)
+        except BaseException:  # noqa: BLE001 - ours alone failed: kept queued, logged, retried
+            return False
+
+    def ticket(self) -> int:
+        """The ticket of the last record queued so far (wait_durable, make_durable)."""
+        with self._lock:
+            return self._queued
+
+    def make_durable(self, ticket: int, timeout: float | None = None) -> bool:
+        """wait_durable(ticket), appending in this thread what is queued when no append
+        has taken it yet (as unwatch() did before it returned)."""
+        if self.wait_durable(ticket, 0):
+            return True
+        try:
+            self._flush_pending()
+        except BaseException:  # noqa: BLE001 - kept queued, logged, retried by the poll thread
+            pass
+        return self.wait_durable(ticket, timeout)
+
+    def _flush_pending(self, before: list | None = None, on_locked=None, wait: bool = True) -> bool:
         """Append what is pending to the spool. A batch leaves the queue only once
         the spool has it: an append that fails puts it back in front (in order)
         and the poll thread retries; a record the spool finds invalid (a bug
         upstream) is replaced by an events_lost record (reason invalid_record)
         instead of blocking the others. The error flag clears at the next
-        append that succeeds."""
-        with self._flush_lock:
+        append that succeeds. `before` (append_with): records to append ahead of
+        ours in the same append; returns whether they were (ours go alone if that
+        append fails). wait=False: nothing is done while another append of ours
+        is under way."""
+        if not self._flush_lock.acquire(blocking=wait):
+            return False
+        try:
             with self._lock:
                 batch, self._pending = self._pending, []
                 taps = list(self._taps)
             if not batch:
-                return
-            try:
+                return False
+            written = None
+            if before:
                 try:
-                    written = self.spool.append_many(batch)
-                except ReportedError as e:
-                    if e.code != EXIT_USAGE:
-                        raise
-                    batch = [self._valid_or_gap(r) for r in batch]
-                    written = self.spool.append_many(batch)
-            except BaseException as e:
-                with self._lock:
-                    self._pending[:0] = batch
-                if self._error is None:
-                    log.error("audit record spooling failed (%d record(s) kept queued, retried): %s",
-                              len(self._pending), e)
-                self._error = e
-                self.append_errors += 1
-                raise
+                    both = before + batch
+                    written = self.spool.append_many(both, on_locked) if on_locked else self.spool.append_many(both)
+                except BaseException:  # noqa: BLE001 - ours alone below, with the handling of every append
+                    before = None
+            if written is None:
+                try:
+                    try:
+                        written = self.spool.append_many(batch)
+                    except ReportedError as e:
+                        if e.code != EXIT_USAGE:
+                            raise
+                        batch = [self._valid_or_gap(r) for r in batch]
+                        written = self.spool.append_many(batch)
+                except BaseException as e:
+                    with self._lock:
+                        self._pending[:0] = batch
+                    if self._error is None:
+                        log.error("audit record spooling failed (%d record(s) kept queued, retried): %s",
+                                  len(self._pending), e)
+                    self._error = e
+                    self.append_errors += 1
+                    raise
             if self._error is not None:
                 log.warning("audit record spooling works again (%d failed attempt(s))", self.append_errors)
             self._error = None
@@ -254,11 +302,14 @@ class Recorder:
                 if not written:                     # dropped over the disk budget (recorded as events_lost)
                     self._dropped = self._dropped[-63:] + [(start, self._spooled)]
                 self._durable_cv.notify_all()
+        finally:
+            self._flush_lock.release()
         for fn in taps:
             try:
                 fn(batch)
             except Exception:  # noqa: BLE001 - a slow or broken listener never stops recording
                 pass
+        return bool(before)
 
     def _valid_or_gap(self, rec: dict) -> dict:
         from exporters.spool import validate_record
@@ -429,17 +480,22 @@ class Recorder:
             return {}
         return self.enforcer.syscall_counts(cgroup_id)
 
-    def catch_up(self, cgroup_id: int | None = None):
+    def catch_up(self, cgroup_id: int | None = None, flush: bool = True):
         """Decode (and enrich) everything the kernel has emitted so far; the
-        wait for exec enrichment is for `cgroup_id`'s files only when given."""
+        wait for exec enrichment is for `cgroup_id`'s files only when given.
+        flush=False: queued, not appended (the caller's next append takes them)."""
         self.sensor.drain(cgroup_id)
         if self.enforcer is not None:
             self.enforcer.drain()
-        self._flush_pending()
+        if flush:
+            self._flush_pending()
 
-    def unwatch(self, cgroup_id: int) -> dict:
+    def unwatch(self, cgroup_id: int, flush: bool = True) -> dict:
+        """Stop watching: the sensors' last records and losses queued, their
+        totals returned; appended (durable) before it returns unless flush=False
+        (then the caller makes them durable: append_with, make_durable(ticket()))."""
         w = self._watched.pop(cgroup_id, None)
-        stats = self.sensor.remove_sandbox(cgroup_id)
+        stats = self.sensor.remove_sandbox(cgroup_id, cgroup_path=w and w["path"])
         if w:
             self.init_pids.pop(w["sandbox_id"], None)
             stats = dict(stats)
@@ -453,10 +509,11 @@ class Recorder:
         if w:
             self._add_summaries(self.denials.flush(w["sandbox_id"]))
             self.roots.remove(w["sandbox_id"])
-        try:
-            self._flush_pending()
-        except BaseException:  # noqa: BLE001 - reported just below; the records stay queued
-            pass
+        if flush:
+            try:
+                self._flush_pending()
+            except BaseException:  # noqa: BLE001 - reported just below; the records stay queued
+                pass
         err = self._error or self._poll_error
         if err:
             raise DsecError(f"audit pipeline failed: {err} (records kept queued and retried)")

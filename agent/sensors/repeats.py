@@ -25,7 +25,8 @@ the sandbox holds half its share of the table) and read a last time, then
 deleted, once RETIRE_SETTLE_S has passed -- the programs that read the old
 generation finish within microseconds, the same bound remove_sandbox's settle
 relies on; at the sandbox's end every entry of it is read and deleted after
-that settle. What the summaries reported is then checked against the kernel's
+that settle, or, its cgroup empty, after the removal's fence (every task gone:
+no program of it can count any more). What the summaries reported is then checked against the kernel's
 own count of the occurrences it counted (dsec_state.aggregated): a difference
 is reported as events_lost (reason aggregate_unreported), never silent.
 """

@@ -95,7 +95,7 @@ def policy_text(policy) -> str | None:
 class SandboxWatch:
     def __init__(self, rec, spec, labels: dict | None = None, *, emit=None, start_extra: dict | None = None,
                  sensor_labels: dict | None = None, defer_start: bool = False, raise_errors: bool = True,
-                 created_ns: int | None = None):
+                 created_ns: int | None = None, flush: bool = True):
         self.rec = rec                      # agent.sensors.recorder.Recorder, or None: not audited
         self.spec = spec
         self.labels = dict(labels or {})
@@ -104,6 +104,11 @@ class SandboxWatch:
         self.sensor_labels = dict(sensor_labels or {})
         self.defer_start = defer_start
         self.raise_errors = raise_errors
+        # False: the catch-up's and the watch end's records are queued, not appended; the caller
+        # makes them durable (the node agent: with its close's records, Recorder.append_with, or
+        # make_durable(self.ticket))
+        self.flush = flush
+        self.ticket = 0                     # the recorder's ticket once the watch has ended
         self.sandbox_id = spec.sandbox_id
         self.cgroup_id = 0
         self.watched = False
@@ -227,7 +232,7 @@ class SandboxWatch:
 
     def on_workload_exit(self, sandbox_id):
         if self.watched:
-            self.rec.catch_up(self.cgroup_id)
+            self.rec.catch_up(self.cgroup_id, flush=self.flush)
 
     def unwatch(self) -> dict:
         """Stop watching (the sandbox is gone, or never started): the sensors' totals."""
@@ -235,7 +240,8 @@ class SandboxWatch:
             return self.stats
         self.watched = False
         try:
-            self.stats = self.rec.unwatch(self.cgroup_id)
+            self.stats = self.rec.unwatch(self.cgroup_id, flush=self.flush)
+            self.ticket = self.rec.ticket()
         except ReportedError as e:
             if self.raise_errors:
                 raise
