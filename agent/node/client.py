@@ -660,7 +660,8 @@ class Client:
         "phases": {name: {...}}, "initial_phase"}), auto_snapshot ({"every_steps": k, "retention": n}:
         this sandbox's automatic snapshots instead of the agent's `snapshots` config; every_steps 0 =
         none). wait=True returns once it runs (a queued request
-        waits its turn, up to `timeout` seconds); SandboxFailed if it could not start."""
+        waits its turn, up to `timeout` seconds: then AgentError DEADLINE_EXCEEDED, and the agent
+        closes the request); SandboxFailed if it could not start."""
         req = _create_request(wait=wait, **spec)
         m = self._unary("CreateSandbox", req, timeout=timeout if wait else None)
         info = _info(m)
