@@ -184,7 +184,10 @@ def run_once(agent, request, call) -> "pb.RunOnceReply":
               max(0, (agent.cfg.limits.max_message_bytes - (256 << 10)) // 2))
     start = _start_dict(request.exec)
     check_exec(dict(start, sandbox_id="-"))     # a bad step is refused before any sandbox is made
-    rec = agent.create(create_dict(request.create), caller)
+    # its records need not be durable before the step: nobody learns of the sandbox before the
+    # reply, which waits for the close's append (FIFO: theirs first); the step's events wait for
+    # them at the recorder's gate, as after a step's start (docs/agent.md "When a step's records")
+    rec = agent.create(create_dict(request.create), caller, durable=False)
     info, timed_out = agent.wait(rec.id, "running", call.time_remaining(), call.is_active, caller)
     reply = pb.RunOnceReply()
     if timed_out and _past_deadline(call):  # still queued at the call's deadline: a one-shot run ends
