@@ -210,8 +210,8 @@ def test_bad_frames_are_refused_clearly_and_the_agent_keeps_serving(agent, clien
         f = read_frame(s)
         assert f is not None and f[0] == "E", f
         err = loads(f[1])
-        assert err["code"] == "INVALID_ARGUMENT" and ("frame of" in err["message"] or "expected a step (X)"
-                                                      in err["message"]), err
+        assert err["code"] == "INVALID_ARGUMENT" and ("frame of" in err["message"] or "expected a step (X) or a "
+                                                      "call (U)" in err["message"]), err
         assert read_frame(s) is None
         s.close()
         s = _conn(agent)
@@ -221,7 +221,7 @@ def test_bad_frames_are_refused_clearly_and_the_agent_keeps_serving(agent, clien
     s = _conn(agent)
     _send(s, b"Z", b"")                                 # a first frame neither R nor X
     f = read_frame(s)
-    assert f[0] == "E" and "a request (R) or a step (X), got 'Z'" in loads(f[1])["message"]
+    assert f[0] == "E" and "a request (R), a step (X) or a call (U), got 'Z'" in loads(f[1])["message"]
     s.close()
     assert sb.exec(["true"]).code == 0                  # the SDK's own connection still serves
     sb.close()

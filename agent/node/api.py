@@ -22,8 +22,10 @@ from agent.node.proto import pb, pb_grpc  # sets GRPC_ENABLE_FORK_SUPPORT=0 befo
 
 import grpc  # noqa: E402
 
+from agent.node import calls  # noqa: E402
+from agent.node.calls import (RUN_ONCE_OUTPUT, _exit_message, _policy, _res_msg, _start_dict,  # noqa: E402,F401
+                              create_dict, info_message, window_message)
 from agent.node.daemon import Agent, ApiError, to_json  # noqa: E402
-from agent.node.requests import check_exec  # noqa: E402
 from agent.errors import DsecError, ReportedError  # noqa: E402
 
 log = logging.getLogger("dsec.agent.node.api")
@@ -37,64 +39,6 @@ def _abort(context, e: ApiError):
     context.abort(_code(e.code), e.message)
 
 
-def _policy(msg) -> dict:
-    if not msg.HasField("policy"):
-        return {}
-    p = msg.policy
-    which = p.WhichOneof("source")
-    return {"name": p.name if which == "name" else None, "yaml": p.yaml if which == "yaml" else None,
-            "mode": p.mode, "source_name": p.source_name}
-
-
-def info_message(info: dict) -> "pb.SandboxInfo":
-    m = pb.SandboxInfo(
-        sandbox_id=info["sandbox_id"], state=info["state"], reason=info.get("reason") or "",
-        priority=info.get("priority") or "",
-        resources=pb.Resources(cpus=info.get("cpus") or 0.0, memory_bytes=info.get("memory") or 0,
-                               pids=info.get("pids") or 0),
-        labels=info.get("labels") or {}, policy_name=info.get("policy_name", ""),
-        policy_hash=info.get("policy_hash", ""), mode=info.get("mode", ""), network=info.get("network", ""),
-        created_ns=info.get("created_ns", 0), admitted_ns=info.get("admitted_ns", 0),
-        started_ns=info.get("started_ns", 0), ended_ns=info.get("ended_ns", 0),
-        queued_seconds=info.get("queued_seconds") or 0.0, steps=info.get("steps", 0), warm=info.get("warm", False),
-        waiting=info.get("waiting") or "", queue_position=info.get("queue_position", -1),
-        preempted_for=info.get("preempted_for") or "", node=info.get("node", ""),
-        cgroup_id=info.get("cgroup_id", 0), warm_profile=info.get("warm_profile") or "",
-        image=info.get("image") or "", image_digest=info.get("image_digest") or "",
-        frozen=bool(info.get("frozen")))
-    if info.get("window"):
-        w = info["window"]
-        m.phase = w.get("phase") or ""
-        m.window.CopyFrom(window_message(w))
-    if info.get("summary") is not None:
-        m.summary_json = json.dumps(info["summary"], ensure_ascii=True, default=str)
-    return m
-
-
-# ---------------------------------------------------------------- live resources (issue 20)
-
-def _res_msg(r: dict) -> "pb.Resources":
-    return pb.Resources(cpus=r.get("cpus") or 0.0, memory_bytes=r.get("memory") or 0, pids=r.get("pids") or 0)
-
-
-def window_message(w: dict) -> "pb.ResourceWindow":
-    m = pb.ResourceWindow(base=_res_msg(w["base"]), peak=_res_msg(w["peak"]), phase=w.get("phase") or "")
-    for name, r in (w.get("phases") or {}).items():
-        m.phases[name].CopyFrom(_res_msg(r))
-    return m
-
-
-def _window(request) -> dict | None:
-    if not request.HasField("window"):
-        return None
-    w = request.window
-
-    def res(r):
-        return {"cpus": r.cpus, "memory_bytes": r.memory_bytes}
-    return {"base": res(w.base) if w.HasField("base") else None, "peak": res(w.peak) if w.HasField("peak") else None,
-            "phases": {k: res(v) for k, v in w.phases.items()}, "initial_phase": w.initial_phase}
-
-
 def event_message(r: dict) -> "pb.EventMessage":
     return pb.EventMessage(event=pb.AuditEvent(
         json=to_json(r), sandbox_id=r.get("sandbox_id") or "", kind=r.get("kind") or "",
@@ -102,55 +46,22 @@ def event_message(r: dict) -> "pb.EventMessage":
         event_id=r.get("event_id") or ""))
 
 
-def create_dict(request) -> dict:
-    """A CreateSandboxRequest as agent.create's `req` (also dsec run's socket: agent/node/runsock.py)."""
-    res = request.resources
-    return {"sandbox_id": request.sandbox_id,
-            "resources": {"cpus": res.cpus, "memory_bytes": res.memory_bytes, "pids": res.pids},
-            "priority": request.priority, "policy": _policy(request), "rootfs": request.rootfs,
-            "network": request.network, "labels": dict(request.labels),
-            "env": [(e.name, e.value) for e in request.env], "workdir": request.workdir,
-            "user": request.user, "lifetime_seconds": request.lifetime_seconds,
-            "grace_seconds": request.grace_seconds, "keep": request.keep,
-            "over_budget": request.over_budget, "no_audit": request.no_audit, "no_warm": request.no_warm,
-            "image": request.image, "volumes": [(v.host_path, v.sandbox_path, v.read_write)
-                                                for v in request.volumes],
-            "from_snapshot": request.from_snapshot, "window": _window(request),
-            "auto_snapshot": ({"every_steps": request.auto_snapshot.every_steps,
-                               "retention": request.auto_snapshot.retention}
-                              if request.HasField("auto_snapshot") else None)}
-
-
-def _start_dict(s) -> dict:
-    """An ExecStart message as agent.exec_step's `start`."""
-    return {"sandbox_id": s.sandbox_id, "argv": list(s.argv), "env": [(e.name, e.value) for e in s.env],
-            "workdir": s.workdir, "stdin": s.stdin, "close_stdin": s.close_stdin,
-            "timeout_seconds": s.timeout_seconds, "grace_seconds": s.grace_seconds,
-            "close_after": s.close_after, "wait_export": s.wait_export, "no_started": s.no_started}
-
-
-RUN_ONCE_OUTPUT = 4 << 20          # RunOnce keeps this much of each stream unless asked otherwise
-
-
-def _exit_message(ex: dict) -> "pb.ExitStatus":
-    st = pb.ExitStatus(step=ex["step"], code=ex["code"], signal=ex["signal"] or 0,
-                       timed_out=ex["timed_out"], oom_killed=bool(ex["oom_killed"]),
-                       error=ex["error"] or "", wall_ms=ex["wall_ms"] or 0, cpu_ms=ex["cpu_ms"] or 0,
-                       max_rss_bytes=ex["max_rss_bytes"] or 0, sandbox_state=ex["sandbox_state"],
-                       sandbox_reason=ex["sandbox_reason"] or "", preempted=ex["preempted"],
-                       final=bool(ex.get("final")), error_code=ex.get("error_code") or "",
-                       error_message=ex.get("error_message") or "")
-    if ex.get("exit_code") is not None:
-        st.exit_code = ex["exit_code"]
-    if ex.get("summary") is not None:
-        st.summary_json = json.dumps(ex["summary"], ensure_ascii=True, default=str)
-    return st
-
-
 def _deadline(context):
     def remaining():
         return context.time_remaining()
     return remaining
+
+
+class GrpcCall:
+    """A gRPC call as agent/node/calls.py's handlers see their caller's call."""
+    __slots__ = ("caller", "is_active", "time_remaining", "add_callback")
+    hangup = -1
+
+    def __init__(self, context, caller):
+        self.caller = caller
+        self.is_active = context.is_active
+        self.time_remaining = context.time_remaining
+        self.add_callback = context.add_callback
 
 
 class AgentServicer(pb_grpc.AgentServicer):
@@ -164,29 +75,17 @@ class AgentServicer(pb_grpc.AgentServicer):
     # every handler: ApiError -> status; anything else -> INTERNAL with one line (logged in full)
     def _call(self, context, fn, *args):
         try:
-            return fn(*args)
+            return calls.invoke(fn, *args)
         except ApiError as e:
             _abort(context, e)
-        except ReportedError as e:
-            _abort(context, ApiError("FAILED_PRECONDITION", e.message))
-        except Exception as e:  # noqa: BLE001
-            log.exception("internal error")
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+    def _unary(self, name, request, context):
+        """One of the calls the run socket's frames also carry (agent/node/calls.py): the same body."""
+        return self._call(context, calls.HANDLERS[name].fn, self.agent, request,
+                          GrpcCall(context, self._caller(context)))
 
     def CreateSandbox(self, request, context):
-        def run():
-            req = create_dict(request)
-            caller = self._caller(context)
-            rec = self.agent.create(req, caller)
-            if request.wait_running:
-                rem = context.time_remaining()
-                info, timed_out = self.agent.wait(rec.id, "running", rem if rem is not None else None,
-                                                  context.is_active, caller)
-                m = info_message(info)
-                m.timed_out = timed_out
-                return m
-            return info_message(self.agent.info(rec))
-        return self._call(context, run)
+        return self._unary("CreateSandbox", request, context)
 
     def Exec(self, request_iterator, context):
         try:
@@ -237,82 +136,19 @@ class AgentServicer(pb_grpc.AgentServicer):
             _abort(context, ApiError("FAILED_PRECONDITION", e.message))
 
     def RunOnce(self, request, context):
-        """CreateSandbox(wait_running) + ExecOnce(close_after) in one unary call (as
-        agent/node/runsock.py does for `dsec run`): the output is kept up to the cap."""
-        def run():
-            if request.exec.sandbox_id:
-                raise ApiError("INVALID_ARGUMENT", "exec.sandbox_id: must be empty in RunOnce (the sandbox is "
-                                                   "named by create.sandbox_id)")
-            caller = self._caller(context)
-            cap = min(request.max_output_bytes or RUN_ONCE_OUTPUT,
-                      max(0, (self.agent.cfg.limits.max_message_bytes - (256 << 10)) // 2))
-            start = _start_dict(request.exec)
-            check_exec(dict(start, sandbox_id="-"))     # a bad step is refused before any sandbox is made
-            a = self.agent
-            rec = a.create(create_dict(request.create), caller)
-            rem = context.time_remaining()
-            info, timed_out = a.wait(rec.id, "running", rem, context.is_active, caller)
-            reply = pb.RunOnceReply()
-            if not context.is_active():         # the caller went away before its sandbox ran: it ends
-                a.close(rec.id)
-                return reply
-            if timed_out:                       # still queued at the call's deadline: a one-shot run ends
-                a.close(rec.id)
-                raise ApiError("DEADLINE_EXCEEDED", f"sandbox {rec.id} was still {info.get('state')} at the "
-                                                    f"call's deadline: closed")
-            reply.sandbox.CopyFrom(info_message(info))
-            if info.get("state") != "running":  # failed (or ended) before its step: the SDK raises
-                return reply
-            start.update(sandbox_id=rec.id, close_stdin=True, close_after=True)
-            kept = {"stdout": bytearray(), "stderr": bytearray()}
-            dropped = {"stdout": 0, "stderr": 0}
-            try:
-                for item in a.exec_step(start, None, context.add_callback, _deadline(context), caller):
-                    kind = item[0]
-                    if kind in kept:
-                        buf, data = kept[kind], item[1]
-                        room = cap - len(buf)
-                        buf += data[:max(room, 0)]
-                        dropped[kind] += max(len(data) - max(room, 0), 0)
-                    elif kind == "exit":
-                        reply.exit.CopyFrom(_exit_message(item[1]))
-            except ApiError as e:
-                if not reply.HasField("exit"):
-                    raise
-                reply.error_code, reply.error_message = e.code, e.message    # stopped under the step
-            finally:
-                if not reply.HasField("exit"):  # no step ran to its end here (refused, cancelled): it ends
-                    try:
-                        a.close(rec.id)
-                    except (ApiError, ReportedError):
-                        pass
-            reply.stdout, reply.stderr = bytes(kept["stdout"]), bytes(kept["stderr"])
-            reply.stdout_dropped_bytes, reply.stderr_dropped_bytes = dropped["stdout"], dropped["stderr"]
-            return reply
-        return self._call(context, run)
+        return self._unary("RunOnce", request, context)
 
     def Wait(self, request, context):
-        def run():
-            info, timed_out = self.agent.wait(request.sandbox_id, request.until,
-                                              request.timeout_seconds or context.time_remaining(),
-                                              context.is_active, self._caller(context))
-            m = info_message(info)
-            m.timed_out = timed_out
-            return m
-        return self._call(context, run)
+        return self._unary("Wait", request, context)
 
     def Kill(self, request, context):
-        return self._call(context, lambda: info_message(self.agent.kill(
-            request.sandbox_id, request.grace_seconds if request.HasField("grace_seconds") else None,
-            request.reason, context.is_active, self._caller(context))))
+        return self._unary("Kill", request, context)
 
     def CloseSandbox(self, request, context):
-        return self._call(context, lambda: info_message(self.agent.close(request.sandbox_id, context.is_active,
-                                                                         self._caller(context))))
+        return self._unary("CloseSandbox", request, context)
 
     def Get(self, request, context):
-        return self._call(context, lambda: info_message(self.agent.info(
-            self.agent.lookup(request.sandbox_id, self._caller(context), "Get"))))
+        return self._unary("Get", request, context)
 
     def List(self, request, context):
         return self._call(context, lambda: pb.ListResponse(sandboxes=[

@@ -403,6 +403,26 @@ def _step_error(e, out: bytearray, err: bytearray, result) -> AgentError:
     return _status_error(e.code, e.message, result)
 
 
+# the calls the run socket's frames carry (agent/node/callsock.py); the others are gRPC's
+_FRAMED = frozenset(("CreateSandbox", "RunOnce", "Wait", "Kill", "CloseSandbox", "Get"))
+
+
+def _call_frame(conns, method: str, req, timeout) -> bytes | None:
+    """The call as a U frame when it can go over the run socket (a unix-socket agent that serves
+    calls there, one of _FRAMED), else None (gRPC)."""
+    if conns is None or not conns.calls or method not in _FRAMED:
+        return None
+    from agent.node.stepclient import call_request
+    return call_request(method, req.SerializeToString(), timeout)
+
+
+def _call_reply(method: str, payload: bytes):
+    """A U call's reply bytes as the message gRPC's stub returns for `method`."""
+    from agent.node.proto import pb
+    out = pb.DESCRIPTOR.services_by_name["Agent"].methods_by_name[method].output_type
+    return getattr(pb, out.name).FromString(payload)
+
+
 def _exec_item(m, out: bytearray, err: bytearray):
     """One ExecOutput message -> ("started", step) | ("stdout"|"stderr", bytes) | ("exit", ExecResult);
     output is also appended to out/err."""
@@ -597,9 +617,23 @@ class Client:
         self._connect()
 
     def _unary(self, method, req, timeout=None):
+        return self._call(method, req, timeout if timeout is not None else self.timeout)
+
+    def _call(self, method, req, timeout):
+        """One unary call (timeout: its deadline, None = none): over the run socket's frames when
+        it can go there (agent/node/callsock.py), else gRPC; either way the same reply or error."""
+        frame = _call_frame(self._steps, method, req, timeout)
+        if frame is not None:
+            from agent.node.stepclient import StepError, Unsupported, run_call
+            try:
+                return _call_reply(method, run_call(self._steps, frame, timeout))
+            except Unsupported:
+                pass                    # nothing ran: gRPC below
+            except StepError as e:
+                raise _status_error(e.code, e.message) from None
         self._connect()
         try:
-            return getattr(self.stub, method)(req, timeout=timeout if timeout is not None else self.timeout)
+            return getattr(self.stub, method)(req, timeout=timeout)
         except Exception as e:  # noqa: BLE001
             raise _convert(e) from None
 
@@ -626,7 +660,8 @@ class Client:
         "phases": {name: {...}}, "initial_phase"}), auto_snapshot ({"every_steps": k, "retention": n}:
         this sandbox's automatic snapshots instead of the agent's `snapshots` config; every_steps 0 =
         none). wait=True returns once it runs (a queued request
-        waits its turn, up to `timeout` seconds); SandboxFailed if it could not start."""
+        waits its turn, up to `timeout` seconds: then AgentError DEADLINE_EXCEEDED, and the agent
+        closes the request); SandboxFailed if it could not start."""
         req = _create_request(wait=wait, **spec)
         m = self._unary("CreateSandbox", req, timeout=timeout if wait else None)
         info = _info(m)
@@ -646,13 +681,14 @@ class Client:
         req = _run_once_request(argv, stdin=stdin, timeout=timeout, grace=grace, wait_export=wait_export,
                                 max_output=max_output, **spec)
         if not self._no_run_once:
-            self._connect()
             try:
-                return _run_once_result(self.stub.RunOnce(req, timeout=call_timeout))
-            except Exception as e:  # noqa: BLE001
-                if not _unimplemented(e):
-                    raise _convert(e) from None
+                m = self._call("RunOnce", req, call_timeout)
+            except AgentError as e:
+                if e.status != "UNIMPLEMENTED":
+                    raise
                 self._no_run_once = True
+            else:
+                return _run_once_result(m)
         sb = self.create(timeout=call_timeout, **spec)
         r = self.exec(sb.id, argv, stdin=stdin, timeout=timeout, grace=grace, close_after=True,
                       wait_export=wait_export)
@@ -999,10 +1035,23 @@ class AsyncClient:
                                                   f"(is `dsec agent` running?)") from None
         self._ready = True
 
-    async def _unary(self, method, req, timeout=None):
+    async def _unary(self, method, req, timeout=None, orphan=None):
+        return await self._call(method, req, timeout if timeout is not None else self.timeout, orphan)
+
+    async def _call(self, method, req, timeout, orphan=None):
+        """As Client._call. orphan: see stepclient.run_call_async (a cancelled create's sandbox)."""
+        frame = _call_frame(self._steps, method, req, timeout)
+        if frame is not None:
+            from agent.node.stepclient import StepError, Unsupported, run_call_async
+            try:
+                return _call_reply(method, await run_call_async(self._steps, frame, timeout, orphan))
+            except Unsupported:
+                pass                    # nothing ran: gRPC below
+            except StepError as e:
+                raise _status_error(e.code, e.message) from None
         await self._connect()
         try:
-            return await getattr(self.stub, method)(req, timeout=timeout if timeout is not None else self.timeout)
+            return await getattr(self.stub, method)(req, timeout=timeout)
         except Exception as e:  # noqa: BLE001
             raise _convert(e) from None
 
@@ -1020,9 +1069,16 @@ class AsyncClient:
 
     # -- sandboxes
     async def create(self, *, wait: bool = True, timeout: float | None = None, **spec) -> "AsyncSandbox":
-        """As Client.create (same spec keywords, same errors)."""
+        """As Client.create (same spec keywords, same errors). A task cancelled while it awaits
+        the sandbox leaves none behind: the agent closes it, or this client does if its reply
+        was on its way."""
         req = _create_request(wait=wait, **spec)
-        info = _info(await self._unary("CreateSandbox", req, timeout=timeout if wait else None))
+
+        async def orphan(payload):
+            left = _info(_call_reply("CreateSandbox", payload))
+            if not left.ended:
+                await self.close_sandbox(left.sandbox_id)
+        info = _info(await self._unary("CreateSandbox", req, timeout=timeout if wait else None, orphan=orphan))
         if info.state == "failed":
             raise SandboxFailed("FAILED_PRECONDITION", f"sandbox {info.sandbox_id} failed: {info.reason}",
                                 info.reason)
@@ -1038,13 +1094,14 @@ class AsyncClient:
         req = _run_once_request(argv, stdin=stdin, timeout=timeout, grace=grace, wait_export=wait_export,
                                 max_output=max_output, **spec)
         if not self._no_run_once:
-            await self._connect()
             try:
-                return _run_once_result(await self.stub.RunOnce(req, timeout=call_timeout))
-            except Exception as e:  # noqa: BLE001
-                if not _unimplemented(e):
-                    raise _convert(e) from None
+                m = await self._call("RunOnce", req, call_timeout)
+            except AgentError as e:
+                if e.status != "UNIMPLEMENTED":
+                    raise
                 self._no_run_once = True
+            else:
+                return _run_once_result(m)
         sb = await self.create(timeout=call_timeout, **spec)
         r = await self.exec(sb.id, argv, stdin=stdin, timeout=timeout, grace=grace, close_after=True,
                             wait_export=wait_export)

@@ -753,10 +753,13 @@ class Agent:
 
     # ================================================================ requests: create
 
-    def create(self, req: dict, caller=ADMIN) -> SandboxRecord:
+    def create(self, req: dict, caller=ADMIN, durable: bool = True) -> SandboxRecord:
         """Validate, authorise (agent/node/authz.py), load the policy, queue (or take
         a warm sandbox). `req` holds the CreateSandboxRequest fields as Python values
-        (see api.py)."""
+        (see api.py). Returns once the records of the request (requested, a warm claim's
+        started and sandbox_start) are durable; durable=False (a one-shot run, whose
+        reply waits for its close's append, and which tells nobody the sandbox before
+        that): their place is reserved instead (_reserve_emits), as a step's start does."""
         from agent.sandbox import launcher
         from agent.sandbox.launcher import SandboxSpec
         from policies.compile import ebpf_concerns
@@ -804,7 +807,7 @@ class Agent:
                 rec = self.warm.try_claim_locked(key, fields)
                 if rec is not None:
                     self._changed_locked(rec)
-                    return self._created(rec)
+                    return self._created(rec, durable)
         spec = SandboxSpec(argv=[], sandbox_id=sid or launcher.new_sandbox_id(), cpus=quota, memory=memory,
                            pids=pids, grace=grace, rootfs=rootfs, network=network, env=env, workdir=workdir,
                            user=user, keep=bool(req.get("keep")), policy=policy, volumes=vols,
@@ -830,7 +833,7 @@ class Agent:
                 except ReportedError as e:
                     raise _bad(e.message) from None
             return self._submit_created(spec, sid, labels, priority, acc_cpus, memory, pids, audit,
-                                        over_budget, lifetime, grace, win)
+                                        over_budget, lifetime, grace, win, durable)
         except BaseException:
             if getattr(spec, "lease", None) and os.path.exists(spec.lease):
                 os.unlink(spec.lease)        # never created: its layers are not held
@@ -846,7 +849,7 @@ class Agent:
                                                  f"(limits.max_sandboxes)")
 
     def _submit_created(self, spec, sid, labels, priority, acc_cpus, memory, pids, audit, over_budget,
-                        lifetime, grace, win=None):
+                        lifetime, grace, win=None, durable=True):
         from agent.sandbox import launcher
         from agent.node.scheduler import Request
         with self._lock:
@@ -875,7 +878,7 @@ class Agent:
                     raise ApiError("ALREADY_EXISTS", reason)
                 raise _bad(reason)
             self._after_sched_locked(dec.actions)
-        return self._created(rec)
+        return self._created(rec, durable)
 
     @staticmethod
     def _request_extra(rec: SandboxRecord) -> dict:
@@ -888,8 +891,11 @@ class Agent:
                 "volumes": [v.to_dict() for v in sp.volumes] or None,
                 "window": rec.window.to_dict() if rec.window else None}
 
-    def _created(self, rec):
-        self._flush_emits()
+    def _created(self, rec, durable: bool = True):
+        if durable:
+            self._flush_emits()
+        else:
+            self._reserve_emits()
         return rec
 
     # ================================================================ lookups

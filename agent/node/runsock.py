@@ -1,6 +1,7 @@
 """The agent's side of `dsec run`'s own socket (protocol: agent/node/runclient.py):
 a connection that opens with R is CreateSandbox (wait until it runs) + one Exec with
-close_after; one that opens with X carries the SDK's steps (agent/node/stepsock.py).
+close_after; one that opens with X or U carries the SDK's steps (agent/node/stepsock.py)
+and calls (agent/node/callsock.py).
 Both go through the same agent calls as the gRPC API (agent/node/api.py), so the
 checks, the audit records and what is durable before the reply are the same. Root
 only: the socket is created 0600 like the gRPC one, and a peer whose SO_PEERCRED uid
@@ -106,9 +107,9 @@ class RunSocketService:
             if first is None:
                 return
             kind, payload = first
-            if kind == "X":             # the SDK's steps, as many as the connection carries
+            if kind in ("X", "U"):      # the SDK's steps and calls, as many as the connection carries
                 from agent.node.stepsock import serve_steps
-                serve_steps(self.agent, c, w, payload, "unix:" + self.path)
+                serve_steps(self.agent, c, w, kind, payload, "unix:" + self.path)
                 return
             calls.begin()
             counted = True
@@ -155,7 +156,7 @@ class RunSocketService:
     def _one(self, c, w, kind: str, payload: bytes):
         from agent.node.client import AgentError, _create_request
         if kind != "R":
-            raise ProtocolError(f"the first frame must be a request (R) or a step (X), got {kind!r}")
+            raise ProtocolError(f"the first frame must be a request (R), a step (X) or a call (U), got {kind!r}")
         try:
             req = json.loads(payload)
             create, ex = dict(req["create"]), dict(req["exec"])

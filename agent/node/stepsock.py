@@ -5,7 +5,7 @@ that opens with an `X` frame carries steps, one after another, for as long as th
 keeps it; each step goes through the same agent call as a gRPC Exec (agent/node/steps.py
 exec_step: the same checks, authorisation, audit records, result and cancellation).
 
-    serve_steps(agent, conn, FrameWriter(conn), first_payload, peer)   # runsock, on an X frame
+    serve_steps(agent, conn, FrameWriter(conn), "X", first_payload, peer)   # runsock, on an X or U frame
 
 Frames as runclient.py's (one byte kind, four bytes big-endian length, payload).
   client -> agent: X a step: a JSON object, then optionally a NUL byte and the step's whole
@@ -17,7 +17,8 @@ Frames as runclient.py's (one byte kind, four bytes big-endian length, payload).
   agent -> client: S started (JSON: step, ts_ns), o stdout, e stderr (chunks as they come),
                    x exit (JSON: ExitStatus's fields, `final`, and `summary` for close_after),
                    E error (JSON: code, message) when the step was refused or failed before
-                   its exit. After x or E the connection takes the next X; a request that
+                   its exit. After x or E the connection takes the next X (or a call, U:
+                   agent/node/callsock.py); a request that
                    cannot be read (a frame over the limit or cut short, another kind of
                    frame) gets an E and the connection is closed.
 The client going away (its connection hung up) while its step waits or runs cancels the
@@ -38,24 +39,36 @@ _FIELDS = {"sandbox_id": str, "argv": list, "env": list, "workdir": str, "timeou
            "grace": (int, float), "close_after": bool, "wait_export": bool, "started": bool}
 
 
-def serve_steps(agent, c, w, payload: bytes, peer: str) -> None:
-    """Serve the steps of one connection, the first one's X payload given; returns when the
-    client closes it. Raises ProtocolError (the caller answers E and closes) and OSError."""
+def serve_steps(agent, c, w, kind: str, payload: bytes, peer: str) -> None:
+    """Serve the steps (X) and calls (U, agent/node/callsock.py) of one connection, the first
+    frame given; returns when the client closes it. Raises ProtocolError (the caller answers
+    E and closes) and OSError."""
+    from agent.node.callsock import serve_call
     caller = agent.authz.caller(peer, [])           # the root-only unix socket: as its gRPC callers
     limit = min(MAX_FRAME, agent.cfg.limits.max_message_bytes)
     hangup = c.fileno()
     while True:
-        agent.calls.begin()         # a step in flight (an idle connection is no call: --idle-exit)
+        created = None
+        agent.calls.begin()         # a step or call in flight (an idle connection is none: --idle-exit)
         try:
-            _step(agent, w, payload, caller, limit, hangup)
+            if kind == "X":
+                _step(agent, w, payload, caller, limit, hangup)
+            else:
+                created = serve_call(agent, w, payload, caller, limit, hangup)
         finally:
             agent.calls.end()
-        f = read_frame(c)
+        try:
+            f = read_frame(c)
+        except ConnectionResetError:
+            if created:             # the client closed with the create's reply unread: nobody holds it
+                from agent.node.calls import close_quietly
+                close_quietly(agent, created)
+            raise
         if f is None:
             return
         kind, payload = f
-        if kind != "X":
-            raise ProtocolError(f"expected a step (X), got a frame of kind {kind!r}")
+        if kind not in ("X", "U"):
+            raise ProtocolError(f"expected a step (X) or a call (U), got a frame of kind {kind!r}")
 
 
 def parse_step(payload: bytes, limit: int) -> dict:
