@@ -491,6 +491,42 @@ def test_a_closed_sandbox_s_state_leaves_at_once_and_the_trash_empties(sid, tmp_
     assert not left.exists()
 
 
+DEEP_TREE = """
+import os
+os.chdir("/workspace")
+for i in range(2500):                     # deeper than Python's recursion limit and than PATH_MAX
+    os.mkdir("d"); os.chdir("d")
+open("leaf", "w").close()
+"""
+
+
+def test_a_tree_deeper_than_the_recursion_limit_is_listed_and_removed(sid):
+    """A workload's 2,500-deep directory chain (one mkdir + chdir loop): on main the close's
+    change manifest raised RecursionError (os.walk) and the trash thread died on it
+    (shutil.rmtree), leaving this and every later sandbox's state directory behind. Now the
+    manifest lists what it can reach and says where it stopped; the tree is removed."""
+    from agent.sandbox import launcher, trash
+    from agent.sandbox.launcher import Sandbox, SandboxSpec
+    sb = Sandbox(SandboxSpec(argv=[], sandbox_id=sid)).start()
+    try:
+        r = sb.exec(["python3", "-I", "-c", DEEP_TREE], timeout=120)
+    finally:
+        summary = sb.close()
+    assert r.exit_code == 0, r.error
+    deep = [c for c in summary["changes"] if "not_walked" in c]
+    assert len(deep) == 1 and deep[0]["path"].startswith("/workspace/d/d/"), deep
+    assert summary["changes_truncated"] is True
+    walked = [c for c in summary["changes"] if c["path"].startswith("/workspace/d")]
+    assert len(walked) > 1000                       # every level down to where paths get too long
+    assert trash.drain(60)
+    tdir = trash.trash_dir(launcher.SANDBOX_DIR)
+    assert not [n for n in os.listdir(tdir) if n.startswith(sid + "-")]
+    after = Sandbox(SandboxSpec(argv=[], sandbox_id=sid)).start()      # the thread still removes
+    after.close()
+    assert trash.drain(30)
+    assert not [n for n in os.listdir(tdir) if n.startswith(sid + "-")]
+
+
 def test_an_egress_sandbox_s_link_goes_off_the_close_s_path_and_its_id_waits(sid):
     """teardown_later (the node agent's): an egress sandbox's host link is removed by
     trash.py's thread after close returns. Until then the sandbox is live to gc (its state

@@ -28,10 +28,10 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import time
 
 
+from agent.sandbox import trees
 from agent.sandbox.gclock import gc_lock as _gc_lock
 
 
@@ -128,7 +128,7 @@ def _remove(found: dict | None = None, *, dry_run: bool = False, final: bool = T
         out["failed"] += len(left)
         netns.teardown(sid)
         if os.path.isdir(sd) and not left:
-            shutil.rmtree(sd, ignore_errors=True)
+            trees.remove(sd)
             item["state_removed"] = sd
     if not dry_run:
         from agent.sandbox import trash

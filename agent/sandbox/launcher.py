@@ -65,6 +65,7 @@ from agent.sandbox import rootfs
 from agent.sandbox import spawn
 from agent.sandbox import sysutil as su
 from agent.sandbox import trash
+from agent.sandbox import trees
 from agent.sandbox import uids
 from agent.sandbox.status import STATUS, StatusLoop
 from agent.sandbox.stdio import default_stdio, forward_signals, relay, restore_signals
@@ -685,12 +686,11 @@ class Sandbox:
                     and not (c["path"] in self.generated and c.get("sha256") == self.generated[c["path"]])]
             summary["changes"] = keep
             summary["changes_total"] = total - (len(ch) - len(keep))
-            summary["changes_truncated"] = total > len(ch)
+            summary["changes_truncated"] = total > len(ch) or any("not_walked" in c for c in ch)
             if self.spec.keep:
-                import shutil
                 _private_dir(KEPT_DIR)
                 dest = os.path.join(KEPT_DIR, self.sid)
-                shutil.rmtree(dest, ignore_errors=True)
+                trees.remove(dest)
                 os.rename(os.path.join(self.dir, "upper"), dest)
                 os.chmod(dest, 0o700)
                 summary["kept_privileges_stripped"] = rootfs.strip_privileges(dest)

@@ -17,6 +17,8 @@ import json
 import os
 import stat
 
+from agent.sandbox import trees
+
 STATE_ROOT = os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec")
 BASE_ROOT = os.path.join(STATE_ROOT, "base")
 HOST_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
@@ -375,7 +377,7 @@ def strip_privileges(tree: str) -> int:
     """Clear setuid/setgid bits and file capabilities in a kept tree (it
     outlives the sandbox on the host); returns how many files changed."""
     n = 0
-    for dirpath, dirnames, filenames in os.walk(tree):
+    for dirpath, dirnames, filenames in trees.walk(tree):
         for name in dirnames + filenames:
             p = os.path.join(dirpath, name)
             try:
@@ -450,13 +452,16 @@ def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES) -> tup
         if not os.path.isdir(upper):
             continue
         lowers = lower.split(":")          # an image: its layers, top first
-        for dirpath, dirnames, filenames in os.walk(upper):
+        for dirpath, dirnames, filenames in trees.walk(upper):
             rel_dir = os.path.relpath(dirpath, upper)
             for name in sorted(dirnames) + sorted(filenames):
                 full = os.path.join(dirpath, name)
                 rel = os.path.normpath(os.path.join(rel_dir, name))
                 spath = os.path.normpath(prefix.rstrip("/") + "/" + rel)
-                st = os.lstat(full)
+                try:
+                    st = os.lstat(full)
+                except OSError:
+                    continue                  # gone since the listing (the sandbox is stopped: not expected)
                 in_lower = _in_lowers(lowers, rel)
                 if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
                     entry = {"path": spath, "change": "deleted", "kind": "whiteout"}
@@ -466,10 +471,15 @@ def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES) -> tup
                         opaque = os.getxattr(full, "trusted.overlay.opaque") == b"y"
                     except OSError:
                         pass
-                    if in_lower and not opaque:
+                    deep = trees.too_long(full)
+                    if deep:              # below here a name may exceed PATH_MAX: said, not skipped silently
+                        dirnames.remove(name)
+                    if in_lower and not opaque and not deep:
                         continue          # a copied-up parent, not a change of its own
                     entry = {"path": spath, "change": "modified" if in_lower else "added",
                              "kind": "dir", "mode": oct(st.st_mode & 0o7777)}
+                    if deep:
+                        entry["not_walked"] = "its paths exceed PATH_MAX: what is below it is not listed"
                 else:
                     entry = {"path": spath, "change": "modified" if in_lower else "added",
                              "kind": _kind(st.st_mode), "mode": oct(st.st_mode & 0o7777)}

@@ -46,6 +46,7 @@ import time
 from agent.errors import DsecError, EXIT_USAGE
 from agent.sandbox import rootfs
 from agent.sandbox.plan import OVERLAY_VOLATILE
+from agent.sandbox import trees
 
 FREEZE_TIMEOUT_S = 5.0
 RETRIES = 3
@@ -137,7 +138,7 @@ def ctimes(root: str) -> dict[str, int]:
     """{path: ctime_ns} of a tree (taken from the live writable layer while it is frozen:
     a copy's ctimes are the copy's, made in readdir order, and tie within a clock tick)."""
     out = {}
-    for dp, dn, fn in os.walk(root):
+    for dp, dn, fn in trees.walk(root):
         for name in dn + fn:
             full = os.path.join(dp, name)
             try:
@@ -160,7 +161,7 @@ def manifest(root: str, order: dict[str, int] | None = None) -> list[dict]:
     the ctimes of the tree `root` was copied from, which win over the copy's own)."""
     order = order or {}
     out = []
-    for dp, dn, fn in os.walk(root):
+    for dp, dn, fn in trees.walk(root):
         dn.sort()
         for name in sorted(dn) + sorted(fn):
             full = os.path.join(dp, name)
@@ -342,7 +343,7 @@ class SnapshotStore:
                 ok = True
             except (SnapshotError, OSError) as e:
                 last = e
-                shutil.rmtree(tmp, ignore_errors=True)
+                trees.remove(tmp)
                 if sb.state != "running":
                     break
         if not ok:
@@ -355,7 +356,7 @@ class SnapshotStore:
                 return self._commit(sb, spec, tmp, sid, man, chain, base_lowers, context, attempts, frozen_ms,
                                     copy_ms, t0, budget, freed, auto)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)         # moved in place, or nothing half-made
+            trees.remove(tmp)         # moved in place, or nothing half-made
 
     def _check_budget(self, sandbox_id, nbytes: int, budget: int, freed, what: str):
         used = self.usage(exclude=freed)
@@ -412,14 +413,14 @@ class SnapshotStore:
                 raise SnapshotError(f"snapshot {snap['id'][:12]} is in use by sandbox {who}: it is released when "
                                     f"that sandbox ends", EXIT_USAGE)
             os.unlink(self._meta(snap["id"]))
-            shutil.rmtree(os.path.join(self.root, "layers", snap["id"]), ignore_errors=True)
+            trees.remove(os.path.join(self.root, "layers", snap["id"]))
         return snap
 
 
 def _tree_bytes(root: str) -> int:
     """Bytes of the regular files under `root` (the estimate of a snapshot's size)."""
     n = 0
-    for dp, _dn, fn in os.walk(root):
+    for dp, _dn, fn in trees.walk(root):
         for name in fn:
             try:
                 st = os.lstat(os.path.join(dp, name))
@@ -490,7 +491,7 @@ def reown_into(upper: str, layers: list[str], old_uid: int, old_gid: int, uid: i
             os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
 
     for li, layer in enumerate(layers):
-        for dp, dn, fn in os.walk(layer):
+        for dp, dn, fn in trees.walk(layer):
             dn.sort()
             rel_dir = os.path.relpath(dp, layer)
             rel_dir = "" if rel_dir == "." else rel_dir
@@ -541,7 +542,7 @@ def _layer_tar(root: str, path: str) -> None:
     back into OCI ones (.wh.NAME, .wh..wh..opq); user.* and security.capability xattrs kept."""
     import tarfile
     with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
-        for dp, dn, fn in os.walk(root):
+        for dp, dn, fn in trees.walk(root):
             dn.sort()
             for name in sorted(dn) + sorted(fn):
                 full = os.path.join(dp, name)
@@ -753,8 +754,8 @@ def restore(store: "SnapshotStore", sb, snap: dict, image_store=None, *, force: 
     os.waitpid(pid, 0)
     os.rmdir(mnt)
     if msg != b"ok":
-        shutil.rmtree(os.path.dirname(upper), ignore_errors=True)
-        shutil.rmtree(os.path.dirname(work), ignore_errors=True)
+        trees.remove(os.path.dirname(upper))
+        trees.remove(os.path.dirname(work))
         raise SnapshotError(f"sandbox {sb.sid}: restore of {snap['id'][:12]} failed ({msg.decode(errors='replace')}); "
                             f"the sandbox is as it was")
     # the launcher's view: the change manifest walks the new upper over the new lowers

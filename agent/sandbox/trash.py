@@ -28,9 +28,10 @@ from __future__ import annotations
 import atexit
 import os
 import queue
-import shutil
 import sys
 import threading
+
+from agent.sandbox import trees
 
 _q: "queue.SimpleQueue" = queue.SimpleQueue()     # a path to remove, or (key, fn) to run
 _lock = threading.Lock()
@@ -58,7 +59,7 @@ def remove_later(state_dir: str) -> None:
             os.mkdir(tdir, 0o700)
             os.rename(state_dir, dest)
     except OSError:
-        shutil.rmtree(state_dir, ignore_errors=True)
+        trees.remove(state_dir)
         return
     _put(dest)
 
@@ -100,7 +101,10 @@ def _run() -> None:
             except BaseException as e:  # noqa: BLE001 - the thread outlives one failed job (said on stderr)
                 sys.stderr.write(f"dsec: background teardown of {key}: {e!r}\n")
         else:
-            shutil.rmtree(item, ignore_errors=True)
+            try:
+                trees.remove(item)        # any depth (a workload's tree: agent/sandbox/trees.py)
+            except BaseException as e:  # noqa: BLE001 - the thread outlives one failed removal (said on stderr)
+                sys.stderr.write(f"dsec: background removal of {item}: {e!r}\n")
         with _lock:
             _pending -= 1
             if key is not None:
@@ -126,6 +130,6 @@ def sweep(sandboxes_dir: str) -> list[str]:
         return []
     out = []
     for n in names:
-        shutil.rmtree(os.path.join(tdir, n), ignore_errors=True)
+        trees.remove(os.path.join(tdir, n))
         out.append(os.path.join(tdir, n))
     return out

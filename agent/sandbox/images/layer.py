@@ -46,6 +46,7 @@ import tarfile
 import time
 
 from agent.sandbox.images.errors import ImageError
+from agent.sandbox import trees
 
 MAX_ENTRIES = 2_000_000
 MAX_NAME = 4095
@@ -520,7 +521,7 @@ def disk_bytes(root: str) -> int:
     """Bytes a tree occupies on disk (allocated blocks; hard links counted once)."""
     seen = set()
     total = 0
-    for dp, dn, fn in os.walk(root):
+    for dp, dn, fn in trees.walk(root):
         for name in dn + fn:
             try:
                 st = os.lstat(os.path.join(dp, name))

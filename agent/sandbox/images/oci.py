@@ -26,6 +26,7 @@ import tempfile
 
 from agent.sandbox.images.errors import ImageError
 from agent.sandbox.images.layer import MEDIA_TYPES
+from agent.sandbox import trees
 
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 REF_ANNOTATION = "org.opencontainers.image.ref.name"
@@ -76,7 +77,7 @@ class Source:
 
     def __exit__(self, *exc):
         if self.tmp:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            trees.remove(self.tmp)
         return False
 
 
@@ -152,10 +153,10 @@ def open_source(path: str, work_dir: str, ref: str | None = None) -> Source:
         r = subprocess.run(["skopeo", "--insecure-policy", "copy", "--quiet", srcref, f"oci:{out}:image"],
                            capture_output=True, timeout=3600, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        shutil.rmtree(tmp, ignore_errors=True)
+        trees.remove(tmp)
         raise ImageError(f"{path}: skopeo did not finish within an hour") from None
     if r.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        trees.remove(tmp)
         raise ImageError(f"{path}: skopeo could not read the {kind}: "
                          f"{_skopeo_error(r.stderr.decode(errors='replace'))}")
     src = Source(out, "image", kind, tmp)

@@ -38,7 +38,6 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import struct
 import threading
 import time
@@ -47,6 +46,7 @@ from agent.sandbox import rootfs
 import agent.sandbox.images.layer as layer_mod
 import agent.sandbox.images.oci as oci
 from agent.sandbox.images.errors import ImageError, ImageNotFound
+from agent.sandbox import trees
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]{0,254}$")
 TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
@@ -278,7 +278,7 @@ class ImageStore:
                     _write_json(self._p("refs.json"), refs)
                     out = Image(rec, self._names_of(img.manifest_digest, refs))
             finally:
-                shutil.rmtree(stage, ignore_errors=True)
+                trees.remove(stage)
         out.asked = want
         return out, [want]
 
@@ -409,7 +409,7 @@ class ImageStore:
                 raise ImageError(failed["message"], failed.get("code", 2))
             for fn in os.listdir(self._p("layers")):     # partial trees of a dead unpacker: never used
                 if fn.startswith(f".tmp-{h}-"):
-                    shutil.rmtree(self._p("layers", fn), ignore_errors=True)
+                    trees.remove(self._p("layers", fn))
             blob = self.blob_path(L["digest"])
             if not os.path.isfile(blob):
                 raise ImageError(f"{where}: its blob is missing from the store (import the image again)", 1)
@@ -428,13 +428,13 @@ class ImageStore:
                 except OSError:
                     if not os.path.isdir(final):
                         raise
-                    shutil.rmtree(tmp, ignore_errors=True)     # unpacked by another one meanwhile
+                    trees.remove(tmp)     # unpacked by another one meanwhile
             except ImageError as e:
-                shutil.rmtree(tmp, ignore_errors=True)
+                trees.remove(tmp)
                 _write_json(self._p("failed", h + ".json"), {"ts": time.time(), "message": e.message, "code": e.code})
                 raise
             except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
+                trees.remove(tmp)
                 raise
             link = self.lower_path(L["diff_id"])
             try:
@@ -519,7 +519,7 @@ class ImageStore:
             os.unlink(self.lower_path(diff_id))
         except OSError:
             pass
-        shutil.rmtree(trash, ignore_errors=True)
+        trees.remove(trash)
         self.stats["evicted"] += 1
 
     def _make_room(self, need: int, where: str, strict: bool = True):
@@ -606,13 +606,13 @@ class ImageStore:
                     freed += x["disk_bytes"]
             for fn in os.listdir(self._p("layers")):
                 if fn.startswith(".trash-"):
-                    shutil.rmtree(self._p("layers", fn), ignore_errors=True)
+                    trees.remove(self._p("layers", fn))
                 elif fn.startswith(".tmp-"):
                     h = fn.split("-")[1]
                     fd = os.open(self._p("locks", h + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
                     try:
                         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        shutil.rmtree(self._p("layers", fn), ignore_errors=True)
+                        trees.remove(self._p("layers", fn))
                     except BlockingIOError:
                         pass                        # an unpack in progress
                     finally:
@@ -628,7 +628,7 @@ class ImageStore:
                     try:
                         if now - os.lstat(p).st_mtime > 3600 or sub == "failed":
                             if os.path.isdir(p) and not os.path.islink(p):
-                                shutil.rmtree(p, ignore_errors=True)
+                                trees.remove(p)
                             else:
                                 os.unlink(p)
                     except OSError:
