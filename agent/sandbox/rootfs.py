@@ -12,6 +12,7 @@ every write lands there, the host is never modified.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -447,22 +448,40 @@ def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES) -> tup
     str with non-UTF-8 bytes as surrogate escapes (lossless, see audit_schema).
     """
     out: list[dict] = []
+    unwalked: list[dict] = []
     total = 0
     for prefix, upper, lower in layers:
         if not os.path.isdir(upper):
             continue
         lowers = lower.split(":")          # an image: its layers, top first
-        for dirpath, dirnames, filenames in trees.walk(upper):
+        def unlisted(e, upper=upper, prefix=prefix, lowers=lowers):   # a directory that cannot be listed
+            rel = os.path.relpath(e.filename, upper)
+            spath = os.path.normpath(prefix.rstrip("/") + "/" + rel)
+            unwalked.append({"path": spath, "change": "modified" if _in_lowers(lowers, rel) else "added",
+                             "kind": "dir", "not_walked": f"cannot list it ({e.strerror}): what is below it "
+                                                          "is not listed"})
+        for dirpath, dirnames, filenames in trees.walk(upper, onerror=unlisted):
             rel_dir = os.path.relpath(dirpath, upper)
             for name in sorted(dirnames) + sorted(filenames):
                 full = os.path.join(dirpath, name)
                 rel = os.path.normpath(os.path.join(rel_dir, name))
                 spath = os.path.normpath(prefix.rstrip("/") + "/" + rel)
+                in_lower = _in_lowers(lowers, rel)
                 try:
                     st = os.lstat(full)
-                except OSError:
-                    continue                  # gone since the listing (the sandbox is stopped: not expected)
-                in_lower = _in_lowers(lowers, rel)
+                except OSError as e:
+                    if e.errno == errno.ENOENT:
+                        continue              # gone since the listing (the sandbox is stopped: not expected)
+                    # e.g. ENAMETOOLONG: a tree deeper than PATH_MAX (4,096 bytes) by path; said, not skipped
+                    entry = {"path": spath, "change": "modified" if in_lower else "added",
+                             "kind": "dir" if name in dirnames else "unknown",
+                             "not_walked": f"cannot read it ({e.strerror}): it and what is below it are not listed"}
+                    if name in dirnames:
+                        dirnames.remove(name)
+                    total += 1
+                    if len(out) < limit:
+                        out.append(entry)
+                    continue
                 if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
                     entry = {"path": spath, "change": "deleted", "kind": "whiteout"}
                 elif stat.S_ISDIR(st.st_mode):
@@ -471,15 +490,10 @@ def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES) -> tup
                         opaque = os.getxattr(full, "trusted.overlay.opaque") == b"y"
                     except OSError:
                         pass
-                    deep = trees.too_long(full)
-                    if deep:              # below here a name may exceed PATH_MAX: said, not skipped silently
-                        dirnames.remove(name)
-                    if in_lower and not opaque and not deep:
+                    if in_lower and not opaque:
                         continue          # a copied-up parent, not a change of its own
                     entry = {"path": spath, "change": "modified" if in_lower else "added",
                              "kind": "dir", "mode": oct(st.st_mode & 0o7777)}
-                    if deep:
-                        entry["not_walked"] = "its paths exceed PATH_MAX: what is below it is not listed"
                 else:
                     entry = {"path": spath, "change": "modified" if in_lower else "added",
                              "kind": _kind(st.st_mode), "mode": oct(st.st_mode & 0o7777)}
@@ -491,5 +505,13 @@ def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES) -> tup
                 total += 1
                 if len(out) < limit:
                     out.append(entry)
+    listed = {e["path"]: e for e in out if e["kind"] == "dir"}
+    for u in unwalked:                     # said on the directory's own entry, or as one
+        if u["path"] in listed:
+            listed[u["path"]]["not_walked"] = u["not_walked"]
+        else:
+            total += 1
+            if len(out) < limit:
+                out.append(u)
     out.sort(key=lambda e: e["path"])
     return out, total

@@ -14,8 +14,8 @@ that removes every later sandbox's state directory.
 walk() keeps its own stack (dirnames may be pruned or sorted in place, as with
 os.walk). A path it yields can still exceed PATH_MAX (4,096 bytes) below some
 depth, where path-based calls fail with ENAMETOOLONG: callers that must not skip
-silently check `too_long(path)` before descending (rootfs.changes reports such a
-directory as not walked). remove() tries shutil.rmtree (fd-based: long paths are
+silently pass onerror and check their own calls' errors (rootfs.changes lists
+such a directory as not walked). remove() tries shutil.rmtree (fd-based: long paths are
 fine) and, when that recurses too deep, GNU rm (fts: no depth limit), staying on
 the tree's file system.
 """
@@ -25,19 +25,18 @@ import os
 import shutil
 import subprocess
 
-PATH_MAX = 4096
-
-
-def walk(top):
-    """os.walk(top) (top-down, symlinks not followed, unreadable directories skipped)
-    without recursion."""
+def walk(top, onerror=None):
+    """os.walk(top) (top-down, symlinks not followed; a directory that cannot be
+    listed is skipped after onerror(OSError), as with os.walk) without recursion."""
     stack = [top]
     while stack:
         d = stack.pop()
         try:
             with os.scandir(d) as it:
                 entries = list(it)
-        except OSError:
+        except OSError as e:
+            if onerror is not None:
+                onerror(e)
             continue
         dirs, files = [], []
         for e in entries:
@@ -49,10 +48,6 @@ def walk(top):
         yield d, dirs, files
         stack.extend(os.path.join(d, name) for name in reversed(dirs))
 
-
-def too_long(path) -> bool:
-    """True if a name under `path` may not be reachable by path (PATH_MAX)."""
-    return len(os.fsencode(path)) + 256 >= PATH_MAX
 
 
 def remove(path) -> None:
