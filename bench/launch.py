@@ -559,7 +559,7 @@ def main():
                 print(f"  agent-once-{k} / agent-{k}: {med[f'agent-once-{k}'] / med[f'agent-{k}']:.2f}x "
                       f"(one RunOnce call vs three calls; p99 {pct(res[f'agent-once-{k}'], 99):.1f} vs "
                       f"{pct(res[f'agent-{k}'], 99):.1f} ms)")
-        if "agent-step" in med:
+        if "agent-step" in med and "fork+exec" in med:
             print(f"  agent-step - fork+exec: {med['agent-step'] - med['fork+exec']:.2f} ms "
                   f"(target <= 1 ms); p99 {pct(res['agent-step'], 99):.2f} ms (target <= 5 ms)")
         for k in ("dsec-cli-agent", "dsec-cli-agent-warm"):
