@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import subprocess
+import tempfile
 import textwrap
 import time
 
@@ -121,8 +122,9 @@ def incident(testhost, clickhouse_url, tmp_path_factory):
                            policy=load_policy("default-audit"))
         sb = Sandbox(spec, **SandboxWatch(rec, spec).hooks()).start()
         try:
+            err1 = tempfile.TemporaryFile()         # curl's own word, should it fail (said in the assertion)
             r1 = sb.exec(["curl", "-sS", "-o", "/workspace/payload.txt", f"http://{HOST}:8080/payload.txt"],
-                         timeout=30)
+                         timeout=30, stderr=err1.fileno())
             fd = _memfd(SCRIPT)
             try:
                 r2 = sb.exec(["sh", "-c", "cat > /workspace/x.sh && chmod +x /workspace/x.sh"], stdin=fd,
@@ -136,7 +138,8 @@ def incident(testhost, clickhouse_url, tmp_path_factory):
         rec.close()
     res = flush(rec.spool, url=clickhouse_url, timeout=30)
     assert res.ok, res.summary()
-    assert [r.code for r in (r1, r2, r3)] == [0, 0, 3], [r.error for r in (r1, r2, r3)]
+    err1.seek(0)
+    assert [r.code for r in (r1, r2, r3)] == [0, 0, 3], ([r.error for r in (r1, r2, r3)], err1.read()[-2000:])
     assert summary["audit"]["lost"] == 0
     return {"sid": sid, "summary": summary, "env": {"DSEC_CLICKHOUSE_URL": clickhouse_url,
                                                      "DSEC_SPOOL_DIR": str(tmp_path_factory.mktemp("cli-spool")),
