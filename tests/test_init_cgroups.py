@@ -99,9 +99,9 @@ def test_init_and_a_step_are_in_every_hierarchy_with_the_limits_applied(start_pa
         assert sb.cg.cpu_stat()["nr_throttled"] > throttled
         st, out = _run(sb, ["python3", "-c", "b = bytearray(256 << 20); print(len(b))"], timeout=60)
         assert st.oom_killed and st.signal == 9, (st.to_dict(), out)
-        # last: the sleeps hold the pids until close
-        st, out = _run(sb, ["sh", "-c", f"for i in $(seq {PIDS + 8}); do sleep 30 & done; echo started"],
-                       timeout=60)
+        # last: the sleeps hold the pids until close (not the output pipe: its read would wait for them)
+        loop = f"for i in $(seq {PIDS + 8}); do sleep 30 >/dev/null 2>&1 & done; echo started"
+        st, out = _run(sb, ["sh", "-c", loop], timeout=60)
         assert "fork" in out.lower(), out
         assert _cgroups_of(sb.sup_pid) == init          # init lives on, where it was
     finally:
