@@ -186,6 +186,21 @@ def test_bad_layers_are_refused_at_import_naming_image_and_layer(case, tmp_path,
     _assert_store_empty(store_dir)
 
 
+def test_a_layer_deeper_than_the_recursion_limit_unpacks(tmp_path, store_dir):
+    """A layer (hostile or not) with a 1,500-level directory chain that a later entry of the
+    same layer replaces by a file: on main the replacement's removal recursed once per level
+    (RecursionError, a traceback); now the layer unpacks and the file is there."""
+    deep = [_tarinfo("/".join(["a"] * n), tarfile.DIRTYPE, mode=0o755) for n in range(1, 1501)]
+    lay = T.raw_layer_image(tmp_path, deep + [_tarinfo("a", data=b"flat\n"),
+                                              _tarinfo("bin", tarfile.DIRTYPE, mode=0o755)], name="deep")
+    r = dsec("image", "import", lay, "--name", "deep:1", env=env_for(store_dir))
+    assert r.returncode == 0, err(r)
+    r = dsec("image", "prewarm", "deep:1", env=env_for(store_dir))
+    assert r.returncode == 0, err(r)
+    roots = [os.path.join(dp, "a") for dp, dn, fn in os.walk(store_dir) if "a" in fn and "bin" in dn]
+    assert roots and all(open(p).read() == "flat\n" for p in roots), roots
+
+
 def _assert_store_empty(store_dir):
     assert files(os.path.join(store_dir, "blobs")) == []
     assert os.listdir(os.path.join(store_dir, "images")) == []

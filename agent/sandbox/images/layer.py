@@ -349,25 +349,30 @@ class _Tree:
         self.fds = {}
 
     def dirfd(self, rel: str) -> int:
-        fd = self.fds.get(rel)
-        if fd is not None:
-            return fd
-        parent, _, base = rel.rpartition("/")
-        pfd = self.dirfd(parent)
-        try:
-            fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
-        except FileNotFoundError:
-            os.mkdir(base, 0o755, dir_fd=pfd)       # a parent the archive did not list (as tar does)
-            fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise ImageError(f"{self.where}: {rel[:200]!r} is not a directory in this layer") from None
-            raise
-        if len(self.fds) > 512:                    # bounded: drop the cached fds below the root
-            for k in [k for k in self.fds if k][:256]:
-                os.close(self.fds.pop(k))
-        self.fds[rel] = fd
-        return fd
+        # from the nearest cached ancestor down, one level at a time: a layer's chain of
+        # directories can be deeper than the interpreter's recursion limit
+        chain = []
+        cur = rel
+        while cur not in self.fds:                 # "" (the root) always is
+            parent, _, base = cur.rpartition("/")
+            chain.append((cur, base))
+            cur = parent
+        pfd = self.fds[cur]
+        for sub, base in reversed(chain):
+            try:
+                fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+            except FileNotFoundError:
+                os.mkdir(base, 0o755, dir_fd=pfd)       # a parent the archive did not list (as tar does)
+                fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise ImageError(f"{self.where}: {sub[:200]!r} is not a directory in this layer") from None
+                raise
+            if len(self.fds) > 512:                    # bounded: drop the cached fds below the root
+                for k in [k for k in self.fds if k][:256]:
+                    os.close(self.fds.pop(k))
+            self.fds[sub] = pfd = fd
+        return pfd
 
     def _clear(self, pfd: int, base: str, rel: str, keep_dir: bool) -> bool:
         """Remove what is at base (if anything) unless it is a dir and keep_dir. True if a dir is kept."""
@@ -386,16 +391,33 @@ class _Tree:
     def _rmtree(self, pfd: int, base: str, rel: str):
         for k in [k for k in self.fds if k == rel or k.startswith(rel + "/")]:
             os.close(self.fds.pop(k))
-        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+        # depth first, without recursion (a layer's chain can be deeper than the interpreter's
+        # recursion limit), one directory fd open at a time (back up through ".."; nothing else
+        # writes this tree while it is unpacked); each directory listed once
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        cur = os.open(base, flags, dir_fd=pfd)
         try:
-            for name in os.listdir(fd):
-                st = os.lstat(name, dir_fd=fd)
-                if stat.S_ISDIR(st.st_mode):
-                    self._rmtree(fd, name, rel + "/" + name)
+            stack = [(base, iter(os.listdir(cur)))]
+            while True:
+                name, names = stack[-1]
+                for n in names:
+                    if stat.S_ISDIR(os.lstat(n, dir_fd=cur).st_mode):
+                        sub = os.open(n, flags, dir_fd=cur)
+                        os.close(cur)
+                        cur = sub
+                        stack.append((n, iter(os.listdir(cur))))
+                        break
+                    os.unlink(n, dir_fd=cur)
                 else:
-                    os.unlink(name, dir_fd=fd)
+                    stack.pop()
+                    if not stack:
+                        break
+                    up = os.open("..", flags, dir_fd=cur)
+                    os.close(cur)
+                    cur = up
+                    os.rmdir(name, dir_fd=cur)
         finally:
-            os.close(fd)
+            os.close(cur)
         os.rmdir(base, dir_fd=pfd)
         for k in [k for k in self.dirs if k == rel or k.startswith(rel + "/")]:
             del self.dirs[k]
