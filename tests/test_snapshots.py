@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 
@@ -279,3 +280,37 @@ def test_snapshot_id_is_the_state_not_the_copy_order(tmp_path):
     # a change of content is a change of id
     (tmp_path / "copy0" / "a.txt").write_text("other")
     assert S.snapshot_id(S.manifest(str(tmp_path / "copy0"), order), [], ["base"]) not in ids
+
+
+def test_a_layer_deeper_than_path_max_is_refused_in_one_line(tmp_path):
+    """A workload's directory chain past PATH_MAX (2,100 levels under a --rootfs sandbox):
+    the snapshot's copy (cp -a, or reading the copy back by path) fails below some depth.
+    On main the refusal kept the first 300 characters of cp's message, all of them the
+    long path, and lost the reason (an OSError came out of take() where cp got through);
+    now one line names the sandbox and the reason, nothing is half-made in the store, and
+    the sandbox runs on."""
+    from agent.sandbox.launcher import Sandbox, SandboxSpec
+    from agent.sandbox.snapshots import SnapshotError
+    rf = tmp_path / "rootfs"
+    for d in ("bin", "etc"):
+        (rf / d).mkdir(parents=True)
+    shutil.copy2("/bin/busybox", rf / "bin" / "busybox")
+    for applet in ("sh", "mkdir", "true"):
+        os.symlink("busybox", rf / "bin" / applet)
+    (rf / "etc" / "passwd").write_text("root:x:0:0::/:/bin/sh\n")
+    store = SnapshotStore(str(tmp_path / "snaps"))
+    sb = Sandbox(SandboxSpec(argv=[], rootfs=str(rf), workdir="/", user="root")).start()
+    try:
+        r = sb.exec(["/bin/sh", "-c", "mkdir /w && cd /w && i=0; while [ $i -lt 2100 ]; do "
+                                      "mkdir d && cd -P d || exit 1; i=$((i+1)); done"], timeout=120)
+        assert r.exit_code == 0, r.error
+        with pytest.raises(SnapshotError) as ei:
+            store.take(sb, retries=1)
+        msg = str(ei.value)
+        assert msg.startswith(f"sandbox {sb.sid}: snapshot") and "name too long" in msg.lower(), msg
+        assert "\n" not in msg and len(msg) < 600, msg
+        assert store.list() == []
+        assert not [n for n in os.listdir(tmp_path / "snaps" / "layers") if n.startswith(".tmp-")]
+        assert sb.exec(["/bin/true"]).exit_code == 0                 # thawed
+    finally:
+        sb.close()

@@ -333,8 +333,9 @@ class SnapshotStore:
                     frozen_at = time.monotonic()
                     r = subprocess.run(["cp", "-a", upper, os.path.join(tmp, "root")], capture_output=True)
                     if r.returncode != 0:
-                        raise SnapshotError(f"sandbox {sb.sid}: copying the writable layer failed: "
-                                            f"{r.stderr.decode(errors='replace').strip()[:300]}")
+                        err = " ".join(r.stderr.decode(errors="replace").split())
+                        err = err if len(err) <= 300 else err[:100] + " ... " + err[-200:]   # the reason is last
+                        raise SnapshotError(f"sandbox {sb.sid}: copying the writable layer failed: {err}")
                     order = ctimes(upper)                  # still frozen: the order changes were made in
                 finally:
                     thaw(sb.cg)
@@ -350,7 +351,13 @@ class SnapshotStore:
             msg = last.message if isinstance(last, SnapshotError) else str(last)
             raise SnapshotError(f"sandbox {sb.sid}: snapshot failed after {attempts} attempt(s): {msg}")
         try:
-            man = manifest(os.path.join(tmp, "root"), order)
+            try:
+                man = manifest(os.path.join(tmp, "root"), order)
+            except OSError as e:       # e.g. a chain deeper than PATH_MAX: cp -a copied it, a path cannot name it
+                where = os.fsdecode(e.filename or "")
+                where = where if len(where) <= 160 else "..." + where[-160:]
+                raise SnapshotError(f"sandbox {sb.sid}: snapshot refused: its writable layer cannot be read back "
+                                    f"by path ({e.strerror}: {where!r})") from None
             sid = snapshot_id(man, chain, base_lowers)
             with self._locked():
                 return self._commit(sb, spec, tmp, sid, man, chain, base_lowers, context, attempts, frozen_ms,
