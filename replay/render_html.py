@@ -52,38 +52,52 @@ def _ts(t: Trajectory, ns) -> str:
     return f"+{(ns - t.t0) / 1e9:.6f}s" if ns else ""
 
 
-def _proc_html(p: Proc, step: int, out: list):
-    if p.execs:
-        e = p.execs[-1]
-        what = f"<code>{_argv(e.get('argv') or [e.get('path', '')])}</code>"
-        meta = []
-        if e.get("path"):
-            meta.append(f"path {_e(e['path'])}")
-        if e.get("sha256"):
-            meta.append(f"sha256 <span class='hash'>{_e(e['sha256'])}</span>")
-        if e.get("build_id"):
-            meta.append(f"build-id <span class='hash'>{_e(e['build_id'])}</span>")
-        if e.get("shebang"):
-            meta.append(f"#!{_e(e['shebang'])}")
-        if e.get("decision") in ("denied", "would-deny"):
-            meta.append(f"<span class='dec {e['decision']}'>{e['decision']}</span>")
-        if len(p.execs) > 1:
-            meta.append(f"{len(p.execs)} execs")
-    else:
-        what = f"<code>({_e(p.comm) or '?'})</code>"
-        meta = []
-    end = f"signal {p.signal}" if p.signal else (f"exit {p.exit_code}" if p.exit_code is not None else "still running / exit not recorded")
-    out.append(f"<li class='proc' data-pid='{p.pid}'><span class='pid'>[{p.pid}]</span> {what} "
-               f"<span class='end'>→ {_e(end)}</span>")
-    if meta:
-        out.append(f"<div class='meta'>{' · '.join(meta)}</div>")
-    kids = [c for c in p.children if c.step == step]
-    if kids:
-        out.append("<ul>")
-        for c in kids:
-            _proc_html(c, step, out)
-        out.append("</ul>")
-    out.append("</li>")
+MAX_NEST = 40        # levels nested as lists; deeper ones are listed flat at that level, their depth said
+
+
+def _proc_html(root: Proc, step: int, out: list):
+    """root's process tree as nested lists. Not recursive: a workload's fork chain can be
+    thousands of levels deep (each process forks the next and exits)."""
+    stack: list = [(root, 0)]            # a process to render, or the markup that closes one
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        p, depth = item
+        if p.execs:
+            e = p.execs[-1]
+            what = f"<code>{_argv(e.get('argv') or [e.get('path', '')])}</code>"
+            meta = []
+            if e.get("path"):
+                meta.append(f"path {_e(e['path'])}")
+            if e.get("sha256"):
+                meta.append(f"sha256 <span class='hash'>{_e(e['sha256'])}</span>")
+            if e.get("build_id"):
+                meta.append(f"build-id <span class='hash'>{_e(e['build_id'])}</span>")
+            if e.get("shebang"):
+                meta.append(f"#!{_e(e['shebang'])}")
+            if e.get("decision") in ("denied", "would-deny"):
+                meta.append(f"<span class='dec {e['decision']}'>{e['decision']}</span>")
+            if len(p.execs) > 1:
+                meta.append(f"{len(p.execs)} execs")
+        else:
+            what = f"<code>({_e(p.comm) or '?'})</code>"
+            meta = []
+        end = f"signal {p.signal}" if p.signal else (f"exit {p.exit_code}" if p.exit_code is not None
+                                                     else "still running / exit not recorded")
+        deep = f"<span class='depth'>depth {depth}</span> " if depth > MAX_NEST else ""
+        out.append(f"<li class='proc' data-pid='{p.pid}'>{deep}<span class='pid'>[{p.pid}]</span> {what} "
+                   f"<span class='end'>→ {_e(end)}</span>")
+        if meta:
+            out.append(f"<div class='meta'>{' · '.join(meta)}</div>")
+        kids = [c for c in p.children if c.step == step]
+        if kids and depth < MAX_NEST:
+            out.append("<ul>")
+            stack.append("</ul></li>")
+        else:
+            out.append("</li>")              # (past MAX_NEST its children follow as siblings)
+        stack.extend((c, depth + 1) for c in reversed(kids))
 
 
 def _tree(t: Trajectory, n: int) -> str:

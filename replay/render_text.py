@@ -21,35 +21,44 @@ def _argv(argv, limit=100) -> str:
 describe = line      # one timeline row per event: audit_schema/describe.py
 
 
+MAX_INDENT = 40      # levels drawn as a tree; deeper ones stay at that indentation, their depth said
+
+
 def _tree_lines(p: Proc, prefix: str, last: bool, root: bool, out: list[str], step=None):
-    head = "" if root else ("└─ " if last else "├─ ")
-    if p.execs:
-        e = p.execs[-1]
-        what = _argv(e.get("argv") or [e.get("path", "")], 80)
-        extra = []
-        if e.get("path") and (not e.get("argv") or e["argv"][0] != e["path"]):
-            extra.append(_show(e["path"], 60))
-        if e.get("sha256"):
-            extra.append(f"sha256 {e['sha256'][:16]}")
-        if e.get("build_id"):
-            extra.append(f"build-id {e['build_id'][:16]}")
-        if e.get("shebang"):
-            extra.append(f"#!{_show(e['shebang'], 40)}")
-        if len(p.execs) > 1:
-            extra.append(f"{len(p.execs)} execs")
-        what += ("  (" + ", ".join(extra) + ")") if extra else ""
-    else:
-        what = f"({_show(p.comm) or '?'})"
-    end = ""
-    if p.signal:
-        end = f"  → signal {p.signal}"
-    elif p.exit_code is not None:
-        end = f"  → exit {p.exit_code}"
-    out.append(f"{prefix}{head}[{p.pid}] {what}{end}")
-    child_prefix = prefix + ("" if root else ("   " if last else "│  "))
-    kids = [c for c in p.children if step is None or c.step == step]
-    for i, c in enumerate(kids):
-        _tree_lines(c, child_prefix, i == len(kids) - 1, False, out, step)
+    """p's process tree, one line each, depth first. Not recursive: a workload's fork chain
+    can be thousands of levels deep (each process forks the next and exits)."""
+    stack = [(p, prefix, last, root, 0)]
+    while stack:
+        p, prefix, last, root, depth = stack.pop()
+        head = "" if root else ("└─ " if last else "├─ ")
+        if p.execs:
+            e = p.execs[-1]
+            what = _argv(e.get("argv") or [e.get("path", "")], 80)
+            extra = []
+            if e.get("path") and (not e.get("argv") or e["argv"][0] != e["path"]):
+                extra.append(_show(e["path"], 60))
+            if e.get("sha256"):
+                extra.append(f"sha256 {e['sha256'][:16]}")
+            if e.get("build_id"):
+                extra.append(f"build-id {e['build_id'][:16]}")
+            if e.get("shebang"):
+                extra.append(f"#!{_show(e['shebang'], 40)}")
+            if len(p.execs) > 1:
+                extra.append(f"{len(p.execs)} execs")
+            what += ("  (" + ", ".join(extra) + ")") if extra else ""
+        else:
+            what = f"({_show(p.comm) or '?'})"
+        end = ""
+        if p.signal:
+            end = f"  → signal {p.signal}"
+        elif p.exit_code is not None:
+            end = f"  → exit {p.exit_code}"
+        deep = f"depth {depth}: " if depth > MAX_INDENT else ""
+        out.append(f"{prefix}{head}{deep}[{p.pid}] {what}{end}")
+        child_prefix = prefix if depth >= MAX_INDENT else prefix + ("" if root else ("   " if last else "│  "))
+        kids = [c for c in p.children if step is None or c.step == step]
+        for i in range(len(kids) - 1, -1, -1):
+            stack.append((kids[i], child_prefix, i == len(kids) - 1, False, depth + 1))
 
 
 def _mb(v) -> str:

@@ -44,6 +44,9 @@ def _extra(r: dict | None) -> dict:
     return v if isinstance(v, dict) else {}
 
 
+MAX_NEST = 100       # process levels nested in to_dict(); deeper ones are listed flat (see there)
+
+
 class Proc:
     __slots__ = ("pid", "ppid", "comm", "execs", "exit_code", "signal", "children", "first_ts", "step",
                  "exit_ts", "fork_ts")
@@ -72,7 +75,34 @@ class Proc:
         return list(cur.get("argv") or [cur.get("path", "")])
 
     def to_dict(self, step: int | None = None) -> dict:
-        """The process and its descendants (with step: only those first seen in that step)."""
+        """The process and its descendants (with step: only those first seen in that step),
+        nested by `children`. Not recursive, and nested at most MAX_NEST levels (JSON encoders
+        stop near the interpreter's recursion limit; a workload's fork chain can be thousands
+        deep): a process at that depth lists all its descendants in its `children`, depth
+        first, and says so (`flattened`); each one's `ppid` names its own parent."""
+        def wanted(p):
+            return [c for c in p.children if step is None or c.step == step]
+        root = self._node()
+        stack = [(self, root, 0)]
+        while stack:
+            p, d, depth = stack.pop()
+            kids = wanted(p)
+            if depth + 1 < MAX_NEST:
+                for c in kids:
+                    cd = c._node()
+                    d["children"].append(cd)
+                    stack.append((c, cd, depth + 1))
+                continue
+            todo = list(reversed(kids))
+            if todo:
+                d["flattened"] = True
+            while todo:
+                c = todo.pop()
+                d["children"].append(c._node())
+                todo.extend(reversed(wanted(c)))
+        return root
+
+    def _node(self) -> dict:
         return {"pid": self.pid, "ppid": self.ppid, "comm": self.comm, "step": self.step,
                 "first_ts_ns": self.first_ts, "exit_ts_ns": self.exit_ts or None,
                 "exit_code": self.exit_code, "signal": self.signal,
@@ -81,7 +111,7 @@ class Proc:
                            "build_id": e.get("build_id", ""), "interp": e.get("interp", ""),
                            "shebang": e.get("shebang", ""), "decision": e.get("decision", "")}
                           for e in self.execs],
-                "children": [c.to_dict(step) for c in self.children if step is None or c.step == step]}
+                "children": []}
 
 
 class Step:

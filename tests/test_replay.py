@@ -695,3 +695,61 @@ def test_huge_change_manifest_is_recorded_whole(clickhouse_url, tmp_path):
     assert [c["path"] for c in t.changes] == [c["path"] for c in summary["changes"]]
     assert any(c["path"].endswith("\udcfa" * 180 + "999") for c in t.changes)
     assert len(t.change_pages) >= 2
+
+
+FORK_CHAIN = r'''
+import os
+r, w = os.pipe()
+if os.fork():                            # the step's process waits for the chain's end (EOF)
+    os.close(w)
+    os.read(r, 1)
+    raise SystemExit(0)
+for i in range(1500):                    # each process forks the next and exits: a chain, not a crowd
+    if os.fork():
+        os._exit(0)
+'''
+
+
+def test_a_fork_chain_deeper_than_the_recursion_limit_replays(clickhouse_url, tmp_path):
+    """A workload whose processes form a 1,500-deep chain (each forks the next and exits; the
+    pids limit never sees more than two): on main the text and HTML renderings of its
+    process tree recursed once per level and `dsec replay` died with a RecursionError. Now
+    both render every process, the indentation capped and the depth said."""
+    from agent.sandbox.launcher import Sandbox, SandboxSpec
+    from agent.sensors.recorder import Recorder
+    from agent.sensors.watch import SandboxWatch
+    from exporters.spool import Spool
+    from exporters.clickhouse import flush
+    from replay import render_html, render_text
+    rec = Recorder(spool=Spool(str(tmp_path / "spool")), enforce=False)
+    sid = "chain-" + os.urandom(4).hex()
+    try:
+        spec = SandboxSpec(argv=[], sandbox_id=sid, network="none", pids=64)
+        sb = Sandbox(spec, **SandboxWatch(rec, spec).hooks()).start()
+        try:
+            r = sb.exec(["python3", "-I", "-c", FORK_CHAIN], timeout=120)
+        finally:
+            summary = sb.close()
+    finally:
+        rec.close()
+    assert r.code == 0, r.error
+    assert summary["audit"]["lost"] == 0
+    res = flush(rec.spool, url=clickhouse_url, timeout=60)
+    assert res.ok, res.summary()
+    with AuditStore(clickhouse_url) as store:
+        t = reconstruct(sid, list(store.events(sid)))
+    text = render_text.render(t, step=1)
+    chain = [ln for ln in text.splitlines() if "] (python3)" in ln]
+    assert len(chain) >= 1500, len(chain)
+    assert max(len(ln) for ln in chain) < 200                             # the indentation is capped
+    assert "depth 1500" in text or "depth 1501" in text, text[-2000:]
+    page = render_html.render(t)
+    assert page.count("<li class='proc'") >= 1500 and page.count("<ul") < 200
+    from replay.report import to_dict
+    doc = json.loads(json.dumps(to_dict(t)))                          # the JSON report, nested <= 100 levels
+    node, depth, seen = doc["steps"][0]["processes"][0], 0, 0
+    while node["children"] and not node.get("flattened"):
+        node, depth = node["children"][0], depth + 1
+    assert node.get("flattened") and depth == 99 and len(node["children"]) >= 1400, (depth, len(node["children"]))
+    pids = [node["pid"]] + [c["pid"] for c in node["children"]]
+    assert all(c["ppid"] == pids[i] for i, c in enumerate(node["children"]))   # each one's parent said
