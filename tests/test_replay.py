@@ -747,7 +747,7 @@ def test_a_fork_chain_deeper_than_the_recursion_limit_replays(clickhouse_url, tm
     assert page.count("<li class='proc'") >= 1500 and page.count("<ul") < 200
     from replay.report import to_dict
     doc = json.loads(json.dumps(to_dict(t)))                          # the JSON report, nested <= 100 levels
-    node, depth, seen = doc["steps"][0]["processes"][0], 0, 0
+    node, depth = doc["steps"][0]["processes"][0], 0
     while node["children"] and not node.get("flattened"):
         node, depth = node["children"][0], depth + 1
     assert node.get("flattened") and depth == 99 and len(node["children"]) >= 1400, (depth, len(node["children"]))
