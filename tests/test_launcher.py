@@ -527,6 +527,28 @@ def test_a_tree_deeper_than_the_recursion_limit_is_listed_and_removed(sid):
     assert not [n for n in os.listdir(tdir) if n.startswith(sid + "-")]
 
 
+def test_the_manifest_hashes_within_a_budget(sid):
+    """Twelve sparse 1 GiB files (no disk used): on main the close read all 12 GiB to hash
+    them (a thousand would have kept the agent's close busy for minutes); now the manifest
+    hashes 1 GiB in all and says, for each file it did not hash, why."""
+    from agent.sandbox import rootfs
+    from agent.sandbox.launcher import Sandbox, SandboxSpec
+    sb = Sandbox(SandboxSpec(argv=[], sandbox_id=sid)).start()
+    try:
+        r = sb.exec(["sh", "-c", "cd /workspace && echo small > a.txt && "
+                                 "for i in $(seq 12); do truncate -s 1G f$i || exit 1; done"], timeout=60)
+    finally:
+        summary = sb.close()
+    assert r.exit_code == 0, r.error
+    ch = {c["path"]: c for c in summary["changes"]}
+    assert ch["/workspace/a.txt"]["sha256"] == hashlib.sha256(b"small\n").hexdigest()
+    big = [ch[f"/workspace/f{i}"] for i in range(1, 13)]
+    assert all(c["size"] == 1 << 30 for c in big)
+    skipped = [c for c in big if c["sha256"] is None]
+    assert len(skipped) == 12 and all("hashing budget" in c["sha256_skipped"] for c in skipped), big[:2]
+    assert rootfs.MAX_HASH_TOTAL == 1 << 30
+
+
 def test_an_egress_sandbox_s_link_goes_off_the_close_s_path_and_its_id_waits(sid):
     """teardown_later (the node agent's): an egress sandbox's host link is removed by
     trash.py's thread after close returns. Until then the sandbox is live to gc (its state

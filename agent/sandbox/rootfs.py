@@ -403,7 +403,9 @@ def strip_privileges(tree: str) -> int:
 # --- change manifest -----------------------------------------------------------
 
 MAX_CHANGES = 10_000
-MAX_HASH_BYTES = 1 << 30
+MAX_HASH_BYTES = 1 << 30          # a file is hashed only up to this size
+MAX_HASH_TOTAL = 1 << 30          # and a manifest hashes this much in all: a workload's sparse files
+                                  # (1,000 x 1 GiB, no disk used) would cost the close a TiB of reading
 
 
 def _sha256(path: str) -> str | None:
@@ -449,7 +451,7 @@ def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES) -> tup
     """
     out: list[dict] = []
     unwalked: list[dict] = []
-    total = 0
+    total = hashed = 0
     for prefix, upper, lower in layers:
         if not os.path.isdir(upper):
             continue
@@ -499,7 +501,16 @@ def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES) -> tup
                              "kind": _kind(st.st_mode), "mode": oct(st.st_mode & 0o7777)}
                     if stat.S_ISREG(st.st_mode):
                         entry["size"] = st.st_size
-                        entry["sha256"] = _sha256(full) if st.st_size <= MAX_HASH_BYTES else None
+                        entry["sha256"] = None
+                        if len(out) >= limit:
+                            pass                      # not listed: not hashed
+                        elif st.st_size > MAX_HASH_BYTES:
+                            entry["sha256_skipped"] = f"larger than {MAX_HASH_BYTES} bytes"
+                        elif hashed + st.st_size > MAX_HASH_TOTAL:
+                            entry["sha256_skipped"] = f"the manifest's hashing budget ({MAX_HASH_TOTAL} bytes) is spent"
+                        else:
+                            entry["sha256"] = _sha256(full)
+                            hashed += st.st_size
                     elif stat.S_ISLNK(st.st_mode):
                         entry["target"] = os.fsdecode(os.readlink(full))
                 total += 1
