@@ -652,6 +652,33 @@ def test_rerun_goes_through_the_running_agent(incident, node_agent):
     assert r.returncode == 0 and not d["changed"]
 
 
+def _one_step_recorded(clickhouse_url, tmp_path, prefix: str, script: str, pids=64, **spec_kw):
+    """One audited sandbox (its own recorder and spool) running `python3 -I -c script` as its
+    step, its record flushed to ClickHouse and read back: (step result, close summary,
+    trajectory)."""
+    from agent.sandbox.launcher import Sandbox, SandboxSpec
+    from agent.sensors.recorder import Recorder
+    from agent.sensors.watch import SandboxWatch
+    from exporters.spool import Spool
+    from exporters.clickhouse import flush
+    rec = Recorder(spool=Spool(str(tmp_path / "spool")), enforce=False)
+    sid = f"{prefix}-" + os.urandom(4).hex()
+    try:
+        spec = SandboxSpec(argv=[], sandbox_id=sid, network="none", pids=pids, **spec_kw)
+        sb = Sandbox(spec, **SandboxWatch(rec, spec).hooks()).start()
+        try:
+            r = sb.exec(["python3", "-I", "-c", script], timeout=120)
+        finally:
+            summary = sb.close()
+    finally:
+        rec.close()
+    res = flush(rec.spool, url=clickhouse_url, timeout=60)
+    assert res.ok, res.summary()
+    with AuditStore(clickhouse_url) as store:
+        t = reconstruct(sid, list(store.events(sid)))
+    return r, summary, t
+
+
 DEEP_WRITER = r'''
 import os
 d = b"/workspace"
@@ -669,27 +696,8 @@ def test_huge_change_manifest_is_recorded_whole(clickhouse_url, tmp_path):
     escaped; on main the sandbox_exit record was refused by the spool and the
     sandbox's end was lost. Now the manifest is in its own paged file_changes
     records and sandbox_exit arrives."""
-    from agent.sandbox.launcher import Sandbox, SandboxSpec
-    from agent.sensors.recorder import Recorder
-    from agent.sensors.watch import SandboxWatch
-    from exporters.spool import Spool
-    from exporters.clickhouse import flush
-    rec = Recorder(spool=Spool(str(tmp_path / "spool")), enforce=False)
-    sid = "manifest-" + os.urandom(4).hex()
-    try:
-        spec = SandboxSpec(argv=[], sandbox_id=sid, network="none", memory=256 << 20, pids=64)
-        sb = Sandbox(spec, **SandboxWatch(rec, spec).hooks()).start()
-        try:
-            r = sb.exec(["python3", "-I", "-c", DEEP_WRITER], timeout=120)
-        finally:
-            summary = sb.close()
-    finally:
-        rec.close()
+    r, summary, t = _one_step_recorded(clickhouse_url, tmp_path, "manifest", DEEP_WRITER, memory=256 << 20)
     assert r.code == 0, r.error
-    res = flush(rec.spool, url=clickhouse_url, timeout=60)
-    assert res.ok, res.summary()
-    with AuditStore(clickhouse_url) as store:
-        t = reconstruct(sid, list(store.events(sid)))
     assert t.exit is not None                                         # the end is recorded
     assert len(summary["changes"]) >= 1000
     assert [c["path"] for c in t.changes] == [c["path"] for c in summary["changes"]]
@@ -715,29 +723,10 @@ def test_a_fork_chain_deeper_than_the_recursion_limit_replays(clickhouse_url, tm
     pids limit never sees more than two): on main the text and HTML renderings of its
     process tree recursed once per level and `dsec replay` died with a RecursionError. Now
     both render every process, the indentation capped and the depth said."""
-    from agent.sandbox.launcher import Sandbox, SandboxSpec
-    from agent.sensors.recorder import Recorder
-    from agent.sensors.watch import SandboxWatch
-    from exporters.spool import Spool
-    from exporters.clickhouse import flush
     from replay import render_html, render_text
-    rec = Recorder(spool=Spool(str(tmp_path / "spool")), enforce=False)
-    sid = "chain-" + os.urandom(4).hex()
-    try:
-        spec = SandboxSpec(argv=[], sandbox_id=sid, network="none", pids=64)
-        sb = Sandbox(spec, **SandboxWatch(rec, spec).hooks()).start()
-        try:
-            r = sb.exec(["python3", "-I", "-c", FORK_CHAIN], timeout=120)
-        finally:
-            summary = sb.close()
-    finally:
-        rec.close()
+    r, summary, t = _one_step_recorded(clickhouse_url, tmp_path, "chain", FORK_CHAIN)
     assert r.code == 0, r.error
     assert summary["audit"]["lost"] == 0
-    res = flush(rec.spool, url=clickhouse_url, timeout=60)
-    assert res.ok, res.summary()
-    with AuditStore(clickhouse_url) as store:
-        t = reconstruct(sid, list(store.events(sid)))
     text = render_text.render(t, step=1)
     chain = [ln for ln in text.splitlines() if "] (python3)" in ln]
     assert len(chain) >= 1500, len(chain)

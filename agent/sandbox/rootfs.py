@@ -442,6 +442,34 @@ def _in_lowers(lowers: list[str], rel: str) -> bool:
     return False
 
 
+def _entry(full: str, spath: str, st: os.stat_result, in_lower: bool) -> dict | None:
+    """The manifest entry of one path of an upper layer (None: a copied-up parent directory,
+    no change of its own); a regular file's sha256 is None, for the caller's budget."""
+    if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+        return {"path": spath, "change": "deleted", "kind": "whiteout"}
+    change = "modified" if in_lower else "added"
+    if stat.S_ISDIR(st.st_mode):
+        opaque = False
+        try:
+            opaque = os.getxattr(full, "trusted.overlay.opaque") == b"y"
+        except OSError:
+            pass
+        if in_lower and not opaque:
+            return None
+        return {"path": spath, "change": change, "kind": "dir", "mode": oct(st.st_mode & 0o7777)}
+    entry = {"path": spath, "change": change, "kind": _kind(st.st_mode), "mode": oct(st.st_mode & 0o7777)}
+    if stat.S_ISREG(st.st_mode):
+        entry["size"] = st.st_size
+        entry["sha256"] = None
+    elif stat.S_ISLNK(st.st_mode):
+        entry["target"] = os.fsdecode(os.readlink(full))
+    return entry
+
+
+def _not_walked(spath: str, in_lower: bool, kind: str, why: str) -> dict:
+    return {"path": spath, "change": "modified" if in_lower else "added", "kind": kind, "not_walked": why}
+
+
 def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES) -> tuple[list[dict], int]:
     """Walk upper layers; layers = [(sandbox path prefix, upper dir, lower dir)].
 
@@ -458,10 +486,8 @@ def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES) -> tup
         lowers = lower.split(":")          # an image: its layers, top first
         def unlisted(e, upper=upper, prefix=prefix, lowers=lowers):   # a directory that cannot be listed
             rel = os.path.relpath(e.filename, upper)
-            spath = os.path.normpath(prefix.rstrip("/") + "/" + rel)
-            unwalked.append({"path": spath, "change": "modified" if _in_lowers(lowers, rel) else "added",
-                             "kind": "dir", "not_walked": f"cannot list it ({e.strerror}): what is below it "
-                                                          "is not listed"})
+            unwalked.append(_not_walked(os.path.normpath(prefix.rstrip("/") + "/" + rel), _in_lowers(lowers, rel),
+                                        "dir", f"cannot list it ({e.strerror}): what is below it is not listed"))
         for dirpath, dirnames, filenames in trees.walk(upper, onerror=unlisted):
             rel_dir = os.path.relpath(dirpath, upper)
             for name in sorted(dirnames) + sorted(filenames):
@@ -475,44 +501,22 @@ def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES) -> tup
                     if e.errno == errno.ENOENT:
                         continue              # gone since the listing (the sandbox is stopped: not expected)
                     # e.g. ENAMETOOLONG: a tree deeper than PATH_MAX (4,096 bytes) by path; said, not skipped
-                    entry = {"path": spath, "change": "modified" if in_lower else "added",
-                             "kind": "dir" if name in dirnames else "unknown",
-                             "not_walked": f"cannot read it ({e.strerror}): it and what is below it are not listed"}
+                    entry = _not_walked(spath, in_lower, "dir" if name in dirnames else "unknown",
+                                        f"cannot read it ({e.strerror}): it and what is below it are not listed")
                     if name in dirnames:
                         dirnames.remove(name)
-                    total += 1
-                    if len(out) < limit:
-                        out.append(entry)
-                    continue
-                if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
-                    entry = {"path": spath, "change": "deleted", "kind": "whiteout"}
-                elif stat.S_ISDIR(st.st_mode):
-                    opaque = False
-                    try:
-                        opaque = os.getxattr(full, "trusted.overlay.opaque") == b"y"
-                    except OSError:
-                        pass
-                    if in_lower and not opaque:
-                        continue          # a copied-up parent, not a change of its own
-                    entry = {"path": spath, "change": "modified" if in_lower else "added",
-                             "kind": "dir", "mode": oct(st.st_mode & 0o7777)}
                 else:
-                    entry = {"path": spath, "change": "modified" if in_lower else "added",
-                             "kind": _kind(st.st_mode), "mode": oct(st.st_mode & 0o7777)}
-                    if stat.S_ISREG(st.st_mode):
-                        entry["size"] = st.st_size
-                        entry["sha256"] = None
-                        if len(out) >= limit:
-                            pass                      # not listed: not hashed
-                        elif st.st_size > MAX_HASH_BYTES:
+                    entry = _entry(full, spath, st, in_lower)
+                    if entry is None:
+                        continue              # a copied-up parent, not a change of its own
+                    if "size" in entry:       # a regular file: hashed within the budget
+                        if st.st_size > MAX_HASH_BYTES:
                             entry["sha256_skipped"] = f"larger than {MAX_HASH_BYTES} bytes"
                         elif hashed + st.st_size > MAX_HASH_TOTAL:
                             entry["sha256_skipped"] = f"the manifest's hashing budget ({MAX_HASH_TOTAL} bytes) is spent"
-                        else:
+                        elif len(out) < limit:        # an entry past the listed ones is not hashed
                             entry["sha256"] = _sha256(full)
                             hashed += st.st_size
-                    elif stat.S_ISLNK(st.st_mode):
-                        entry["target"] = os.fsdecode(os.readlink(full))
                 total += 1
                 if len(out) < limit:
                     out.append(entry)

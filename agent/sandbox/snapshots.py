@@ -333,8 +333,7 @@ class SnapshotStore:
                     frozen_at = time.monotonic()
                     r = subprocess.run(["cp", "-a", upper, os.path.join(tmp, "root")], capture_output=True)
                     if r.returncode != 0:
-                        err = " ".join(r.stderr.decode(errors="replace").split())
-                        err = err if len(err) <= 300 else err[:100] + " ... " + err[-200:]   # the reason is last
+                        err = _cut(" ".join(r.stderr.decode(errors="replace").split()))
                         raise SnapshotError(f"sandbox {sb.sid}: copying the writable layer failed: {err}")
                     order = ctimes(upper)                  # still frozen: the order changes were made in
                 finally:
@@ -354,10 +353,8 @@ class SnapshotStore:
             try:
                 man = manifest(os.path.join(tmp, "root"), order)
             except OSError as e:       # e.g. a chain deeper than PATH_MAX: cp -a copied it, a path cannot name it
-                where = os.fsdecode(e.filename or "")
-                where = where if len(where) <= 160 else "..." + where[-160:]
                 raise SnapshotError(f"sandbox {sb.sid}: snapshot refused: its writable layer cannot be read back "
-                                    f"by path ({e.strerror}: {where!r})") from None
+                                    f"by path ({e.strerror}: {_cut(os.fsdecode(e.filename or ''))!r})") from None
             sid = snapshot_id(man, chain, base_lowers)
             with self._locked():
                 return self._commit(sb, spec, tmp, sid, man, chain, base_lowers, context, attempts, frozen_ms,
@@ -422,6 +419,12 @@ class SnapshotStore:
             os.unlink(self._meta(snap["id"]))
             trees.remove(os.path.join(self.root, "layers", snap["id"]))
         return snap
+
+
+def _cut(text: str) -> str:
+    """At most ~300 characters of a message about a long path: its start and its end (where
+    cp says why)."""
+    return text if len(text) <= 300 else text[:100] + " ... " + text[-200:]
 
 
 def _tree_bytes(root: str) -> int:

@@ -103,7 +103,7 @@ def _run() -> None:
         else:
             try:
                 trees.remove(item)        # any depth (a workload's tree: agent/sandbox/trees.py)
-            except BaseException as e:  # noqa: BLE001 - the thread outlives one failed removal (said on stderr)
+            except Exception as e:  # noqa: BLE001 - the thread outlives one failed removal (said on stderr)
                 sys.stderr.write(f"dsec: background removal of {item}: {e!r}\n")
         with _lock:
             _pending -= 1

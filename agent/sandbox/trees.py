@@ -15,15 +15,16 @@ walk() keeps its own stack (dirnames may be pruned or sorted in place, as with
 os.walk). A path it yields can still exceed PATH_MAX (4,096 bytes) below some
 depth, where path-based calls fail with ENAMETOOLONG: callers that must not skip
 silently pass onerror and check their own calls' errors (rootfs.changes lists
-such a directory as not walked). remove() tries shutil.rmtree (fd-based: long paths are
-fine) and, when that recurses too deep, GNU rm (fts: no depth limit), staying on
-the tree's file system.
+such a directory as not walked). remove() tries shutil.rmtree (fd-based: long
+paths are fine) and, when that recurses too deep, GNU rm (fts: no depth limit),
+staying on the tree's file system.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+
 
 def walk(top, onerror=None):
     """os.walk(top) (top-down, symlinks not followed; a directory that cannot be
@@ -47,7 +48,6 @@ def walk(top, onerror=None):
             (dirs if is_dir else files).append(e.name)
         yield d, dirs, files
         stack.extend(os.path.join(d, name) for name in reversed(dirs))
-
 
 
 def remove(path) -> None:
