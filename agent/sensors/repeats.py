@@ -32,6 +32,10 @@ is reported as events_lost (reason aggregate_unreported), never silent.
 """
 from __future__ import annotations
 
+import ctypes as ct
+import errno
+import os
+import threading
 import time
 
 from agent.sensors.denials import summary_extra
@@ -52,6 +56,8 @@ class Repeats:
         self.per_sandbox = int(consts.values.get("DSEC_AGG_PER_SANDBOX", 1024))
         self._reported: dict[bytes, int] = {}          # entry key bytes -> count already reported
         self._sbx: dict[int, dict] = {}                # cgroup id -> its bookkeeping (see add)
+        self._bufs = None                              # (keys, values): the batch read's, made once
+        self._bufs_lock = threading.Lock()
 
     def mask(self, kinds) -> int:
         """dsec_sandbox.agg_kinds of these kind names."""
@@ -67,7 +73,7 @@ class Repeats:
 
     def add(self, cgroup_id: int, kinds) -> None:
         self._sbx[cgroup_id] = {"kinds": tuple(kinds) if self.table is not None else (), "gen": 0, "retiring": {}, "released": 0,
-                                "reported": {}, "summaries": 0, "seen": -1}
+                                "reported": {}, "summaries": 0, "seen": 0}
 
     def forget(self, cgroup_id: int) -> None:
         self._sbx.pop(cgroup_id, None)
@@ -107,9 +113,34 @@ class Repeats:
     def _entries(self):
         """Every entry of `agg` (one batch read), as (key, value) ctypes."""
         try:
-            return list(self.table.items_lookup_batch())
-        except Exception:       # BCC raises bare Exception; batch ops unsupported: one by one
+            return self._batch()
+        except OSError:         # batch ops unsupported: one by one
             return list(self.table.items())
+
+    def _batch(self):
+        """BPF_MAP_LOOKUP_BATCH into buffers made once, the entries copied out. BCC's
+        items_lookup_batch allocates and zeroes max_entries keys and values on every
+        call (~5 MiB: ~1 ms of memset, which was each sandbox's end)."""
+        from bcc.libbcc import lib
+        t = self.table
+        K, V, n = t.Key, t.Leaf, t.max_entries
+        with self._bufs_lock:
+            if self._bufs is None:
+                self._bufs = ((K * n)(), (V * n)())
+            keys, vals = self._bufs
+            tok, cnt, total = ct.c_uint32(0), ct.c_uint32(0), 0
+            while True:
+                cnt.value = n - total
+                res = lib.bpf_lookup_batch(t.map_fd, ct.byref(tok) if total else None, ct.byref(tok),
+                                           ct.byref(keys, ct.sizeof(K) * total),
+                                           ct.byref(vals, ct.sizeof(V) * total), ct.byref(cnt))
+                err = ct.get_errno()
+                total += cnt.value
+                if res != 0 and err != errno.ENOENT:
+                    raise OSError(err, f"BPF_MAP_LOOKUP_BATCH of agg: {os.strerror(err)}")
+                if res != 0 or total == n or cnt.value == 0:     # done, full, or no progress
+                    break
+            return [(K.from_buffer_copy(keys[i]), V.from_buffer_copy(vals[i])) for i in range(total)]
 
     def _summary(self, key, val, delta: int) -> dict | None:
         size = min(int(val.rec.h.size), len(bytes(val.rec)))
@@ -201,7 +232,8 @@ class Repeats:
         out: list[dict] = []
         if s is None or self.table is None:
             return out, {}
-        for key, val in self._entries():
+        held = None if state is None else int(state.get("agg_held", 0)) - s["released"]
+        for key, val in (self._entries() if held is None or held > 0 else ()):   # none held: no read
             if int(key.cgroup_id) == cgroup_id:
                 self._report(key, val, out, final=True)
                 self._delete(key)
