@@ -314,3 +314,79 @@ def test_a_layer_deeper_than_path_max_is_refused_in_one_line(tmp_path):
         assert sb.exec(["/bin/true"]).exit_code == 0                 # thawed
     finally:
         sb.close()
+
+
+def test_sparse_files_are_snapshotted_and_forked_by_their_data(tmp_path):
+    """A workload's sparse files (4 x `truncate -s 1T`: no disk used; one 2 MiB file with 3 bytes at
+    1 MiB). On main the snapshot read and hashed every byte of them (4 TiB of zeros: hours of the
+    agent's time for one snapshot), and a fork's copy of its parent's files for its own user wrote
+    the zeros out (4 TiB of disk). Now a file with holes is identified by the sha256 of its data
+    extents (`extents_sha256`, `data_bytes`; `sha256` stays the plain hash of a file without
+    holes), the snapshot's bytes are its data, and both copies keep the holes."""
+    import hashlib
+    from agent.sandbox.launcher import Sandbox, SandboxSpec
+    from agent.sandbox import snapshots as S
+    rf = tmp_path / "rootfs"
+    for d in ("bin", "etc", "w"):
+        (rf / d).mkdir(parents=True)
+    os.chmod(rf / "w", 0o1777)
+    shutil.copy2("/bin/busybox", rf / "bin" / "busybox")
+    for applet in ("sh", "truncate", "dd", "true", "cat"):
+        os.symlink("busybox", rf / "bin" / applet)
+    (rf / "etc" / "passwd").write_text("root:x:0:0::/:/bin/sh\n")
+    store = SnapshotStore(str(tmp_path / "snaps"))
+    sb = Sandbox(SandboxSpec(argv=[], rootfs=str(rf), workdir="/", user="sandbox")).start()
+    fb = None
+    try:
+        r = sb.exec(["/bin/sh", "-c", "for i in 1 2 3 4; do truncate -s 1099511627776 /w/s$i || exit 1; done; "
+                                      "truncate -s 2M /w/d && printf abc | dd of=/w/d bs=1 seek=1048576 "
+                                      "conv=notrunc 2>/dev/null && echo dense > /w/plain"], timeout=60)
+        assert r.exit_code == 0, r.error
+        ctx = {"step": 1, "uid": sb.uid, "gid": sb.gid, "user": "sandbox"}
+        snap = store.take(sb, ctx, retries=1)
+        ch = {e["path"]: e for e in snap["changes"]}
+        s1 = ch["/w/s1"]
+        assert s1["size"] == 1 << 40 and s1["sha256"] is None and s1["data_bytes"] == 0, s1
+        assert s1["extents_sha256"] == ch["/w/s4"]["extents_sha256"]          # one state, one identity
+        d = ch["/w/d"]
+        assert d["sha256"] is None and 3 <= d["data_bytes"] <= 1 << 16, d
+        assert d["extents_sha256"] != s1["extents_sha256"]
+        assert ch["/w/plain"]["sha256"] == hashlib.sha256(b"dense\n").hexdigest()
+        assert "extents_sha256" not in ch["/w/plain"]
+        assert snap["bytes"] < 1 << 20, snap["bytes"]                         # data, not apparent sizes
+        layer = store.layer_root(snap["id"])
+        assert os.stat(os.path.join(layer, "w", "s1")).st_blocks == 0          # cp -a kept the holes
+        assert store.take(sb, ctx, retries=1)["id"] == snap["id"]               # content-addressed
+        with pytest.raises(S.SnapshotError) as ei:      # an OCI layer would hold the holes as zeros
+            S._refuse_holes(snap)
+        assert "export refused" in str(ei.value) and "'/w/s" in str(ei.value) and "\n" not in str(ei.value)
+        # the bytes inside the hole change: the identity changes
+        assert sb.exec(["/bin/sh", "-c", "printf x | dd of=/w/s2 bs=1 seek=4096 conv=notrunc 2>/dev/null"]
+                       ).exit_code == 0
+        snap2 = store.take(sb, dict(ctx, step=2), retries=1)
+        assert snap2["id"] != snap["id"]
+        ch2 = {e["path"]: e for e in snap2["changes"]}
+        assert ch2["/w/s2"]["extents_sha256"] != s1["extents_sha256"] and ch2["/w/s2"]["data_bytes"] > 0
+        # a fork runs its user as another uid: the parent's files are copied for it, holes kept
+        spec = SandboxSpec(argv=[], workdir="/", user="sandbox")
+        S.fork_spec(spec, snap2, store)
+        fb = Sandbox(spec).start()
+        assert fb.uid != sb.uid
+        upper = fb.layers[0][1]
+        st = os.stat(os.path.join(upper, "w", "s1"))
+        assert st.st_size == 1 << 40 and st.st_blocks == 0 and st.st_uid == fb.uid
+        st = os.stat(os.path.join(upper, "w", "s2"))
+        assert st.st_size == 1 << 40 and 0 < st.st_blocks * 512 <= 1 << 16
+        out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            r = fb.exec(["/bin/sh", "-c", "dd if=/w/d bs=1 skip=1048576 count=3 2>/dev/null; "
+                                          "dd if=/w/s2 bs=1 skip=4096 count=1 2>/dev/null; cat /w/plain"],
+                        stdout=out)
+        finally:
+            os.close(out)
+        got = (tmp_path / "out").read_bytes()
+        assert r.exit_code == 0 and got == b"abcxdense\n", (got, r.error)
+    finally:
+        if fb is not None:
+            fb.close()
+        sb.close()

@@ -33,6 +33,7 @@ copy (estimated from the writable layer) and again before it is committed
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -40,6 +41,7 @@ import os
 import re
 import shutil
 import stat
+import struct
 import subprocess
 import time
 
@@ -126,12 +128,64 @@ def thaw(cg):
 
 # --- the store -----------------------------------------------------------------------
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+def _extents(fd: int, size: int) -> list[tuple[int, int]]:
+    """The data extents [(start, end)] of an open file (SEEK_DATA / SEEK_HOLE): [(0, size)]
+    for a file without holes, and where the file system cannot say."""
+    whole = [(0, size)] if size else []
+    try:
+        if os.lseek(fd, 0, os.SEEK_HOLE) >= size:
+            return whole
+        out, off = [], 0
+        while off < size:
+            try:
+                start = os.lseek(fd, off, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:        # nothing but a hole from off to the end
+                    break
+                raise
+            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+            out.append((start, end))
+            off = end
+        return out
+    except OSError:                               # EINVAL: no SEEK_HOLE on this file system
+        return whole
+
+
+def file_identity(path: str, copy_to: str | None = None) -> dict:
+    """The content identity of a regular file, read without its holes: {"sha256": the sha256
+    of its bytes} for a file without holes; for a sparse one {"sha256": None, "extents_sha256":
+    the sha256 of its size and of each data extent's offset, length and bytes, "data_bytes":
+    the bytes of its extents}. A workload's `truncate -s 1T` (no disk used) costs no reading:
+    the plain sha256 would read, and hash, a terabyte of zeros. copy_to: the bytes are written
+    there too, its holes left holes (a fork's copy of a sparse file uses no more disk)."""
+    with open(path, "rb") as src, (open(copy_to, "wb") if copy_to else contextlib.nullcontext()) as dst:
+        fd = src.fileno()
+        size = os.fstat(fd).st_size
+        ext = _extents(fd, size)
+        sparse = ext != ([(0, size)] if size else [])
+        h = hashlib.sha256(b"dsec-extents-v1\0" + struct.pack("<Q", size)) if sparse else hashlib.sha256()
+        data = 0
+        for start, end in ext:
+            if sparse:
+                h.update(struct.pack("<QQ", start, end - start))
+            os.lseek(fd, start, os.SEEK_SET)
+            if dst is not None:
+                dst.seek(start)
+            left = end - start
+            while left > 0:
+                chunk = os.read(fd, min(left, 1 << 20))
+                if not chunk:                     # shorter than it said: hashed as read
+                    break
+                h.update(chunk)
+                if dst is not None:
+                    dst.write(chunk)
+                left -= len(chunk)
+                data += len(chunk)
+        if dst is not None:
+            dst.truncate(size)                    # the trailing hole
+    if not sparse:
+        return {"sha256": h.hexdigest()}
+    return {"sha256": None, "extents_sha256": h.hexdigest(), "data_bytes": data}
 
 
 def ctimes(root: str) -> dict[str, int]:
@@ -180,7 +234,8 @@ def manifest(root: str, order: dict[str, int] | None = None) -> list[dict]:
             elif stat.S_ISLNK(st.st_mode):
                 e["kind"], e["target"] = "symlink", os.fsdecode(os.readlink(full))
             elif stat.S_ISREG(st.st_mode):
-                e["kind"], e["size"], e["sha256"] = "file", st.st_size, _sha256(full)
+                e["kind"], e["size"] = "file", st.st_size
+                e.update(file_identity(full))
             else:
                 e["kind"] = "other"
             out.append(e)
@@ -373,7 +428,7 @@ class SnapshotStore:
     def _commit(self, sb, spec, tmp, sid, man, chain, base_lowers, context, attempts, frozen_ms, copy_ms,
                 t0, budget, freed, auto) -> dict:
         """Under the store's lock: the budget (exact), the layer moved in place, the record."""
-        nbytes = sum(e.get("size", 0) for e in man)
+        nbytes = sum(e.get("data_bytes", e.get("size", 0)) for e in man)     # a sparse file: its data
         final = os.path.join(self.root, "layers", sid)
         old = None
         if os.path.isdir(final):                              # the same state: one layer
@@ -437,7 +492,7 @@ def _tree_bytes(root: str) -> int:
             except OSError:
                 continue
             if stat.S_ISREG(st.st_mode):
-                n += st.st_size
+                n += min(st.st_size, st.st_blocks * 512)      # a sparse file: what it holds
     return n
 
 
@@ -528,12 +583,7 @@ def reown_into(upper: str, layers: list[str], old_uid: int, old_gid: int, uid: i
                     if not os.path.isdir(dst):
                         os.mkdir(dst, 0o700)
                 elif stat.S_ISREG(st.st_mode):
-                    h = hashlib.sha256()
-                    with open(full, "rb") as src, open(dst, "wb") as w:
-                        while chunk := src.read(1 << 20):
-                            h.update(chunk)
-                            w.write(chunk)
-                    out["/" + rel] = h.hexdigest()
+                    out["/" + rel] = file_identity(full, copy_to=dst)["sha256"]    # None: sparse
                 elif stat.S_ISLNK(st.st_mode):
                     os.symlink(os.readlink(full), dst)
                 else:
@@ -585,6 +635,55 @@ def _layer_tar(root: str, path: str) -> None:
                         tf.addfile(tarfile.TarInfo(os.path.join(rel, ".wh..wh..opq")))
 
 
+MAX_EXPORT_HOLES = 1 << 30     # bytes of holes an export may write out as zeros (a plain tar has no holes)
+
+
+def _refuse_holes(snap: dict) -> None:
+    """An OCI layer (a plain tar) holds a sparse file's holes as zeros: a workload's
+    `truncate -s 1T` would export as a terabyte. Refused past MAX_EXPORT_HOLES."""
+    sparse = [e for e in snap.get("changes", []) if e.get("data_bytes") is not None]
+    holes = sum(e["size"] - e["data_bytes"] for e in sparse)
+    if holes > MAX_EXPORT_HOLES:
+        top = max(sparse, key=lambda e: e["size"] - e["data_bytes"])
+        raise SnapshotError(f"snapshot {snap['id'][:12]}: export refused: its sparse files hold {holes} bytes of "
+                            f"holes, which an OCI layer (a plain tar) would hold as zeros (more than "
+                            f"{MAX_EXPORT_HOLES}); the largest: {top['path']!r}, {top['size']} bytes, "
+                            f"{top['data_bytes']} of data", EXIT_USAGE)
+
+
+def _gzip_blob(layout: str, tar_path: str) -> tuple[dict, str]:
+    """The layer tar at tar_path gzipped into a blob of `layout`, streamed (a layer is never
+    held in memory whole); the tar removed. Returns (blob descriptor, diff_id)."""
+    import gzip
+    ht, hg = hashlib.sha256(), hashlib.sha256()
+    gz_path = tar_path + ".gz"
+
+    class Hashing:                                   # the gzip stream's bytes, hashed as written
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            hg.update(b)
+            return self.f.write(b)
+
+        def flush(self):
+            self.f.flush()
+
+    try:
+        with open(tar_path, "rb") as src, open(gz_path, "wb") as raw:
+            with gzip.GzipFile(filename="", mode="wb", compresslevel=1, fileobj=Hashing(raw), mtime=0) as gz:
+                while chunk := src.read(1 << 20):
+                    ht.update(chunk)
+                    gz.write(chunk)
+        size = os.path.getsize(gz_path)
+        os.rename(gz_path, os.path.join(layout, "blobs", "sha256", hg.hexdigest()))
+    finally:
+        for p in (tar_path, gz_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+    return {"digest": "sha256:" + hg.hexdigest(), "size": size}, "sha256:" + ht.hexdigest()
+
+
 def _blob(layout: str, data: bytes) -> dict:
     h = hashlib.sha256(data).hexdigest()
     with open(os.path.join(layout, "blobs", "sha256", h), "wb") as f:
@@ -612,17 +711,15 @@ def export(store: "SnapshotStore", snap: dict, out_dir: str, image_store, ref: s
     for L in img.layers:
         shutil.copyfile(image_store.blob_path(L["digest"]), os.path.join(out_dir, "blobs", "sha256", L["digest"][7:]))
         layers.append({"mediaType": L["media_type"], "digest": L["digest"], "size": L["size"]})
-    for sid in list(reversed(snap.get("chain", []))) + [snap["id"]]:
+    chain = list(reversed(snap.get("chain", []))) + [snap["id"]]
+    for sid in chain:
+        _refuse_holes(store.get(sid) if sid != snap["id"] else snap)
+    for sid in chain:
         tmp = os.path.join(out_dir, f".layer-{sid[:12]}.tar")
         _layer_tar(store.layer_root(sid), tmp)
-        with open(tmp, "rb") as f:
-            tar = f.read()
-        os.unlink(tmp)
-        gz = gzip.compress(tar, compresslevel=1, mtime=0)
-        b = _blob(out_dir, gz)
+        b, diff_id = _gzip_blob(out_dir, tmp)
         layers.append(dict(b, mediaType="application/vnd.oci.image.layer.v1.tar+gzip"))
-        cfg.setdefault("rootfs", {"type": "layers", "diff_ids": []})["diff_ids"].append(
-            "sha256:" + hashlib.sha256(tar).hexdigest())
+        cfg.setdefault("rootfs", {"type": "layers", "diff_ids": []})["diff_ids"].append(diff_id)
         cfg.setdefault("history", []).append({"created_by": f"dsec snapshot {sid[:12]} of sandbox "
                                                             f"{snap['sandbox_id']} at step {snap['step']}"})
     cfg.setdefault("config", {})
