@@ -325,7 +325,7 @@ def test_sparse_files_are_snapshotted_and_forked_by_their_data(tmp_path):
     holes), the snapshot's bytes are its data, and both copies keep the holes."""
     import hashlib
     from agent.sandbox.launcher import Sandbox, SandboxSpec
-    from agent.sandbox import snapshots as S
+    from agent.sandbox import snapexport, snapshots as S
     rf = tmp_path / "rootfs"
     for d in ("bin", "etc", "w"):
         (rf / d).mkdir(parents=True)
@@ -358,7 +358,7 @@ def test_sparse_files_are_snapshotted_and_forked_by_their_data(tmp_path):
         assert os.stat(os.path.join(layer, "w", "s1")).st_blocks == 0          # cp -a kept the holes
         assert store.take(sb, ctx, retries=1)["id"] == snap["id"]               # content-addressed
         with pytest.raises(S.SnapshotError) as ei:      # an OCI layer would hold the holes as zeros
-            S._refuse_holes(snap)
+            snapexport._refuse_holes(snap)
         assert "export refused" in str(ei.value) and "'/w/s" in str(ei.value) and "\n" not in str(ei.value)
         # the bytes inside the hole change: the identity changes
         assert sb.exec(["/bin/sh", "-c", "printf x | dd of=/w/s2 bs=1 seek=4096 conv=notrunc 2>/dev/null"]

@@ -47,7 +47,8 @@ def register(p):
 
 
 def run(args) -> int:
-    from agent.sandbox.snapshots import SnapshotStore, export
+    from agent.sandbox.snapshots import SnapshotStore
+    from agent.sandbox.snapexport import export
     if args.action in ("create", "restore"):
         from agent.node import via_agent
         from agent.node.client import AgentError
