@@ -77,6 +77,7 @@ import _common  # noqa: E402
 from _common import entry, pct, timed  # noqa: E402
 
 DSEC = _common.DSEC         # --cli: another tree's CLI (and agent), measured by this bench's code
+PARALLEL_STARTS = None      # --parallel-starts: the bench agent's scheduling.max_parallel_starts (None: its default)
 
 
 def bwrap_cmd():
@@ -195,8 +196,10 @@ class BenchAgent:
         self.socket = os.path.join(self.dir, "run", "agent.sock")
         cfg = {"socket": self.socket, "log_level": "warning",
                "capacity": {"cpu_oversubscription": 64, "reserve_memory": "1G"},
-               "scheduling": {"tick_seconds": 0.1, "max_parallel_starts": 16},
+               "scheduling": {"tick_seconds": 0.1},
                "warm_pool": [{"name": "bench", "count": warm_count, "memory": "128M", "pids": 256}]}
+        if PARALLEL_STARTS:
+            cfg["scheduling"]["max_parallel_starts"] = PARALLEL_STARTS
         cfg.update(extra or {})         # other benches' additions (bench/trainer.py: the http listener)
         with open(os.path.join(self.dir, "agent.yaml"), "w") as f:
             yaml.safe_dump(cfg, f)
@@ -413,10 +416,14 @@ def main():
     ap.add_argument("--cli", metavar="PATH", help="the dsec CLI (and agent) to measure, e.g. another tree's "
                                                   ".venv/bin/dsec for a before/after pair with this bench's code "
                                                   "(default: this tree's)")
+    ap.add_argument("--parallel-starts", type=int, metavar="N",
+                    help="the bench agent's scheduling.max_parallel_starts (default: the agent's own, 8; "
+                         "this bench set 16 until 2026-12-04, which cost the burst ~40%%: docs/launch-figures.md)")
     a = ap.parse_args()
-    global DSEC
+    global DSEC, PARALLEL_STARTS
     if a.cli:
         DSEC = os.path.abspath(a.cli)
+    PARALLEL_STARTS = a.parallel_starts
     from agent.sandbox.launcher import SandboxSpec, launch
 
     devnull = open(os.devnull, "wb")
