@@ -130,6 +130,13 @@ if [ ! -e "$SPAWN_LIB" ] || [ agent/sandbox/spawn.c -nt "$SPAWN_LIB" ]; then
   say "building $SPAWN_LIB"
   .venv/bin/python -c 'from agent.sandbox.spawn import build; build()' || die "cannot build $SPAWN_LIB (agent/sandbox/spawn.c)"
 fi
+# agent/sandbox/build/libdsec_trees.so (agent/sandbox/trees.c): removes a closed sandbox's state
+# directory in one call (without it: shutil.rmtree, a hand-off between the agent's threads per call)
+TREES_LIB=agent/sandbox/build/libdsec_trees.so
+if [ ! -e "$TREES_LIB" ] || [ agent/sandbox/trees.c -nt "$TREES_LIB" ]; then
+  say "building $TREES_LIB"
+  .venv/bin/python -c 'from agent.sandbox.trees import build; build()' || die "cannot build $TREES_LIB (agent/sandbox/trees.c)"
+fi
 
 # --- generated code -------------------------------------------------------------
 # The agent's gRPC code is generated from agent/node/proto/*.proto (not kept in git);

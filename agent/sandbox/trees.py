@@ -15,15 +15,60 @@ walk() keeps its own stack (dirnames may be pruned or sorted in place, as with
 os.walk). A path it yields can still exceed PATH_MAX (4,096 bytes) below some
 depth, where path-based calls fail with ENAMETOOLONG: callers that must not skip
 silently pass onerror and check their own calls' errors (rootfs.changes lists
-such a directory as not walked). remove() tries shutil.rmtree (fd-based: long
-paths are fine) and, when that recurses too deep, GNU rm (fts: no depth limit),
-staying on the tree's file system.
+such a directory as not walked). remove() calls agent/sandbox/trees.c (one call,
+the interpreter lock released once for the whole tree: shutil.rmtree gives it up
+around each of its ~5 system calls an entry, and in the node agent each was a
+hand-off between threads), which stays on the tree's file system and goes 128
+levels deep; below that, on another file system, or without the library (not
+built, or older than its source: said once in the log), GNU rm finishes
+(`rm -rf --one-file-system`: fts, no depth limit); shutil.rmtree where rm is
+missing.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
+import logging
 import os
 import shutil
 import subprocess
+import threading
+
+log = logging.getLogger("dsec.launcher")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(HERE, "trees.c")
+LIB = os.path.join(HERE, "build", "libdsec_trees.so")
+_lib: dict = {}                 # "fn": dsec_rmtree, or "why": why not
+_lib_lock = threading.Lock()
+
+
+def build(out: str = LIB) -> str:
+    """Compile trees.c (scripts/setup.sh); written whole, then renamed."""
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    r = subprocess.run(["cc", "-O2", "-Wall", "-Wextra", "-shared", "-fPIC", "-o", tmp, SRC],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"cannot build {out}: {(r.stderr.strip().splitlines() or ['cc failed'])[-1]}")
+    os.rename(tmp, out)
+    return out
+
+
+def _rmtree_fn():
+    if _lib:
+        return _lib.get("fn")
+    with _lib_lock:
+        if not _lib:
+            try:
+                if os.stat(LIB).st_mtime < os.stat(SRC).st_mtime:
+                    raise OSError(f"{LIB} is older than its source")
+                fn = ctypes.CDLL(LIB, use_errno=False).dsec_rmtree
+                fn.restype, fn.argtypes = ctypes.c_int, (ctypes.c_char_p,)
+                _lib["fn"] = fn
+            except (OSError, AttributeError) as e:
+                _lib["why"] = str(e)
+                log.warning("tree removal: %s (run `make setup`); trees are removed by rm -rf, slower", e)
+        return _lib.get("fn")
 
 
 def walk(top, onerror=None):
@@ -52,11 +97,17 @@ def walk(top, onerror=None):
 
 def remove(path) -> None:
     """Remove a tree (missing is fine; what cannot be removed is left, like
-    shutil.rmtree(ignore_errors=True)), at any depth."""
-    try:
-        shutil.rmtree(path, ignore_errors=True)
-        return
-    except RecursionError:
-        pass
+    shutil.rmtree(ignore_errors=True)), at any depth, on its own file system."""
+    fn = _rmtree_fn()
+    if fn is not None:
+        rc = fn(os.fsencode(path))
+        if rc not in (-errno.ELOOP, -errno.EXDEV):   # done; or e.g. EPERM (an immutable file): left, as rmtree
+            return
+    else:
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            return
+        except RecursionError:
+            pass
     subprocess.run(["rm", "-rf", "--one-file-system", "--", path], stdin=subprocess.DEVNULL,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
