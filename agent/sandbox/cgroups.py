@@ -41,8 +41,18 @@ def check_parent(name: str, what: str = "DSEC_CGROUP_PARENT") -> str:
     return name
 
 
+_detected: dict = {}        # root -> its Layout (fixed at boot: looked at once per process)
+
+
 def detect(root: str = CGROUP_ROOT) -> Layout:
     check_parent(PARENT)
+    lay = _detected.get(root)
+    if lay is None:
+        lay = _detected[root] = _detect(root)
+    return lay
+
+
+def _detect(root: str) -> Layout:
     if os.path.exists(os.path.join(root, "cgroup.controllers")):
         return Layout("v2", root)
     unified = os.path.join(root, "unified")

@@ -169,8 +169,15 @@ def _user_of(layers: list[str], user: str, lease) -> tuple[int, int, str]:
 
 
 def _owner_start_time() -> str:
-    with open("/proc/self/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[19]
+    """This process's start time (clock ticks after boot): read once, it does not change."""
+    global _own_start
+    if _own_start is None:
+        with open("/proc/self/stat") as f:
+            _own_start = f.read().rsplit(")", 1)[1].split()[19]
+    return _own_start
+
+
+_own_start: str | None = None
 
 
 def ipv6_allowed(policy) -> bool:

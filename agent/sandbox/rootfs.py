@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import stat
+import time
 
 from agent.sandbox import trees
 
@@ -139,11 +140,23 @@ def spread_subdirs(path: str) -> bool:
         os.close(fd)
 
 
+BASE_SPEC_TTL_S = 1.0      # the host's /etc, /usr links and resolv.conf are looked at again after this
+_base_seen: tuple | None = None     # (monotonic time, path, host dirs) of the last look
+
+
 def ensure_base() -> tuple[str, list[str]]:
-    """Build (once) the skeleton lower layer; returns (path, host dirs to overlay)."""
+    """Build (once) the skeleton lower layer; returns (path, host dirs to overlay). What it
+    depends on (~50 stats and reads of the host's /etc and top directories) is looked at
+    once per BASE_SPEC_TTL_S, not at every start: a change there reaches the sandboxes
+    started a second later."""
+    global _base_seen
+    seen = _base_seen
+    if seen is not None and time.monotonic() - seen[0] < BASE_SPEC_TTL_S and os.path.isdir(seen[1]):
+        return seen[1], list(seen[2])
     spec = _base_spec()
     path = os.path.join(BASE_ROOT, _spec_hash(spec))
     if os.path.isdir(path):
+        _base_seen = (time.monotonic(), path, tuple(host_overlay_dirs(spec)))
         return path, host_overlay_dirs(spec)
     import shutil
     import tempfile
