@@ -48,9 +48,10 @@ def build(out: str = LIB) -> str:
 
 
 def build_extension(src: str, out: str) -> str:
-    """Compile the C file `src`, written against Python's C API and loaded through
-    ctypes.PyDLL, into the shared library `out` (written whole, then renamed):
-    columns.c here, agent/sensors/batchdecode.c."""
+    """Compile the C file `src` into the shared library `out` (written whole, then
+    renamed), loaded through ctypes: columns.c here and agent/sensors/batchdecode.c
+    (against Python's C API, through ctypes.PyDLL), agent/sandbox/spawn.c and trees.c
+    (plain C)."""
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = f"{out}.{os.getpid()}.tmp"
     cmd = ["cc", "-O2", "-Wall", "-Wextra", "-shared", "-fPIC", "-I" + sysconfig.get_config_var("INCLUDEPY"),

@@ -690,8 +690,7 @@ class Sandbox:
             ch, total = rootfs.changes(self.layers)
             created = set(self.created_mountpoints)
             keep = [c for c in ch if c["path"] not in created
-                    and not (self.generated.get(c["path"]) is not None
-                             and c.get("sha256") == self.generated[c["path"]])]
+                    and not ((g := self.generated.get(c["path"])) is not None and c.get("sha256") == g)]
             summary["changes"] = keep
             summary["changes_total"] = total - (len(ch) - len(keep))
             summary["changes_truncated"] = total > len(ch) or any("not_walked" in c for c in ch)

@@ -157,7 +157,7 @@ def ensure_base() -> tuple[str, list[str]]:
     path = os.path.join(BASE_ROOT, _spec_hash(spec))
     if os.path.isdir(path):
         _base_seen = (time.monotonic(), path, tuple(host_overlay_dirs(spec)))
-        return path, host_overlay_dirs(spec)
+        return path, list(_base_seen[2])
     import shutil
     import tempfile
     os.makedirs(BASE_ROOT, exist_ok=True)

@@ -80,27 +80,20 @@ def _refuse_holes(snap: dict) -> None:
 def _gzip_blob(layout: str, tar_path: str) -> tuple[dict, str]:
     """The layer tar at tar_path gzipped into a blob of `layout`, streamed (a layer is never
     held in memory whole); the tar removed. Returns (blob descriptor, diff_id)."""
-    import gzip
+    import zlib
     ht, hg = hashlib.sha256(), hashlib.sha256()
     gz_path = tar_path + ".gz"
-
-    class Hashing:                                   # the gzip stream's bytes, hashed as written
-        def __init__(self, f):
-            self.f = f
-
-        def write(self, b):
-            hg.update(b)
-            return self.f.write(b)
-
-        def flush(self):
-            self.f.flush()
-
+    z = zlib.compressobj(1, zlib.DEFLATED, 31)       # wbits 31: a gzip stream (mtime 0, no name)
     try:
-        with open(tar_path, "rb") as src, open(gz_path, "wb") as raw:
-            with gzip.GzipFile(filename="", mode="wb", compresslevel=1, fileobj=Hashing(raw), mtime=0) as gz:
-                while chunk := src.read(1 << 20):
-                    ht.update(chunk)
-                    gz.write(chunk)
+        with open(tar_path, "rb") as src, open(gz_path, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                ht.update(chunk)
+                out = z.compress(chunk)
+                hg.update(out)
+                dst.write(out)
+            out = z.flush()
+            hg.update(out)
+            dst.write(out)
         size = os.path.getsize(gz_path)
         os.rename(gz_path, os.path.join(layout, "blobs", "sha256", hg.hexdigest()))
     finally:

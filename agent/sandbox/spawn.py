@@ -56,16 +56,9 @@ class _Rlimit(ctypes.Structure):
 
 
 def build(out: str = LIB) -> str:
-    """Compile spawn.c (scripts/setup.sh); written whole, then renamed."""
-    import subprocess
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = f"{out}.{os.getpid()}.tmp"
-    cmd = ["cc", "-O2", "-Wall", "-Wextra", "-shared", "-fPIC", "-o", tmp, SRC]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"cannot build {out}: {(r.stderr.strip().splitlines() or ['cc failed'])[-1]}")
-    os.rename(tmp, out)
-    return out
+    """Compile spawn.c (scripts/setup.sh)."""
+    from exporters.columns import build_extension
+    return build_extension(SRC, out)
 
 
 def _fallback(why: str) -> None:

@@ -19,10 +19,10 @@ such a directory as not walked). remove() calls agent/sandbox/trees.c (one call,
 the interpreter lock released once for the whole tree: shutil.rmtree gives it up
 around each of its ~5 system calls an entry, and in the node agent each was a
 hand-off between threads), which stays on the tree's file system and goes 128
-levels deep; below that, on another file system, or without the library (not
-built, or older than its source: said once in the log), GNU rm finishes
-(`rm -rf --one-file-system`: fts, no depth limit); shutil.rmtree where rm is
-missing.
+levels deep; below that, or at another file system inside the tree, GNU rm
+finishes (`rm -rf --one-file-system`: fts, no depth limit). Without the library
+(not built, or older than its source: said once in the log) shutil.rmtree
+removes, and rm where it recurses too deep.
 """
 from __future__ import annotations
 
@@ -43,15 +43,9 @@ _lib_lock = threading.Lock()
 
 
 def build(out: str = LIB) -> str:
-    """Compile trees.c (scripts/setup.sh); written whole, then renamed."""
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = f"{out}.{os.getpid()}.tmp"
-    r = subprocess.run(["cc", "-O2", "-Wall", "-Wextra", "-shared", "-fPIC", "-o", tmp, SRC],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"cannot build {out}: {(r.stderr.strip().splitlines() or ['cc failed'])[-1]}")
-    os.rename(tmp, out)
-    return out
+    """Compile trees.c (scripts/setup.sh)."""
+    from exporters.columns import build_extension
+    return build_extension(SRC, out)
 
 
 def _rmtree_fn():
