@@ -41,7 +41,17 @@ BPF_PERCPU_ARRAY(file_scratch, struct dsec_event_small, 1);
  * and allocating it was most of sys_enter_execve's time: bench/kcost.py. */
 BPF_TABLE("hash", u32, struct dsec_event_exec_small, pending_exec_small, DSEC_PENDING_EXEC_ENTRIES);
 BPF_F_TABLE("hash", u32, struct dsec_event, pending_exec, DSEC_PENDING_EXEC_ENTRIES, BPF_F_NO_PREALLOC);
+/* A file or connect record waits in pending_small when its strings fit
+ * DSEC_FILE_SMALL_BUF and none faulted (a faulted path is read again at the
+ * exit, and may be long then): preallocated, ~0.5 KiB an entry (~4.5 MiB);
+ * else -- or when that table is full -- in `pending` (12 KiB values,
+ * allocated on demand: copying and allocating one at every open was most of
+ * sys_enter_openat's time, bench/kcost.py). A thread has one entry at most,
+ * in one of the two; pending_used counts both. */
+BPF_TABLE("hash", u32, struct dsec_event_file_small, pending_small, DSEC_PENDING_SMALL_ENTRIES);
 BPF_F_TABLE("hash", u32, struct dsec_event_small, pending, DSEC_PENDING_ENTRIES, BPF_F_NO_PREALLOC);
+/* a pending_small entry copied out, full-size, to be emitted or read into again */
+BPF_PERCPU_ARRAY(pending_copy, struct dsec_event_small, 1);
 /* entries of `pending` taken, all sandboxes (its fair sharing, see dsec_pending_take) */
 BPF_ARRAY(pending_used, s64, 1);
 /* how a process is ending: tgid -> exit_group code or fatal signal */
@@ -427,8 +437,8 @@ static __always_inline int dsec_agg_wanted(struct dsec_sandbox *cfg, struct dsec
         if (e->u.file.status || e->u.file.ret < 0 || e->buf[0] != '/')
             return 0;
         if (kind == DSEC_KIND_RENAME) {
-            u32 off = e->u.file.path2_off & DSEC_FILE_OFF_MASK;
-            if (e->buf[off] != '/')
+            u32 off = e->u.file.path2_off;
+            if (off >= DSEC_AGG_STR || e->buf[off] != '/')
                 return 0;
         }
         e->u.file.upath = 0;
@@ -589,15 +599,59 @@ static __always_inline s64 *dsec_entry_ret(struct dsec_event_small *e)
     return e->h.kind == DSEC_KIND_CONNECT ? &e->u.connect.ret : &e->u.file.ret;
 }
 
-/* Emit the record of the current thread's (tid's) entry `e` of `pending` with
- * result `ret` and take it out of flight. `late`: read a path/sockaddr that was
- * not resident at entry again (the syscall ran: the kernel has faulted it in). */
-static __always_inline void dsec_pending_emit(u32 tid, struct dsec_event_small *e, long ret, int late)
+/* Thread tid's record in flight: pending_small's entry (*small = 1: only its
+ * header and body may be read or written through this pointer, its string
+ * area is short -- dsec_pending_copy gives the whole record) or pending's
+ * (*small = 0). 0: none. */
+static __always_inline struct dsec_event_small *dsec_pending_find(u32 tid, int *small)
+{
+    struct dsec_event_small *e = (struct dsec_event_small *)pending_small.lookup(&tid);
+    *small = e != 0;
+    if (!e)
+        e = pending.lookup(&tid);
+    return e;
+}
+
+/* thread tid's entry out of its table; 1: it was there */
+static __always_inline int dsec_pending_del(u32 tid, int small)
+{
+    return (small ? pending_small.delete(&tid) : pending.delete(&tid)) == 0;
+}
+
+/* A pending_small entry's record (h.size bytes) copied into this CPU's
+ * pending_copy, whose string area is full-size (the bytes past h.size are
+ * stale: nothing emits or compares them, dsec_agg_cut). 0: no scratch (a
+ * per-CPU slot: cannot happen). */
+static __always_inline struct dsec_event_small *dsec_pending_copy(struct dsec_event_small *s)
+{
+    u32 zero = 0;
+    struct dsec_event_small *c = pending_copy.lookup(&zero);
+    if (c && bpf_probe_read_kernel(c, dsec_record_size(s->h.size, sizeof(struct dsec_event_file_small)), s) != 0)
+        c = 0;
+    return c;
+}
+
+/* Emit the record of the current thread's (tid's) entry `e` (of pending_small
+ * when `small`, see dsec_pending_find) with result `ret` and take it out of
+ * flight. `late`: read a path/sockaddr that was not resident at entry again
+ * (the syscall ran: the kernel has faulted it in). */
+static __always_inline void dsec_pending_emit(u32 tid, struct dsec_event_small *e, long ret, int late,
+                                              int small)
 {
     u64 cgid = e->h.cgroup_id;
     u32 kind = e->h.kind;
     /* one lookup of the sandbox's state for the whole exit */
     struct dsec_state *st = sbx_state.lookup(&cgid);
+    if (small) {
+        e = dsec_pending_copy(e);
+        if (!e) {
+            if (st)
+                dsec_inflight_lost(sandboxes.lookup(&cgid), st, kind);
+            if (dsec_pending_del(tid, 1))
+                dsec_pending_give_st(st);
+            return;
+        }
+    }
     if (st) {
         __sync_fetch_and_add(&st->inflight, -1);
         __sync_fetch_and_add(dsec_inflight_slot(st, kind), -1);
@@ -618,7 +672,7 @@ static __always_inline void dsec_pending_emit(u32 tid, struct dsec_event_small *
         }
     }
     dsec_emit_or_count(e, cgid, kind, st);
-    if (pending.delete(&tid) == 0)
+    if (dsec_pending_del(tid, small))
         dsec_pending_give_st(st);
 }
 
@@ -633,7 +687,8 @@ static __always_inline void dsec_pending_signal(u32 tid, u64 handler, u64 flags)
         return;     /* no handler runs: restarted */
     if (dsec_pending_none())
         return;
-    struct dsec_event_small *e = pending.lookup(&tid);
+    int small = 0;
+    struct dsec_event_small *e = dsec_pending_find(tid, &small);
     if (!e)
         return;
     s64 *ret = dsec_entry_ret(e);
@@ -644,38 +699,57 @@ static __always_inline void dsec_pending_signal(u32 tid, u64 handler, u64 flags)
         *ret = -513;
         return;
     }
-    dsec_pending_emit(tid, e, -DSEC_EINTR, 0);
+    dsec_pending_emit(tid, e, -DSEC_EINTR, 0, small);
 }
 
 /* The current thread enters syscall `sys` (user pointers p1, p2; connect: the
- * sockaddr and the fd): settle what it still has in `pending`. Its entry: this
+ * sockaddr and the fd): settle what it still has in flight. Its record: this
  * is the restart of its interrupted syscall (the record waits on, as that
- * syscall's); 0: nothing left (an interrupted one emitted with -EINTR, one
- * whose exit was never seen given back). */
-static __always_inline struct dsec_event_small *dsec_pending_settle(u32 sys, u64 p1, u64 p2)
+ * syscall's) -- `pending`'s entry itself (*restart = 1), or a pending_small
+ * entry taken out of its table into pending_copy, still in flight and holding
+ * its share (*restart = 2: the caller stores it again, dsec_pending_store);
+ * 0: nothing left (an interrupted one emitted with -EINTR, one whose exit was
+ * never seen given back). */
+static __always_inline struct dsec_event_small *dsec_pending_settle(u32 sys, u64 p1, u64 p2, int *restart)
 {
     if (dsec_pending_none())
         return 0;
     u32 tid = (u32)bpf_get_current_pid_tgid();
-    struct dsec_event_small *e = pending.lookup(&tid);
+    int small = 0;
+    struct dsec_event_small *e = dsec_pending_find(tid, &small);
     if (!e)
         return 0;
     s64 *ret = dsec_entry_ret(e);
+    u64 scg = e->h.cgroup_id;
     if (dsec_restart_code(*ret)) {
         int same = e->h.kind == DSEC_KIND_CONNECT
             ? e->u.connect.sys == sys && e->u.connect.uaddr == p1 && (u64)(s64)e->u.connect.fd == p2
             : e->u.file.sys == sys && e->u.file.upath == p1 && e->u.file.upath2 == p2;
-        if (same) {
-            *ret = 0;
+        if (!same) {
+            dsec_pending_emit(tid, e, -DSEC_EINTR, 0, small);
+            return 0;
+        }
+        *ret = 0;
+        if (!small) {
+            *restart = 1;
             return e;
         }
-        dsec_pending_emit(tid, e, -DSEC_EINTR, 0);
+        struct dsec_event_small *c = dsec_pending_copy(e);
+        u32 kind = e->h.kind;
+        pending_small.delete(&tid);
+        if (c) {
+            *restart = 2;
+            return c;
+        }
+        struct dsec_state *st = sbx_state.lookup(&scg);     /* no scratch: cannot happen */
+        if (st)
+            dsec_inflight_lost(sandboxes.lookup(&scg), st, kind);
+        dsec_pending_give_st(st);
         return 0;
     }
     /* an entry whose exit was never seen: its accounting given back */
-    u64 scg = e->h.cgroup_id;
     dsec_inflight_put(scg, e->h.kind);
-    if (pending.delete(&tid) == 0)
+    if (dsec_pending_del(tid, small))
         dsec_pending_give(scg);
     return 0;
 }
@@ -693,11 +767,9 @@ static __always_inline struct dsec_event_small *dsec_pending_begin(u32 kind, u32
     struct dsec_sandbox *cfg = dsec_sandbox(&cgid);
     if (!cfg)
         return 0;
-    struct dsec_event_small *again = dsec_pending_settle(sys, p1, p2);
-    if (again) {
-        *restart = 1;
+    struct dsec_event_small *again = dsec_pending_settle(sys, p1, p2, restart);
+    if (again)
         return again;
-    }
     struct dsec_state *st = sbx_state.lookup(&cgid);
     if (!st || !dsec_admit(cfg, st, kind) || !dsec_inflight_get(cfg, st, kind))
         return 0;
@@ -717,12 +789,19 @@ static __always_inline struct dsec_event_small *dsec_pending_begin(u32 kind, u32
     return e;
 }
 
-/* the record goes in flight (the thread's old entry was settled at begin) */
+/* The record goes in flight (the thread's old entry was settled at begin):
+ * into pending_small when it fits (its strings, none faulted), else -- or
+ * when that table is full -- into `pending`. */
 static __always_inline void dsec_pending_store(struct dsec_event_small *e)
 {
     u32 tid = e->h.tid;
     u64 cgid = e->h.cgroup_id;
     u32 kind = e->h.kind;
+    u32 fault = kind == DSEC_KIND_CONNECT ? 0
+        : e->u.file.status & (DSEC_ST_PATH_FAULT | DSEC_ST_PATH2_FAULT);
+    if (!fault && e->h.size <= sizeof(struct dsec_event_file_small) &&
+        pending_small.update(&tid, (struct dsec_event_file_small *)e) == 0)
+        return;
     if (pending.update(&tid, e) != 0) {
         dsec_pending_give(cgid);
         struct dsec_state *st = sbx_state.lookup(&cgid);
@@ -736,7 +815,8 @@ static __always_inline int dsec_pending_finish(long ret)
     if (dsec_pending_none())
         return 0;
     u32 tid = (u32)bpf_get_current_pid_tgid();
-    struct dsec_event_small *e = pending.lookup(&tid);
+    int small = 0;
+    struct dsec_event_small *e = dsec_pending_find(tid, &small);
     if (!e)
         return 0;
     e->h.ts_ns = bpf_ktime_get_ns();
@@ -746,7 +826,7 @@ static __always_inline int dsec_pending_finish(long ret)
         *dsec_entry_ret(e) = ret;
         return 0;
     }
-    dsec_pending_emit(tid, e, ret, 1);
+    dsec_pending_emit(tid, e, ret, 1, small);
     return 0;
 }
 

@@ -80,6 +80,10 @@
 #define DSEC_AGG_PER_SANDBOX 1024      /* of them, held by one sandbox at once (the rest emitted in full) */
 #endif
 #define DSEC_AGG_STR 256               /* string area of a record that may be counted as a repeat */
+#ifndef DSEC_PENDING_SMALL_ENTRIES
+#define DSEC_PENDING_SMALL_ENTRIES 8192 /* of DSEC_PENDING_ENTRIES, in the small table (the rest: the big one) */
+#endif
+#define DSEC_FILE_SMALL_BUF DSEC_AGG_STR /* string area of a file/connect record in the small table */
 
 #define DSEC_PATH_MAX 4096
 #define DSEC_EXEC_BUF_BYTES (DSEC_EXEC_OFF_MASK + 1 + DSEC_ARGV_BYTES)
@@ -299,6 +303,14 @@ struct dsec_event_small {
     struct dsec_hdr h;
     union dsec_body u;
     char buf[DSEC_FILE_BUF_BYTES];
+};
+
+/* file and connect records in flight whose strings fit DSEC_FILE_SMALL_BUF
+ * (nearly all): same layout, the string area cut (common.h dsec_pending_store) */
+struct dsec_event_file_small {
+    struct dsec_hdr h;
+    union dsec_body u;
+    char buf[DSEC_FILE_SMALL_BUF];
 };
 
 /* exec records in flight whose path and argv fit DSEC_EXEC_SMALL_BUF (nearly

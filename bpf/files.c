@@ -24,6 +24,8 @@ static __always_inline int dsec_file_enter(u32 kind, u32 sys, int dirfd, const c
         return 0;
     if (restart) {
         dsec_file_paths(e);     /* what the restart reads (common.h dsec_pending_begin) */
+        if (restart == 2)
+            dsec_pending_store(e);
         return 0;
     }
     e->u.file.sys = sys;

@@ -18,6 +18,8 @@ TRACEPOINT_PROBE(syscalls, sys_enter_connect)
         return 0;
     if (restart) {
         dsec_connect_addr(e);   /* what the restart reads (common.h dsec_pending_begin) */
+        if (restart == 2)
+            dsec_pending_store(e);
         return 0;
     }
     e->u.connect.fd = (int)args->fd;

@@ -572,14 +572,15 @@ TRACEPOINT_PROBE(signal, signal_deliver)
  * syscall was interrupted (common.h dsec_pending_settle) has it emitted, ret -EINTR */
 static __always_inline void dsec_drop_pending(u32 tid)
 {
-    struct dsec_event_small *p = dsec_pending_none() ? 0 : pending.lookup(&tid);
+    int small = 0;
+    struct dsec_event_small *p = dsec_pending_none() ? 0 : dsec_pending_find(tid, &small);
     if (p) {
         u64 cgid = p->h.cgroup_id;
         if (dsec_restart_code(*dsec_entry_ret(p))) {
-            dsec_pending_emit(tid, p, -DSEC_EINTR, 0);
+            dsec_pending_emit(tid, p, -DSEC_EINTR, 0, small);
         } else {
             dsec_inflight_put(cgid, p->h.kind);
-            if (pending.delete(&tid) == 0)
+            if (dsec_pending_del(tid, small))
                 dsec_pending_give(cgid);
         }
     }
