@@ -415,6 +415,39 @@ def test_syscall_violations_reported_once_with_counts(enforce_sensor, enforce_cg
         assert totals["lost_total"] == 0
 
 
+def _common_bit(sensor, nr: int) -> bool:
+    t = sensor.bpf[b"sys_common"]
+    return bool((t[t.Key(nr // 64)].value >> (nr % 64)) & 1)
+
+
+def test_a_call_allowed_next_door_is_still_denied_and_reported(enforce_sensor, enforce_cgroups):
+    """The exit program returns at once for a call that every enforce-mode
+    sandbox allows (bpf/enforce.c sys_common). Sandbox A allows ptrace and is
+    registered first; B, registered after it, denies ptrace: B's calls are
+    refused and reported, and once B is gone ptrace is common again."""
+    h = enforce_sensor
+    ptrace = 101
+    a = h.sandbox(enforce_cgroups, policy("enforce", syscalls={"default": "allow", "deny": ["mount"]}))
+    try:
+        assert _common_bit(h.sensor, ptrace) and not _common_bit(h.sensor, 165)     # mount
+        pol = policy("enforce", syscalls={"default": "allow", "deny": ["ptrace", "mount"]})
+        b = h.sandbox(enforce_cgroups, pol)
+        assert not _common_bit(h.sensor, ptrace)
+        p = run_workload(b.cg, [sys.executable, "-I", "-c", SYSCALL_WORKLOAD, json.dumps(pol.to_dict()), ROOT],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        o, e = p.communicate(timeout=60)
+        assert p.returncode == 0, e.decode()
+        assert json.loads(o) == [1]                                   # EPERM from seccomp
+        h.settle()
+        assert h.sensor.stats(b.cg.id)["violations"] == {"ptrace": 1000, "mount": 1}
+        b.remove()
+        assert sum(r["count"] for r in b.of_kind("syscall_denied") if r["syscall"] == "ptrace") == 1000
+        assert _common_bit(h.sensor, ptrace) and not _common_bit(h.sensor, 165)
+        assert not any(_common_bit(h.sensor, nr) for nr in (41, 53, 56, 272))  # socket, socketpair, clone, unshare
+    finally:
+        a.remove()
+
+
 LEARN_WORKLOAD = r'''
 import ctypes, json, os, socket, subprocess, sys
 sys.stdin.readline()

@@ -276,6 +276,7 @@ class _Sandbox:
     adopted: int = 0                # programs of a previous agent detached from the cgroup
     sys_hooks: list = field(default_factory=list)   # "enter" | "exit": syscall programs it needs
     sock_keys: list = field(default_factory=list)   # (family, type) keys in sock_rules
+    sys_allow: int | None = None    # enforce-mode syscalls: the bitmap as an int (bit n = syscall n)
 
 
 def _mode_name(policy_mode: str, present: bool, learn_when_absent: bool = False) -> str:
@@ -332,8 +333,11 @@ class EnforcementSensor(RingSensor):
         self._dest = b[b"egress_dest"]
         self._exempt = b[b"enf_exempt"]
         self._sock = b[b"sock_rules"]
+        self._sys_common = b[b"sys_common"]
+        self._sys_common_bits: int | None = None
         self.max_sandboxes = self.consts.values["DSEC_MAX_SANDBOXES"]
         self._sbx: dict[int, _Sandbox] = {}
+        self._sys_common_set()      # every call common: no enforce-mode sandbox yet
         self._free_idx: list[int] = []
         self._next_idx = 1
         self.warnings: list[str] = []
@@ -492,6 +496,9 @@ class EnforcementSensor(RingSensor):
                 self._set_modes(cfg, sb)
                 ct.memmove(cfg.sys_allow, syscall_bitmap(policy), len(cfg.sys_allow))
                 cfg.ns_deny = 1 if namespace_rules(policy).deny else 0
+                if modes["sys"] == "enforce":
+                    sb.sys_allow = int.from_bytes(syscall_bitmap(policy), "little")
+                    self._sys_common_set()      # narrowed before the sandbox is visible
                 self._sys_hook_get(sb, "enter" if modes["sys"] in ("learn", "audit") else "exit")
                 self._cfg[self._cfg.Key(cgroup_id)] = cfg
                 self._bump_gen()
@@ -875,6 +882,27 @@ class EnforcementSensor(RingSensor):
         exec_keys.clear()
         self._free_idx.append(idx)
 
+    def _sys_common_set(self, without: int | None = None) -> None:
+        """bpf/enforce.c sys_common: the syscalls every enforce-mode sandbox's
+        bitmap allows (all, with none; `without`: a sandbox being removed), less
+        DSEC_NR_* (clone, unshare: namespace flags; socket, socketpair: the
+        socket rules), whose exits are checked whatever the number allows.
+        Written word by word, only where it changed."""
+        v = self.consts.values
+        nr_max = v["DSEC_SYSCALL_NR_MAX"]
+        bits = (1 << nr_max) - 1
+        for sb in self._sbx.values():
+            if sb.sys_allow is not None and sb.cgroup_id != without:
+                bits &= sb.sys_allow
+        for name in ("DSEC_NR_CLONE", "DSEC_NR_UNSHARE", "DSEC_NR_SOCKET", "DSEC_NR_SOCKETPAIR"):
+            bits &= ~(1 << v[name])
+        old = self._sys_common_bits
+        for w in range(nr_max // 64):
+            word = (bits >> (64 * w)) & 0xFFFFFFFFFFFFFFFF
+            if old is None or (old >> (64 * w)) & 0xFFFFFFFFFFFFFFFF != word:
+                self._sys_common[self._sys_common.Key(w)] = self._sys_common.Leaf(word)
+        self._sys_common_bits = bits
+
     def _exec_key(self, idx: int, prefixlen: int, data: bytes):
         k = self._exec.Key()
         k.prefixlen, k.idx = prefixlen, idx
@@ -1012,6 +1040,8 @@ class EnforcementSensor(RingSensor):
         for m in (self._cfg, self._counts):
             map_discard(m, m.Key(cgid))
         self._bump_gen()
+        if sb.sys_allow is not None:
+            self._sys_common_set(without=cgid)     # widened once it is gone
         self._drop_sockets(sb.idx, sb.sock_keys)
         self._drop_rules(sb.idx, sb.egress_entries, sb.exec_keys)
         if cgroup_populated(sb.path, sb.cgroup_id):
