@@ -17,6 +17,7 @@ in every column).
 
 Workloads (each a child process, N operations, timing itself):
   open     os.open(f, O_WRONLY|O_CREAT|O_APPEND) + os.close, 64 names
+  append   open(f, "a") + write + close, 64 names (bench/audit.py part 1's open workload)
   connect  connect to a listener on 127.0.0.1 (accepted) + to a closed port (refused)
   exec     sh loop exec'ing /bin/true (fork + exec + exit)
 each run --runs times in three places, interleaved: in the sandbox cgroup
@@ -60,6 +61,19 @@ fl = os.O_WRONLY | os.O_CREAT | os.O_APPEND
 t = time.perf_counter_ns()
 for i in range(n):
     os.close(os.open(names[i & 63], fl, 0o600))
+print(time.perf_counter_ns() - t)
+'''
+
+# bench/audit.py part 1's open workload as it is: Python's open(.., "a"), write, close
+# (openat, newfstatat, ioctl, 3 lseek, write, close: 8 syscalls an iteration)
+APPEND_PY = r'''
+import sys, time
+n, d = int(sys.argv[1]), sys.argv[2]
+names = [f"{d}/a{i}" for i in range(64)]
+t = time.perf_counter_ns()
+for i in range(n):
+    with open(names[i & 63], "a") as f:
+        f.write("x")
 print(time.perf_counter_ns() - t)
 '''
 
@@ -132,6 +146,7 @@ def workloads(quick: bool, d: str):
     py = "/usr/bin/python3"
     return [
         ("open", no, [py, "-I", "-S", "-B", "-c", OPEN_PY, str(no), d]),
+        ("append", no, [py, "-I", "-S", "-B", "-c", APPEND_PY, str(no), d]),
         ("connect", nc, [py, "-I", "-S", "-B", "-c", CONNECT_PY, str(nc)]),
         ("exec", ne, ["/bin/sh", "-c", EXEC_SH.format(n=ne)]),
     ]
