@@ -97,6 +97,10 @@ BPF_HASH(enf_exempt, u32, u64, 65536);
  * exit of such a call has nothing to report, in any sandbox, and returns
  * before the membership look-up (agent/sensors/enforce.py _sys_common_set). */
 BPF_ARRAY(sys_common, u64, DSEC_SYSCALL_NR_MAX / 64);
+/* The same for sys_enter (learn and audit mode): the syscalls every audit-mode
+ * sandbox allows, none while a learn-mode sandbox is registered (it counts
+ * every call); written by the same rules. */
+BPF_ARRAY(sys_common_audit, u64, DSEC_SYSCALL_NR_MAX / 64);
 BPF_F_TABLE("hash", struct dsec_sock_key, struct dsec_sock_rule, sock_rules, DSEC_SOCK_ENTRIES, BPF_F_NO_PREALLOC);
 /* tid -> fd of an executable file mapping in flight (exec-enforced sandboxes) */
 BPF_HASH(mmap_pending, u32, s64, 16384);
@@ -991,6 +995,13 @@ static __always_inline void enf_sys_violation(struct dsec_enf_sandbox *cfg, u64 
 
 RAW_TRACEPOINT_PROBE(sys_enter)
 {
+    long id = (long)ctx->args[1];
+    if (id >= 0 && id < DSEC_SYSCALL_NR_MAX) {     /* nothing any sandbox counts or reports */
+        u32 w = (u32)id >> 6;
+        u64 *bits = sys_common_audit.lookup(&w);
+        if (bits && ((*bits >> (id & 63)) & 1))
+            return 0;
+    }
     u64 cgid = 0;
     struct dsec_enf_sandbox *cfg = dsec_sandbox(&cgid);
     if (!cfg)
@@ -1001,7 +1012,6 @@ RAW_TRACEPOINT_PROBE(sys_enter)
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     if (enf_exempt.lookup(&tgid))
         return 0;
-    long id = (long)ctx->args[1];
     if (mode == DSEC_MODE_LEARN) {
         struct dsec_sys_counts *c = sys_counts.lookup(&cgid);
         if (!c)

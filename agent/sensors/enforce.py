@@ -276,7 +276,7 @@ class _Sandbox:
     adopted: int = 0                # programs of a previous agent detached from the cgroup
     sys_hooks: list = field(default_factory=list)   # "enter" | "exit": syscall programs it needs
     sock_keys: list = field(default_factory=list)   # (family, type) keys in sock_rules
-    sys_allow: int | None = None    # enforce-mode syscalls: the bitmap as an int (bit n = syscall n)
+    sys_allow: int | None = None    # audit/enforce-mode syscalls: the bitmap as an int (bit n = syscall n)
 
 
 def _mode_name(policy_mode: str, present: bool, learn_when_absent: bool = False) -> str:
@@ -333,8 +333,8 @@ class EnforcementSensor(RingSensor):
         self._dest = b[b"egress_dest"]
         self._exempt = b[b"enf_exempt"]
         self._sock = b[b"sock_rules"]
-        self._sys_common = b[b"sys_common"]
-        self._sys_common_bits: int | None = None
+        self._sys_common = {"enforce": b[b"sys_common"], "audit": b[b"sys_common_audit"]}
+        self._sys_common_bits: dict = {}
         self.max_sandboxes = self.consts.values["DSEC_MAX_SANDBOXES"]
         self._sbx: dict[int, _Sandbox] = {}
         self._sys_common_set()      # every call common: no enforce-mode sandbox yet
@@ -496,7 +496,7 @@ class EnforcementSensor(RingSensor):
                 self._set_modes(cfg, sb)
                 ct.memmove(cfg.sys_allow, syscall_bitmap(policy), len(cfg.sys_allow))
                 cfg.ns_deny = 1 if namespace_rules(policy).deny else 0
-                if modes["sys"] == "enforce":
+                if modes["sys"] in ("learn", "audit", "enforce"):
                     sb.sys_allow = int.from_bytes(syscall_bitmap(policy), "little")
                     self._sys_common_set()      # narrowed before the sandbox is visible
                 self._sys_hook_get(sb, "enter" if modes["sys"] in ("learn", "audit") else "exit")
@@ -886,22 +886,30 @@ class EnforcementSensor(RingSensor):
         """bpf/enforce.c sys_common: the syscalls every enforce-mode sandbox's
         bitmap allows (all, with none; `without`: a sandbox being removed), less
         DSEC_NR_* (clone, unshare: namespace flags; socket, socketpair: the
-        socket rules), whose exits are checked whatever the number allows.
-        Written word by word, only where it changed."""
+        socket rules), whose exits are checked whatever the number allows;
+        sys_common_audit: those every audit-mode sandbox's allows, none while a
+        learn-mode sandbox is registered. Written word by word, only where
+        they changed."""
         v = self.consts.values
         nr_max = v["DSEC_SYSCALL_NR_MAX"]
-        bits = (1 << nr_max) - 1
+        bits = {"enforce": (1 << nr_max) - 1, "audit": (1 << nr_max) - 1}
         for sb in self._sbx.values():
-            if sb.sys_allow is not None and sb.cgroup_id != without:
-                bits &= sb.sys_allow
+            mode = sb.modes["sys"]
+            if sb.sys_allow is None or sb.cgroup_id == without:
+                continue
+            if mode == "learn":
+                bits["audit"] = 0
+            elif mode in bits:
+                bits[mode] &= sb.sys_allow
         for name in ("DSEC_NR_CLONE", "DSEC_NR_UNSHARE", "DSEC_NR_SOCKET", "DSEC_NR_SOCKETPAIR"):
-            bits &= ~(1 << v[name])
-        old = self._sys_common_bits
-        for w in range(nr_max // 64):
-            word = (bits >> (64 * w)) & 0xFFFFFFFFFFFFFFFF
-            if old is None or (old >> (64 * w)) & 0xFFFFFFFFFFFFFFFF != word:
-                self._sys_common[self._sys_common.Key(w)] = self._sys_common.Leaf(word)
-        self._sys_common_bits = bits
+            bits["enforce"] &= ~(1 << v[name])
+        for hook, table in self._sys_common.items():
+            old = self._sys_common_bits.get(hook)
+            for w in range(nr_max // 64):
+                word = (bits[hook] >> (64 * w)) & 0xFFFFFFFFFFFFFFFF
+                if old is None or (old >> (64 * w)) & 0xFFFFFFFFFFFFFFFF != word:
+                    table[table.Key(w)] = table.Leaf(word)
+            self._sys_common_bits[hook] = bits[hook]
 
     def _exec_key(self, idx: int, prefixlen: int, data: bytes):
         k = self._exec.Key()
