@@ -52,7 +52,7 @@ BPF_TABLE("hash", u32, struct dsec_event_file_small, pending_small, DSEC_PENDING
 BPF_F_TABLE("hash", u32, struct dsec_event_small, pending, DSEC_PENDING_ENTRIES, BPF_F_NO_PREALLOC);
 /* a pending_small entry copied out, full-size, to be emitted or read into again */
 BPF_PERCPU_ARRAY(pending_copy, struct dsec_event_small, 1);
-/* entries of `pending` taken, all sandboxes (its fair sharing, see dsec_pending_take) */
+/* entries of pending_small and `pending` taken, all sandboxes (their fair sharing, see dsec_pending_take) */
 BPF_ARRAY(pending_used, s64, 1);
 /* how a process is ending: tgid -> exit_group code or fatal signal */
 BPF_TABLE("lru_hash", u32, struct dsec_exit_info, exit_info, 65536);
