@@ -689,6 +689,22 @@ def test_sensor_can_be_closed_and_recreated():
         s.poll(1)
 
 
+def test_a_sensor_failing_after_its_load_leaves_no_pin(monkeypatch):
+    """Anything that fails past the programs' load and pinning (here the first
+    write of sys_common) unpins and unloads: before, only a failure of the load
+    itself did, and the sensor's pin directory stayed behind."""
+    def listing():
+        return set(os.listdir(TEST_PIN_ROOT)) if os.path.isdir(TEST_PIN_ROOT) else set()
+    before = listing()
+
+    def fail(self, without=None):
+        raise RuntimeError("sys_common cannot be written")
+    monkeypatch.setattr(EnforcementSensor, "_sys_common_set", fail)
+    with pytest.raises(RuntimeError, match="sys_common"):
+        EnforcementSensor(pin_root=TEST_PIN_ROOT)
+    assert listing() == before
+
+
 # ---------------------------------------------------------------- into ClickHouse
 
 def test_schema_migration_2_adds_the_enforcement_columns(clickhouse_url):

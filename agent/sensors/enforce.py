@@ -321,29 +321,29 @@ class EnforcementSensor(RingSensor):
         except BaseException:
             self._teardown()
             raise
-        b = self.bpf
-        self._cfg = b[b"sandboxes"]
-        self._state_map = b[b"enf_state"]
-        self._gen = b[b"sbx_gen"]
-        self._e4 = b[b"egress4"]
-        self._e6 = b[b"egress6"]
-        self._exec = b[b"exec_allow"]
-        self._viol = b[b"sys_viol"]
-        self._counts = b[b"sys_counts"]
-        self._dest = b[b"egress_dest"]
-        self._exempt = b[b"enf_exempt"]
-        self._sock = b[b"sock_rules"]
-        self._sys_common = {"enforce": b[b"sys_common"], "audit": b[b"sys_common_audit"]}
-        self._sys_common_bits: dict = {}
-        self.max_sandboxes = self.consts.values["DSEC_MAX_SANDBOXES"]
-        self._sbx: dict[int, _Sandbox] = {}
-        self._sys_common_set()      # every call common: no enforce-mode sandbox yet
-        self._free_idx: list[int] = []
-        self._next_idx = 1
-        self.warnings: list[str] = []
-        self._init_records(b[b"enf_events"], b[b"enf_scratch"].sLeaf, node=node, enricher=None)
-        from agent.sensors.cwd import CwdVerifier
-        try:
+        try:     # anything failing past the load: unpinned and unloaded, nothing left behind
+            b = self.bpf
+            self._cfg = b[b"sandboxes"]
+            self._state_map = b[b"enf_state"]
+            self._gen = b[b"sbx_gen"]
+            self._e4 = b[b"egress4"]
+            self._e6 = b[b"egress6"]
+            self._exec = b[b"exec_allow"]
+            self._viol = b[b"sys_viol"]
+            self._counts = b[b"sys_counts"]
+            self._dest = b[b"egress_dest"]
+            self._exempt = b[b"enf_exempt"]
+            self._sock = b[b"sock_rules"]
+            self._sys_common = {"enforce": b[b"sys_common"], "audit": b[b"sys_common_audit"]}
+            self._sys_common_bits: dict = {}
+            self.max_sandboxes = self.consts.values["DSEC_MAX_SANDBOXES"]
+            self._sbx: dict[int, _Sandbox] = {}
+            self._sys_common_set()      # every call common: no enforce-mode sandbox yet
+            self._free_idx: list[int] = []
+            self._next_idx = 1
+            self.warnings: list[str] = []
+            self._init_records(b[b"enf_events"], b[b"enf_scratch"].sLeaf, node=node, enricher=None)
+            from agent.sensors.cwd import CwdVerifier
             self.cwd = CwdVerifier(b, self.decoder.cgroup2_root, self.decoder.proc)
         except BaseException:
             self._teardown()
