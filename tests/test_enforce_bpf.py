@@ -788,6 +788,27 @@ def test_syscall_programs_run_only_while_a_sandbox_needs_them(enforce_sensor, en
             s.sys_hook_linger_s = saved
 
 
+def test_mmap_programs_run_only_while_an_exec_enforcing_sandbox_needs_them(enforce_sensor, enforce_cgroups):
+    """The executable-mapping check (syscalls:sys_enter_mmap/sys_exit_mmap) is
+    attached with the first sandbox whose exec rules are enforced, not for one
+    without exec rules, and detached once none is left (after the linger)."""
+    h = enforce_sensor
+    s = h.sensor
+    before = s.syscall_hooks()["mmap"]
+    plain = h.sandbox(enforce_cgroups, policy("enforce"))
+    assert s.syscall_hooks()["mmap"] == before
+    plain.remove()
+    sbx = h.sandbox(enforce_cgroups, policy("enforce", exec={"allow": ["/usr/bin/*"]}))
+    assert s.syscall_hooks()["mmap"] == {"attached": True, "sandboxes": before["sandboxes"] + 1}
+    sbx.remove()
+    if before["sandboxes"] == 0:
+        saved, s.sys_hook_linger_s = s.sys_hook_linger_s, 0
+        try:
+            assert h.poll_until(lambda: not s.syscall_hooks()["mmap"]["attached"], 3)
+        finally:
+            s.sys_hook_linger_s = saved
+
+
 SYSCALL_SPRAY = r'''
 import ctypes, sys
 libc = ctypes.CDLL(None, use_errno=True)

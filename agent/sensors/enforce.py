@@ -95,9 +95,16 @@ CWD_MAP_PINS = {"cwd_gen": ("gen", b"enf_cwd_gen"), "cwd": ("cwd", b"enf_cwd")} 
 # they are attached only while a sandbox needs them: sys_enter for learn and
 # audit mode, sys_exit for enforce mode (docs/enforcement.md, "Cost")
 SYS_HOOK_LINGER_S = 10.0
-SYS_HOOKS = {"enter": ("raw", b"sys_enter", b"raw_tracepoint__sys_enter"),
+# (a hook's programs, attached in this order and detached in the reverse)
+SYS_HOOKS = {"enter": (("raw", b"sys_enter", b"raw_tracepoint__sys_enter"),),
              # enforce mode: refused calls, and the arguments of socket() calls seccomp refused
-             "exit": ("raw", b"sys_exit", b"raw_tracepoint__sys_exit")}
+             "exit": (("raw", b"sys_exit", b"raw_tracepoint__sys_exit"),),
+             # exec enforce mode: an executable mapping of a file refused with EPERM (a noexec
+             # writable layer): these two cost every mmap of every process ~0.3 us (perf's
+             # tracepoint frames, docs/enforcement.md "Cost"), so they too run only while a
+             # sandbox needs them
+             "mmap": (("tp", b"syscalls:sys_enter_mmap", b"tracepoint__syscalls__sys_enter_mmap"),
+                      ("tp", b"syscalls:sys_exit_mmap", b"tracepoint__syscalls__sys_exit_mmap"))}
 PROTO_BITS = {"tcp": 1, "udp": 2, "any": 1 | 2 | 4}
 MAPPED_V4 = ipaddress.ip_network("::ffff:0:0/96")
 
@@ -362,10 +369,11 @@ class EnforcementSensor(RingSensor):
         # periods) runs without the sensor's lock
         self._hook_lock = threading.Lock()
         self._sys_users = {h: 0 for h in SYS_HOOKS}
-        self._sys_attached = {h: False for h in SYS_HOOKS}
+        self._sys_attached = {h: 0 for h in SYS_HOOKS}       # how many of the hook's programs
         self._sys_idle_since = {h: 0.0 for h in SYS_HOOKS}
-        self.bpf.detach_raw_tracepoint(b"sys_enter")
-        self.bpf.detach_raw_tracepoint(b"sys_exit")
+        for parts in SYS_HOOKS.values():       # BCC attached them all at load
+            for kind, tp, _ in parts:
+                self._sys_detach_one(kind, tp)
         # exec: BCC attached it through a perf event owned by this process; re-attach
         # it through a BPF link pinned in bpffs, which outlives the process
         exec_fd = self.bpf.funcs[EXEC_FN].fd
@@ -500,6 +508,8 @@ class EnforcementSensor(RingSensor):
                     sb.sys_allow = int.from_bytes(syscall_bitmap(policy), "little")
                     self._sys_common_set()      # narrowed before the sandbox is visible
                 self._sys_hook_get(sb, "enter" if modes["sys"] in ("learn", "audit") else "exit")
+                if modes["exec"] == "enforce":
+                    self._sys_hook_get(sb, "mmap")
                 self._cfg[self._cfg.Key(cgroup_id)] = cfg
                 self._bump_gen()
                 if modes["egress"] != "off":
@@ -922,19 +932,40 @@ class EnforcementSensor(RingSensor):
         with self._hook_lock:
             self._sys_hook_get_locked(sb, hook)
 
+    def _sys_attach_one(self, kind: str, tp: bytes, fn: bytes) -> None:
+        if kind == "raw":
+            self.bpf.attach_raw_tracepoint(tp=tp, fn_name=fn)
+        else:
+            self.bpf.attach_tracepoint(tp=tp, fn_name=fn)
+
+    def _sys_detach_one(self, kind: str, tp: bytes) -> None:
+        if kind == "raw":
+            self.bpf.detach_raw_tracepoint(tp=tp)
+        else:
+            self.bpf.detach_tracepoint(tp=tp)
+
     def _sys_hook_get_locked(self, sb: _Sandbox, hook: str) -> None:
-        if not self._sys_attached[hook]:
-            kind, tp, fn = SYS_HOOKS[hook]
+        parts = SYS_HOOKS[hook]
+        if hook == "mmap" and self._sys_attached[hook] == 0:
+            self._mmap_clear()      # nothing of an earlier attachment's calls is taken for a new one's
+        while self._sys_attached[hook] < len(parts):
+            kind, tp, fn = parts[self._sys_attached[hook]]
             try:
-                if kind == "raw":
-                    self.bpf.attach_raw_tracepoint(tp=tp, fn_name=fn)
-                else:
-                    self.bpf.attach_tracepoint(tp=tp, fn_name=fn)
+                self._sys_attach_one(kind, tp, fn)
             except Exception as e:   # BCC raises bare Exception
                 raise DsecError(f"cannot attach the syscall program ({tp.decode()}): {e}") from None
-            self._sys_attached[hook] = True
+            self._sys_attached[hook] += 1
         self._sys_users[hook] += 1
         sb.sys_hooks.append(hook)
+
+    def _mmap_clear(self) -> None:
+        """The executable mappings in flight (bpf/enforce.c mmap_pending), forgotten:
+        their programs are detached, no entry is anyone's now."""
+        pending = self.bpf[b"mmap_pending"]
+        for k in list(pending.keys()):
+            map_discard(pending, k)
+        inflight = self.bpf[b"mmap_inflight"]
+        inflight[inflight.Key(0)] = inflight.Leaf(0)
 
     def _sys_hook_put(self, sb: _Sandbox) -> None:
         hooks, sb.sys_hooks = sb.sys_hooks, []
@@ -956,20 +987,20 @@ class EnforcementSensor(RingSensor):
     def _sys_hooks_idle_locked(self, now: float) -> None:
         for hook, attached in self._sys_attached.items():
             if attached and self._sys_users[hook] == 0 and now - self._sys_idle_since[hook] >= self.sys_hook_linger_s:
-                kind, tp, _ = SYS_HOOKS[hook]
-                try:
-                    if kind == "raw":
-                        self.bpf.detach_raw_tracepoint(tp=tp)
-                    else:
-                        self.bpf.detach_tracepoint(tp=tp)
-                    self._sys_attached[hook] = False
-                except Exception as e:   # noqa: BLE001 - still attached: only costs time
-                    log.warning("cannot detach %s: %s", tp.decode(), e)
+                parts = SYS_HOOKS[hook]
+                while self._sys_attached[hook] > 0:
+                    kind, tp, _ = parts[self._sys_attached[hook] - 1]
+                    try:
+                        self._sys_detach_one(kind, tp)
+                    except Exception as e:   # noqa: BLE001 - still attached: only costs time
+                        log.warning("cannot detach %s: %s", tp.decode(), e)
+                        break
+                    self._sys_attached[hook] -= 1
 
     def syscall_hooks(self) -> dict:
-        """The syscall programs: {"enter"|"exit": {"attached": bool, "sandboxes": n}}."""
+        """The syscall programs: {"enter"|"exit"|"mmap": {"attached": bool, "sandboxes": n}}."""
         with self._hook_lock:
-            return {h: {"attached": self._sys_attached[h], "sandboxes": self._sys_users[h]}
+            return {h: {"attached": self._sys_attached[h] == len(SYS_HOOKS[h]), "sandboxes": self._sys_users[h]}
                     for h in self._sys_users}
 
     def _exempt_pid(self, sb: _Sandbox, pid: int) -> None:
