@@ -461,6 +461,38 @@ def test_a_call_allowed_next_door_is_still_denied_and_reported(enforce_sensor, e
         a.remove()
 
 
+NS_CLONE_WORKLOAD = r'''
+import ctypes, json, os, sys
+sys.path.insert(0, sys.argv[2])
+from policies.compile import seccomp_filter
+from policies.load import policy_from_data
+seccomp_filter(policy_from_data(json.loads(sys.argv[1]))).load()
+libc = ctypes.CDLL(None, use_errno=True)
+pid = libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)     # clone(CLONE_NEWUSER | SIGCHLD)
+if pid == 0:
+    os._exit(0)
+print(json.dumps(pid > 0 and os.waitpid(pid, 0)[1] == 0), flush=True)
+'''
+
+
+def test_audit_mode_reports_a_namespace_clone(enforce_sensor, enforce_cgroups):
+    """Audit mode with `namespaces: deny`: seccomp logs a namespace-creating
+    clone and lets it run; syscalls:sys_enter_clone, attached while such a
+    sandbox is registered, reports it (would-deny, status namespaces)."""
+    h = enforce_sensor
+    pol = policy("audit", syscalls={"default": "allow", "namespaces": "deny"})
+    sbx = h.sandbox(enforce_cgroups, pol)
+    assert h.sensor.syscall_hooks()["clone"]["attached"]
+    p = run_workload(sbx.cg, [sys.executable, "-I", "-c", NS_CLONE_WORKLOAD, json.dumps(pol.to_dict()), ROOT],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    o, e = p.communicate(timeout=60)
+    assert p.returncode == 0 and json.loads(o) is True, e.decode()
+    h.settle()
+    sbx.remove()
+    recs = [r for r in sbx.of_kind("syscall_violation") if r["syscall"] == "clone"]
+    assert recs and all("namespaces" in _extra(r)["status"] and r["decision"] == "would-deny" for r in recs), recs
+
+
 LEARN_WORKLOAD = r'''
 import ctypes, json, os, socket, subprocess, sys
 sys.stdin.readline()

@@ -104,7 +104,12 @@ SYS_HOOKS = {"enter": (("raw", b"sys_enter", b"raw_tracepoint__sys_enter"),),
              # tracepoint frames, docs/enforcement.md "Cost"), so they too run only while a
              # sandbox needs them
              "mmap": (("tp", b"syscalls:sys_enter_mmap", b"tracepoint__syscalls__sys_enter_mmap"),
-                      ("tp", b"syscalls:sys_exit_mmap", b"tracepoint__syscalls__sys_exit_mmap"))}
+                      ("tp", b"syscalls:sys_exit_mmap", b"tracepoint__syscalls__sys_exit_mmap")),
+             # audit mode: socket()/socketpair() outside the socket rules, clone() with namespace
+             # flags under `namespaces: deny` (seccomp lets them run; unshare's program is pinned)
+             "socket": (("tp", b"syscalls:sys_enter_socket", b"tracepoint__syscalls__sys_enter_socket"),
+                        ("tp", b"syscalls:sys_enter_socketpair", b"tracepoint__syscalls__sys_enter_socketpair")),
+             "clone": (("tp", b"syscalls:sys_enter_clone", b"tracepoint__syscalls__sys_enter_clone"),)}
 PROTO_BITS = {"tcp": 1, "udp": 2, "any": 1 | 2 | 4}
 MAPPED_V4 = ipaddress.ip_network("::ffff:0:0/96")
 
@@ -510,6 +515,10 @@ class EnforcementSensor(RingSensor):
                 self._sys_hook_get(sb, "enter" if modes["sys"] in ("learn", "audit") else "exit")
                 if modes["exec"] == "enforce":
                     self._sys_hook_get(sb, "mmap")
+                if modes["sys"] == "audit" and srules is not None:
+                    self._sys_hook_get(sb, "socket")
+                if modes["sys"] == "audit" and cfg.ns_deny:
+                    self._sys_hook_get(sb, "clone")
                 self._cfg[self._cfg.Key(cgroup_id)] = cfg
                 self._bump_gen()
                 if modes["egress"] != "off":
