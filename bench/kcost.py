@@ -228,19 +228,27 @@ def main(argv=None) -> int:
     cgs = {k: os.path.join(root, f"dsec-kcost-{k}-{tag}") for k in ("sandbox", "other")}
     d = f"/tmp/dsec-kcost-{tag}"
     os.mkdir(d)
+    builds = [("head", common.BPF_DIR)]
+    try:        # the builds first: a revision that cannot be read leaves no cgroup behind
+        for i, rev in enumerate(a.compare):
+            if os.path.isdir(rev):
+                builds.insert(i, (f"dir{i}" if len(a.compare) > 1 else "dir", os.path.abspath(rev)))  # as it is
+                continue
+            rd = f"{d}-rev{i}"
+            os.mkdir(rd)
+            got = subprocess.run(["git", "-C", os.path.dirname(common.BPF_DIR), "archive", rev, "bpf"],
+                                 capture_output=True)
+            if got.returncode != 0:
+                raise SystemExit(f"bench/kcost.py: --compare {rev}: neither a directory nor a git revision "
+                                 f"with a bpf/ tree")
+            arch = got.stdout
+            subprocess.run(["tar", "-x", "-C", rd], input=arch, check=True)
+            builds.insert(i, (rev, os.path.join(rd, "bpf")))
+    except BaseException:
+        subprocess.run(["rm", "-rf", d] + [f"{d}-rev{i}" for i in range(len(a.compare))], check=False)
+        raise
     for p in cgs.values():
         os.mkdir(p)
-    builds = [("head", common.BPF_DIR)]
-    for i, rev in enumerate(a.compare):
-        if os.path.isdir(rev):
-            builds.insert(i, (f"dir{i}" if len(a.compare) > 1 else "dir", os.path.abspath(rev)))  # as it is
-            continue
-        rd = f"{d}-rev{i}"
-        os.mkdir(rd)
-        arch = subprocess.run(["git", "-C", os.path.dirname(common.BPF_DIR), "archive", rev, "bpf"],
-                              capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", rd], input=arch, check=True)
-        builds.insert(i, (rev, os.path.join(rd, "bpf")))
     wls = workloads(a.quick, d)
     places = ["base"] + [f"{b}:{w}" for b, _ in builds for w in ("sandbox", "other")]
     times = {(w, pl): [] for w, _, _ in wls for pl in places}
