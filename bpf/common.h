@@ -631,6 +631,17 @@ static __always_inline struct dsec_event_small *dsec_pending_copy(struct dsec_ev
     return c;
 }
 
+/* Thread tid's pending_small entry of sandbox cgid (state st), whose record
+ * could not be copied out (cannot happen: a per-CPU slot): out of flight,
+ * counted lost, its share given back. */
+static __always_inline void dsec_pending_small_lost(u32 tid, u64 cgid, u32 kind, struct dsec_state *st)
+{
+    if (st)
+        dsec_inflight_lost(sandboxes.lookup(&cgid), st, kind);
+    if (dsec_pending_del(tid, 1))
+        dsec_pending_give_st(st);
+}
+
 /* Emit the record of the current thread's (tid's) entry `e` (of pending_small
  * when `small`, see dsec_pending_find) with result `ret` and take it out of
  * flight. `late`: read a path/sockaddr that was not resident at entry again
@@ -645,10 +656,7 @@ static __always_inline void dsec_pending_emit(u32 tid, struct dsec_event_small *
     if (small) {
         e = dsec_pending_copy(e);
         if (!e) {
-            if (st)
-                dsec_inflight_lost(sandboxes.lookup(&cgid), st, kind);
-            if (dsec_pending_del(tid, 1))
-                dsec_pending_give_st(st);
+            dsec_pending_small_lost(tid, cgid, kind, st);
             return;
         }
     }
@@ -735,17 +743,13 @@ static __always_inline struct dsec_event_small *dsec_pending_settle(u32 sys, u64
             return e;
         }
         struct dsec_event_small *c = dsec_pending_copy(e);
-        u32 kind = e->h.kind;
-        pending_small.delete(&tid);
-        if (c) {
-            *restart = 2;
-            return c;
+        if (!c) {
+            dsec_pending_small_lost(tid, scg, e->h.kind, sbx_state.lookup(&scg));
+            return 0;
         }
-        struct dsec_state *st = sbx_state.lookup(&scg);     /* no scratch: cannot happen */
-        if (st)
-            dsec_inflight_lost(sandboxes.lookup(&scg), st, kind);
-        dsec_pending_give_st(st);
-        return 0;
+        pending_small.delete(&tid);     /* still in flight, its share held: stored again */
+        *restart = 2;
+        return c;
     }
     /* an entry whose exit was never seen: its accounting given back */
     dsec_inflight_put(scg, e->h.kind);

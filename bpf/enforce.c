@@ -993,15 +993,22 @@ static __always_inline void enf_sys_violation(struct dsec_enf_sandbox *cfg, u64 
     enf_submit(e, st, kind);
 }
 
+/* Is syscall `id` set in sys_common (enforce mode's exits) or, `audit`,
+ * sys_common_audit (learn and audit mode's entries)? */
+static __always_inline int enf_sys_common(long id, int audit)
+{
+    if (id < 0 || id >= DSEC_SYSCALL_NR_MAX)
+        return 0;
+    u32 w = (u32)id >> 6;
+    u64 *bits = audit ? sys_common_audit.lookup(&w) : sys_common.lookup(&w);
+    return bits && ((*bits >> (id & 63)) & 1);
+}
+
 RAW_TRACEPOINT_PROBE(sys_enter)
 {
     long id = (long)ctx->args[1];
-    if (id >= 0 && id < DSEC_SYSCALL_NR_MAX) {     /* nothing any sandbox counts or reports */
-        u32 w = (u32)id >> 6;
-        u64 *bits = sys_common_audit.lookup(&w);
-        if (bits && ((*bits >> (id & 63)) & 1))
-            return 0;
-    }
+    if (enf_sys_common(id, 1))      /* nothing any sandbox counts or reports */
+        return 0;
     u64 cgid = 0;
     struct dsec_enf_sandbox *cfg = dsec_sandbox(&cgid);
     if (!cfg)
@@ -1092,12 +1099,8 @@ RAW_TRACEPOINT_PROBE(sys_exit)
      * then reports the interrupted call's restored result: not a call */
     if (id < 0)
         return 0;
-    if (id < DSEC_SYSCALL_NR_MAX) {     /* allowed in every enforce-mode sandbox: done */
-        u32 w = (u32)id >> 6;
-        u64 *bits = sys_common.lookup(&w);
-        if (bits && ((*bits >> (id & 63)) & 1))
-            return 0;
-    }
+    if (enf_sys_common(id, 0))      /* allowed in every enforce-mode sandbox: done */
+        return 0;
     u64 cgid = 0;
     struct dsec_enf_sandbox *cfg = dsec_sandbox(&cgid);
     if (!cfg || cfg->sys != DSEC_MODE_ENFORCE)

@@ -408,9 +408,9 @@ struct dsec_exit_info { /* exit_info: tgid -> how it is ending */
 #define DSEC_SYSCALL_NR_OTHER 512      /* sys_viol key of every number >= DSEC_SYSCALL_NR_MAX (one entry) */
 /* x86_64 numbers of the calls whose exits enforce mode checks whatever the
  * bitmap says (namespace flags, socket rules): never in enforce.c sys_common */
-#define DSEC_NR_CLONE 56
-#define DSEC_NR_SOCKETPAIR 53
 #define DSEC_NR_SOCKET 41
+#define DSEC_NR_SOCKETPAIR 53
+#define DSEC_NR_CLONE 56
 #define DSEC_NR_UNSHARE 272
 
 /* ---- per-concern mode (dsec_enf_sandbox.egress/exec/sys) ---------------- */

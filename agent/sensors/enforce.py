@@ -288,7 +288,7 @@ class _Sandbox:
     adopted: int = 0                # programs of a previous agent detached from the cgroup
     sys_hooks: list = field(default_factory=list)   # "enter" | "exit": syscall programs it needs
     sock_keys: list = field(default_factory=list)   # (family, type) keys in sock_rules
-    sys_allow: int | None = None    # audit/enforce-mode syscalls: the bitmap as an int (bit n = syscall n)
+    sys_allow: int | None = None    # its syscall bitmap as an int (bit n = syscall n), once registered
 
 
 def _mode_name(policy_mode: str, present: bool, learn_when_absent: bool = False) -> str:
@@ -507,11 +507,11 @@ class EnforcementSensor(RingSensor):
                 cfg.byte_ps, cfg.byte_tol_ns = self.byte_budget
                 cfg.idx, cfg.step = idx, step
                 self._set_modes(cfg, sb)
-                ct.memmove(cfg.sys_allow, syscall_bitmap(policy), len(cfg.sys_allow))
+                bitmap = syscall_bitmap(policy)
+                ct.memmove(cfg.sys_allow, bitmap, len(cfg.sys_allow))
                 cfg.ns_deny = 1 if namespace_rules(policy).deny else 0
-                if modes["sys"] in ("learn", "audit", "enforce"):
-                    sb.sys_allow = int.from_bytes(syscall_bitmap(policy), "little")
-                    self._sys_common_set()      # narrowed before the sandbox is visible
+                sb.sys_allow = int.from_bytes(bitmap, "little")
+                self._sys_common_set()      # narrowed before the sandbox is visible
                 self._sys_hook_get(sb, "enter" if modes["sys"] in ("learn", "audit") else "exit")
                 if modes["exec"] == "enforce":
                     self._sys_hook_get(sb, "mmap")
