@@ -2,7 +2,7 @@
 fixed costs, clean-up of their ClickHouse databases, and the entry point that
 turns a failure into one line.
 
-    from _common import ROOT, DSEC, entry, med, pct, ratio, table, sensor_costs
+    from _common import ROOT, DSEC, entry, med, pct, ratio, table, sensor_costs, cpu_times, steal_since
     ...
     if __name__ == "__main__":
         entry(main, "bench/launch.py")
@@ -31,6 +31,22 @@ def timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def cpu_times() -> tuple[int, int]:
+    """(all CPU time, stolen CPU time) of the machine so far, in clock ticks (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]] + [0] * 8
+    return sum(v[:8]), v[7]
+
+
+def steal_since(before: tuple[int, int]) -> str:
+    """The share of the machine's CPU time the hypervisor took since cpu_times() returned
+    `before` ("steal 12%"): on a shared VM a figure measured while neighbours stole a third
+    of the CPUs is not the figure of a quiet hour (here: 40-83 sandboxes/s, the same tree)."""
+    total, steal = cpu_times()
+    dt = total - before[0]
+    return f"steal {(steal - before[1]) / dt:.0%}" if dt > 0 else "steal -"
 
 
 def pct(xs, p: float) -> float:
