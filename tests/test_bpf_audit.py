@@ -425,6 +425,26 @@ def test_an_empty_cgroup_is_known_and_its_removal_fenced(audit_sensor, audit_cgr
     assert not cgroup_populated(os.path.join(cg.path, "inner"), 0)                 # gone
 
 
+def test_a_drain_for_one_sandbox_reads_only_its_state(audit_sensor, audit_cgroups):
+    """A sandbox's end drains the ring for it (Recorder.catch_up): its losses and repeats are
+    read, not every live sandbox's (those come at the periodic flush). Reading them all made
+    each close cost a map look-up per live sandbox: 7.5 ms a close beside 100 idle ones, 4.1
+    without (docs/launch-figures.md)."""
+    h = audit_sensor
+    sbxs = [h.sandbox(audit_cgroups) for _ in range(3)]
+    read = []
+    real = h.sensor._read_state
+    h.sensor._read_state = lambda cgid: read.append(cgid) or real(cgid)
+    try:
+        h.sensor.drain(sbxs[1].cg.id)
+        assert read == [sbxs[1].cg.id]
+        read.clear()
+        h.sensor.drain()
+        assert set(read) >= {s.cg.id for s in sbxs}
+    finally:
+        del h.sensor._read_state
+
+
 # ---------------------------------------------------------------- losses
 
 def _flood(cg, target, n=20000, limit_s=5.0, **kw):

@@ -433,9 +433,9 @@ class AuditSensor(RingSensor):
         totals["aggregated"] = dict(state["aggregated"]) if state else {}
         return totals
 
-    def _flush_all(self, final: bool) -> None:
+    def _flush_all(self, final: bool, only: int | None = None) -> None:
         """Every flush period: the summaries of repeats counted in the kernel, then losses."""
-        states = {cgid: self._read_state(cgid) for cgid in self._sandbox_ids()}
+        states = {cgid: self._read_state(cgid) for cgid in self._flush_ids(only)}
         self._backlog.extend(self.repeats.flush(states, self._update_cfg))
         for cgid, state in states.items():
             self._flush_losses(cgid, state)

@@ -514,7 +514,7 @@ class RingSensor:
             if self._closed:
                 return 0
             self._take_enriched()
-            self._flush_all(final=True)
+            self._flush_all(final=True, only=cgroup_id)
             return self._deliver()
 
     def _periodic(self, now: float) -> None:
@@ -523,9 +523,16 @@ class RingSensor:
     def _after_periodic(self) -> None:
         """Every loss_interval_s in poll(), after the lock is released."""
 
-    def _flush_all(self, final: bool) -> None:
-        for cgid in self._sandbox_ids():
+    def _flush_all(self, final: bool, only: int | None = None) -> None:
+        for cgid in self._flush_ids(only):
             self._flush_losses(cgid, self._read_state(cgid))
+
+    def _flush_ids(self, only: int | None) -> list[int]:
+        """The sandboxes a flush reads: all, or `only` (a drain for one sandbox's end: the
+        others' losses and counts come at the next periodic flush, as they would have; reading
+        every sandbox's state there made each close cost a map look-up per live sandbox)."""
+        ids = self._sandbox_ids()
+        return ids if only is None else [only] if only in ids else []
 
     def _on_raw(self, ctx, data, size):
         self._raw.append((ct.string_at(data, size), [(0, size)]))

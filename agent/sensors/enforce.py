@@ -645,19 +645,20 @@ class EnforcementSensor(RingSensor):
         re-resolve hostname rules whose TTL ran out. Returns records delivered."""
         return self._poll(timeout_ms)
 
-    def drain(self) -> int:
+    def drain(self, cgroup_id: int | None = None) -> int:
         """Consume what is in the ring buffer now, report syscall counts (also
-        those still inside their rate-limit window) and losses, deliver."""
-        return self._drain()
+        those still inside their rate-limit window) and losses, deliver: of every
+        sandbox, or of `cgroup_id` only (its end; the others' at the periodic flush)."""
+        return self._drain(cgroup_id)
 
     def _after_periodic(self) -> None:
         if not self._closed:
             self._sys_hooks_idle(time.monotonic())
         self.refresh_hosts()
 
-    def _flush_all(self, final: bool) -> None:
-        self._flush_syscalls(final=final)
-        super()._flush_all(final)
+    def _flush_all(self, final: bool, only: int | None = None) -> None:
+        self._flush_syscalls(only, final=final)
+        super()._flush_all(final, only)
 
     def stats(self, cgroup_id: int) -> dict:
         with self._lock:

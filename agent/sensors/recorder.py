@@ -486,7 +486,7 @@ class Recorder:
         flush=False: queued, not appended (the caller's next append takes them)."""
         self.sensor.drain(cgroup_id)
         if self.enforcer is not None:
-            self.enforcer.drain()
+            self.enforcer.drain(cgroup_id)
         if flush:
             self._flush_pending()
 
