@@ -677,6 +677,10 @@ class Sandbox:
                     finally:
                         with contextlib.suppress(ReportedError):
                             self._send(ip.encode(MSG.RELEASE))
+            # CLOSED came after dsec-init SIGKILLed and reaped every other process of its pid
+            # namespace: the layers are final, so the manifest is built while init exits
+            # (else after the cgroup is empty, below)
+            manifest = self._manifest() if self.closed_msg else None
             with self._cond:
                 end = time.monotonic() + timeout
                 while not self.supervisor_dead and time.monotonic() < end:
@@ -687,13 +691,7 @@ class Sandbox:
             empty = self.cg.kill_all() if self.cg else False
             if empty and self.supervisor_dead:
                 self._hook("on_gone", self.sid)
-            ch, total = rootfs.changes(self.layers)
-            created = set(self.created_mountpoints)
-            keep = [c for c in ch if c["path"] not in created
-                    and not ((g := self.generated.get(c["path"])) is not None and c.get("sha256") == g)]
-            summary["changes"] = keep
-            summary["changes_total"] = total - (len(ch) - len(keep))
-            summary["changes_truncated"] = total > len(ch) or any("not_walked" in c for c in ch)
+            summary.update(manifest or self._manifest())
             if self.spec.keep:
                 _private_dir(KEPT_DIR)
                 dest = os.path.join(KEPT_DIR, self.sid)
@@ -708,6 +706,16 @@ class Sandbox:
             self.state = "closed"
         self._hook("on_exit", self.summary)
         return self.summary
+
+    def _manifest(self) -> dict:
+        """The file-change manifest of the summary: what the workload changed in the
+        layers, less the mountpoints and files dsec itself made (unless changed since)."""
+        ch, total = rootfs.changes(self.layers)
+        created = set(self.created_mountpoints)
+        keep = [c for c in ch if c["path"] not in created
+                and not ((g := self.generated.get(c["path"])) is not None and c.get("sha256") == g)]
+        return {"changes": keep, "changes_total": total - (len(ch) - len(keep)),
+                "changes_truncated": total > len(ch) or any("not_walked" in c for c in ch)}
 
     def _summary(self) -> dict:
         last = self.steps[max(self.steps)] if self.steps else None
