@@ -271,3 +271,42 @@ def test_sandbox_repeats_in_clickhouse_replay_denials_and_off(audit_env, sid, tm
     evs3 = [e for e in _events(audit_env, sid3) if e["path"].startswith("/workspace/f")]
     assert len(evs3) == 200 and not any(_summary(e) for e in evs3)
     assert os.environ.get("DSEC_AUDIT_AGGREGATE") is None
+
+
+def test_one_sandbox_end_leaves_the_others_counts_exact(audit_sensor, audit_cgroups, tmp_path):
+    """A sandbox's end reads its own entries only (Repeats.flush scoped, finish): another
+    sandbox's counts, and a generation it retired just before, stay exact to its own end
+    and nothing of either is left in the table."""
+    h = audit_sensor
+    a = h.sandbox(audit_cgroups, aggregate=KINDS)
+    b = h.sandbox(audit_cgroups, aggregate=KINDS)
+    path = str(tmp_path / "s")
+    procs = {s.sandbox_id: run_in_cgroup(s.cg, [PYTHON, "-I", "-S", "-B", "-c", STEPS, path + s.sandbox_id],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE) for s in (a, b)}
+    mine = lambda s: [r for r in s.of_kind("open_write") if r["path"] == path + s.sandbox_id]  # noqa: E731
+
+    def ask(s, n):
+        p = procs[s.sandbox_id]
+        p.stdin.write(b"%d\n" % n)
+        p.stdin.flush()
+        assert p.stdout.readline() == b"ok\n"
+    try:
+        for s in (a, b):
+            ask(s, 20)
+        assert h.poll_until(lambda: _occurrences(mine(a)) == 20 and _occurrences(mine(b)) == 20, 10)
+        h.sensor.set_step(b.cg.id, 2)               # b's first generation retired
+        ask(b, 5)
+        ask(a, 5)
+        h.sensor.drain(a.cg.id)                     # a's end, as Recorder.catch_up
+        _kill(procs[a.sandbox_id])
+        t_a = a.remove()
+        ask(b, 5)
+    finally:
+        for p in procs.values():
+            p.stdin.close()
+            _kill(p)
+    t_b = b.remove()
+    assert not _entries(h.sensor, a.cg.id) and not _entries(h.sensor, b.cg.id)
+    assert _occurrences(mine(a)) == 25 and _occurrences(mine(b)) == 30
+    assert t_a["lost_total"] == 0 and t_b["lost_total"] == 0
+    assert t_b["aggregated"]["open_write"] == 30 - len([r for r in mine(b) if not _summary(r)])

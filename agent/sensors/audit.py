@@ -436,7 +436,7 @@ class AuditSensor(RingSensor):
     def _flush_all(self, final: bool, only: int | None = None) -> None:
         """Every flush period: the summaries of repeats counted in the kernel, then losses."""
         states = {cgid: self._read_state(cgid) for cgid in self._flush_ids(only)}
-        self._backlog.extend(self.repeats.flush(states, self._update_cfg))
+        self._backlog.extend(self.repeats.flush(states, self._update_cfg, scoped=only is not None))
         for cgid, state in states.items():
             self._flush_losses(cgid, state)
 

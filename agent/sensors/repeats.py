@@ -110,14 +110,15 @@ class Repeats:
 
     # -- reading ----------------------------------------------------------------
 
-    def _entries(self):
-        """Every entry of `agg` (one batch read), as (key, value) ctypes."""
+    def _entries(self, scope=None):
+        """Every entry of `agg` (one batch read), as (key, value) ctypes; only those of the
+        cgroup ids in `scope` when given (the others are not copied out)."""
         try:
-            return self._batch()
+            return self._batch(scope)
         except OSError:         # batch ops unsupported: one by one
-            return list(self.table.items())
+            return [(k, v) for k, v in self.table.items() if scope is None or k.cgroup_id in scope]
 
-    def _batch(self):
+    def _batch(self, scope=None):
         """BPF_MAP_LOOKUP_BATCH into buffers made once, the entries copied out. BCC's
         items_lookup_batch allocates and zeroes max_entries keys and values on every
         call (~5 MiB: ~1 ms of memset, which was each sandbox's end)."""
@@ -140,7 +141,8 @@ class Repeats:
                     raise OSError(err, f"BPF_MAP_LOOKUP_BATCH of agg: {os.strerror(err)}")
                 if res != 0 or total == n or cnt.value == 0:     # done, full, or no progress
                     break
-            return [(K.from_buffer_copy(keys[i]), V.from_buffer_copy(vals[i])) for i in range(total)]
+            return [(K.from_buffer_copy(keys[i]), V.from_buffer_copy(vals[i])) for i in range(total)
+                    if scope is None or keys[i].cgroup_id in scope]
 
     def _summary(self, key, val, delta: int) -> dict | None:
         size = min(int(val.rec.h.size), len(bytes(val.rec)))
@@ -178,11 +180,12 @@ class Repeats:
         except KeyError:
             pass
 
-    def flush(self, states: dict, cfgs) -> list[dict]:
+    def flush(self, states: dict, cfgs, scoped: bool = False) -> list[dict]:
         """Summaries of the entries whose counts grew; retired generations read a
         last time and deleted. states: cgroup id -> its state (AuditSensor._read_state); cfgs:
         a callable(cgroup_id, fn) that applies fn to the sandbox's configuration and
-        writes it back."""
+        writes it back. scoped: only the entries of the sandboxes in `states` (one
+        sandbox's end; the others' at the next periodic flush)."""
         if self.table is None:
             return []
         now = time.monotonic()
@@ -203,7 +206,8 @@ class Repeats:
             return []
         out: list[dict] = []
         released: dict[int, int] = {}
-        for key, val in self._entries():
+        scope = set(states) if scoped else None
+        for key, val in self._entries(scope):
             cgid = int(key.cgroup_id)
             s = self._sbx.get(cgid)
             if s is None:
@@ -215,6 +219,8 @@ class Repeats:
                 self._delete(key)
                 released[cgid] = released.get(cgid, 0) + 1
         for cgid, s in self._sbx.items():
+            if scope is not None and cgid not in scope:
+                continue                # its entries were not read
             for g in [g for g, t in s["retiring"].items() if now - t >= RETIRE_SETTLE_S]:
                 del s["retiring"][g]
         for cgid, n in released.items():
@@ -233,10 +239,9 @@ class Repeats:
         if s is None or self.table is None:
             return out, {}
         held = None if state is None else int(state.get("agg_held", 0)) - s["released"]
-        for key, val in (self._entries() if held is None or held > 0 else ()):   # none held: no read
-            if int(key.cgroup_id) == cgroup_id:
-                self._report(key, val, out, final=True)
-                self._delete(key)
+        for key, val in (self._entries({cgroup_id}) if held is None or held > 0 else ()):   # none held: no read
+            self._report(key, val, out, final=True)
+            self._delete(key)
         counted = state["aggregated"] if state is not None else {}
         missing = {k: n - s["reported"].get(k, 0) for k, n in counted.items() if n > s["reported"].get(k, 0)}
         return out, missing
