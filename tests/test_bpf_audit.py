@@ -505,6 +505,32 @@ def test_over_budget_is_counted(audit_sensor, audit_cgroups, tmp_path):
     assert sum(_extra(r)["kinds"].get("open_write", 0) for r in reported) == over
 
 
+def test_the_periodic_flush_reads_what_changed(audit_sensor, audit_cgroups, tmp_path):
+    """Every loss_interval_s the sensor reads all states in one batch read and flushes only
+    the sandboxes whose state changed: a sandbox going over its budget has its losses
+    reported while it runs; an idle one is flushed once (its first period), not again."""
+    h = audit_sensor
+    target = tmp_path / "flood.txt"
+    target.touch()
+    busy = h.sandbox(audit_cgroups, rate=1000, burst=100)
+    idle = h.sandbox(audit_cgroups)
+    flushed = []
+    real = h.sensor._flush_losses
+    h.sensor._flush_losses = lambda cgid, *a, **kw: flushed.append(cgid) or real(cgid, *a, **kw)
+    p = _flood(busy.cg, str(target))
+    try:
+        assert h.poll_until(lambda: _lost_records(busy, "over_budget"), 10)     # while it runs
+        p.communicate(timeout=60)
+        h.poll_until(lambda: False, 4 * h.sensor.loss_interval_s)               # quiet periods
+        after = flushed.count(busy.cg.id)
+        h.poll_until(lambda: False, 4 * h.sensor.loss_interval_s)
+        assert flushed.count(busy.cg.id) == after          # its state no longer changes
+        assert flushed.count(idle.cg.id) <= 1              # its first period only
+    finally:
+        del h.sensor._flush_losses
+        _kill(p)
+
+
 def test_flooding_sandbox_leaves_quiet_one_complete(audit_sensor_small, audit_cgroups, tmp_path):
     """Nobody polls while both run, so the small ring holds everything: with
     the flooder held to its fair share the quiet sandbox loses nothing; with

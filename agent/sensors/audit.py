@@ -435,7 +435,11 @@ class AuditSensor(RingSensor):
 
     def _flush_all(self, final: bool, only: int | None = None) -> None:
         """Every flush period: the summaries of repeats counted in the kernel, then losses."""
-        states = {cgid: self._read_state(cgid) for cgid in self._flush_ids(only)}
+        ids = self._flush_ids(only)
+        if only is None and self._snap is not None:     # unchanged, but a generation to delete
+            have = set(ids)
+            ids = ids + [c for c in self.repeats.retiring() if c not in have]
+        states = {cgid: self._read_state(cgid) for cgid in ids}
         self._backlog.extend(self.repeats.flush(states, self._update_cfg, scoped=only is not None))
         for cgid, state in states.items():
             self._flush_losses(cgid, state)

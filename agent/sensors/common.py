@@ -339,6 +339,28 @@ def check_sandbox_ids(cgroup_id, sandbox_id) -> None:
         raise DsecError("add_sandbox: empty sandbox id")
 
 
+def lookup_batch(table, keys, vals) -> int:
+    """Entries of BCC hash table `table` read by BPF_MAP_LOOKUP_BATCH into the ctypes arrays
+    `keys` and `vals` (Key * n, Leaf * n: made once by the caller; BCC's items_lookup_batch
+    allocates and zeroes max_entries of each on every call); returns how many were read:
+    the table's entries, or len(keys) when they did not all fit. Raises OSError (the kernel has no batch operations on this map: read
+    entries one by one)."""
+    from bcc.libbcc import lib
+    K, V, n = table.Key, table.Leaf, len(keys)
+    tok, cnt, total = ct.c_uint32(0), ct.c_uint32(0), 0
+    while True:
+        cnt.value = n - total
+        res = lib.bpf_lookup_batch(table.map_fd, ct.byref(tok) if total else None, ct.byref(tok),
+                                   ct.byref(keys, ct.sizeof(K) * total), ct.byref(vals, ct.sizeof(V) * total),
+                                   ct.byref(cnt))
+        err = ct.get_errno()
+        total += cnt.value
+        if res != 0 and err != errno.ENOENT:
+            raise OSError(err, f"BPF_MAP_LOOKUP_BATCH: {os.strerror(err)}")
+        if res != 0 or total == n or cnt.value == 0:     # done, full, or no progress
+            return total
+
+
 def map_discard(table, key) -> None:
     """Delete a BCC map entry (table.Key) that may not be there."""
     try:
@@ -413,6 +435,12 @@ class RingSensor:
         self._last_flush_wall: dict[int, int] = {}
         self._finals: OrderedDict[int, dict] = OrderedDict()    # totals of the last FINALS_KEPT removed
         self._next_flush = 0.0
+        # the periodic flush reads every state map value in one batch read (_snapshot_states)
+        # and flushes only the sandboxes whose value changed since the last one
+        self._snap: dict | None = None          # cgroup id -> its state value's bytes, during a periodic flush
+        self._changed: list[int] = []           # its sandboxes whose value changed
+        self._snap_bytes: dict[int, bytes] = {}  # cgroup id -> its value at the last periodic flush
+        self._snap_bufs = None
         self._closed = False
         self._reader = None             # ringbuf.RingReader, or None: BCC's callback reader
         self.fences = 0                 # removals whose last records were known exactly (_consume_past)
@@ -493,7 +521,11 @@ class RingSensor:
                 self._next_flush = now + self.loss_interval_s
                 self.decoder.sync_clock()
                 self._periodic(now)
-                self._flush_all(final=False)
+                self._snapshot_states()
+                try:
+                    self._flush_all(final=False)
+                finally:
+                    self._snap = None
             n = self._deliver()
         if periodic:
             self._after_periodic()
@@ -530,9 +562,44 @@ class RingSensor:
     def _flush_ids(self, only: int | None) -> list[int]:
         """The sandboxes a flush reads: all, or `only` (a drain for one sandbox's end: the
         others' losses and counts come at the next periodic flush, as they would have; reading
-        every sandbox's state there made each close cost a map look-up per live sandbox)."""
+        every sandbox's state there made each close cost a map look-up per live sandbox), or,
+        in a periodic flush, those whose state changed since the last one (_snapshot_states)."""
+        if only is not None:
+            return [only] if only in self._sandbox_ids() else []
+        if self._snap is not None:
+            return self._changed
+        return self._sandbox_ids()
+
+    SNAP_CHUNK = 256        # state map entries per batch read
+
+    def _snapshot_states(self) -> None:
+        """Under the lock, for a periodic flush: every sandbox's state map value in a batch read
+        or a few (SNAP_CHUNK entries each), kept in self._snap for _state_entry, and in
+        self._changed the sandboxes whose value differs from the last periodic flush's. An idle
+        sandbox's value does not change (its counters, its rate limiter's clocks): at 500 live
+        sandboxes the flush went from a look-up each (~7 ms a sensor, every loss_interval_s,
+        under the lock) to one batch read. On a kernel without batch operations on the map,
+        nothing is kept: the flush reads every sandbox as before."""
+        t = self._state_map
         ids = self._sandbox_ids()
-        return ids if only is None else [only] if only in ids else []
+        K, V = t.Key, t.Leaf
+        n = len(ids) + self.SNAP_CHUNK
+        try:
+            if self._snap_bufs is None or len(self._snap_bufs[0]) < n:
+                self._snap_bufs = ((K * n)(), (V * n)())
+            keys, vals = self._snap_bufs
+            total = lookup_batch(t, keys, vals)
+        except OSError:
+            return
+        if total >= len(keys):
+            return                              # not all read: every sandbox read on its own
+        size = ct.sizeof(V)
+        raw = memoryview(vals).cast("B")
+        seen = {int(keys[i]): bytes(raw[i * size:(i + 1) * size]) for i in range(total)}
+        old = self._snap_bytes
+        self._changed = [c for c in ids if c not in seen or old.get(c) != seen[c]]
+        self._snap = seen
+        self._snap_bytes = {c: seen[c] for c in ids if c in seen}
 
     def _on_raw(self, ctx, data, size):
         self._raw.append((ct.string_at(data, size), [(0, size)]))
@@ -701,6 +768,10 @@ class RingSensor:
     # -- losses -----------------------------------------------------------------
 
     def _state_entry(self, cgroup_id: int):
+        snap = self._snap
+        if snap is not None:                    # a periodic flush's batch read
+            b = snap.get(cgroup_id)
+            return None if b is None else self._state_map.Leaf.from_buffer_copy(b)
         try:
             return self._state_map[self._state_map.Key(cgroup_id)]
         except KeyError:

@@ -32,12 +32,10 @@ is reported as events_lost (reason aggregate_unreported), never silent.
 """
 from __future__ import annotations
 
-import ctypes as ct
-import errno
-import os
 import threading
 import time
 
+from agent.sensors.common import lookup_batch
 from agent.sensors.denials import summary_extra
 
 KINDS = ("open_write", "unlink", "rename", "connect")    # what the kernel may count (bpf/common.h)
@@ -94,6 +92,10 @@ class Repeats:
         if cfg is not None:
             cfg.agg_gen = s["gen"]
 
+    def retiring(self) -> list[int]:
+        """The sandboxes with a retired generation not yet read a last time and deleted."""
+        return [c for c, s in self._sbx.items() if s["retiring"]]
+
     def retire_due(self) -> bool:
         """A retired generation can be read a last time and deleted (its settle passed)."""
         now = time.monotonic()
@@ -119,28 +121,16 @@ class Repeats:
             return [(k, v) for k, v in self.table.items() if scope is None or k.cgroup_id in scope]
 
     def _batch(self, scope=None):
-        """BPF_MAP_LOOKUP_BATCH into buffers made once, the entries copied out. BCC's
-        items_lookup_batch allocates and zeroes max_entries keys and values on every
-        call (~5 MiB: ~1 ms of memset, which was each sandbox's end)."""
-        from bcc.libbcc import lib
+        """BPF_MAP_LOOKUP_BATCH into buffers made once (common.lookup_batch), the entries
+        copied out. BCC's items_lookup_batch allocates and zeroes max_entries keys and values
+        on every call (~5 MiB: ~1 ms of memset, which was each sandbox's end)."""
         t = self.table
         K, V, n = t.Key, t.Leaf, t.max_entries
         with self._bufs_lock:
             if self._bufs is None:
                 self._bufs = ((K * n)(), (V * n)())
             keys, vals = self._bufs
-            tok, cnt, total = ct.c_uint32(0), ct.c_uint32(0), 0
-            while True:
-                cnt.value = n - total
-                res = lib.bpf_lookup_batch(t.map_fd, ct.byref(tok) if total else None, ct.byref(tok),
-                                           ct.byref(keys, ct.sizeof(K) * total),
-                                           ct.byref(vals, ct.sizeof(V) * total), ct.byref(cnt))
-                err = ct.get_errno()
-                total += cnt.value
-                if res != 0 and err != errno.ENOENT:
-                    raise OSError(err, f"BPF_MAP_LOOKUP_BATCH of agg: {os.strerror(err)}")
-                if res != 0 or total == n or cnt.value == 0:     # done, full, or no progress
-                    break
+            total = lookup_batch(t, keys, vals)
             return [(K.from_buffer_copy(keys[i]), V.from_buffer_copy(vals[i])) for i in range(total)
                     if scope is None or keys[i].cgroup_id in scope]
 
