@@ -289,6 +289,7 @@ class _Sandbox:
     sys_hooks: list = field(default_factory=list)   # "enter" | "exit": syscall programs it needs
     sock_keys: list = field(default_factory=list)   # (family, type) keys in sock_rules
     sys_allow: int | None = None    # its syscall bitmap as an int (bit n = syscall n), once registered
+    sys_key: tuple | None = None    # (its syscall mode, sys_allow): its count in _sys_bitmaps
 
 
 def _mode_name(policy_mode: str, present: bool, learn_when_absent: bool = False) -> str:
@@ -348,6 +349,7 @@ class EnforcementSensor(RingSensor):
             self._sock = b[b"sock_rules"]
             self._sys_common = {"enforce": b[b"sys_common"], "audit": b[b"sys_common_audit"]}
             self._sys_common_bits: dict = {}
+            self._sys_bitmaps: dict[tuple, int] = {}    # (mode, bitmap) -> registered sandboxes with it
             self.max_sandboxes = self.consts.values["DSEC_MAX_SANDBOXES"]
             self._sbx: dict[int, _Sandbox] = {}
             self._sys_common_set()      # every call common: no enforce-mode sandbox yet
@@ -511,7 +513,7 @@ class EnforcementSensor(RingSensor):
                 ct.memmove(cfg.sys_allow, bitmap, len(cfg.sys_allow))
                 cfg.ns_deny = 1 if namespace_rules(policy).deny else 0
                 sb.sys_allow = int.from_bytes(bitmap, "little")
-                self._sys_common_set()      # narrowed before the sandbox is visible
+                self._sys_common_count(sb, +1)      # narrowed before the sandbox is visible
                 self._sys_hook_get(sb, "enter" if modes["sys"] in ("learn", "audit") else "exit")
                 if modes["exec"] == "enforce":
                     self._sys_hook_get(sb, "mmap")
@@ -902,9 +904,25 @@ class EnforcementSensor(RingSensor):
         exec_keys.clear()
         self._free_idx.append(idx)
 
-    def _sys_common_set(self, without: int | None = None) -> None:
+    def _sys_common_count(self, sb: _Sandbox, delta: int) -> None:
+        """A sandbox's bitmap registered (+1) or removed (-1), then sys_common written: the
+        sandboxes of one policy share one (mode, bitmap), so the intersection walks the
+        distinct ones, not every sandbox (at 500 sandboxes that walk was ~8% of the agent's
+        Python time)."""
+        if delta > 0:
+            sb.sys_key = k = (sb.modes["sys"], sb.sys_allow)
+        else:
+            k, sb.sys_key = sb.sys_key, None
+        n = self._sys_bitmaps.get(k, 0) + delta
+        if n > 0:
+            self._sys_bitmaps[k] = n
+        else:
+            self._sys_bitmaps.pop(k, None)
+        self._sys_common_set()
+
+    def _sys_common_set(self) -> None:
         """bpf/enforce.c sys_common: the syscalls every enforce-mode sandbox's
-        bitmap allows (all, with none; `without`: a sandbox being removed), less
+        bitmap allows (all, with none), less
         DSEC_NR_* (clone, unshare: namespace flags; socket, socketpair: the
         socket rules), whose exits are checked whatever the number allows;
         sys_common_audit: those every audit-mode sandbox's allows, none while a
@@ -913,14 +931,11 @@ class EnforcementSensor(RingSensor):
         v = self.consts.values
         nr_max = v["DSEC_SYSCALL_NR_MAX"]
         bits = {"enforce": (1 << nr_max) - 1, "audit": (1 << nr_max) - 1}
-        for sb in self._sbx.values():
-            mode = sb.modes["sys"]
-            if sb.sys_allow is None or sb.cgroup_id == without:
-                continue
+        for mode, allow in self._sys_bitmaps:
             if mode == "learn":
                 bits["audit"] = 0
             elif mode in bits:
-                bits[mode] &= sb.sys_allow
+                bits[mode] &= allow
         for name in ("DSEC_NR_CLONE", "DSEC_NR_UNSHARE", "DSEC_NR_SOCKET", "DSEC_NR_SOCKETPAIR"):
             bits["enforce"] &= ~(1 << v[name])
         for hook, table in self._sys_common.items():
@@ -1089,8 +1104,8 @@ class EnforcementSensor(RingSensor):
         for m in (self._cfg, self._counts):
             map_discard(m, m.Key(cgid))
         self._bump_gen()
-        if sb.sys_allow is not None:
-            self._sys_common_set(without=cgid)     # widened once it is gone
+        if sb.sys_key is not None:
+            self._sys_common_count(sb, -1)     # widened once it is gone
         self._drop_sockets(sb.idx, sb.sock_keys)
         self._drop_rules(sb.idx, sb.egress_entries, sb.exec_keys)
         if cgroup_populated(sb.path, sb.cgroup_id):

@@ -54,6 +54,7 @@ class Repeats:
         self.per_sandbox = int(consts.values.get("DSEC_AGG_PER_SANDBOX", 1024))
         self._reported: dict[bytes, int] = {}          # entry key bytes -> count already reported
         self._sbx: dict[int, dict] = {}                # cgroup id -> its bookkeeping (see add)
+        self._retiring: set[int] = set()               # cgroup ids with a retired generation not deleted
         self._bufs = None                              # (keys, values): the batch read's, made once
         self._bufs_lock = threading.Lock()
 
@@ -75,6 +76,7 @@ class Repeats:
 
     def forget(self, cgroup_id: int) -> None:
         self._sbx.pop(cgroup_id, None)
+        self._retiring.discard(cgroup_id)
 
     def on(self, cgroup_id: int) -> bool:
         s = self._sbx.get(cgroup_id)
@@ -88,18 +90,21 @@ class Repeats:
         if not s or not s["kinds"]:
             return
         s["retiring"][s["gen"]] = time.monotonic()
+        self._retiring.add(cgroup_id)
         s["gen"] = (s["gen"] + 1) & 0xFFFFFFFF
         if cfg is not None:
             cfg.agg_gen = s["gen"]
 
     def retiring(self) -> list[int]:
         """The sandboxes with a retired generation not yet read a last time and deleted."""
-        return [c for c, s in self._sbx.items() if s["retiring"]]
+        return [c for c in self._retiring if c in self._sbx]
 
     def retire_due(self) -> bool:
-        """A retired generation can be read a last time and deleted (its settle passed)."""
+        """A retired generation can be read a last time and deleted (its settle passed).
+        Every poll asks: it looks at the sandboxes with one only (self._retiring)."""
         now = time.monotonic()
-        return any(now - t >= RETIRE_SETTLE_S for s in self._sbx.values() for t in s["retiring"].values())
+        return any(now - t >= RETIRE_SETTLE_S for c in self._retiring if (s := self._sbx.get(c))
+                   for t in s["retiring"].values())
 
     def gen(self, cgroup_id: int) -> int:
         s = self._sbx.get(cgroup_id)
@@ -208,11 +213,14 @@ class Repeats:
             if final:
                 self._delete(key)
                 released[cgid] = released.get(cgid, 0) + 1
-        for cgid, s in self._sbx.items():
-            if scope is not None and cgid not in scope:
+        for cgid in list(self._retiring):
+            s = self._sbx.get(cgid)
+            if s is None or (scope is not None and cgid not in scope):
                 continue                # its entries were not read
             for g in [g for g, t in s["retiring"].items() if now - t >= RETIRE_SETTLE_S]:
                 del s["retiring"][g]
+            if not s["retiring"]:
+                self._retiring.discard(cgid)
         for cgid, n in released.items():
             s = self._sbx[cgid]
             s["released"] += n
