@@ -60,7 +60,10 @@ Then, each with an agent of its own:
                 served warm, failures,
                 agent CPU per request; requests not started within 120 s are not sent
   idle          --idle idle live sandboxes (default 500; 32 MiB, 16 pids, 0.1 CPU): memory per
-                sandbox = PSS of its dsec-init + the agent's PSS growth / N, then all closed
+                sandbox = PSS of its dsec-init + the agent's PSS growth / N; 50 sequential cold
+                create + exec + close and 200 steps in one more sandbox, before the idle ones are
+                created and beside them (what a close or a step pays for every other live
+                sandbox); then all closed
 
 Each phase (the latency runs, each sustained level, the burst) also prints the share of the
 machine's CPU time the hypervisor stole meanwhile (/proc/stat "steal"): on these shared VMs it
@@ -363,14 +366,43 @@ def burst(n: int, pool: int, concurrency: int, limit_s: float = 120.0) -> dict:
         agent.stop()
 
 
+def sequence(client, n: int = 50, steps: int = 200) -> dict:
+    """n sequential cold create + exec /bin/true + close (after 5 not counted), then `steps` steps
+    in one more live sandbox: medians in ms, and the steps' p99."""
+    t = {"create": [], "exec": [], "close": []}
+    for i in range(n + 5):
+        t0 = time.perf_counter()
+        sb = client.create(memory="64M", pids=64, warm=False)
+        t1 = time.perf_counter()
+        assert sb.exec(["/bin/true"]).code == 0
+        t2 = time.perf_counter()
+        sb.close()
+        if i >= 5:
+            t["create"].append(t1 - t0), t["exec"].append(t2 - t1), t["close"].append(time.perf_counter() - t2)
+    sb = client.create(memory="64M", pids=64, warm=False)
+    st = []
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            assert sb.exec(["/bin/true"]).code == 0
+            st.append(time.perf_counter() - t0)
+    finally:
+        sb.close()
+    out = {k: 1000 * statistics.median(v) for k, v in t.items()}
+    out.update(step=1000 * statistics.median(st), step_p99=1000 * pct(st, 99))
+    return out
+
+
 def idle_memory(n: int, concurrency: int = 16) -> dict:
     """n idle live sandboxes (32 MiB, 16 pids, 0.1 CPU, not from a warm pool): the PSS of each
-    sandbox's init plus the agent's growth (PSS) per sandbox, then all closed."""
+    sandbox's init plus the agent's growth (PSS) per sandbox; the same sequence of sandboxes and
+    steps (sequence()) before they are created and beside them; then all closed."""
     from concurrent.futures import ThreadPoolExecutor
     from agent.node.client import AgentError
     agent = BenchAgent(warm_count=0)
     sbs, errors = [], []
     try:
+        alone = sequence(agent.client)
         time.sleep(1.0)
         base = pss_kib(agent.proc.pid)
 
@@ -388,13 +420,14 @@ def idle_memory(n: int, concurrency: int = 16) -> dict:
         inits = inits_of(agent.proc.pid)
         init_kib = sum(pss_kib(p) for p in inits)
         live = len(sbs)
+        beside = sequence(agent.client)
         with ThreadPoolExecutor(concurrency) as ex:
             list(ex.map(lambda sb: sb.close(), sbs))
         sbs = []
         per = (agent_kib + init_kib) / max(1, live)
         return {"n": n, "live": live, "inits": len(inits), "create_s": create_s, "errors": errors[:3],
                 "agent_kib": agent_kib / max(1, live), "init_kib": init_kib / max(1, len(inits) or 1),
-                "per_kib": per}
+                "per_kib": per, "alone": alone, "beside": beside}
     finally:
         for sb in sbs:
             try:
@@ -625,6 +658,10 @@ def main():
               f"{', errors ' + repr(m['errors']) if m['errors'] else ''}): per sandbox {m['per_kib'] / 1024:.2f} MiB "
               f"(target <= 5 MiB) = init PSS {m['init_kib'] / 1024:.2f} MiB ({m['inits']} inits) + agent PSS growth "
               f"{m['agent_kib'] / 1024:.2f} MiB")
+        for what, label in (("alone", "no other sandbox"), ("beside", f"beside the {m['live']} idle")):
+            q = m[what]
+            print(f"  {label}: create {q['create']:.2f} exec {q['exec']:.2f} close {q['close']:.2f} ms (medians of 50, cold), "
+                  f"step {q['step']:.2f} p99 {q['step_p99']:.2f} ms (200 steps)")
 
 
 if __name__ == "__main__":
