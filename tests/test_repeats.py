@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -163,6 +164,50 @@ def test_step_change_retires_the_counts_and_off_switch(audit_sensor, audit_cgrou
     assert len(mine(off)) == 41 and not any(_summary(r) for r in mine(off))
     assert t_off["aggregated"] == {} and t_off["summaries"] == 0
 
+
+def test_quick_steps_retire_generations_without_the_periodic_flush(audit_sensor, audit_cgroups, tmp_path):
+    """A sandbox stepping every few ms retires a generation a step: each is read a last
+    time and deleted within a few settles, and the counts stay exact, without bringing
+    the periodic flush (every sandbox's state, the whole table) forward to almost every
+    poll, as it once did (a bystander's state was read each time)."""
+    h = audit_sensor
+    path = str(tmp_path / "q")
+    sbx = h.sandbox(audit_cgroups, aggregate=KINDS)
+    bystander = h.sandbox(audit_cgroups, aggregate=KINDS)
+    p = run_in_cgroup(sbx.cg, [PYTHON, "-I", "-S", "-B", "-c", STEPS, path],
+                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    snapshots, read = [], []
+    real_snap, real_read = h.sensor._snapshot_states, h.sensor._read_state
+    h.sensor._snapshot_states = lambda: snapshots.append(1) or real_snap()
+    h.sensor._read_state = lambda cgid: read.append(cgid) or real_read(cgid)
+    steps = 0
+    try:
+        s = h.sensor.repeats._sbx[sbx.cg.id]
+        h.sensor.poll(0)
+        del snapshots[:], read[:]
+        start = time.monotonic()
+        while time.monotonic() - start < 1.0 and steps < 1000:     # bounded in count and time
+            steps += 1
+            h.sensor.set_step(sbx.cg.id, steps + 1)
+            p.stdin.write(b"3\n")
+            p.stdin.flush()
+            assert p.stdout.readline() == b"ok\n"
+            h.sensor.poll(2)
+            time.sleep(0.002)                           # a step every few ms, for a second
+        elapsed = time.monotonic() - start
+        periods = elapsed / h.sensor.loss_interval_s
+        assert s["released"] > 0                        # retired generations deleted meanwhile
+        assert len(snapshots) <= periods + 2, (len(snapshots), steps, elapsed)
+        assert read.count(bystander.cg.id) <= periods + 2, (read.count(bystander.cg.id), steps)
+    finally:
+        del h.sensor._snapshot_states, h.sensor._read_state
+        p.stdin.close()
+        _kill(p)
+    totals = sbx.remove()
+    assert not _entries(h.sensor, sbx.cg.id) and totals["lost_total"] == 0
+    mine = [r for r in sbx.of_kind("open_write") if r["path"] == path]
+    assert _occurrences(mine) == 3 * steps
+    assert steps > 20
 
 MANY = r'''
 import os, sys, time

@@ -41,7 +41,7 @@ from agent.sensors.common import (cgroup_populated, check_sandbox_ids, compile_t
                               map_discard, ring_pages, source_text, token_bucket, tracepoints_in, unavailable,
                               byte_bucket)
 from agent.sensors.decoder import SandboxInfo, load_constants
-from agent.sensors.repeats import ENV as AGGREGATE_ENV, KINDS as AGGREGATE_KINDS, Repeats
+from agent.sensors.repeats import ENV as AGGREGATE_ENV, KINDS as AGGREGATE_KINDS, RETIRE_SETTLE_S, Repeats
 from agent.errors import DsecError
 
 SOURCES = ("membership.h", "common.h", "process.c", "net.c", "files.c")   # concatenated in this order
@@ -190,6 +190,7 @@ class AuditSensor(RingSensor):
         events = self.bpf[b"events"]
         self._init_records(events, self.bpf[b"exec_scratch"].Leaf, node=node, enricher=enricher)
         self.repeats = Repeats(self.bpf, self.decoder, self.consts)
+        self._next_retire = 0.0         # the next poll that may read retired generations (_between_flushes)
         # a BPF ring buffer's map fd is pollable: readable when records wait (the same wake-up
         # libbpf's ring_buffer__poll waits for), so poll() can wait without the sensor lock
         self._ring_wait = select.poll()
@@ -381,11 +382,20 @@ class AuditSensor(RingSensor):
             timeout_ms = 0          # then consume what is there, under the lock, without waiting again
         return self._poll(timeout_ms)
 
-    def _poll(self, timeout_ms: int) -> int:
-        with self._lock:                # the repeats' bookkeeping changes under it (add, set_step, remove)
-            if self.repeats.retire_due():
-                self._next_flush = 0.0  # a retired generation is read and deleted now, not a period later
-        return super()._poll(timeout_ms)
+    def _between_flushes(self, now: float) -> None:
+        """A poll that is not a periodic flush (under the lock, after the ring was read): the
+        retired generations of repeats whose settle passed are read a last time and deleted
+        now, not a period later (a sandbox that steps often retires one a step), at most every
+        RETIRE_SETTLE_S, and only for the sandboxes that have one. It used to bring the whole
+        periodic flush forward: every sandbox's state and the whole table at almost every poll
+        (2.8 ms a poll beside 500 idle sandboxes while one stepped back to back)."""
+        if now < self._next_retire:
+            return
+        due = self.repeats.retire_due()
+        if due:
+            self._next_retire = now + RETIRE_SETTLE_S
+            states = {cgid: self._read_state(cgid) for cgid in due}
+            self._backlog.extend(self.repeats.flush(states, self._update_cfg, scoped=True))
 
     def drain(self, cgroup_id: int | None = None) -> int:
         """Consume everything already in the ring buffer, report losses,

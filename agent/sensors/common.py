@@ -526,6 +526,8 @@ class RingSensor:
                     self._flush_all(final=False)
                 finally:
                     self._snap = None
+            else:
+                self._between_flushes(now)
             n = self._deliver()
         if periodic:
             self._after_periodic()
@@ -554,6 +556,9 @@ class RingSensor:
 
     def _after_periodic(self) -> None:
         """Every loss_interval_s in poll(), after the lock is released."""
+
+    def _between_flushes(self, now: float) -> None:
+        """Every poll() that is not a periodic flush, under the lock, after the ring was read."""
 
     def _flush_all(self, final: bool, only: int | None = None) -> None:
         for cgid in self._flush_ids(only):

@@ -99,12 +99,13 @@ class Repeats:
         """The sandboxes with a retired generation not yet read a last time and deleted."""
         return [c for c in self._retiring if c in self._sbx]
 
-    def retire_due(self) -> bool:
-        """A retired generation can be read a last time and deleted (its settle passed).
-        Every poll asks: it looks at the sandboxes with one only (self._retiring)."""
+    def retire_due(self) -> list[int]:
+        """The sandboxes with a retired generation that can be read a last time and deleted
+        (its settle passed). Asked at every poll: it looks at the sandboxes with one only
+        (self._retiring)."""
         now = time.monotonic()
-        return any(now - t >= RETIRE_SETTLE_S for c in self._retiring if (s := self._sbx.get(c))
-                   for t in s["retiring"].values())
+        return [c for c in self._retiring if (s := self._sbx.get(c))
+                and any(now - t >= RETIRE_SETTLE_S for t in s["retiring"].values())]
 
     def gen(self, cgroup_id: int) -> int:
         s = self._sbx.get(cgroup_id)
