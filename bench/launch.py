@@ -378,7 +378,8 @@ def sequence(client, n: int = 50, steps: int = 200) -> dict:
         t2 = time.perf_counter()
         sb.close()
         if i >= 5:
-            t["create"].append(t1 - t0), t["exec"].append(t2 - t1), t["close"].append(time.perf_counter() - t2)
+            for k, d in zip(t, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
+                t[k].append(d)
     sb = client.create(memory="64M", pids=64, warm=False)
     st = []
     try:

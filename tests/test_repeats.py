@@ -209,6 +209,7 @@ def test_quick_steps_retire_generations_without_the_periodic_flush(audit_sensor,
     assert _occurrences(mine) == 3 * steps
     assert steps > 20
 
+
 MANY = r'''
 import os, sys, time
 d, keys = sys.argv[1], int(sys.argv[2])

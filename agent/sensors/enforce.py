@@ -289,7 +289,6 @@ class _Sandbox:
     sys_hooks: list = field(default_factory=list)   # "enter" | "exit": syscall programs it needs
     sock_keys: list = field(default_factory=list)   # (family, type) keys in sock_rules
     sys_allow: int | None = None    # its syscall bitmap as an int (bit n = syscall n), once registered
-    sys_key: tuple | None = None    # (its syscall mode, sys_allow): its count in _sys_bitmaps
 
 
 def _mode_name(policy_mode: str, present: bool, learn_when_absent: bool = False) -> str:
@@ -909,10 +908,7 @@ class EnforcementSensor(RingSensor):
         sandboxes of one policy share one (mode, bitmap), so the intersection walks the
         distinct ones, not every sandbox (at 500 sandboxes that walk was ~8% of the agent's
         Python time)."""
-        if delta > 0:
-            sb.sys_key = k = (sb.modes["sys"], sb.sys_allow)
-        else:
-            k, sb.sys_key = sb.sys_key, None
+        k = (sb.modes["sys"], sb.sys_allow)        # both fixed once it is registered
         n = self._sys_bitmaps.get(k, 0) + delta
         if n > 0:
             self._sys_bitmaps[k] = n
@@ -1104,7 +1100,7 @@ class EnforcementSensor(RingSensor):
         for m in (self._cfg, self._counts):
             map_discard(m, m.Key(cgid))
         self._bump_gen()
-        if sb.sys_key is not None:
+        if sb.sys_allow is not None:
             self._sys_common_count(sb, -1)     # widened once it is gone
         self._drop_sockets(sb.idx, sb.sock_keys)
         self._drop_rules(sb.idx, sb.egress_entries, sb.exec_keys)

@@ -54,7 +54,7 @@ class Repeats:
         self.per_sandbox = int(consts.values.get("DSEC_AGG_PER_SANDBOX", 1024))
         self._reported: dict[bytes, int] = {}          # entry key bytes -> count already reported
         self._sbx: dict[int, dict] = {}                # cgroup id -> its bookkeeping (see add)
-        self._retiring: set[int] = set()               # cgroup ids with a retired generation not deleted
+        self._retiring: set[int] = set()               # cgroup ids of _sbx whose "retiring" is not empty
         self._bufs = None                              # (keys, values): the batch read's, made once
         self._bufs_lock = threading.Lock()
 
@@ -73,6 +73,7 @@ class Repeats:
     def add(self, cgroup_id: int, kinds) -> None:
         self._sbx[cgroup_id] = {"kinds": tuple(kinds) if self.table is not None else (), "gen": 0, "retiring": {}, "released": 0,
                                 "reported": {}, "summaries": 0, "seen": 0}
+        self._retiring.discard(cgroup_id)
 
     def forget(self, cgroup_id: int) -> None:
         self._sbx.pop(cgroup_id, None)
@@ -97,15 +98,15 @@ class Repeats:
 
     def retiring(self) -> list[int]:
         """The sandboxes with a retired generation not yet read a last time and deleted."""
-        return [c for c in self._retiring if c in self._sbx]
+        return list(self._retiring)
 
     def retire_due(self) -> list[int]:
         """The sandboxes with a retired generation that can be read a last time and deleted
         (its settle passed). Asked at every poll: it looks at the sandboxes with one only
         (self._retiring)."""
         now = time.monotonic()
-        return [c for c in self._retiring if (s := self._sbx.get(c))
-                and any(now - t >= RETIRE_SETTLE_S for t in s["retiring"].values())]
+        return [c for c in self._retiring
+                if any(now - t >= RETIRE_SETTLE_S for t in self._sbx[c]["retiring"].values())]
 
     def gen(self, cgroup_id: int) -> int:
         s = self._sbx.get(cgroup_id)
@@ -215,9 +216,9 @@ class Repeats:
                 self._delete(key)
                 released[cgid] = released.get(cgid, 0) + 1
         for cgid in list(self._retiring):
-            s = self._sbx.get(cgid)
-            if s is None or (scope is not None and cgid not in scope):
+            if scope is not None and cgid not in scope:
                 continue                # its entries were not read
+            s = self._sbx[cgid]
             for g in [g for g, t in s["retiring"].items() if now - t >= RETIRE_SETTLE_S]:
                 del s["retiring"][g]
             if not s["retiring"]:
