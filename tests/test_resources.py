@@ -328,6 +328,49 @@ def test_a_pinned_cpu_quota_is_cut_and_recorded(breaker_agent, clickhouse_url):
     assert up["by"] == "breaker" and up["resources"]["cpus"] == 0.1
 
 
+def test_the_breaker_samples_sandboxes_that_end_under_it(tmp_path_factory, clickhouse_url):
+    """The breaker samples on its own thread while sandboxes end on others; an ending
+    sandbox's record drops its launcher object. Sampling every millisecond beside 20
+    idle sandboxes (a longer walk) while six threads create and close others must not
+    trip over one (an AttributeError traceback in the agent's log, once seen in CI with
+    the default 1 s; 2 of 2 runs of this test on the code before the fix)."""
+    a = AgentProc(str(tmp_path_factory.mktemp("breaker-race")), clickhouse_url, {
+        "capacity": {"cpus": 2, "memory": "4G", "reserve_memory": 0, "cpu_oversubscription": 16},
+        "breaker": {"interval_seconds": 0.001, "oom": {"kills": 3, "window_seconds": 30, "action": "freeze"},
+                    "cpu": {"throttled_percent": 80, "for_seconds": 1.0, "action": "cut_quota", "cut_to": 0.5}},
+    }).start()
+    done, errors = [], []
+
+    def churn():
+        deadline = time.monotonic() + 6
+        try:
+            with a.client() as c:
+                for _ in range(60):
+                    if time.monotonic() > deadline:
+                        break
+                    with c.create(cpus=0.1, memory="64M", warm=False) as sb:
+                        assert sb.exec(["/bin/true"]).exit_code == 0
+                    done.append(sb.id)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    try:
+        with a.client() as c:
+            idle = [c.create(cpus=0.01, memory="16M", warm=False) for _ in range(20)]
+            ts = [threading.Thread(target=churn) for _ in range(6)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(60)
+            for sb in idle:
+                sb.close()
+    finally:
+        rc = a.stop()
+    log = a.read_log()
+    assert not errors and len(done) >= 20, (errors, len(done))
+    assert rc == 0 and "Traceback" not in log and "circuit breaker sample failed" not in log, log[-3000:]
+
+
 # ---------------------------------------------------------------- /metrics
 
 def _scrape(agent) -> dict:

@@ -127,9 +127,16 @@ def window_of(w: dict | None, cpus=0.0, memory=0) -> WindowSpec | None:
 
 # ---------------------------------------------------------------- cgroup changes
 
+def _cg(rec):
+    """The sandbox's cgroup or None, rec.sandbox read once: a sandbox that ends on
+    another thread drops it (daemon) between two reads."""
+    sb = rec.sandbox
+    return sb.cg if sb is not None else None
+
+
 def _write_limits(rec, cpus=None, memory=None, pids=None):
     """cgroup limits (None: unchanged); ApiError naming what the kernel refused."""
-    cg = rec.sandbox.cg if rec.sandbox is not None else None
+    cg = _cg(rec)
     if cg is None:
         raise ApiError("FAILED_PRECONDITION", f"sandbox {rec.id} has no cgroup to change")
     try:
@@ -147,7 +154,8 @@ def _write_limits(rec, cpus=None, memory=None, pids=None):
 def _check_usage(rec, memory: int | None, force: bool, what: str):
     if memory is None or force:
         return
-    cur = rec.sandbox.cg.memory_current() if rec.sandbox is not None and rec.sandbox.cg else 0
+    cg = _cg(rec)
+    cur = cg.memory_current() if cg is not None else 0
     if memory < cur:
         raise ApiError("FAILED_PRECONDITION", f"{what}: memory {_fmt(memory)} is below sandbox {rec.id}'s current "
                                               f"usage {_fmt(cur)} (force: let the kernel reclaim down to it, "
@@ -355,7 +363,7 @@ def limit_memory_of_fresh(agent, rec, memory: int, reason: str) -> str | None:
 # ---------------------------------------------------------------- freezer
 
 def thaw_sandbox(agent, rec, reason: str) -> bool:
-    cg = rec.sandbox.cg if rec.sandbox is not None else None
+    cg = _cg(rec)
     if cg is None or not getattr(rec, "frozen", False):
         return False
     try:
@@ -415,14 +423,15 @@ class Breaker:
     def sample(self, now: float):
         a = self.agent
         with a._lock:
-            live = [r for r in a._records.values() if r.state == RUNNING and r.sandbox is not None
+            # (record, cgroup) taken together under the lock: a sandbox that ends meanwhile drops
+            # rec.sandbox (daemon), and its cgroup's files then read as empty, never as an error
+            live = [(r, r.sandbox.cg) for r in a._records.values() if r.state == RUNNING and r.sandbox is not None
                     and r.sandbox.cg is not None and r.stop_kind is None and not getattr(r, "frozen", False)]
-        ids = {r.id for r in live}
+        ids = {r.id for r, _ in live}
         for sid in list(self.state):
             if sid not in ids:
                 del self.state[sid]
-        for rec in live:
-            cg = rec.sandbox.cg
+        for rec, cg in live:
             st = self.state.get(rec.id)
             if st is None:
                 st = self.state[rec.id] = {"oom_last": cg.oom_kills(), "ooms": deque(), "prev": cg.cpu_stat(),
@@ -439,7 +448,7 @@ class Breaker:
                 if len(st["ooms"]) >= o.kills:
                     n = len(st["ooms"])
                     st["ooms"].clear()
-                    self.trip(rec, "oom", o.action, f"{n} OOM kills within {o.window_seconds:g}s", {"oom_kills": n})
+                    self.trip(rec, cg, "oom", o.action, f"{n} OOM kills within {o.window_seconds:g}s", {"oom_kills": n})
                     continue
             c = self.cfg.cpu
             if c is not None:
@@ -457,16 +466,15 @@ class Breaker:
                 if now - st["since"] >= c.for_seconds:
                     held = now - st["since"]
                     st["since"] = None
-                    self.trip(rec, "cpu", c.action, f"CPU throttled in {pct:.0f}% of its quota's periods for "
+                    self.trip(rec, cg, "cpu", c.action, f"CPU throttled in {pct:.0f}% of its quota's periods for "
                                                     f"{held:.0f}s", {"throttled_percent": round(pct, 1)},
                               cut_to=c.cut_to)
 
-    def trip(self, rec, trigger: str, action: str, why: str, figures: dict, cut_to: float = 0.5):
+    def trip(self, rec, cg, trigger: str, action: str, why: str, figures: dict, cut_to: float = 0.5):
         a = self.agent
         done = action
         detail = {}
         if action == "freeze":
-            cg = rec.sandbox.cg
             if not cg.can_freeze():
                 done, detail["fallback"] = "stop", "no cgroup2 freezer on this host: stopped instead"
             else:
