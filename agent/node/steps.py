@@ -162,7 +162,9 @@ def _cancelled_step(agent, rec: SandboxRecord, run: StepRun, close_after: bool):
 
 
 def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inputs):
-    sb = rec.sandbox
+    sb = rec.sandbox                    # read once: a stop that began after the caller's check drops it
+    if sb is None:
+        raise _gone(agent, rec)
     # the previous step's end record was queued, not yet known durable (its reply did not wait:
     # _flush_emits_soon in exec_step): it goes to the spool before anything of this step is recorded
     # (the recorder's appends wait for it at their gate), and is durable before it (the spool's
