@@ -13,7 +13,7 @@ the ring buffer without decoding (RingReader.read: the kernel's records are
 consumed, the Python pipeline is not measured here -- bench/audit.py is).
 Kernel run-time statistics on (BPF_ENABLE_STATS while this runs: the kernel
 stamps each program run, ~20-30 ns per run more for every program, the same
-in every column).
+in every column but base; --no-stats leaves them off and prints ratios only).
 
 Workloads (each a child process, N operations, timing itself):
   open     os.open(f, O_WRONLY|O_CREAT|O_APPEND) + os.close, 64 names
@@ -29,7 +29,13 @@ program: runs and ns per run (run_time_ns / run_cnt) while the loop ran in
 the sandbox, and while it ran outside any sandbox (the cost for the rest of
 the node: those counts include every other process's runs meanwhile).
 
-    .venv/bin/python bench/kcost.py [--runs 5] [--quick] [--compare REV|DIR ...] [--policy NAME]
+    .venv/bin/python bench/kcost.py [--runs 5] [--quick] [--compare REV|DIR ...] [--policy NAME] [--floor]
+
+--floor adds a place: programs that return at once, attached at every tracepoint and
+raw tracepoint the two sensors had attached (with --policy's programs), in place of
+theirs -- what the hooks themselves cost a workload on this kernel (the syscall
+tracepoints' slow path and perf frames), which no program at these hooks can go under.
+The sensors' cgroup programs (egress) are not mirrored: they act in sandboxes only.
 
 --compare (repeatable) loads another bpf/ tree too -- a git revision's or a
 directory as it is (an experiment without a commit) -- each build in turn
@@ -207,6 +213,35 @@ class Loaded:
         return totals
 
 
+class Floor:
+    """Programs that return at once, attached at the given tracepoints and raw tracepoints."""
+
+    def __init__(self, tps, raws):
+        from bcc import BPF
+        self.bpf = BPF(text=b"int floor_tp(void *ctx) { return 0; }\nint floor_raw(void *ctx) { return 0; }\n")
+        try:
+            for tp in tps:
+                self.bpf.attach_tracepoint(tp=tp, fn_name=b"floor_tp")
+            for tp in raws:
+                self.bpf.attach_raw_tracepoint(tp=tp, fn_name=b"floor_raw")
+        except BaseException:
+            self.bpf.cleanup()
+            raise
+        self.progs = Progs(("floor", self.bpf))
+
+    def close(self) -> None:
+        self.bpf.cleanup()
+
+
+def attach_points(loaded: "Loaded") -> tuple[list, list]:
+    """The tracepoints and raw tracepoints both sensors have attached now."""
+    tps, raws = set(), set()
+    for b in (loaded.aud.bpf, loaded.enf.bpf):
+        tps |= set(b.tracepoint_fds)
+        raws |= set(b.raw_tracepoint_fds)
+    return sorted(tps), sorted(raws)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -216,6 +251,11 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", metavar="NAME|FILE",
                     help="also enforce this policy on the sandbox cgroup (its syscall programs run; no seccomp "
                          "filter is installed here); default: none, as `dsec run` without a policy")
+    ap.add_argument("--no-stats", action="store_true",
+                    help="leave the kernel's run-time statistics off (~20-30 ns a program run less in every column "
+                         "but base; no per-program figures)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also run the workloads with empty programs at the sensors' hooks (the hooks' own cost)")
     a = ap.parse_args(argv)
     policy = None
     if a.policy:
@@ -250,11 +290,12 @@ def main(argv=None) -> int:
     for p in cgs.values():
         os.mkdir(p)
     wls = workloads(a.quick, d)
-    places = ["base"] + [f"{b}:{w}" for b, _ in builds for w in ("sandbox", "other")]
+    places = ["base"] + [f"{b}:{w}" for b, _ in builds for w in ("sandbox", "other")] + (["floor"] if a.floor else [])
+    hooks = None                    # (tracepoints, raw tracepoints) of the first build, for --floor
     times = {(w, pl): [] for w, _, _ in wls for pl in places}
     prog_delta: dict = {}
     lost = {}
-    stats_fd = enable_stats()
+    stats_fd = -1 if a.no_stats else enable_stats()
     loaded = None
 
     def base_round():
@@ -278,14 +319,30 @@ def main(argv=None) -> int:
                         times[(w, f"{b}:{where}")].append(run_in(cgs[where] + "/cgroup.procs", argv_) / n)
                         for name, v in Progs.delta(s0, loaded.progs.snap()).items():
                             prog_delta.setdefault((b, w, where, name), []).append(v)
+                if hooks is None:
+                    hooks = attach_points(loaded)
                 t = loaded.close()
                 loaded = None
                 lost[b] = lost.get(b, 0) + t["lost_total"]
+            if a.floor:
+                floor = Floor(*hooks)
+                try:
+                    if r == 0:
+                        print(f"   floor: empty programs at {len(hooks[0])} tracepoints and {len(hooks[1])} raw "
+                              f"tracepoints", flush=True)
+                    for w, n, argv_ in wls:
+                        s0 = floor.progs.snap()
+                        times[(w, "floor")].append(run_in(cgs["sandbox"] + "/cgroup.procs", argv_) / n)
+                        for name, v in Progs.delta(s0, floor.progs.snap()).items():
+                            prog_delta.setdefault(("floor", w, "sandbox", name), []).append(v)
+                finally:
+                    floor.close()
         base_round()
     finally:
         if loaded is not None:
             loaded.close()
-        os.close(stats_fd)
+        if stats_fd >= 0:
+            os.close(stats_fd)
         for p in cgs.values():
             for _ in range(100):
                 try:
@@ -304,9 +361,13 @@ def main(argv=None) -> int:
                         for pl in places[1:])
         print(f"{w:9}{b:>9.2f}{cells}")
     print("kernel lost in the sandbox: " + ", ".join(f"{b} {n}" for b, n in lost.items()))
+    if a.no_stats:
+        print("per program: not measured (--no-stats)")
+        return 0
     for where, title in (("sandbox", "in the sandbox"),
                          ("other", "outside any sandbox (all programs that ran meanwhile, any process)")):
-        print_progs(prog_delta, wls, builds, where, title)
+        print_progs(prog_delta, wls, builds + ([("floor", None)] if a.floor and where == "sandbox" else []),
+                    where, title)
     return 0
 
 
