@@ -6,8 +6,8 @@ In this process: the enforcement sensor and the audit sensor loaded as the
 agent loads them (agent/sensors/recorder.py: enforcement first, its cwd maps
 shared), one cgroup2 of our own registered with the audit sensor as a
 sandbox (budgets unlimited; no policy, so the enforcement sensor only looks
-it up, as for `dsec run` without a policy -- --policy NAME enforces one, e.g.
-`default`, whose enforce-mode syscall programs then run on every syscall;
+it up -- --policy NAME enforces one, e.g. `default`, which `dsec run` enforces
+unless told otherwise, whose enforce-mode syscall programs then run on every syscall;
 no seccomp filter is installed here), and a reader thread that empties
 the ring buffer without decoding (RingReader.read: the kernel's records are
 consumed, the Python pipeline is not measured here -- bench/audit.py is).
@@ -250,7 +250,8 @@ def main(argv=None) -> int:
                     help="also load the sensors from REV's bpf/ (git; or a bpf/ directory), alternately; repeatable")
     ap.add_argument("--policy", metavar="NAME|FILE",
                     help="also enforce this policy on the sandbox cgroup (its syscall programs run; no seccomp "
-                         "filter is installed here); default: none, as `dsec run` without a policy")
+                         "filter is installed here); default: none (`dsec run` enforces `default` unless told otherwise: "
+                         "--policy default is what it runs)")
     ap.add_argument("--no-stats", action="store_true",
                     help="leave the kernel's run-time statistics off (~20-30 ns a program run less in every column "
                          "but base; no per-program figures)")
