@@ -53,8 +53,7 @@ class MetricsService(HTTPService):
     def _sandbox_families(self) -> list[Family]:
         a = self.agent
         with a._lock:
-            live = [(r.id, r.sandbox.cg) for r in a._records.values()
-                    if r.state == RUNNING and r.sandbox is not None and r.sandbox.cg is not None]
+            live = [(r.id, r.cg) for r in a._records.values() if r.state == RUNNING and r.cg is not None]
         rows = []
         for sid, cg in live:
             try:

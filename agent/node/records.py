@@ -160,6 +160,14 @@ class SandboxRecord:
     def policy(self):
         return self.spec.policy
 
+    @property
+    def cg(self):
+        """Its launcher's cgroups (cgroups.SandboxCgroup) or None, `sandbox` read once:
+        a sandbox that ends on another thread has it dropped (Agent._retire, under the
+        agent's lock) between two reads."""
+        sb = self.sandbox
+        return sb.cg if sb is not None else None
+
     def policy_identity(self) -> dict:
         p = self.spec.policy
         return p.identity() if p is not None else {}

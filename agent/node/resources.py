@@ -127,16 +127,9 @@ def window_of(w: dict | None, cpus=0.0, memory=0) -> WindowSpec | None:
 
 # ---------------------------------------------------------------- cgroup changes
 
-def _cg(rec):
-    """The sandbox's cgroup or None, rec.sandbox read once: a sandbox that ends on
-    another thread drops it (daemon) between two reads."""
-    sb = rec.sandbox
-    return sb.cg if sb is not None else None
-
-
 def _write_limits(rec, cpus=None, memory=None, pids=None):
     """cgroup limits (None: unchanged); ApiError naming what the kernel refused."""
-    cg = _cg(rec)
+    cg = rec.cg
     if cg is None:
         raise ApiError("FAILED_PRECONDITION", f"sandbox {rec.id} has no cgroup to change")
     try:
@@ -154,7 +147,7 @@ def _write_limits(rec, cpus=None, memory=None, pids=None):
 def _check_usage(rec, memory: int | None, force: bool, what: str):
     if memory is None or force:
         return
-    cg = _cg(rec)
+    cg = rec.cg
     cur = cg.memory_current() if cg is not None else 0
     if memory < cur:
         raise ApiError("FAILED_PRECONDITION", f"{what}: memory {_fmt(memory)} is below sandbox {rec.id}'s current "
@@ -363,7 +356,7 @@ def limit_memory_of_fresh(agent, rec, memory: int, reason: str) -> str | None:
 # ---------------------------------------------------------------- freezer
 
 def thaw_sandbox(agent, rec, reason: str) -> bool:
-    cg = _cg(rec)
+    cg = rec.cg
     if cg is None or not getattr(rec, "frozen", False):
         return False
     try:
@@ -424,9 +417,9 @@ class Breaker:
         a = self.agent
         with a._lock:
             # (record, cgroup) taken together under the lock: a sandbox that ends meanwhile drops
-            # rec.sandbox (daemon), and its cgroup's files then read as empty, never as an error
-            live = [(r, r.sandbox.cg) for r in a._records.values() if r.state == RUNNING and r.sandbox is not None
-                    and r.sandbox.cg is not None and r.stop_kind is None and not getattr(r, "frozen", False)]
+            # its launcher (SandboxRecord.cg), and its cgroup's files then read as empty, never an error
+            live = [(r, r.cg) for r in a._records.values() if r.state == RUNNING and r.cg is not None
+                    and r.stop_kind is None and not r.frozen]
         ids = {r.id for r, _ in live}
         for sid in list(self.state):
             if sid not in ids:
