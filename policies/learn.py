@@ -71,6 +71,27 @@ RUNTIME = {
     "execve": "runtime: dsec starts the command with it (the only call between loading the filter and CMD)",
     "exit_group": "runtime: every process ends with it",
 }
+# Calls whose appearance in a run depends on timing, not on what the program does:
+# a sleep or a lock wait that had nothing left to wait for, a spin's back-off, a
+# signal that arrived mid-sleep or at all, the vDSO's clocks falling back to the
+# kernel. A run that did not make one proves nothing about the next, and none
+# grants anything (no file, network, process or namespace reach), so every learned
+# allow list has them, marked `timing` (systemd's @default group holds the same
+# kind of call for the same reason). Learning them only when seen made a learned
+# CPython suite fail under enforce once in a few runs (its sleep poll).
+TIMING = {
+    "clock_nanosleep": "a sleep: skipped when what it waits for is already done",
+    "nanosleep": "a sleep: skipped when what it waits for is already done",
+    "futex": "lock waits and wake-ups: made only under contention",
+    "sched_yield": "a spin's back-off: made only under contention",
+    "restart_syscall": "the kernel's resumption of a sleep a signal interrupted",
+    "rt_sigreturn": "the return from a signal handler: made when a signal arrives",
+    "clock_gettime": "the vDSO's clock: a real call only when the vDSO falls back to the kernel",
+    "clock_getres": "the vDSO's clock: a real call only when the vDSO falls back to the kernel",
+    "gettimeofday": "the vDSO's clock: a real call only when the vDSO falls back to the kernel",
+    "time": "the vDSO's clock: a real call only when the vDSO falls back to the kernel",
+    "getcpu": "the vDSO's getcpu: a real call only when the vDSO falls back to the kernel",
+}
 EINPROGRESS = _errno.EINPROGRESS
 REFUSED = {_errno.EACCES, _errno.EPERM, _errno.EROFS}
 
@@ -502,6 +523,10 @@ def observe(runs, layout_check=None) -> tuple[dict, dict]:
         e = sysc.setdefault(name, _entry())
         e.setdefault("why", []).append(why)
         allow.add(name)
+    for name, why in TIMING.items():
+        e = sysc.setdefault(name, _entry())
+        e.setdefault("why", []).append("timing: " + why)
+        allow.add(name)
     for name in list(sysc):
         if name not in allow:
             del sysc[name]
@@ -931,4 +956,4 @@ def render(policy: Policy, header: list[str] | None = None) -> str:
 
 __all__ = ["derive_policy", "observe", "additions", "stable_tail", "RULE_KINDS", "random_name", "generalise", "render", "provenance", "provenance_annotations",
            "strip_provenance", "merge_entry", "egress_key", "new_provenance", "LearnError", "PROV_KEY",
-           "RUNTIME", "SCRATCH", "SYSTEM_TREES", "SHARED_ROOTS"]
+           "RUNTIME", "TIMING", "SCRATCH", "SYSTEM_TREES", "SHARED_ROOTS"]

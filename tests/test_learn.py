@@ -40,7 +40,8 @@ from policies import learn as L
 from policies.compile import seccomp_filter
 from policies.diff import diff, render_text
 from policies.evaluate import decision
-from policies.learn import derive_policy, generalise, provenance, render
+from policies.learn import TIMING, derive_policy, generalise, provenance, render
+from policies import syscalls as sc
 from policies.load import PolicyError, load_policy, load_policy_text
 from policies.merge import merge, merge_with_notes
 from policies.promote import parse_duration, promoted_text, promotion_decision, set_mode_text
@@ -473,7 +474,8 @@ def test_derive_from_synthetic_records():
     assert p.mode == "audit" and p.name == "tool"
     s = d["syscalls"]
     assert s["default"] == "deny" and s["namespaces"] == "deny"
-    assert s["allow"] == ["clone", "execve", "exit_group", "openat", "read", "write"]   # 59 = execve
+    # what the runs made, the runtime's two calls, and the timing calls every learned policy allows
+    assert s["allow"] == sorted({"clone", "execve", "exit_group", "openat", "read", "write"} | set(TIMING))
     assert d["exec"]["allow"] == ["/usr/bin/curl", "/usr/bin/python3"]
     assert d["egress"] == {"default": "deny", "dns": ["10.0.0.2"], "allow": [
         {"cidr": "10.0.0.5/32", "ports": [8443], "protocol": "any"},
@@ -489,6 +491,8 @@ def test_derive_from_synthetic_records():
     assert any(w.startswith("runtime") for w in prov["syscalls"]["execve"]["why"])
     assert any(w.startswith("runtime") for w in prov["syscalls"]["exit_group"]["why"])
     assert any("clone3" in w for w in prov["syscalls"]["clone"]["why"])
+    assert all(any(w.startswith("timing: ") for w in prov["syscalls"][n]["why"]) for n in TIMING)
+    assert "clock_nanosleep" in TIMING and "futex" in TIMING and all(sc.is_syscall(n) for n in TIMING)
     assert prov["egress"]["tcp 10.0.0.5/32"]["runs"] == {"sb-1": 1, "sb-2": 1}
     assert prov["egress"]["any 127.0.0.1/32"]["loopback"] is True
     assert prov["egress"]["tcp example.com"]["addrs"] == ["93.184.216.34"]
@@ -505,6 +509,7 @@ def test_derive_from_synthetic_records():
     assert load_policy_text(text).hash == p.hash
     assert "- read  # 2/2 runs, 17 calls" in text
     assert "- execve  # runtime: dsec starts the command" in text
+    assert "- clock_nanosleep  # timing: a sleep" in text
     assert "/workspace  <-" in text and "      /workspace/out/c.json  (sb-2 x1)" in text
     assert "loopback" in text and "resolved to 93.184.216.34" in text
     assert "Notes (not in the policy; judge them):" in text
@@ -928,7 +933,7 @@ def test_cli_learn_from_strace(traced, learn_env, tmp_path):
     r = cli("learn", "--from-strace", log, "-o", str(out))
     assert r.returncode == 0, r.stderr
     err = r.stderr.decode()
-    assert "wrote " + str(out) in err and "mode audit" in err and "(2 runtime)" in err
+    assert "wrote " + str(out) in err and "mode audit" in err and "(2 runtime, 11 timing)" in err
     text = out.read_text()
     p = load_policy_text(text)
     assert p.mode == "audit" and p.name == "learned-tt-t-y-s256"

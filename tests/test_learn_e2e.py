@@ -10,6 +10,10 @@ WORKLOAD = ("import json, os, subprocess\n"
             "open('/workspace/out.json', 'w').write(json.dumps({'a': 1}))\n"
             "subprocess.run(['/usr/bin/ls', '/workspace'], check=True)\n")
 EXTRA = "import os; os.mkdir('/workspace/newdir'); print('mkdir ok')"
+# the learned workload, then a sleep the learning runs never made: a timing call,
+# allowed by every learned policy (before, a wait that happened to be over when
+# learned made a later run fail under enforce)
+SLEEPS = WORKLOAD + "import time; time.sleep(0.01); print('slept')\n"
 
 
 def _nondefault(sid, env):
@@ -39,13 +43,17 @@ def test_learn_then_audit_then_promote_then_enforce(tmp_path, clickhouse_url):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "mode: enforce" in enforced.read_text()
 
-    # under enforce: the learned workload runs clean, anything new is refused
-    sid = f"enf-{tmp_path.name[-6:]}"
-    r, r2 = dsec_each(("run", "--sandbox-id", sid, "--policy", str(enforced), "--", "python3", "-c", WORKLOAD),
-                      ("run", "--policy", str(enforced), "--", "python3", "-c", EXTRA), env=env)
+    # under enforce: the learned workload runs clean (also when it sleeps), anything new is refused
+    sid, sid3 = f"enf-{tmp_path.name[-6:]}", f"enf3-{tmp_path.name[-6:]}"
+    r, r2, r3 = dsec_each(("run", "--sandbox-id", sid, "--policy", str(enforced), "--", "python3", "-c", WORKLOAD),
+                          ("run", "--policy", str(enforced), "--", "python3", "-c", EXTRA),
+                          ("run", "--sandbox-id", sid3, "--policy", str(enforced), "--", "python3", "-c", SLEEPS),
+                          env=env)
     assert r.returncode == 0, r.stderr
     assert _nondefault(sid, env) == []
     assert r2.returncode == 1 and b"mkdir ok" not in r2.stdout
+    assert r3.returncode == 0 and b"slept" in r3.stdout, r3.stderr
+    assert _nondefault(sid3, env) == []
 
 
 def test_promotion_refused_on_violations(tmp_path, clickhouse_url):

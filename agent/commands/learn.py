@@ -238,6 +238,7 @@ def run(args) -> int:
     d = policy.to_dict()["spec"]
     prov = provenance(policy) or {}
     runtime = [k for k, e in prov.get("syscalls", {}).items() if any(w.startswith("runtime") for w in e.get("why", []))]
+    timing = [k for k, e in prov.get("syscalls", {}).items() if any(w.startswith("timing") for w in e.get("why", []))]
     sysc = d["syscalls"]
     nsys = len(sysc.get("allow", [])) if sysc["default"] == "deny" else f"all but {len(sysc.get('deny', []))}"
     eg = d.get("egress") or {}
@@ -246,7 +247,7 @@ def run(args) -> int:
     where = "stdout" if args.output == "-" else args.output
     sys.stderr.write(_disp(
         f"wrote {where}: policy {policy.name}, mode {policy.mode}, sha256:{policy.hash[:16]}: "
-        f"{nsys} syscalls ({len(runtime)} runtime), {len(eg.get('allow', []))} egress rules, "
+        f"{nsys} syscalls ({len(runtime)} runtime, {len(timing)} timing), {len(eg.get('allow', []))} egress rules, "
         f"{len(eg.get('dns', []))} dns resolvers, "
         f"{len((d.get('exec') or {}).get('allow', [])) if d.get('exec') else 'any'} exec paths, "
         f"{len(files) if files is not None else 'default'} writable paths (from {observed} written)") + "\n")
