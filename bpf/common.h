@@ -17,6 +17,11 @@
  *    looked at; nothing else is ever emitted;
  *  - every loop is bounded; every event that cannot be emitted is counted in
  *    the sandbox's dsec_state.lost, by reason and kind.
+ *
+ * Why this file is long: admission, budgets, the pending table, the kernel's
+ * aggregation of repeats and the emit path are shared by every program of the
+ * three concerns, and BCC rewrites map calls only in one source text; that is
+ * what keeps process.c, net.c and files.c short.
  */
 #ifndef DSEC_COMMON_H
 #define DSEC_COMMON_H

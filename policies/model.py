@@ -16,6 +16,10 @@ Three layers:
 
 Everything here is pure: no kernel access, no agent imports (errors are
 policies.errors types).
+
+Why this file is long: it is the one policy schema -- five rule kinds, each
+model with its validators -- and the checks that relate them; split, each part
+would need the others to check anything.
 """
 from __future__ import annotations
 

@@ -4,7 +4,11 @@ real sandboxes, the Python SDK (agent/node/client.py) as the caller.
 
 Agents are started under a small reaper process (a child subreaper), as an init
 system would: when a test SIGKILLs an agent, the sandbox supervisors it leaves
-(which stop their sandbox when its control socket closes) are reaped there."""
+(which stop their sandbox when its control socket closes) are reaped there.
+
+Why this file is long: its tests share a few module-scoped agents (each a
+process with its sensors loaded, seconds to start); split, each part would
+start its own."""
 from __future__ import annotations
 
 import asyncio

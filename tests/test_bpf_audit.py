@@ -1,5 +1,9 @@
 """eBPF audit on the real kernel: completeness, isolation, loss accounting,
-fair share. Needs root, BCC and the fixtures of tests/fixtures_bpf.py."""
+fair share. Needs root, BCC and the fixtures of tests/fixtures_bpf.py.
+
+Why this file is long: it is the audit sensor's suite, one section per
+property above; the sections share only tests/fixtures_bpf.py, so a section
+that grows can move to a file of its own."""
 from __future__ import annotations
 
 import hashlib

@@ -1,5 +1,9 @@
 """Spool -> ClickHouse -> query layer, against a real clickhouse-server on
-loopback started by dsec's own code (exporters/clickhouse_server.py)."""
+loopback started by dsec's own code (exporters/clickhouse_server.py).
+
+Why this file is long: the spool, the exporter and the query layer are tested
+against the same session server and database (tests/fixtures_clickhouse.py),
+one section each."""
 from __future__ import annotations
 
 import json

@@ -43,6 +43,11 @@ once dsec-init has been sent the step (ts_ns: the time just before), on_step_end
 on_workload_exit(sandbox_id) once every process but dsec-init is gone (the
 sandbox's mount namespace is held until it returns); on_exit(summary) after
 teardown.
+
+Why this file is long: start, exec and close share one state (the control
+channel, the cgroups, the watch, the network) and one order of teardown; what
+stands alone already lives beside it (spawn, plan, cgroups, netns, rootfs,
+volumes, snapshots, trash).
 """
 from __future__ import annotations
 

@@ -16,6 +16,10 @@ bpf/process.c net.c files.c) and the enforcement sensor
     map, the committed records copied out per call); BCC's per-record
     callback reader remains where that is unsupported (not x86-64) or asked
     for (DSEC_RING_READER=bcc).
+
+Why this file is long: it is the one path both sensors run from source to
+records (checks, compile, ring, loss reports); every part is imported by the
+same two sensors, so splitting it would only add imports.
 """
 from __future__ import annotations
 
