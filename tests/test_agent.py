@@ -526,6 +526,39 @@ def sched_agent(tmp_path_factory, clickhouse_url):
     assert a.stop() == 0, a.read_log()[-3000:]
 
 
+def test_a_one_shot_step_whose_caller_leaves_while_queued_ends_its_sandbox(sched_agent):
+    """Exec(close_after) on a sandbox still queued, then its caller goes away: the one-shot
+    run's sandbox ends (cancelled), as it does when the caller leaves during the step. Before,
+    the cancellation saw no sandbox yet, returned, and the queued request stayed, to run
+    later owned by nobody until its lifetime ended."""
+    with sched_agent.client() as c:
+        big = c.create(priority="standard", cpus=2, memory="256M")          # the node's 2 CPUs
+        q = c.create(priority="preemptible", cpus=1, memory="256M", wait=False)
+        try:
+            assert c.get(q.id).state == "queued"
+            g = sched_agent.client(step_socket=False)
+            out = []
+
+            def one_shot():
+                try:
+                    out.append(g.exec(q.id, ["true"], close_after=True))
+                except Exception as e:  # noqa: BLE001 (the call is cancelled under it)
+                    out.append(e)
+            t = threading.Thread(target=one_shot)
+            t.start()
+            time.sleep(0.5)                         # the Exec waits for the queued sandbox
+            g.close()                               # its caller goes away
+            t.join(10)
+            deadline = time.monotonic() + 10
+            while c.get(q.id).state == "queued" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert c.get(q.id).state == "cancelled", (c.get(q.id), out)
+        finally:
+            if c.get(q.id).state not in ("cancelled", "exited", "killed"):
+                c.kill(q.id)
+            big.close()
+
+
 def _admission_order(c, ids):
     infos = {i: c.get(i) for i in ids}
     return [i for i in sorted(ids, key=lambda i: infos[i].admitted_ns)]

@@ -140,25 +140,29 @@ def _gone(agent, rec: SandboxRecord, during_step: bool = False) -> ApiError:
 
 
 def _cancelled_step(agent, rec: SandboxRecord, run: StepRun, close_after: bool):
-    """The caller went away during a step: stop the step (SIGTERM, grace, SIGKILL);
-    one-shot runs (close_after) also end their sandbox."""
-    sb = rec.sandbox
-    if sb is None:
-        return
-    t_end = time.monotonic() + 30
-    while not run.step and not run.done and not run.rpc_done and time.monotonic() < t_end:
-        time.sleep(0.02)
-    if not run.done and run.step:
-        sb.signal(signal.SIGTERM, run.step)
-        end = time.monotonic() + rec.grace
-        while not run.done and time.monotonic() < end:
-            time.sleep(0.05)
-        if not run.done:
-            sb.signal(signal.SIGKILL, run.step)
+    """The caller went away during a step, or while it waited for its sandbox: stop the
+    step (SIGTERM, grace, SIGKILL); one-shot runs (close_after) also end their sandbox,
+    whether it runs, is starting or is still queued."""
+    sb = rec.sandbox                    # None: not started yet (no step ran), or ended
+    if sb is not None:
+        t_end = time.monotonic() + 30
+        while not run.step and not run.done and not run.rpc_done and time.monotonic() < t_end:
+            time.sleep(0.02)
+        if not run.done and run.step:
+            sb.signal(signal.SIGTERM, run.step)
+            end = time.monotonic() + rec.grace
+            while not run.done and time.monotonic() < end:
+                time.sleep(0.05)
+            if not run.done:
+                sb.signal(signal.SIGKILL, run.step)
     if close_after:
+        why = "the client of a one-shot run went away"
         with agent._lock:
-            if rec.state == RUNNING and rec.stop_kind is None:
-                agent._begin_stop_locked(rec, KILLED, "the client of a one-shot run went away", 0.0)
+            if rec.state == QUEUED:
+                agent._cancel_locked(rec, why)
+            elif rec.state in (STARTING, RUNNING) and rec.stop_kind is None:
+                agent._begin_stop_locked(rec, KILLED, why, 0.0)     # STARTING: _launch stops it
+        agent._flush_emits()
 
 
 def _run_step(agent, rec, run: StepRun, start, env, workdir, timeout, grace, inputs):
