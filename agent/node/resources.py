@@ -200,9 +200,15 @@ def update_resources(agent, sid: str, cpus: float = 0.0, memory: int = 0, pids: 
         if any(v is not None for v in tighter):
             _write_limits(rec, *tighter)
         with agent._lock:
-            d = agent.sched.resize(rec.id, new_acc, new_mem, new_pids)
-            if d.rejected:
+            # checked again under the lock: a sandbox that began to stop since _running (a kill,
+            # a preemption) is no longer the scheduler's to resize
+            d = agent.sched.resize(rec.id, new_acc, new_mem, new_pids) \
+                if rec.state == RUNNING and rec.stop_kind is None else None
+            if d is not None and d.rejected:
                 agent._after_sched_locked(d.actions)
+        if d is None:
+            raise ApiError("FAILED_PRECONDITION", f"sandbox {rec.id} is {rec.state}: it began to stop while its "
+                                                  f"resources were changing")
         if d.rejected:
             if any(v is not None for v in undo):
                 _write_limits(rec, *undo)
@@ -216,6 +222,9 @@ def update_resources(agent, sid: str, cpus: float = 0.0, memory: int = 0, pids: 
             # old and new in every dimension (a shrink of what was granted: it always fits)
             part = (min(new_acc, old[0]), min(new_mem, old[1]), min(new_pids, old[2]))
             with agent._lock:
+                if rec.state != RUNNING or rec.stop_kind is not None:
+                    raise ApiError("FAILED_PRECONDITION", f"sandbox {rec.id} is {rec.state}: it began to stop "
+                                                          f"while its resources were changing") from None
                 agent._after_sched_locked(agent.sched.resize(rec.id, *part).actions)
                 rec.cpus, rec.memory, rec.pids = part
                 rec.spec.cpus = tighter[0] if tighter[0] is not None else old[3]
@@ -488,6 +497,8 @@ class Breaker:
             except ApiError as e:
                 done, detail["fallback"] = "stop", f"cutting the quota failed ({e.message}): stopped instead"
         with a._lock:
+            if done == "stop" and (rec.state != RUNNING or rec.stop_kind is not None):
+                return                 # it ended or began to stop under the trip: no stop of ours to record
             self.trips[(trigger, done)] = self.trips.get((trigger, done), 0) + 1
             a._lifecycle(rec.id, "breaker_tripped", step=rec.steps, trigger=trigger, action=done, reason=why,
                          **figures, **detail)
