@@ -55,6 +55,7 @@ class _WarmEntry:
         self.rec = rec
         self.ready = False
         self.failed = False
+        self.abandoned = False      # destroyed while its start was still under way: _start closes it
 
 
 class WarmPool:
@@ -161,14 +162,24 @@ class WarmPool:
                 self.agent._lifecycle(w.rec.id, "failed", reason=f"warm sandbox start failed: {msg}",
                                       profile=prof.name)
                 self.agent._changed_locked(w.rec)
-            self.release_slot(w.slot, f"warm sandbox start failed: {msg}")
+            if not w.abandoned:         # else destroy() released the slot
+                self.release_slot(w.slot, f"warm sandbox start failed: {msg}")
             return
         w.profile.failures = 0
         with self.agent._lock:
-            w.rec.sandbox = sb
+            abandoned = w.abandoned
+            if not abandoned:
+                w.rec.sandbox = sb
+                w.ready = True
             w.rec.start_done.set()
-            w.ready = True
             self.agent._changed_locked(w.rec)
+        if abandoned:
+            # destroy() gave up waiting for this start (and recorded the sandbox's end): what
+            # started after all is closed here, never left running outside the books
+            try:
+                sb.close()
+            except Exception:  # noqa: BLE001
+                log.exception("warm sandbox %s: close of a start that outlived its destroy failed", w.rec.id)
 
     def release_slot(self, slot: str, reason: str):
         with self.agent._lock:
@@ -181,7 +192,10 @@ class WarmPool:
 
     def destroy(self, w: _WarmEntry, reason: str):
         w.rec.start_done.wait(120)
-        sb = w.rec.sandbox
+        with self.agent._lock:
+            sb = w.rec.sandbox
+            if not w.rec.start_done.is_set():
+                w.abandoned = True      # still starting after 120 s: its start closes it (_start)
         if sb is not None:
             try:
                 sb.close()
