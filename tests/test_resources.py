@@ -248,6 +248,35 @@ def test_two_windowed_sandboxes_whose_peaks_do_not_fit_are_staggered(client, age
     assert sw["phase"] == "rollout" and sw["previous"] == "base" and sw["resources"]["cpus"] == 1.5
 
 
+def test_a_sandbox_that_ends_while_its_phase_waits_gets_aborted(client):
+    """SetPhase waiting for room, then the sandbox is killed: the call ends ABORTED ("ended
+    while its phase waited"). Before, the end looked like the wait's timeout: the scheduler
+    was asked to withdraw a phase of an entry it no longer held."""
+    a = client.create(window=WINDOW, warm=False)
+    b = client.create(window=WINDOW, warm=False)
+    try:
+        assert a.set_phase("rollout")["phase"] == "rollout"
+        out = {}
+
+        def later():
+            try:
+                out["r"] = b.set_phase("rollout", wait=20)
+            except AgentError as e:
+                out["e"] = e
+        t = threading.Thread(target=later)
+        t.start()
+        time.sleep(0.5)
+        assert not out                              # b waits for a's peak to pass
+        b.kill(grace=0)
+        t.join(20)
+        assert "e" in out and out["e"].status == "ABORTED", out
+        assert f"sandbox {b.id} ended while its phase 'rollout' waited" in out["e"].message, out
+    finally:
+        a.close()
+        if client.get(b.id).state not in ("killed", "exited"):
+            b.close()
+
+
 def test_bad_windows_are_named(client):
     with pytest.raises(InvalidArgument) as ei:
         client.create(window={"base": {"cpus": 2, "memory": "128M"}, "peak": {"cpus": 1, "memory": "128M"}})

@@ -292,7 +292,10 @@ def set_phase(agent, sid: str, phase: str, wait_seconds: float = 0.0, force: boo
     with rec.changed:                             # the agent's lock; woken by this sandbox's changes
         while win.pending == phase and rec.state == RUNNING and time.monotonic() < deadline:
             rec.changed.wait(min(0.25, max(0.0, deadline - time.monotonic())))
-        if win.pending == phase:                  # still waiting: withdraw it
+        if win.pending == phase and rec.state != RUNNING:
+            win.pending = None                    # it ended while waiting: the scheduler let go of it
+            timed_out = False
+        elif win.pending == phase:                # still waiting: withdraw it
             win.pending = None
             acts = agent.sched.cancel_phase(rec.id)
             agent._lifecycle(rec.id, "phase_refused", step=rec.steps, phase=phase, previous=win.phase,
