@@ -165,7 +165,7 @@ class SpoolSink:
         import weakref
         ref = weakref.ref(self)
         _metrics().add_gauge("dsec.spool.backlog", f"{self.spool.path}\0{self.sink}",
-                             lambda: ref()._backlog_gauge() if ref() is not None else {})
+                             lambda: s._backlog_gauge() if (s := ref()) is not None else {})
 
     # -- to implement -----------------------------------------------------------------
     def deliver(self, records: list[dict]) -> None:

@@ -311,6 +311,13 @@ def stop_sinks(threads, timeout: float = 15.0):
     for t in threads:
         t.join(max(0.1, deadline - time.monotonic()))
     for t in threads:
+        if t.is_alive():
+            # still in its final flush (a stalled destination): closing its connection, file and
+            # reader lock under it would break that delivery midway. It is a daemon thread: the
+            # process's exit ends it; what it had not committed stays in the spool, re-sent later.
+            log.warning("%s sink %s: still delivering after %.0fs; left to the process's exit, "
+                        "its uncommitted records stay in the spool", t.sink.label, t.sink.sink, timeout)
+            continue
         try:
             t.sink.close()
         except Exception:  # noqa: BLE001

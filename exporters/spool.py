@@ -1005,7 +1005,7 @@ class Spool:
         import weakref
         ref = weakref.ref(self)
         _METRICS().add_gauge("dsec.spool.usage", self.path,
-                             lambda: {(("spool", ref().path),): ref().size_bytes()} if ref() is not None else {})
+                             lambda: {(("spool", s.path),): s.size_bytes()} if (s := ref()) is not None else {})
 
     def __repr__(self):
         return f"Spool({self.path!r})"

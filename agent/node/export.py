@@ -132,6 +132,12 @@ class ClickHouseExport:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=15)
+            if self._thread.is_alive():
+                # still in a delivery (a stalled server): not closed under it (its connection and
+                # reader lock); a daemon thread, ended by the process's exit; uncommitted records
+                # stay in the spool
+                log.warning("ClickHouse exporter still delivering after 15s; left to the process's exit")
+                return
         self.exporter.close()
 
     def backlog(self) -> int:
