@@ -236,13 +236,16 @@ class ExporterProcess:
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.pop(URL_ENV, None)
         env.update(self._child_env)
-        p = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env=env, cwd="/", close_fds=True, start_new_session=True)
-        readers = [threading.Thread(target=self._read_status, args=(p,), name="dsec-export-status", daemon=True),
-                   threading.Thread(target=self._read_log, args=(p,), name="dsec-export-log", daemon=True)]
-        for t in readers:
-            t.start()
-        with self._lock:
+        with self._lock:                        # close() sets _stopping under it: no child after close
+            if self._stopping.is_set():
+                return
+            p = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 env=env, cwd="/", close_fds=True, start_new_session=True)
+            readers = [threading.Thread(target=self._read_status, args=(p,), name="dsec-export-status",
+                                        daemon=True),
+                       threading.Thread(target=self._read_log, args=(p,), name="dsec-export-log", daemon=True)]
+            for t in readers:
+                t.start()
             self.proc, self._readers = p, readers
             self._totals = {}                   # a new child counts from zero
             self.starts += 1
@@ -317,8 +320,9 @@ class ExporterProcess:
 
     def close(self):
         from exporters.metrics import METRICS
-        self._stopping.set()
-        p = self.proc
+        with self._lock:                        # a restart under way either finished or will not start
+            self._stopping.set()
+            p = self.proc
         if p is not None and p.stdin is not None:
             try:
                 p.stdin.close()                  # end of file: a last pass, then exit
