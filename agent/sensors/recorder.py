@@ -302,13 +302,16 @@ class Recorder:
                 if not written:                     # dropped over the disk budget (recorded as events_lost)
                     self._dropped = self._dropped[-63:] + [(start, self._spooled)]
                 self._durable_cv.notify_all()
+            # under the flush lock: taps see batches in spool order, and a flush that returns
+            # has had every batch before it tapped (learning reads a run's records once its
+            # sandbox's end was flushed)
+            for fn in taps:
+                try:
+                    fn(batch)
+                except Exception:  # noqa: BLE001 - a slow or broken listener never stops recording
+                    pass
         finally:
             self._flush_lock.release()
-        for fn in taps:
-            try:
-                fn(batch)
-            except Exception:  # noqa: BLE001 - a slow or broken listener never stops recording
-                pass
         return bool(before)
 
     def _valid_or_gap(self, rec: dict) -> dict:
