@@ -76,6 +76,7 @@ class Recorder:
         self._pending_since = 0.0                 # monotonic time the oldest pending record was queued
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()       # one append at a time: batches stay in order
+        self._update_lock = threading.Lock()      # update_policy against unwatch's removal from _watched
         self._durable_cv = threading.Condition(self._lock)
         self._queued = 0                          # records ever queued (tickets count these)
         self._spooled = 0                         # of which appended to the spool, in order
@@ -466,15 +467,16 @@ class Recorder:
         fixed when the sandbox starts (the seccomp filter, the exec check's rule
         set), so a policy that differs in them is refused (DsecError), never
         half-applied. Returns {"applied": ["egress"], "unchanged": [...]}."""
-        w = self._watched.get(cgroup_id)
-        if not w:
-            raise DsecError(f"cgroup {cgroup_id} is not watched")
-        if not w["enforced"]:
-            raise DsecError(f"sandbox {w['sandbox_id']} has no eBPF enforcement to update")
-        self.enforcer.update_egress(cgroup_id, policy)
-        self.sensor.set_aggregate(cgroup_id, aggregable_kinds(policy))   # connects: per its egress rules
-        w["policy"] = policy
-        self.policies[w["sandbox_id"]] = policy
+        with self._update_lock:         # an unwatch waits for it, or it finds the sandbox gone
+            w = self._watched.get(cgroup_id)
+            if not w:
+                raise DsecError(f"cgroup {cgroup_id} is not watched (its sandbox ended)")
+            if not w["enforced"]:
+                raise DsecError(f"sandbox {w['sandbox_id']} has no eBPF enforcement to update")
+            self.enforcer.update_egress(cgroup_id, policy)
+            self.sensor.set_aggregate(cgroup_id, aggregable_kinds(policy))   # connects: per its egress rules
+            w["policy"] = policy
+            self.policies[w["sandbox_id"]] = policy
         return {"applied": ["egress"], "unchanged": ["exec", "syscalls", "namespaces", "mode"]}
 
     def syscall_counts(self, cgroup_id: int) -> dict:
@@ -497,7 +499,8 @@ class Recorder:
         """Stop watching: the sensors' last records and losses queued, their
         totals returned; appended (durable) before it returns unless flush=False
         (then the caller makes them durable: append_with, make_durable(ticket()))."""
-        w = self._watched.pop(cgroup_id, None)
+        with self._update_lock:
+            w = self._watched.pop(cgroup_id, None)
         stats = self.sensor.remove_sandbox(cgroup_id, cgroup_path=w and w["path"])
         if w:
             self.init_pids.pop(w["sandbox_id"], None)
