@@ -25,7 +25,7 @@ import threading
 
 from audit_schema.errors import ReportedError
 from agent.node.authz import ADMIN
-from agent.node.records import RUNNING, ApiError, _bad
+from agent.node.records import ENDED, RUNNING, ApiError, _bad
 
 log = logging.getLogger("dsec.agent")
 
@@ -164,16 +164,25 @@ class NodeSnapshots:
             lease = self.store.lease(rec.id, [snap], "restore")
             snap = self.store.get(snap["id"])
             r = restore(self.store, sb, snap, a.images, force=force)
-        except ReportedError as e:
+        except (ReportedError, OSError) as e:       # OSError: the sandbox's dir went under it (an end)
             self.store.release(lease)
-            a._lifecycle(rec.id, "restore_failed", step=rec.steps, snapshot=snap["id"], reason=e.message)
+            msg = e.message if isinstance(e, ReportedError) else \
+                f"sandbox {rec.id} ended during the restore ({e.strerror or e})"
+            a._lifecycle(rec.id, "restore_failed", step=rec.steps, snapshot=snap["id"], reason=msg)
             a._flush_emits()
-            raise ApiError("FAILED_PRECONDITION" if e.code == 2 else "INTERNAL", e.message) from None
+            code = "FAILED_PRECONDITION" if isinstance(e, OSError) or e.code == 2 else "INTERNAL"
+            raise ApiError(code, msg) from None
         finally:
             with self._lock:
                 self._busy.discard(rec.id)
-        self.store.release(getattr(sb.spec, "snapshot_lease", None))
-        sb.spec.snapshot_lease = lease
+        # the lease switch under the agent's lock, where the sandbox's end releases its lease
+        # (_retire -> release): a sandbox that ended meanwhile does not keep the new one
+        with a._lock:
+            ended = rec.state in ENDED
+            old_lease = None if ended else getattr(sb.spec, "snapshot_lease", None)
+            if not ended:
+                sb.spec.snapshot_lease = lease
+        self.store.release(lease if ended else old_lease)
         a._lifecycle(rec.id, "restored", step=rec.steps, snapshot=snap["id"], snapshot_step=snap["step"],
                      total_ms=r["total_ms"])
         a._flush_emits()
