@@ -206,7 +206,12 @@ class SandboxWatch:
     def on_step(self, sandbox_id, step):
         self.step = step
         if self.watched:
-            self.rec.set_step(self.cgroup_id, step)
+            try:
+                self.rec.set_step(self.cgroup_id, step)
+            except ReportedError:
+                if self.watched:
+                    raise
+                # unwatched between the check and the call (the sandbox's close): no step to stamp
 
     def on_step_info(self, sandbox_id, step, info):
         """Record what the step runs, so replay can re-run it (env secrets redacted,
