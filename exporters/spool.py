@@ -109,8 +109,9 @@ append would go over the budget:
      JSON lines by default) are evicted, oldest first: deleted, and each such
      sink is told how many records it missed (cursors/<sink>.evicted.json;
      its reader hands that to the sink as Damage with cause "sink_evicted",
-     which becomes an events_lost record in that sink only). A dead
-     best-effort sink therefore never costs the other sinks anything.
+     which becomes an events_lost record in that sink only; what the sink
+     was delivering from that segment meanwhile is taken off at its commit).
+     A dead best-effort sink therefore never costs the other sinks anything.
   2. if that frees too little (a required sink, e.g. ClickHouse, is behind),
      the batch is dropped (all or none, as with any append): counted per
      sandbox, logged (warning, at most every 5 s), added to the metric
@@ -1772,7 +1773,48 @@ class SpoolReader:
         self.position = pos
         if evicted:
             self._clear_evicted(evicted)
+        if self.evictable and isinstance(batch_or_pos, Batch) and batch_or_pos.positions and \
+                os.path.exists(self.spool.evicted_path(self.sink)):
+            self._trim_evicted(batch_or_pos)
         self.spool.collect()
+
+    def _trim_evicted(self, batch: "Batch"):
+        """An eviction recorded while this batch was being delivered counted from the
+        cursor before it: what the batch delivered is taken off (under the writer lock),
+        so the gap reported later counts only what this sink never delivered. (The
+        dsec.events.lost{sink_evicted} counter, added at the eviction, cannot be lowered.)"""
+        delivered: dict[int, list[int]] = {}
+        for seg, off in batch.positions:
+            delivered.setdefault(seg, []).append(off)
+        end = batch.end
+        with self.spool.locked():
+            entries = self.spool.load_evicted(self.sink)
+            rest, changed = [], False
+            for e in entries:
+                seg, off = e.get("segment"), e.get("offset", 0)
+                offs = [o for o in delivered.get(seg, ()) if o >= off]
+                if not offs:
+                    rest.append(e)
+                    continue
+                changed = True
+                if end.segment > seg:
+                    continue                     # the batch went past the segment: all of it delivered
+                left = int(e.get("records") or 0) - len(offs)
+                if left > 0 and end.offset > off:
+                    rest.append(dict(e, offset=end.offset, records=left,
+                                     bytes=max(0, int(e.get("bytes") or 0) - (end.offset - off))))
+                elif left > 0:
+                    rest.append(dict(e, records=left))
+            if not changed:
+                return
+            p = self.spool.evicted_path(self.sink)
+            if rest:
+                _write_atomic(p, json.dumps({"sink": self.sink, "segments": rest}).encode())
+            else:
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
 
     def _clear_evicted(self, reported):
         """The evictions this sink has now recorded as gaps are forgotten (under the

@@ -397,6 +397,38 @@ def test_disk_budget_evicts_a_dead_best_effort_sink_not_the_others(tmp_path):
     sp.close()
 
 
+def test_an_eviction_under_a_delivery_counts_only_what_the_sink_did_not_deliver(tmp_path):
+    """A best-effort sink reads a batch; while it delivers it, the disk budget evicts the
+    segment under it; it commits the batch. The gap it then reports counts only the
+    evicted records after what it delivered: before, the eviction counted from its old
+    cursor, so the delivered records were also reported lost."""
+    sp = Spool(str(tmp_path / "sp"), fsync="never", max_bytes=64 << 10)
+    r = sp.reader("otlp", evictable=True)
+    sid = "evd-" + uuid.uuid4().hex[:8]
+    for i in range(0, 50, 10):
+        assert sp.append_many(evs(sid, 10, start=i)) == 10       # frames of 10
+    sp.save_cursor("otlp", r.read(1).start, evictable=True)      # a cursor: a best-effort sink
+    b = r.read(30)                                               # in delivery: 30 records
+    assert len(b.records) == 30
+    n = 50
+    while os.path.exists(sp.seg_path(b.end.segment)) and n < 20000:
+        assert sp.append_many(evs(sid, 50, start=n)) == 50       # the budget evicts under the delivery
+        n += 50
+    assert not os.path.exists(sp.seg_path(b.end.segment))
+    r.commit(b)                                                  # delivered: the 30
+    got, lost = 30, 0
+    for _ in range(1000):
+        b2 = r.read(5000)
+        if not b2.records and not b2.damage:
+            break
+        got += len(b2.records)
+        lost += sum(d.frames for d in b2.damage if d.cause == "sink_evicted")
+        r.commit(b2)
+    assert got + lost == n, (got, lost, n)                       # each record once: delivered or lost
+    r.close()
+    sp.close()
+
+
 # --- a corrupt / torn segment ----------------------------------------------------------------------
 
 def test_corrupt_and_torn_segment_every_sink_keeps_the_rest_and_reports_the_gap(tmp_path):
