@@ -1255,11 +1255,22 @@ class Spool:
             return [{"segment": 0, "offset": 0, "records": 1, "bytes": 0, "ts_ns": time.time_ns(),
                      "note": "eviction record unreadable"}]
 
+    def save_evicted(self, sink: str, entries: list) -> None:
+        """Under the writer lock: the evictions `sink` has yet to report (none: the file goes)."""
+        p = self.evicted_path(sink)
+        if entries:
+            _write_atomic(p, json.dumps({"sink": sink, "segments": entries[-10000:]}).encode())
+            return
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
     def _note_evicted(self, sink, seq, offset, records, nbytes):
         entries = self.load_evicted(sink)
         entries.append({"segment": seq, "offset": offset, "records": records, "bytes": nbytes,
                         "ts_ns": time.time_ns()})
-        _write_atomic(self.evicted_path(sink), json.dumps({"sink": sink, "segments": entries[-10000:]}).encode())
+        self.save_evicted(sink, entries)
         log.warning("spool %s: disk budget (%d bytes) exhausted; evicted segment %d: %d record(s) that "
                     "best-effort sink %r had not delivered are lost for it (other sinks unaffected)",
                     self.path, self.max_bytes, seq, records, sink)
@@ -1797,39 +1808,20 @@ class SpoolReader:
                     rest.append(e)
                     continue
                 changed = True
-                if end.segment > seg:
-                    continue                     # the batch went past the segment: all of it delivered
                 left = int(e.get("records") or 0) - len(offs)
-                if left > 0 and end.offset > off:
+                if end.segment == seg and left > 0:   # the rest of the segment after the batch's end
                     rest.append(dict(e, offset=end.offset, records=left,
                                      bytes=max(0, int(e.get("bytes") or 0) - (end.offset - off))))
-                elif left > 0:
-                    rest.append(dict(e, records=left))
-            if not changed:
-                return
-            p = self.spool.evicted_path(self.sink)
-            if rest:
-                _write_atomic(p, json.dumps({"sink": self.sink, "segments": rest}).encode())
-            else:
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
+            if changed:
+                self.spool.save_evicted(self.sink, rest)
 
     def _clear_evicted(self, reported):
         """The evictions this sink has now recorded as gaps are forgotten (under the
         writer lock: an eviction in between is kept)."""
         done = {(d.segment, d.offset) for d in reported}
         with self.spool.locked():
-            rest = [e for e in self.spool.load_evicted(self.sink) if (e["segment"], e["offset"]) not in done]
-            p = self.spool.evicted_path(self.sink)
-            if rest:
-                _write_atomic(p, json.dumps({"sink": self.sink, "segments": rest}).encode())
-            else:
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
+            self.spool.save_evicted(self.sink, [e for e in self.spool.load_evicted(self.sink)
+                                                if (e["segment"], e["offset"]) not in done])
         for d in reported:
             log.warning("spool %s, sink %s: %s", self.spool.path, self.sink, d.describe())
             with open(os.path.join(self.spool.path, "damage.log"), "a") as f:

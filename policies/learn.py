@@ -79,18 +79,17 @@ RUNTIME = {
 # allow list has them, marked `timing` (systemd's @default group holds the same
 # kind of call for the same reason). Learning them only when seen made a learned
 # CPython suite fail under enforce once in a few runs (its sleep poll).
+_SLEEP = "timing: a sleep: skipped when what it waits for is already done"
+_VDSO = "timing: the vDSO's {}: a real call only when the vDSO falls back to the kernel"
 TIMING = {
-    "clock_nanosleep": "a sleep: skipped when what it waits for is already done",
-    "nanosleep": "a sleep: skipped when what it waits for is already done",
-    "futex": "lock waits and wake-ups: made only under contention",
-    "sched_yield": "a spin's back-off: made only under contention",
-    "restart_syscall": "the kernel's resumption of a sleep a signal interrupted",
-    "rt_sigreturn": "the return from a signal handler: made when a signal arrives",
-    "clock_gettime": "the vDSO's clock: a real call only when the vDSO falls back to the kernel",
-    "clock_getres": "the vDSO's clock: a real call only when the vDSO falls back to the kernel",
-    "gettimeofday": "the vDSO's clock: a real call only when the vDSO falls back to the kernel",
-    "time": "the vDSO's clock: a real call only when the vDSO falls back to the kernel",
-    "getcpu": "the vDSO's getcpu: a real call only when the vDSO falls back to the kernel",
+    "clock_nanosleep": _SLEEP,
+    "nanosleep": _SLEEP,
+    "futex": "timing: lock waits and wake-ups: made only under contention",
+    "sched_yield": "timing: a spin's back-off: made only under contention",
+    "restart_syscall": "timing: the kernel's resumption of a sleep a signal interrupted",
+    "rt_sigreturn": "timing: the return from a signal handler: made when a signal arrives",
+    **{n: _VDSO.format("clock") for n in ("clock_gettime", "clock_getres", "gettimeofday", "time")},
+    "getcpu": _VDSO.format("getcpu"),
 }
 EINPROGRESS = _errno.EINPROGRESS
 REFUSED = {_errno.EACCES, _errno.EPERM, _errno.EROFS}
@@ -519,13 +518,9 @@ def observe(runs, layout_check=None) -> tuple[dict, dict]:
         allow.discard("setns")
         notes.free.append("setns was observed but is not allowed (namespaces: deny); audit mode will "
                           "report it as would-deny")
-    for name, why in RUNTIME.items():
+    for name, why in {**RUNTIME, **TIMING}.items():
         e = sysc.setdefault(name, _entry())
         e.setdefault("why", []).append(why)
-        allow.add(name)
-    for name, why in TIMING.items():
-        e = sysc.setdefault(name, _entry())
-        e.setdefault("why", []).append("timing: " + why)
         allow.add(name)
     for name in list(sysc):
         if name not in allow:

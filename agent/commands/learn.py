@@ -237,8 +237,9 @@ def run(args) -> int:
     _write(args.output, text)
     d = policy.to_dict()["spec"]
     prov = provenance(policy) or {}
-    runtime = [k for k, e in prov.get("syscalls", {}).items() if any(w.startswith("runtime") for w in e.get("why", []))]
-    timing = [k for k, e in prov.get("syscalls", {}).items() if any(w.startswith("timing") for w in e.get("why", []))]
+    def marked(tag):
+        return [k for k, e in prov.get("syscalls", {}).items() if any(w.startswith(tag) for w in e.get("why", []))]
+    runtime, timing = marked("runtime"), marked("timing")
     sysc = d["syscalls"]
     nsys = len(sysc.get("allow", [])) if sysc["default"] == "deny" else f"all but {len(sysc.get('deny', []))}"
     eg = d.get("egress") or {}

@@ -155,6 +155,11 @@ def _check_usage(rec, memory: int | None, force: bool, what: str):
                                               f"or OOM-kill)")
 
 
+def _began_to_stop(rec) -> ApiError:
+    return ApiError("FAILED_PRECONDITION", f"sandbox {rec.id} is {rec.state}: it began to stop while its "
+                                           f"resources were changing")
+
+
 def _running(agent, sid: str, caller=None, method: str = "UpdateResources"):
     rec = agent.lookup(sid, caller, method) if caller is not None else agent.lookup(sid)
     if rec.state != RUNNING or rec.sandbox is None:
@@ -207,8 +212,7 @@ def update_resources(agent, sid: str, cpus: float = 0.0, memory: int = 0, pids: 
             if d is not None and d.rejected:
                 agent._after_sched_locked(d.actions)
         if d is None:
-            raise ApiError("FAILED_PRECONDITION", f"sandbox {rec.id} is {rec.state}: it began to stop while its "
-                                                  f"resources were changing")
+            raise _began_to_stop(rec)
         if d.rejected:
             if any(v is not None for v in undo):
                 _write_limits(rec, *undo)
@@ -223,8 +227,7 @@ def update_resources(agent, sid: str, cpus: float = 0.0, memory: int = 0, pids: 
             part = (min(new_acc, old[0]), min(new_mem, old[1]), min(new_pids, old[2]))
             with agent._lock:
                 if rec.state != RUNNING or rec.stop_kind is not None:
-                    raise ApiError("FAILED_PRECONDITION", f"sandbox {rec.id} is {rec.state}: it began to stop "
-                                                          f"while its resources were changing") from None
+                    raise _began_to_stop(rec) from None
                 agent._after_sched_locked(agent.sched.resize(rec.id, *part).actions)
                 rec.cpus, rec.memory, rec.pids = part
                 rec.spec.cpus = tighter[0] if tighter[0] is not None else old[3]
