@@ -155,3 +155,38 @@ def test_the_record_has_nothing_of_init_s_own_start_or_join(recorder, sid):
     assert set(own) <= {"fork", "exit"}, [r for r in recs if r.get("pid") == init_pid]
     assert not [r for r in recs if "cgroup" in str(r.get("path") or "")], recs
     assert [r["kind"] for r in recs if r["kind"] == "sandbox_start"] == ["sandbox_start"]
+
+
+def test_a_start_with_every_fd_below_the_workloads_limit_taken(monkeypatch):
+    """The agent raises its open-file limit (sysutil.raise_nofile) and gives each dsec-init
+    back the one it started with (1024 under a default unit). Past ~140 live sandboxes the
+    agent holds every fd below 1024: the child's moves of its fds into place must come
+    before the lower limit (F_DUPFD finds no free fd under it: EMFILE; one start of 250
+    failed so in test_many). Here every fd up to 1100 is held, the pipe to the child is
+    above them, and the child reports its limit through it."""
+    import resource
+    monkeypatch.setattr(spawn, "STATE", {"path": None, "reason": ""})
+    monkeypatch.delenv("DSEC_CLONE3", raising=False)
+    assert spawn.available(), spawn.STATE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert hard > 1200, hard
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        r, w = os.pipe()
+        assert w > 1024
+        pid, pidfd = spawn.spawn_init("/bin/sh", ["sh", "-c", "ulimit -n >&3"], [w], 0,
+                                      -1, (1024, hard))
+        os.close(w)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        with os.fdopen(r, "rb") as f:
+            out = f.read().decode().split()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert out == ["1024"], out

@@ -16,9 +16,9 @@
  * the agent's page tables; this thread waits until the child has exec'd or
  * failed), every signal blocked around the clone, and in the child only system
  * calls (the agent is multithreaded and its memory is shared until the exec):
- * every signal at its default action, none blocked, the open-file limit (when
- * given), fds[i] as fd 3+i (every other fd of the agent is close-on-exec), an
- * empty environment, execve. An exec failure is reported through the shared
+ * every signal at its default action, none blocked, fds[i] as fd 3+i (every
+ * other fd of the agent is close-on-exec), then the open-file limit (when given),
+ * an empty environment, execve. An exec failure is reported through the shared
  * memory (the child then exits 127 and is reaped here).
  *
  * Returns the pid, or -errno (*child_failed set when the child's set-up or exec
@@ -118,9 +118,9 @@ static int child_main(void *p)
     for (int s = 1; s <= 64; s++)
         if (s != SIGKILL && s != SIGSTOP)
             sys4(SYS_rt_sigaction, s, (long)&dfl, 0, 8);
-    if (a->nofile && (r = sys4(SYS_prlimit64, 0, RLIMIT_NOFILE, (long)a->nofile, 0)) < 0)
-        goto fail;
-    /* each fd first above the targets (a source may be one of 3..3+n), then into place */
+    /* each fd first above the targets (a source may be one of 3..3+n), then into place; under
+     * the agent's raised limit: an agent with hundreds of sandboxes holds every fd below the
+     * workload's limit (1024 under a default unit), and F_DUPFD past the limit is EMFILE */
     int tmp[MAX_FDS];
     for (int i = 0; i < a->nfds; i++)
         if ((r = tmp[i] = (int)sys3(SYS_fcntl, a->fds[i], F_DUPFD_CLOEXEC, 3 + a->nfds)) < 0)
@@ -128,6 +128,9 @@ static int child_main(void *p)
     for (int i = 0; i < a->nfds; i++)
         if ((r = sys3(SYS_dup2, tmp[i], 3 + i, 0)) < 0)
             goto fail;
+    /* then the limit the agent started with (fds above it, all close-on-exec, go at the exec) */
+    if (a->nofile && (r = sys4(SYS_prlimit64, 0, RLIMIT_NOFILE, (long)a->nofile, 0)) < 0)
+        goto fail;
     uint64_t none = 0;
     sys4(SYS_rt_sigprocmask, SIG_SETMASK, (long)&none, 0, 8);
     static char *const empty_env[] = {NULL};
