@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import json
 import os
+import time
 from concurrent import futures
 
 import grpc
@@ -93,6 +94,57 @@ def test_async_run_once_and_many_at_once(agent):
     rs = asyncio.run(main())
     assert [(r.code, r.stdout) for r in rs] == [(i % 3, f"{i}\n".encode()) for i in range(6)]
     assert len({r.sandbox_id for r in rs}) == 6 and all(r.summary for r in rs)
+
+
+AGENT_KINDS = {"lifecycle", "sandbox_start", "step_start", "step_end", "sandbox_exit"}    # the rest: the kernel's
+
+
+def _spooled(reader) -> list[dict]:
+    """Every record the reader has not read yet, in the spool's append order."""
+    out = []
+    while True:
+        b = reader.read()
+        if not b.records:
+            return out
+        out += b.records
+        reader.commit(b)
+
+
+def test_a_creates_records_lead_its_sandbox_in_the_spool(agent, client):
+    """CreateSandbox's reply does not wait for its records' durable append (Agent.create
+    reserves their place, docs/agent.md "When a step's records are durable"): in the spool's
+    append order a warm and a cold sandbox's `requested` and `sandbox_start` (and the cold
+    one's `started`) come before its first step and its first kernel event, and all of them
+    are in the spool when CloseSandbox returns. (Without a reservation, the create's or the
+    step's, the records the recorder spooled during the step came first.)"""
+    from exporters.spool import Spool
+    spool = Spool(agent.spool)
+    reader = spool.reader("test-create-order")        # from the oldest segment: keeps what follows
+    try:
+        _spooled(reader)
+        ids = []
+        for warm in (True, False):
+            deadline = time.monotonic() + 60                # the pool refills after the tests before
+            while warm and client.capabilities()["warm_profiles"][0]["ready"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            sb = client.create(memory="256M", pids=256, warm=warm)
+            assert sb.created.warm == warm
+            # the step outlives the recorder's next appends: its exec is spooled before the step ends
+            assert sb.exec(["sh", "-c", "/bin/true; sleep 0.5"]).code == 0
+            sb.close()
+            ids.append(sb.id)
+        recs = _spooled(reader)
+    finally:
+        reader.close()
+        os.unlink(spool.cursor_path("test-create-order"))
+    for sid, warm in zip(ids, (True, False)):
+        seq = [(r["kind"], json.loads(r["extra"] or "{}").get("state") if r["kind"] == "lifecycle" else None)
+               for r in recs if r["sandbox_id"] == sid]
+        names = [s or k for k, s in seq]
+        first = min(names.index("step_start"), min(i for i, (k, _) in enumerate(seq) if k not in AGENT_KINDS))
+        lead = ["requested", "sandbox_start"] + ([] if warm else ["started"])
+        assert all(names.index(n) < first for n in lead), (warm, names)
+        assert {"step_end", "exited", "cleaned"} <= set(names), (warm, names)
 
 
 class _OldAgent(grpc.GenericRpcHandler):

@@ -156,7 +156,9 @@ def invoke(fn, *args):
 def create_sandbox(agent, request, call) -> "pb.SandboxInfo":
     """CreateSandbox. With wait_running, a caller that goes away (or whose deadline passes) before
     the sandbox runs has it closed: nobody would ever learn its id (DEADLINE_EXCEEDED for the
-    deadline, as RunOnce)."""
+    deadline, as RunOnce). The reply does not wait for the durable append of the create's records
+    (requested; a warm claim's sandbox_start): their place is reserved, ahead of anything of the
+    sandbox's in the spool (docs/agent.md "When a step's records are durable")."""
     caller = call.caller
     rec = agent.create(create_dict(request), caller)
     if not request.wait_running:
@@ -184,10 +186,9 @@ def run_once(agent, request, call) -> "pb.RunOnceReply":
               max(0, (agent.cfg.limits.max_message_bytes - (256 << 10)) // 2))
     start = _start_dict(request.exec)
     check_exec(dict(start, sandbox_id="-"))     # a bad step is refused before any sandbox is made
-    # its records need not be durable before the step: nobody learns of the sandbox before the
-    # reply, which waits for the close's append (FIFO: theirs first); the step's events wait for
-    # them at the recorder's gate, as after a step's start (docs/agent.md "When a step's records")
-    rec = agent.create(create_dict(request.create), caller, durable=False)
+    # its records are not waited for (Agent.create): the reply waits for the close's append (FIFO:
+    # theirs first); the step's events wait for them at the recorder's gate
+    rec = agent.create(create_dict(request.create), caller)
     info, timed_out = agent.wait(rec.id, "running", call.time_remaining(), call.is_active, caller)
     reply = pb.RunOnceReply()
     if timed_out and _past_deadline(call):  # still queued at the call's deadline: a one-shot run ends

@@ -363,10 +363,11 @@ class Agent:
                 cv.notify_all()
 
     def _reserve_emits(self):
-        """A step's start (agent/node/steps.py): every agent record queued so far (the previous
-        step's step_started/step_ended) goes to the spool before anything appended after this
-        call: the recorder's appends wait for them at their gate (_emits_gate), so the step need
-        not wait for their append (its Python work, the spool's lock, its fdatasync). Kicks the
+        """A step's start (agent/node/steps.py) and a create (_created): every agent record
+        queued so far (the previous step's step_started/step_ended, the create's) goes to the
+        spool before anything appended after this call: the recorder's appends wait for them at
+        their gate (_emits_gate), so the call need not wait for their append (its Python work,
+        the spool's lock, its fdatasync). Kicks the
         emit writer. The spool's appends and their fdatasync are serialised under its writer
         lock: what is appended after them is durable only after them."""
         if self._emit_reserved < self._emit_queued:
@@ -753,13 +754,14 @@ class Agent:
 
     # ================================================================ requests: create
 
-    def create(self, req: dict, caller=ADMIN, durable: bool = True) -> SandboxRecord:
+    def create(self, req: dict, caller=ADMIN) -> SandboxRecord:
         """Validate, authorise (agent/node/authz.py), load the policy, queue (or take
         a warm sandbox). `req` holds the CreateSandboxRequest fields as Python values
-        (see api.py). Returns once the records of the request (requested, a warm claim's
-        started and sandbox_start) are durable; durable=False (a one-shot run, whose
-        reply waits for its close's append, and which tells nobody the sandbox before
-        that): their place is reserved instead (_reserve_emits), as a step's start does."""
+        (see api.py). Does not wait for the durable append of the request's records
+        (requested; a warm claim's sandbox_start): their place is reserved
+        (_reserve_emits), as a step's start does, ahead of anything of the sandbox's in
+        the spool; every later durable append carries them (docs/agent.md "When a
+        step's records are durable")."""
         from agent.sandbox import launcher
         from agent.sandbox.launcher import SandboxSpec
         from policies.compile import ebpf_concerns
@@ -807,7 +809,7 @@ class Agent:
                 rec = self.warm.try_claim_locked(key, fields)
                 if rec is not None:
                     self._changed_locked(rec)
-                    return self._created(rec, durable)
+                    return self._created(rec)
         spec = SandboxSpec(argv=[], sandbox_id=sid or launcher.new_sandbox_id(), cpus=quota, memory=memory,
                            pids=pids, grace=grace, rootfs=rootfs, network=network, env=env, workdir=workdir,
                            user=user, keep=bool(req.get("keep")), policy=policy, volumes=vols,
@@ -833,7 +835,7 @@ class Agent:
                 except ReportedError as e:
                     raise _bad(e.message) from None
             return self._submit_created(spec, sid, labels, priority, acc_cpus, memory, pids, audit,
-                                        over_budget, lifetime, grace, win, durable)
+                                        over_budget, lifetime, grace, win)
         except BaseException:
             if getattr(spec, "lease", None) and os.path.exists(spec.lease):
                 os.unlink(spec.lease)        # never created: its layers are not held
@@ -849,7 +851,7 @@ class Agent:
                                                  f"(limits.max_sandboxes)")
 
     def _submit_created(self, spec, sid, labels, priority, acc_cpus, memory, pids, audit, over_budget,
-                        lifetime, grace, win=None, durable=True):
+                        lifetime, grace, win=None):
         from agent.sandbox import launcher
         from agent.node.scheduler import Request
         with self._lock:
@@ -878,7 +880,7 @@ class Agent:
                     raise ApiError("ALREADY_EXISTS", reason)
                 raise _bad(reason)
             self._after_sched_locked(dec.actions)
-        return self._created(rec, durable)
+        return self._created(rec)
 
     @staticmethod
     def _request_extra(rec: SandboxRecord) -> dict:
@@ -891,11 +893,8 @@ class Agent:
                 "volumes": [v.to_dict() for v in sp.volumes] or None,
                 "window": rec.window.to_dict() if rec.window else None}
 
-    def _created(self, rec, durable: bool = True):
-        if durable:
-            self._flush_emits()
-        else:
-            self._reserve_emits()
+    def _created(self, rec):
+        self._reserve_emits()
         return rec
 
     # ================================================================ lookups
