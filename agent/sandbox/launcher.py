@@ -346,12 +346,6 @@ class Sandbox:
             # a memfd is a writable layer too: executable memfds refused (per pid namespace)
             sysctls.append(("/proc/sys/vm/memfd_noexec", "2", True))
         volumes = [_volume(v) for v in spec.volumes]
-        cfg = plans.Plan(root=root, upper=upper, work=work, lowers=lowers, host_dirs=host_dirs,
-                         hostname=self.sid, uid=self.uid, gid=self.gid,
-                         tmp_size=spec.tmp_size or spec.memory or (512 << 20), layout=lay, volumes=volumes,
-                         seccomp=plans.seccomp_program(policy), sysctls=sysctls,
-                         hold=bool(self.hooks["on_workload_exit"]))
-        config = ip.encode(MSG.CONFIG, plans.config_items(cfg))
 
         ctl_parent, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         for sk in (ctl_parent,):
@@ -368,7 +362,14 @@ class Sandbox:
             raise DsecError(f"cannot start the sandbox init (namespaces, cgroups): {e.strerror or e}", EXIT_DSEC)
         finally:
             ctl_child.close()
-        # its exec may still be under way when the spawn returns: nothing of the sandbox's until HELLO
+        # its exec may still be under way when the spawn returns (~0.5 ms): the plan is built meanwhile
+        cfg = plans.Plan(root=root, upper=upper, work=work, lowers=lowers, host_dirs=host_dirs,
+                         hostname=self.sid, uid=self.uid, gid=self.gid,
+                         tmp_size=spec.tmp_size or spec.memory or (512 << 20), layout=lay, volumes=volumes,
+                         seccomp=plans.seccomp_program(policy), sysctls=sysctls,
+                         hold=bool(self.hooks["on_workload_exit"]))
+        config = ip.encode(MSG.CONFIG, plans.config_items(cfg))
+        # nothing of the sandbox's until HELLO
         if why := ip.await_hello(self.ctl, 30.0):
             raise DsecError(f"sandbox {self.sid}: its init {why}", EXIT_DSEC)
         self._reader = STATUS.add(self)
@@ -377,7 +378,6 @@ class Sandbox:
                 self.cg.join(self.sup_pid)
             except OSError as e:
                 raise DsecError(f"cannot move the sandbox init into its cgroups: {e.strerror}", EXIT_DSEC)
-        self._write_state({"supervisor_pid": self.sup_pid})
         # the sensors watch the cgroup from here (docs/launcher.md): init's own start is not in the
         # record, and nothing of the sandbox's has run (init waits for CONFIG)
         enforced = self._hook("on_started", self.sid, self.sup_pid)
@@ -389,6 +389,8 @@ class Sandbox:
                             f"eBPF enforces, and this sandbox has no eBPF enforcement (audit off, or the eBPF "
                             f"programs could not load): refused", EXIT_DSEC)
         self._send(config)
+        # for gc, while dsec-init mounts (it dies with our end of its socket: never unsupervised)
+        self._write_state({"supervisor_pid": self.sup_pid})
         ready = self._wait_for(lambda: self._ready, 30.0, "did not become ready")
         self.created_mountpoints += ready.get("created", [])
         if spec.network == "egress":
