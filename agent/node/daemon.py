@@ -367,9 +367,9 @@ class Agent:
         queued so far (the previous step's step_started/step_ended, the create's) goes to the
         spool before anything appended after this call: the recorder's appends wait for them at
         their gate (_emits_gate), so the call need not wait for their append (its Python work,
-        the spool's lock, its fdatasync). Kicks the
-        emit writer. The spool's appends and their fdatasync are serialised under its writer
-        lock: what is appended after them is durable only after them."""
+        the spool's lock, its fdatasync). Kicks the emit writer. The spool's appends and their
+        fdatasync are serialised under its writer lock: what is appended after them is durable
+        only after them."""
         if self._emit_reserved < self._emit_queued:
             self._emit_reserved = self._emit_queued
             self._emit_kick.set()
