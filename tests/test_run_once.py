@@ -18,6 +18,7 @@ import pytest
 from agent.node.client import AsyncClient, Client, InvalidArgument, SandboxFailed
 from agents import ROOMY, module_agent
 from test_agent import _events, _states
+from test_spool import read_all
 
 
 @pytest.fixture(scope="module")
@@ -99,17 +100,6 @@ def test_async_run_once_and_many_at_once(agent):
 AGENT_KINDS = {"lifecycle", "sandbox_start", "step_start", "step_end", "sandbox_exit"}    # the rest: the kernel's
 
 
-def _spooled(reader) -> list[dict]:
-    """Every record the reader has not read yet, in the spool's append order."""
-    out = []
-    while True:
-        b = reader.read()
-        if not b.records:
-            return out
-        out += b.records
-        reader.commit(b)
-
-
 def test_a_creates_records_lead_its_sandbox_in_the_spool(agent, client):
     """CreateSandbox's reply does not wait for its records' durable append (Agent.create
     reserves their place, docs/agent.md "When a step's records are durable"): in the spool's
@@ -121,7 +111,7 @@ def test_a_creates_records_lead_its_sandbox_in_the_spool(agent, client):
     spool = Spool(agent.spool)
     reader = spool.reader("test-create-order")        # from the oldest segment: keeps what follows
     try:
-        _spooled(reader)
+        read_all(reader)
         ids = []
         for warm in (True, False):
             deadline = time.monotonic() + 60                # the pool refills after the tests before
@@ -133,7 +123,7 @@ def test_a_creates_records_lead_its_sandbox_in_the_spool(agent, client):
             assert sb.exec(["sh", "-c", "/bin/true; sleep 0.5"]).code == 0
             sb.close()
             ids.append(sb.id)
-        recs = _spooled(reader)
+        recs, _ = read_all(reader)                   # in the spool's append order
     finally:
         reader.close()
         os.unlink(spool.cursor_path("test-create-order"))

@@ -363,7 +363,7 @@ class Agent:
                 cv.notify_all()
 
     def _reserve_emits(self):
-        """A step's start (agent/node/steps.py) and a create (_created): every agent record
+        """A step's start (agent/node/steps.py) and a create (Agent.create): every agent record
         queued so far (the previous step's step_started/step_ended, the create's) goes to the
         spool before anything appended after this call: the recorder's appends wait for them at
         their gate (_emits_gate), so the call need not wait for their append (its Python work,
@@ -809,7 +809,8 @@ class Agent:
                 rec = self.warm.try_claim_locked(key, fields)
                 if rec is not None:
                     self._changed_locked(rec)
-                    return self._created(rec)
+                    self._reserve_emits()
+                    return rec
         spec = SandboxSpec(argv=[], sandbox_id=sid or launcher.new_sandbox_id(), cpus=quota, memory=memory,
                            pids=pids, grace=grace, rootfs=rootfs, network=network, env=env, workdir=workdir,
                            user=user, keep=bool(req.get("keep")), policy=policy, volumes=vols,
@@ -880,7 +881,8 @@ class Agent:
                     raise ApiError("ALREADY_EXISTS", reason)
                 raise _bad(reason)
             self._after_sched_locked(dec.actions)
-        return self._created(rec)
+        self._reserve_emits()
+        return rec
 
     @staticmethod
     def _request_extra(rec: SandboxRecord) -> dict:
@@ -892,10 +894,6 @@ class Agent:
                 "image": img.get("name"), "image_digest": img.get("digest"),
                 "volumes": [v.to_dict() for v in sp.volumes] or None,
                 "window": rec.window.to_dict() if rec.window else None}
-
-    def _created(self, rec):
-        self._reserve_emits()
-        return rec
 
     # ================================================================ lookups
 
