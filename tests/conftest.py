@@ -3,8 +3,10 @@ real cgroups, namespaces, mounts and links. Nothing is mocked."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 
 import pytest
@@ -16,6 +18,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # agent on first use (the CLI's default, DSEC_AGENT=auto), which would outlive the test;
 # tests/test_run_agent.py tests that path with its own socket
 os.environ.setdefault("DSEC_AGENT", "reuse")
+# one eBPF program cache for the session (every agent and in-process sensor of the suite compiles
+# each text once, as a node does), not the machine's /var/cache/dsec/bpf; removed at the end
+_BPF_CACHE = None if "DSEC_BPF_CACHE" in os.environ else tempfile.mkdtemp(prefix="dsec-bpf-cache-")
+if _BPF_CACHE:
+    os.environ["DSEC_BPF_CACHE"] = _BPF_CACHE
 
 from hosts import leftovers  # noqa: E402
 from fixtures_clickhouse import *  # noqa: E402,F401,F403 - clickhouse_server, clickhouse_url, ...
@@ -59,5 +66,7 @@ def no_leftovers_at_end():
     after = leftovers()
     new = {k: sorted(set(v) - set(before.get(k, []))) for k, v in after.items()}
     new = {k: v for k, v in new.items() if v}
+    if _BPF_CACHE:
+        shutil.rmtree(_BPF_CACHE, ignore_errors=True)
     assert not new, f"the test session left things behind: {new}"
     dsec("gc")   # and the empty "dsec" parent cgroups the sandboxes were created under

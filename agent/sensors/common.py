@@ -36,7 +36,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 
-from agent.sensors import bpfsys, ringbuf
+from agent.sensors import bpfcache, bpfsys, ringbuf
 from agent.sensors.batchdecode import BatchDecoder
 from agent.sensors.decoder import Decoder
 from agent.errors import DsecError
@@ -272,24 +272,62 @@ def debug_cflags() -> list[str]:
 
 def compile_text(text: str, cflags: list[str], what: str, tracefs_roots=TRACEFS):
     """BPF(text) compiled, loaded and attached (its DSEC_ATTACH_ALSO tracepoints
-    too); failures as one DsecError line naming the first error and the full log."""
+    too); failures as one DsecError line naming the first error and the full log.
+    A text compiled before with the same cflags on this kernel and BCC is loaded
+    from the program cache instead (agent/sensors/bpfcache.py)."""
     from bcc import BPF
-    with StderrCapture() as cap:
-        try:
-            bpf = BPF(text=text.encode(), cflags=cflags + debug_cflags())
-        except Exception as e:   # BCC raises bare Exception for compile/load failures
-            err = e
-        else:
-            err = None
-    if err is not None:
-        raise DsecError(f"eBPF {what}: BPF compile/load failed: {err}; {first_error(cap.text)} "
-                        f"(full log: {cap.keep()})")
+    flags = cflags + debug_cflags()
+    directory = bpfcache.cache_dir() if "-g0" in flags else None     # BTF (debug) builds: never cached
+    why = bpfcache.unsafe(directory) if directory else None
+    if why:
+        log.warning("eBPF %s: program cache not used: %s; compiling", what, why)
+        directory = None
+    k = bpfcache.key(text, flags, BPF_DIR) if directory else None
+    bpf = _from_cache(directory, k, what) if k else None
+    if bpf is None:
+        with StderrCapture() as cap:
+            try:
+                bpf = BPF(text=text.encode(), cflags=flags)
+            except Exception as e:   # BCC raises bare Exception for compile/load failures
+                err = e
+            else:
+                err = None
+        if err is not None:
+            raise DsecError(f"eBPF {what}: BPF compile/load failed: {err}; {first_error(cap.text)} "
+                            f"(full log: {cap.keep()})")
+        if k:
+            try:
+                bpfcache.store(directory, k, bpfcache.entry_of(bpf.module))
+            except bpfcache.NotCacheable as e:
+                log.info("eBPF %s: not cached (%s); it compiles on every load", what, e)
+            except OSError as e:
+                log.warning("eBPF %s: program cache %s unwritable (%s); it compiles on every load",
+                            what, directory, e.strerror)
     try:
         _attach_also(bpf, text, what, tracefs_roots)
     except BaseException:
         bpf.cleanup()
         raise
     return bpf
+
+
+def _from_cache(directory: str, k: str, what: str):
+    """The BPF object rebuilt from the cache entry k, or None (no entry, or one
+    that did not load: then the caller compiles, and the reason is logged)."""
+    try:
+        entry = bpfcache.read(directory, k)
+    except OSError as e:
+        log.warning("eBPF %s: program cache %s unreadable (%s); compiling", what, directory, e.strerror)
+        return None
+    if entry is None:
+        return None
+    with StderrCapture() as cap:
+        try:
+            return bpfcache.from_entry(entry, ["-g0"])
+        except Exception as e:   # BCC raises bare Exception; NotCacheable for a shape that differs
+            err = e
+    log.warning("eBPF %s: cached programs did not load (%s; %s); compiling", what, err, first_error(cap.text))
+    return None
 
 
 def _attach_also(bpf, text: str, what: str, tracefs_roots) -> None:
