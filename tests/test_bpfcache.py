@@ -93,3 +93,49 @@ def test_off_compiles_every_time(monkeypatch, tmp_path):
     monkeypatch.setenv("DSEC_BPF_CACHE", "off")
     assert bpfcache.cache_dir() is None
     assert _load(CFLAGS)[2] == "BPF"
+
+
+def _map_id(fd: int) -> int:
+    info = (ct.c_uint8 * 128)()
+    attr = bpfsys._attr()
+    bpfsys._put(attr, "<IIQ", 0, fd, ct.sizeof(info), ct.addressof(info))
+    bpfsys._bpf(bpfsys.BPF_OBJ_GET_INFO_BY_FD, attr)
+    return int.from_bytes(bytes(info)[4:8], "little")
+
+
+def test_a_cached_audit_sensor_opens_the_pinned_maps_it_is_given(cache):
+    """The audit text opens the enforcement sensor's cwd maps at pinned paths,
+    another per agent: one entry serves every agent, and a load from it opens
+    the maps pinned at this load's paths, not new ones."""
+    from agent.sensors import audit
+    root = f"/sys/fs/bpf/dsec-test-bpfcache-{os.getpid()}"
+    cflags = audit.build_cflags(ring_bytes=audit.DEFAULT_RING_BYTES, argv_bytes=audit.DEFAULT_ARGV_BYTES,
+                                max_args=audit.DEFAULT_MAX_ARGS, max_inflight=audit.DEFAULT_MAX_INFLIGHT)
+    pinned = []
+    try:
+        kinds = []
+        for run in ("a", "b", "a"):
+            pins = {"gen": f"{root}/{run}/cwd_gen", "cwd": f"{root}/{run}/cwd"}
+            os.makedirs(f"{root}/{run}", exist_ok=True)
+            b = audit.compile_bpf(cflags + audit._cwd_cflags(pins), pins=audit._cwd_map_pins(pins))
+            try:
+                kinds.append(type(b).__name__)
+                for m, path in (("enf_cwd_gen", pins["gen"]), ("enf_cwd", pins["cwd"])):
+                    fd = bpfsys.obj_get(path)         # BCC pinned it there (first) or opened it there
+                    pinned.append(path)
+                    try:
+                        assert _map_id(b[m.encode()].map_fd) == _map_id(fd), (run, m)
+                    finally:
+                        os.close(fd)
+            finally:
+                b.cleanup()
+        assert kinds == ["BPF", "CachedBPF", "CachedBPF"]
+        assert len(os.listdir(cache)) == 1
+    finally:
+        for p in set(pinned):
+            os.unlink(p)
+        for run in ("a", "b"):
+            if os.path.isdir(f"{root}/{run}"):
+                os.rmdir(f"{root}/{run}")
+        if os.path.isdir(root):
+            os.rmdir(root)

@@ -325,8 +325,16 @@ def test_for_exec_uses_exe_when_it_is_the_same_file():
 
 # ---------------------------------------------------------------- off the decode path
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _fds(under) -> int:
+    """This process's open fds on files under `under` (not every fd: another
+    test's leftovers may close theirs meanwhile)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(str(under) + "/")
+        except OSError:
+            pass
+    return n
 
 
 def _sha(path) -> str:
@@ -342,18 +350,18 @@ def test_cached_only_defers_the_read_and_refuses_a_changed_file(tmp_path):
     f.write_bytes(open("/bin/true", "rb").read())
     path = os.fsencode(str(f))
     cache = ElfInfoCache()
-    n = _fds()
+    n = _fds(tmp_path)
     p = cache.for_exec(os.getpid(), path, use_exe=False, cached_only=True)
-    assert isinstance(p, Pending) and cache.misses == 0 and _fds() == n + 1
+    assert isinstance(p, Pending) and cache.misses == 0 and _fds(tmp_path) == n + 1
     got = p.finish()
-    assert got["sha256"] == _sha(f) and got["build_id"] and _fds() == n
+    assert got["sha256"] == _sha(f) and got["build_id"] and _fds(tmp_path) == n
     again = cache.for_exec(os.getpid(), path, use_exe=False, cached_only=True)
     assert again["sha256"] == got["sha256"] and cache.hits == 1           # cached: answered at once
     os.utime(f, ns=(time.time_ns(), time.time_ns() + 10**9))              # a touch: a new key
     p = cache.for_exec(os.getpid(), path, use_exe=False, cached_only=True)
     assert isinstance(p, Pending)
     os.utime(f, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))          # changed after the "exec"
-    assert p.finish() == {"extra": {"sha256_skipped": CHANGED}} and _fds() == n
+    assert p.finish() == {"extra": {"sha256_skipped": CHANGED}} and _fds(tmp_path) == n
 
 
 def test_enricher_bounds_each_sandbox_and_returns_every_job(tmp_path):
@@ -369,7 +377,7 @@ def test_enricher_bounds_each_sandbox_and_returns_every_job(tmp_path):
             f.truncate(40 << 20)                       # sparse: reading it takes a while
         files.append(os.fsencode(str(p)))
     cache = ElfInfoCache()
-    n = _fds()
+    n = _fds(tmp_path)
 
     def job(i, cg):
         pending = cache.for_exec(os.getpid(), files[i], use_exe=False, cached_only=True)
@@ -402,7 +410,7 @@ def test_enricher_bounds_each_sandbox_and_returns_every_job(tmp_path):
     assert w.wait_for(50, 60) and w.outstanding(50) == 0
     assert w.wait_all(60) and all(j.rec["sha256"] for j in w.take_done())
     w.close()
-    assert w.take_done() == [] and _fds() == n
+    assert w.take_done() == [] and _fds(tmp_path) == n
 
 
 def test_enricher_reads_one_file_once_for_the_jobs_that_wait_for_it(tmp_path):
@@ -419,7 +427,7 @@ def test_enricher_reads_one_file_once_for_the_jobs_that_wait_for_it(tmp_path):
         f.truncate(48 << 20)                           # sparse: reading it takes a while
     path = os.fsencode(str(p))
     cache = ElfInfoCache()
-    n = _fds()
+    n = _fds(tmp_path)
 
     def job(i, cg):
         pending = cache.for_exec(os.getpid(), path, use_exe=False, cached_only=True)
@@ -429,13 +437,13 @@ def test_enricher_reads_one_file_once_for_the_jobs_that_wait_for_it(tmp_path):
     same = [job(i, 10) for i in range(12)]
     other = job(99, 20)
     assert all(w.submit(j) for j in same) and w.submit(other)
-    assert w.outstanding(10) == 1 and _fds() == n + 2          # one read each sandbox; the followers' fds closed
+    assert w.outstanding(10) == 1 and _fds(tmp_path) == n + 2          # one read each sandbox; the followers' fds closed
     assert w.wait_all(60)
     done = w.take_done()
     assert sorted(id(j) for j in done) == sorted(id(j) for j in same + [other])
     want = _sha(p)
     assert all(j.rec["sha256"] == want and json.loads(j.rec["extra"])["tid"] == j.extra["tid"] for j in done)
-    assert w.n_followed == 11 and _fds() == n
+    assert w.n_followed == 11 and _fds(tmp_path) == n
     # a touch: a new identity (and, cached now, the old one is not asked for again)
     os.utime(p, ns=(time.time_ns(), time.time_ns() + 10**9))
     lead, follow = job(1, 30), job(2, 30)
@@ -448,7 +456,7 @@ def test_enricher_reads_one_file_once_for_the_jobs_that_wait_for_it(tmp_path):
         got = json.loads(j.rec["extra"])
         assert j.rec["sha256"] == "" and got["sha256_skipped"].startswith("gone"), j.rec
     w.close()
-    assert w.take_done() == [] and _fds() == n
+    assert w.take_done() == [] and _fds(tmp_path) == n
 
 
 def test_live_pids_are_checked_when_used_and_exclude_a_process_that_left():

@@ -123,8 +123,8 @@ def build_cflags(*, ring_bytes: int, argv_bytes: int, max_args: int, max_infligh
     ]
 
 
-def compile_bpf(cflags: list[str]):
-    return compile_text(_source_text(), cflags, "audit")
+def compile_bpf(cflags: list[str], pins: dict | None = None):
+    return compile_text(_source_text(), cflags, "audit", pins=pins)
 
 
 def _cwd_cflags(pins: dict | None) -> list[str]:
@@ -135,6 +135,11 @@ def _cwd_cflags(pins: dict | None) -> list[str]:
         if '"' in p or "\\" in p:
             raise DsecError(f"cwd map pin {p!r}: not a plain path")
     return [f'-DDSEC_CWD_PIN_GEN="{pins["gen"]}"', f'-DDSEC_CWD_PIN_CWD="{pins["cwd"]}"']
+
+
+def _cwd_map_pins(pins: dict | None) -> dict | None:
+    """{map name: pinned path} of process.c's two cwd maps (compile_text's pins)."""
+    return {"enf_cwd_gen": pins["gen"], "enf_cwd": pins["cwd"]} if pins else None
 
 
 # ---------------------------------------------------------------- the sensor
@@ -176,7 +181,8 @@ class AuditSensor(RingSensor):
         self.consts = load_constants()
         self.bpf = compile_bpf(build_cflags(ring_bytes=ring_bytes, argv_bytes=argv_bytes,
                                             max_args=max_args, max_inflight=max_inflight,
-                                            pending_entries=pending_entries) + _cwd_cflags(cwd_pins))
+                                            pending_entries=pending_entries) + _cwd_cflags(cwd_pins),
+                               pins=_cwd_map_pins(cwd_pins))
         self._sandboxes_map = self.bpf[b"sandboxes"]
         self._gen = self.bpf[b"sbx_gen"]
         self._state_map = self.bpf[b"sbx_state"]

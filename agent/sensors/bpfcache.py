@@ -192,10 +192,28 @@ def _unrelocate(insns: bytes, index_of_fd: dict[int, int], what: str) -> bytes:
     return bytes(out)
 
 
-def entry_of(module) -> dict:
-    """What a compiled module's cache entry holds (NotCacheable if it cannot)."""
+def key_cflags(cflags: list[str], pins: dict[str, str] | None) -> list[str]:
+    """The cflags as the key sees them: a pinned map's path (another per agent:
+    the enforcement sensor pins its cwd maps under its own directory) is the
+    map's name, the path being given again at each load (declarations())."""
+    out = []
+    longest_first = sorted((pins or {}).items(), key=lambda kv: -len(kv[1]))
+    for f in cflags:
+        for name, path in longest_first:
+            f = f.replace(path, "@pinned:" + name)
+        out.append(f)
+    return out
+
+
+def entry_of(module, pinned=()) -> dict:
+    """What a compiled module's cache entry holds (NotCacheable if it cannot);
+    pinned: the names of the maps the text opens at a pinned path."""
     lib = _lib()
     maps = _maps_of(module)
+    for m in maps:
+        m["pinned"] = m["name"] in pinned
+    if set(pinned) - {m["name"] for m in maps}:
+        raise NotCacheable(f"pinned maps {sorted(set(pinned) - {m['name'] for m in maps})} not in the module")
     index_of_fd = {m["fd"]: i for i, m in enumerate(maps)}
     funcs = []
     for i in range(lib.bpf_num_functions(module)):
@@ -283,13 +301,22 @@ def read(directory: str, k: str) -> dict | None:
 
 # ---------------------------------------------------------------- load
 
-def declarations(entry: dict) -> str:
-    """A BCC text declaring the entry's maps alone, with their shapes."""
+def declarations(entry: dict, pins: dict[str, str] | None = None) -> str:
+    """A BCC text declaring the entry's maps alone, with their shapes; a pinned
+    one opened at its path in pins."""
     page = os.sysconf("SC_PAGE_SIZE")
     out = []
     for i, m in enumerate(entry["maps"]):
         name, t = m["name"], m["type"]
-        if t == RINGBUF:
+        if m.get("pinned"):
+            path = (pins or {}).get(name)
+            if path is None or '"' in path or "\\" in path or t not in TABLE_KINDS:
+                raise NotCacheable(f"map {name}: pinned, and no plain path given for it")
+            out.append(f"struct dsec_k{i} {{ unsigned char b[{m['key_size']}]; }};\n"
+                       f"struct dsec_v{i} {{ unsigned char b[{m['leaf_size']}]; }};\n"
+                       f'BPF_TABLE_PINNED7("{TABLE_KINDS[t]}", struct dsec_k{i}, struct dsec_v{i}, {name}, '
+                       f"{m['max_entries']}, \"{path}\", {m['flags']});")
+        elif t == RINGBUF:
             out.append(f"BPF_RINGBUF_OUTPUT({name}, {m['max_entries'] // page});")
         elif t == PERF_EVENT_ARRAY:
             out.append(f"BPF_PERF_OUTPUT({name});")
@@ -308,11 +335,12 @@ def _bpf_class():
         """A BPF object whose maps come from the entry's declarations and whose
         programs come from the entry's instructions; otherwise BCC's BPF."""
 
-        def __init__(self, entry: dict, cflags: list[str]):
+        def __init__(self, entry: dict, cflags: list[str], pins: dict[str, str] | None):
             self._entry = entry
             self._insns = {}
+            text = declarations(entry, pins).encode()
             try:
-                super().__init__(text=declarations(entry).encode(), cflags=cflags)
+                super().__init__(text=text, cflags=cflags)
             except BaseException:
                 self.cleanup()
                 raise
@@ -386,5 +414,5 @@ def _bpf_class():
     return CachedBPF
 
 
-def from_entry(entry: dict, cflags: list[str]):
-    return _bpf_class()(entry, cflags)
+def from_entry(entry: dict, cflags: list[str], pins: dict[str, str] | None = None):
+    return _bpf_class()(entry, cflags, pins)

@@ -270,11 +270,12 @@ def debug_cflags() -> list[str]:
     return [] if os.environ.get("DSEC_BPF_DEBUG", "") not in ("", "0") else ["-g0"]
 
 
-def compile_text(text: str, cflags: list[str], what: str, tracefs_roots=TRACEFS):
+def compile_text(text: str, cflags: list[str], what: str, tracefs_roots=TRACEFS, pins: dict | None = None):
     """BPF(text) compiled, loaded and attached (its DSEC_ATTACH_ALSO tracepoints
     too); failures as one DsecError line naming the first error and the full log.
     A text compiled before with the same cflags on this kernel and BCC is loaded
-    from the program cache instead (agent/sensors/bpfcache.py)."""
+    from the program cache instead (agent/sensors/bpfcache.py). pins: {map name:
+    path} of the maps the text opens pinned (their paths are in the cflags too)."""
     from bcc import BPF
     flags = cflags + debug_cflags()
     directory = bpfcache.cache_dir() if "-g0" in flags else None     # BTF (debug) builds: never cached
@@ -282,8 +283,8 @@ def compile_text(text: str, cflags: list[str], what: str, tracefs_roots=TRACEFS)
     if why:
         log.warning("eBPF %s: program cache not used: %s; compiling", what, why)
         directory = None
-    k = bpfcache.key(text, flags, BPF_DIR) if directory else None
-    bpf = _from_cache(directory, k, what) if k else None
+    k = bpfcache.key(text, bpfcache.key_cflags(flags, pins), BPF_DIR) if directory else None
+    bpf = _from_cache(directory, k, what, pins) if k else None
     if bpf is None:
         with StderrCapture() as cap:
             try:
@@ -297,7 +298,7 @@ def compile_text(text: str, cflags: list[str], what: str, tracefs_roots=TRACEFS)
                             f"(full log: {cap.keep()})")
         if k:
             try:
-                bpfcache.store(directory, k, bpfcache.entry_of(bpf.module))
+                bpfcache.store(directory, k, bpfcache.entry_of(bpf.module, pins or ()))
             except bpfcache.NotCacheable as e:
                 log.info("eBPF %s: not cached (%s); it compiles on every load", what, e)
             except OSError as e:
@@ -311,7 +312,7 @@ def compile_text(text: str, cflags: list[str], what: str, tracefs_roots=TRACEFS)
     return bpf
 
 
-def _from_cache(directory: str, k: str, what: str):
+def _from_cache(directory: str, k: str, what: str, pins: dict | None):
     """The BPF object rebuilt from the cache entry k, or None (no entry, or one
     that did not load: then the caller compiles, and the reason is logged)."""
     try:
@@ -323,7 +324,7 @@ def _from_cache(directory: str, k: str, what: str):
         return None
     with StderrCapture() as cap:
         try:
-            return bpfcache.from_entry(entry, ["-g0"])
+            return bpfcache.from_entry(entry, ["-g0"], pins)
         except Exception as e:   # BCC raises bare Exception; NotCacheable for a shape that differs
             err = e
     log.warning("eBPF %s: cached programs did not load (%s; %s); compiling", what, err, first_error(cap.text))
