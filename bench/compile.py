@@ -6,9 +6,11 @@ the DSEC_ATTACH_ALSO tracepoints; for the enforcement sensor also its four
 cgroup sock_addr programs, which EnforcementSensor loads itself) --runs times,
 interleaved with the baseline: one empty tracepoint program, which costs what
 BCC costs before our code (three clang passes over the kernel headers and
-BCC's helpers). Printed: median and minimum seconds, the ratio to the
-baseline's median, programs, BPF instructions and the verifier's processed
-instructions (bpf_prog_info.verified_insns).
+BCC's helpers). Each sensor twice: compiled (DSEC_BPF_CACHE=off) and loaded
+from the program cache (agent/sensors/bpfcache.py; a temporary cache filled
+before the timed runs, removed after). Printed: median and minimum seconds, the
+ratio to the baseline's median, programs, BPF instructions and the verifier's
+processed instructions (bpf_prog_info.verified_insns).
 
     .venv/bin/python bench/compile.py [--runs 5]
 
@@ -18,7 +20,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes as ct
+import os
+import shutil
 import struct
+import tempfile
 import time
 
 from statistics import median as med
@@ -63,23 +68,34 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args(argv)
-    cases = {"trivial": _trivial, "audit": _audit, "enforcement": _enforce}
+    cache = tempfile.mkdtemp(prefix="dsec-bench-bpf-")
+    cases = {"trivial": (_trivial, "off"), "audit": (_audit, "off"), "enforcement": (_enforce, "off"),
+             "audit cached": (_audit, cache), "enforce cached": (_enforce, cache)}
     times = {k: [] for k in cases}
     counts = {}
-    for _ in range(args.runs):
-        for name, build in cases.items():
-            t = time.perf_counter()
-            b = build()
-            times[name].append(time.perf_counter() - t)
-            per = [_prog_counts(f.fd) for f in b.funcs.values()]
-            counts[name] = (len(per), sum(p[0] for p in per), sum(p[1] for p in per))
-            b.cleanup()
+    try:
+        os.environ["DSEC_BPF_CACHE"] = cache
+        _audit().cleanup()
+        _enforce().cleanup()
+        for _ in range(args.runs):
+            for name, (build, where) in cases.items():
+                os.environ["DSEC_BPF_CACHE"] = where
+                t = time.perf_counter()
+                b = build()
+                times[name].append(time.perf_counter() - t)
+                if where != "off" and type(b).__name__ != "CachedBPF":
+                    raise SystemExit(f"bench/compile.py: {name} was compiled, not loaded from the cache")
+                per = [_prog_counts(f.fd) for f in b.funcs.values()]
+                counts[name] = (len(per), sum(p[0] for p in per), sum(p[1] for p in per))
+                b.cleanup()
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
     base = med(times["trivial"])
     print(f"eBPF compile + load + attach, {args.runs} runs (BCC; baseline: a trivial BCC program)")
-    print(f"{'':12s} {'median s':>9s} {'min s':>7s} {'x trivial':>10s} {'programs':>9s} {'insns':>7s} {'verified':>9s}")
+    print(f"{'':14s} {'median s':>9s} {'min s':>7s} {'x trivial':>10s} {'programs':>9s} {'insns':>7s} {'verified':>9s}")
     for name in cases:
         n, insns, verified = counts[name]
-        print(f"{name:12s} {med(times[name]):9.2f} {min(times[name]):7.2f} {med(times[name]) / base:10.1f} "
+        print(f"{name:14s} {med(times[name]):9.2f} {min(times[name]):7.2f} {med(times[name]) / base:10.1f} "
               f"{n:9d} {insns:7d} {verified:9d}")
     return 0
 
