@@ -10,9 +10,11 @@ BCC's helpers). Each sensor twice: compiled (DSEC_BPF_CACHE=off) and loaded
 from the program cache (agent/sensors/bpfcache.py; a temporary cache filled
 before the timed runs, removed after). Printed: median and minimum seconds, the
 ratio to the baseline's median, programs, BPF instructions and the verifier's
-processed instructions (bpf_prog_info.verified_insns).
+processed instructions (bpf_prog_info.verified_insns). Then --agent-starts
+times a node agent's start (`dsec agent`, no warm pool: from the spawn to its
+first answer) with the cache off and from the warm cache, alternating.
 
-    .venv/bin/python bench/compile.py [--runs 5]
+    .venv/bin/python bench/compile.py [--runs 5] [--agent-starts 3]
 
 Nothing is left behind (each BPF object is cleaned up at once).
 """
@@ -64,9 +66,21 @@ def _trivial():
     return BPF(text=TRIVIAL)
 
 
+def _agent_start(where: str) -> float:
+    """Seconds from spawning a node agent (no warm pool) to its first answer, with DSEC_BPF_CACHE=where."""
+    from launch import BenchAgent
+    os.environ["DSEC_BPF_CACHE"] = where
+    t = time.perf_counter()
+    a = BenchAgent(0)
+    took = time.perf_counter() - t
+    a.stop()
+    return took
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--agent-starts", type=int, default=3, help="node agent starts each way (0: none)")
     args = ap.parse_args(argv)
     cache = tempfile.mkdtemp(prefix="dsec-bench-bpf-")
     cases = {"trivial": (_trivial, "off"), "audit": (_audit, "off"), "enforcement": (_enforce, "off"),
@@ -77,6 +91,12 @@ def main(argv=None) -> int:
         os.environ["DSEC_BPF_CACHE"] = cache
         _audit().cleanup()
         _enforce().cleanup()
+        starts = {"off": [], cache: []}
+        if args.agent_starts:
+            _agent_start(cache)              # its audit text (with the cwd pins) differs from the one above
+        for _ in range(args.agent_starts):
+            for where in starts:
+                starts[where].append(_agent_start(where))
         for _ in range(args.runs):
             for name, (build, where) in cases.items():
                 os.environ["DSEC_BPF_CACHE"] = where
@@ -97,6 +117,10 @@ def main(argv=None) -> int:
         n, insns, verified = counts[name]
         print(f"{name:14s} {med(times[name]):9.2f} {min(times[name]):7.2f} {med(times[name]) / base:10.1f} "
               f"{n:9d} {insns:7d} {verified:9d}")
+    if args.agent_starts:
+        off, on = med(starts["off"]), med(starts[cache])
+        print(f"node agent start to its first answer, {args.agent_starts} each (median s): cache off {off:.2f}, "
+              f"from the cache {on:.2f} ({on / off:.2f}x)")
     return 0
 
 

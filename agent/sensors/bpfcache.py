@@ -1,9 +1,8 @@
 """Compiled eBPF programs cached per kernel, BCC and source text.
 
 BCC compiles a sensor's C text on every load: clang over BCC's helpers, then
-LLVM at -O3 over every program (audit ~3.2 s, enforcement ~1.1 s of the ~6.6 s
-an agent spends before it answers, on a 2-core machine), and it cannot load
-pre-built bytecode: its bytecode carries the fds of the maps it created while
+LLVM at -O3 over every program (audit 3.8 s, enforcement 1.9 s on a 2-core
+machine: most of an agent's start), and it cannot load pre-built bytecode: its bytecode carries the fds of the maps it created while
 compiling (iovisor/bcc#534). So this cache keeps what one compile produced and
 rebuilds the BPF object from it on the next load of the same text:
 
@@ -37,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import ctypes as ct
+import functools
 import hashlib
 import json
 import logging
@@ -55,10 +55,10 @@ MAGIC = b"dsec-bpf-cache"
 TABLE_KINDS = {1: "hash", 2: "array", 5: "percpu_hash", 6: "percpu_array", 9: "lru_hash",
                10: "lru_percpu_hash", 11: "lpm_trie"}
 PERF_EVENT_ARRAY, RINGBUF = 4, 27
-AUTOLOADED = (b"tracepoint__", b"raw_tracepoint__")     # what BPF._trace_autoload would attach of ours
+# programs BPF._trace_autoload attaches by name that CachedBPF does not replay (it does tracepoint__, raw_tracepoint__)
 NOT_AUTOLOADED = (b"kprobe__", b"kretprobe__", b"kfunc__", b"kretfunc__", b"lsm__")
 
-LD_IMM64, PSEUDO_MAP_FD = 0x18, 1
+LD_IMM64, PSEUDO_MAP_FD, CALL, PSEUDO_KFUNC_CALL = 0x18, 1, 0x85, 2
 
 
 class NotCacheable(Exception):
@@ -170,25 +170,27 @@ def _maps_of(module) -> list[dict]:
     return maps
 
 
+def _insns(insns) -> iter:
+    """(offset, opcode, source register, imm) of each instruction (an ld_imm64 is two slots)."""
+    i = 0
+    while i < len(insns):
+        op, regs, _off, imm = struct.unpack_from("<BBhi", insns, i)
+        yield i, op, regs >> 4, imm
+        i += 16 if op == LD_IMM64 else 8
+
+
 def _unrelocate(insns: bytes, index_of_fd: dict[int, int], what: str) -> bytes:
     """The instructions with each map fd replaced by the map's index."""
     out = bytearray(insns)
-    i = 0
-    while i < len(out):
-        op, regs, _off, imm = struct.unpack_from("<BBhi", out, i)
-        if op == LD_IMM64:
-            src = regs >> 4
-            if src == PSEUDO_MAP_FD:
-                if imm not in index_of_fd:
-                    raise NotCacheable(f"{what}: a map fd {imm} that is no table's")
-                struct.pack_into("<i", out, i + 4, index_of_fd[imm])
-            elif src != 0:
-                raise NotCacheable(f"{what}: ld_imm64 with relocation kind {src}")
-            i += 16
-        else:
-            if op == 0x85 and regs >> 4 == 2:          # a kfunc call: needs BTF ids
-                raise NotCacheable(f"{what}: kfunc call")
-            i += 8
+    for i, op, src, imm in _insns(insns):
+        if op == LD_IMM64 and src == PSEUDO_MAP_FD:
+            if imm not in index_of_fd:
+                raise NotCacheable(f"{what}: a map fd {imm} that is no table's")
+            struct.pack_into("<i", out, i + 4, index_of_fd[imm])
+        elif op == LD_IMM64 and src != 0:
+            raise NotCacheable(f"{what}: ld_imm64 with relocation kind {src}")
+        elif op == CALL and src == PSEUDO_KFUNC_CALL:
+            raise NotCacheable(f"{what}: kfunc call")
     return bytes(out)
 
 
@@ -308,26 +310,26 @@ def declarations(entry: dict, pins: dict[str, str] | None = None) -> str:
     out = []
     for i, m in enumerate(entry["maps"]):
         name, t = m["name"], m["type"]
-        if m.get("pinned"):
-            path = (pins or {}).get(name)
-            if path is None or '"' in path or "\\" in path or t not in TABLE_KINDS:
-                raise NotCacheable(f"map {name}: pinned, and no plain path given for it")
-            out.append(f"struct dsec_k{i} {{ unsigned char b[{m['key_size']}]; }};\n"
-                       f"struct dsec_v{i} {{ unsigned char b[{m['leaf_size']}]; }};\n"
-                       f'BPF_TABLE_PINNED7("{TABLE_KINDS[t]}", struct dsec_k{i}, struct dsec_v{i}, {name}, '
-                       f"{m['max_entries']}, \"{path}\", {m['flags']});")
-        elif t == RINGBUF:
+        if t == RINGBUF and not m.get("pinned"):
             out.append(f"BPF_RINGBUF_OUTPUT({name}, {m['max_entries'] // page});")
-        elif t == PERF_EVENT_ARRAY:
+            continue
+        if t == PERF_EVENT_ARRAY and not m.get("pinned"):
             out.append(f"BPF_PERF_OUTPUT({name});")
-        else:
-            out.append(f"struct dsec_k{i} {{ unsigned char b[{m['key_size']}]; }};\n"
-                       f"struct dsec_v{i} {{ unsigned char b[{m['leaf_size']}]; }};\n"
-                       f'BPF_F_TABLE("{TABLE_KINDS[t]}", struct dsec_k{i}, struct dsec_v{i}, {name}, '
-                       f"{m['max_entries']}, {m['flags']});")
+            continue
+        types = (f"struct dsec_k{i} {{ unsigned char b[{m['key_size']}]; }};\n"
+                 f"struct dsec_v{i} {{ unsigned char b[{m['leaf_size']}]; }};\n")
+        shape = f'"{TABLE_KINDS.get(t)}", struct dsec_k{i}, struct dsec_v{i}, {name}, {m["max_entries"]}'
+        if not m.get("pinned"):
+            out.append(f"{types}BPF_F_TABLE({shape}, {m['flags']});")
+            continue
+        path = (pins or {}).get(name)
+        if path is None or '"' in path or "\\" in path or t not in TABLE_KINDS:
+            raise NotCacheable(f"map {name}: pinned, and no plain path given for it")
+        out.append(f'{types}BPF_TABLE_PINNED7({shape}, "{path}", {m["flags"]});')
     return "\n".join(out) + "\n"
 
 
+@functools.lru_cache(maxsize=None)
 def _bpf_class():
     from bcc import BPF                        # noqa: WPS433
 
@@ -360,16 +362,9 @@ def _bpf_class():
                 fds.append(lib.bpf_table_fd(self.module, name))
             for f in self._entry["funcs"]:
                 insns = bytearray(base64.b64decode(f["insns"]))
-                i = 0
-                while i < len(insns):
-                    op, regs = insns[i], insns[i + 1]
-                    if op == LD_IMM64:
-                        if regs >> 4 == PSEUDO_MAP_FD:
-                            idx = struct.unpack_from("<i", insns, i + 4)[0]
-                            struct.pack_into("<i", insns, i + 4, fds[idx])
-                        i += 16
-                    else:
-                        i += 8
+                for i, op, src, idx in _insns(bytes(insns)):
+                    if op == LD_IMM64 and src == PSEUDO_MAP_FD:
+                        struct.pack_into("<i", insns, i + 4, fds[idx])
                 self._insns[f["name"].encode()] = bytes(insns)
             for name in self._insns:
                 if name.startswith(b"tracepoint__"):
