@@ -324,9 +324,12 @@ def _from_cache(directory: str, k: str, what: str, pins: dict | None):
         return None
     with StderrCapture() as cap:
         try:
-            return bpfcache.from_entry(entry, ["-g0"], pins)
+            bpf = bpfcache.from_entry(entry, ["-g0"], pins)
         except Exception as e:   # BCC raises bare Exception; NotCacheable for a shape that differs
             err = e
+        else:
+            log.debug("eBPF %s: loaded from the program cache (%s)", what, os.path.join(directory, k))
+            return bpf
     log.warning("eBPF %s: cached programs did not load (%s; %s); compiling", what, err, first_error(cap.text))
     return None
 
