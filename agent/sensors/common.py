@@ -304,6 +304,9 @@ def compile_text(text: str, cflags: list[str], what: str, tracefs_roots=TRACEFS,
             except OSError as e:
                 log.warning("eBPF %s: program cache %s unwritable (%s); it compiles on every load",
                             what, directory, e.strerror)
+            except Exception as e:   # noqa: BLE001 - the compile stands; only its entry is missing
+                log.warning("eBPF %s: not cached, the entry could not be made (%s: %s)", what,
+                            type(e).__name__, e)
     try:
         _attach_also(bpf, text, what, tracefs_roots)
     except BaseException:
