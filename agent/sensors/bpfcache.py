@@ -337,9 +337,10 @@ def _bpf_class():
         """A BPF object whose maps come from the entry's declarations and whose
         programs come from the entry's instructions; otherwise BCC's BPF."""
 
-        def __init__(self, entry: dict, cflags: list[str], pins: dict[str, str] | None):
+        def __init__(self, entry: dict, cflags: list[str], pins: dict[str, str] | None, attach: bool = True):
             self._entry = entry
             self._insns = {}
+            self._attach = attach
             text = declarations(entry, pins).encode()
             try:
                 super().__init__(text=text, cflags=cflags)
@@ -366,13 +367,7 @@ def _bpf_class():
                     if op == LD_IMM64 and src == PSEUDO_MAP_FD:
                         struct.pack_into("<i", insns, i + 4, fds[idx])
                 self._insns[f["name"].encode()] = bytes(insns)
-            for name in self._insns:
-                if name.startswith(b"tracepoint__"):
-                    fn = self.load_func(name, BPF.TRACEPOINT)
-                    self.attach_tracepoint(tp=name[len(b"tracepoint__"):].replace(b"__", b":"), fn_name=fn.name)
-                elif name.startswith(b"raw_tracepoint__"):
-                    fn = self.load_func(name, BPF.RAW_TRACEPOINT)
-                    self.attach_raw_tracepoint(tp=name[len(b"raw_tracepoint__"):], fn_name=fn.name)
+            autoload(self, list(self._insns), self._attach)
 
         def load_func(self, func_name, prog_type, device=None, attach_type=-1):
             func_name = func_name if isinstance(func_name, bytes) else func_name.encode()
@@ -409,5 +404,37 @@ def _bpf_class():
     return CachedBPF
 
 
-def from_entry(entry: dict, cflags: list[str], pins: dict[str, str] | None = None):
-    return _bpf_class()(entry, cflags, pins)
+def from_entry(entry: dict, cflags: list[str], pins: dict[str, str] | None = None, attach: bool = True):
+    return _bpf_class()(entry, cflags, pins, attach)
+
+
+def autoload(bpf, names: list[bytes], attach: bool) -> None:
+    """What BPF._trace_autoload does for our programs: each tracepoint and raw
+    tracepoint program loaded, and attached by its name unless attach is False
+    (a sensor that attaches them itself, through links or on demand: a detach
+    costs the kernel's tracepoint grace periods, ~70 ms each)."""
+    from bcc import BPF                        # noqa: WPS433
+    for name in names:
+        if name.startswith(b"tracepoint__"):
+            fn = bpf.load_func(name, BPF.TRACEPOINT)
+            if attach:
+                bpf.attach_tracepoint(tp=name[len(b"tracepoint__"):].replace(b"__", b":"), fn_name=fn.name)
+        elif name.startswith(b"raw_tracepoint__"):
+            fn = bpf.load_func(name, BPF.RAW_TRACEPOINT)
+            if attach:
+                bpf.attach_raw_tracepoint(tp=name[len(b"raw_tracepoint__"):], fn_name=fn.name)
+        elif name.startswith(NOT_AUTOLOADED):
+            raise NotCacheable(f"program {name.decode()}: attached by a kind this loader does not replay")
+
+
+@functools.lru_cache(maxsize=None)
+def unattached_class():
+    """BCC's BPF, its programs loaded at compile but none attached (autoload(attach=False))."""
+    from bcc import BPF, lib                   # noqa: WPS433
+
+    class UnattachedBPF(BPF):
+        def _trace_autoload(self):
+            autoload(self, [lib.bpf_function_name(self.module, i) for i in range(lib.bpf_num_functions(self.module))],
+                         False)
+
+    return UnattachedBPF

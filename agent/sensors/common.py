@@ -270,12 +270,15 @@ def debug_cflags() -> list[str]:
     return [] if os.environ.get("DSEC_BPF_DEBUG", "") not in ("", "0") else ["-g0"]
 
 
-def compile_text(text: str, cflags: list[str], what: str, tracefs_roots=TRACEFS, pins: dict | None = None):
+def compile_text(text: str, cflags: list[str], what: str, tracefs_roots=TRACEFS, pins: dict | None = None,
+                 attach: bool = True):
     """BPF(text) compiled, loaded and attached (its DSEC_ATTACH_ALSO tracepoints
     too); failures as one DsecError line naming the first error and the full log.
     A text compiled before with the same cflags on this kernel and BCC is loaded
     from the program cache instead (agent/sensors/bpfcache.py). pins: {map name:
-    path} of the maps the text opens pinned (their paths are in the cflags too)."""
+    path} of the maps the text opens pinned (their paths are in the cflags too).
+    attach=False: every program loaded (and verified), none attached (the
+    enforcement sensor attaches its own, through links or while a sandbox needs them)."""
     from bcc import BPF
     flags = cflags + debug_cflags()
     directory = bpfcache.cache_dir() if "-g0" in flags else None     # BTF (debug) builds: never cached
@@ -284,11 +287,11 @@ def compile_text(text: str, cflags: list[str], what: str, tracefs_roots=TRACEFS,
         log.warning("eBPF %s: program cache not used: %s; compiling", what, why)
         directory = None
     k = bpfcache.key(text, bpfcache.key_cflags(flags, pins), BPF_DIR) if directory else None
-    bpf = _from_cache(directory, k, what, pins) if k else None
+    bpf = _from_cache(directory, k, what, pins, attach) if k else None
     if bpf is None:
         with StderrCapture() as cap:
             try:
-                bpf = BPF(text=text.encode(), cflags=flags)
+                bpf = (BPF if attach else bpfcache.unattached_class())(text=text.encode(), cflags=flags)
             except Exception as e:   # BCC raises bare Exception for compile/load failures
                 err = e
             else:
@@ -308,14 +311,14 @@ def compile_text(text: str, cflags: list[str], what: str, tracefs_roots=TRACEFS,
                 log.warning("eBPF %s: not cached, the entry could not be made (%s: %s)", what,
                             type(e).__name__, e)
     try:
-        _attach_also(bpf, text, what, tracefs_roots)
+        _attach_also(bpf, text, what, tracefs_roots, attach)
     except BaseException:
         bpf.cleanup()
         raise
     return bpf
 
 
-def _from_cache(directory: str, k: str, what: str, pins: dict | None):
+def _from_cache(directory: str, k: str, what: str, pins: dict | None, attach: bool):
     """The BPF object rebuilt from the cache entry k, or None (no entry, or one
     that did not load: then the caller compiles, and the reason is logged)."""
     try:
@@ -327,7 +330,7 @@ def _from_cache(directory: str, k: str, what: str, pins: dict | None):
         return None
     with StderrCapture() as cap:
         try:
-            bpf = bpfcache.from_entry(entry, ["-g0"], pins)
+            bpf = bpfcache.from_entry(entry, ["-g0"], pins, attach)
         except Exception as e:   # BCC raises bare Exception; NotCacheable for a shape that differs
             err = e
         else:
@@ -337,10 +340,11 @@ def _from_cache(directory: str, k: str, what: str, pins: dict | None):
     return None
 
 
-def _attach_also(bpf, text: str, what: str, tracefs_roots) -> None:
+def _attach_also(bpf, text: str, what: str, tracefs_roots, attach: bool = True) -> None:
     """One program for several tracepoints (DSEC_ATTACH_ALSO): only where the
     tracepoints' formats are field for field the same, checked here, so the
-    shared program reads every one's arguments where they are."""
+    shared program reads every one's arguments where they are (attached here
+    unless attach is False: then only checked)."""
     tracefs = find_tracefs(tracefs_roots)
     for cat, primary, also in attach_also(text):
         try:
@@ -350,6 +354,8 @@ def _attach_also(bpf, text: str, what: str, tracefs_roots) -> None:
         if not same:
             raise DsecError(f"eBPF {what}: tracepoints {cat}:{primary} and {cat}:{also} differ in layout on this "
                             f"kernel; the program they share (bpf/ DSEC_ATTACH_ALSO) cannot serve both")
+        if not attach:
+            continue
         try:
             bpf.attach_tracepoint(tp=f"{cat}:{also}".encode(), fn_name=f"tracepoint__{cat}__{primary}".encode())
         except Exception as e:   # BCC raises bare Exception

@@ -164,7 +164,10 @@ def build_cflags(*, ring_bytes: int) -> list[str]:
 
 
 def compile_bpf(cflags: list[str]):
-    return compile_text(_source_text(), cflags, "enforcement")
+    """Every program loaded and verified, none attached: EnforcementSensor._load
+    links the pinned ones and the syscall hooks are attached while a sandbox
+    needs them (an attach BCC made at load would cost a detach, ~70 ms each)."""
+    return compile_text(_source_text(), cflags, "enforcement", attach=False)
 
 
 # ---------------------------------------------------------------- pins
@@ -376,21 +379,15 @@ class EnforcementSensor(RingSensor):
         self._hook_lock = threading.Lock()
         self._sys_users = {h: 0 for h in SYS_HOOKS}
         self._sys_attached = {h: 0 for h in SYS_HOOKS}       # how many of the hook's programs
-        self._sys_idle_since = {h: 0.0 for h in SYS_HOOKS}
-        for parts in SYS_HOOKS.values():       # BCC attached them all at load
-            for kind, tp, _ in parts:
-                self._sys_detach_one(kind, tp)
-        # exec: BCC attached it through a perf event owned by this process; re-attach
-        # it through a BPF link pinned in bpffs, which outlives the process
+        self._sys_idle_since = {h: 0.0 for h in SYS_HOOKS}     # loaded, none attached (compile_bpf)
+        # exec: attached through a BPF link pinned in bpffs, which outlives the process
         exec_fd = self.bpf.funcs[EXEC_FN].fd
-        self.bpf.detach_tracepoint(b"sched:sched_process_exec")
         try:
             self._exec_link = bpfsys.tracepoint_link(exec_fd, self.tracefs, "sched", "sched_process_exec")
             self._links["exec"] = self._exec_link
             for cat, event in PINNED_TPS:
                 fn = tracepoint_program(_source_text(), cat, event)   # DSEC_ATTACH_ALSO: shared
                 fd = self.bpf.funcs[fn].fd
-                self.bpf.detach_tracepoint(f"{cat}:{event}".encode())
                 self._links[event] = bpfsys.tracepoint_link(fd, self.tracefs, cat, event)
         except OSError as e:
             raise DsecError(f"eBPF enforcement unavailable: cannot attach the exec check through a BPF link "
