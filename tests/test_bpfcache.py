@@ -12,13 +12,9 @@ import pytest
 from agent.sensors import bpfcache, bpfsys, enforce
 
 
-def _tag(fd: int) -> bytes:
+def _tag(fd: int) -> str:
     """The kernel's tag of a loaded program: a hash of its instructions with map fds zeroed."""
-    info = (ct.c_uint8 * 256)()
-    attr = bpfsys._attr()
-    bpfsys._put(attr, "<IIQ", 0, fd, ct.sizeof(info), ct.addressof(info))
-    bpfsys._bpf(bpfsys.BPF_OBJ_GET_INFO_BY_FD, attr)
-    return bytes(info)[8:16]
+    return bpfsys.prog_info(fd)["tag"]
 
 
 def _load(cflags):

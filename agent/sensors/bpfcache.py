@@ -55,6 +55,7 @@ MAGIC = b"dsec-bpf-cache"
 TABLE_KINDS = {1: "hash", 2: "array", 5: "percpu_hash", 6: "percpu_array", 9: "lru_hash",
                10: "lru_percpu_hash", 11: "lpm_trie"}
 PERF_EVENT_ARRAY, RINGBUF = 4, 27
+SHAPE = ("type", "key_size", "leaf_size", "max_entries", "flags")     # what a declared map must match
 # programs BPF._trace_autoload attaches by name that CachedBPF does not replay (it does tracepoint__, raw_tracepoint__)
 NOT_AUTOLOADED = (b"kprobe__", b"kretprobe__", b"kfunc__", b"kretfunc__", b"lsm__")
 
@@ -104,24 +105,19 @@ def _lib():
 # ---------------------------------------------------------------- the key
 
 def _bcc_identity() -> str:
+    """BCC's version and the library file this process loaded (from /proc/self/maps)."""
     import bcc                                 # noqa: WPS433
-    from bcc import libbcc                     # noqa: WPS433
-    path = getattr(libbcc.lib, "_name", "") or "libbcc.so.0"
+    _lib()
+    where = "libbcc.so.0"
     try:
-        real = os.path.realpath(path if os.path.isabs(path) else _find_lib(path))
-        st = os.stat(real)
-        where = f"{real}:{st.st_size}:{st.st_mtime_ns}"
+        with open("/proc/self/maps") as f:
+            paths = {ln.split()[-1] for ln in f if "/libbcc.so" in ln}
+        for real in sorted(paths):
+            st = os.stat(real)
+            where = f"{real}:{st.st_size}:{st.st_mtime_ns}"
     except OSError:
-        where = path
+        pass
     return f"{getattr(bcc, '__version__', '?')}|{where}"
-
-
-def _find_lib(name: str) -> str:
-    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"):
-        p = os.path.join(d, name)
-        if os.path.exists(p):
-            return p
-    return name
 
 
 def key(text: str, cflags: list[str], bpf_dir: str) -> str:
@@ -214,8 +210,9 @@ def entry_of(module, pinned=()) -> dict:
     maps = _maps_of(module)
     for m in maps:
         m["pinned"] = m["name"] in pinned
-    if set(pinned) - {m["name"] for m in maps}:
-        raise NotCacheable(f"pinned maps {sorted(set(pinned) - {m['name'] for m in maps})} not in the module")
+    missing = set(pinned) - {m["name"] for m in maps}
+    if missing:
+        raise NotCacheable(f"pinned maps {sorted(missing)} not in the module")
     index_of_fd = {m["fd"]: i for i, m in enumerate(maps)}
     funcs = []
     for i in range(lib.bpf_num_functions(module)):
@@ -349,21 +346,18 @@ def _bpf_class():
                 raise
 
         def _trace_autoload(self):             # BPF.__init__ calls it once the maps exist
-            lib = _lib()
+            declared = {m["name"]: m for m in _maps_of(self.module)}
             fds = []
             for m in self._entry["maps"]:
-                name = m["name"].encode()
-                i = lib.bpf_table_id(self.module, name)
-                shape = (lib.bpf_table_type_id(self.module, i), int(lib.bpf_table_key_size_id(self.module, i)),
-                         int(lib.bpf_table_leaf_size_id(self.module, i)),
-                         int(lib.bpf_table_max_entries_id(self.module, i)), lib.bpf_table_flags_id(self.module, i))
-                want = (m["type"], m["key_size"], m["leaf_size"], m["max_entries"], m["flags"])
-                if shape != want:
-                    raise NotCacheable(f"map {m['name']} declared as {shape}, the entry says {want}")
-                fds.append(lib.bpf_table_fd(self.module, name))
+                d = declared[m["name"]]
+                if any(d[f] != m[f] for f in SHAPE):
+                    raise NotCacheable(f"map {m['name']} declared as {[d[f] for f in SHAPE]}, "
+                                       f"the entry says {[m[f] for f in SHAPE]}")
+                fds.append(d["fd"])
             for f in self._entry["funcs"]:
-                insns = bytearray(base64.b64decode(f["insns"]))
-                for i, op, src, idx in _insns(bytes(insns)):
+                raw = base64.b64decode(f["insns"])
+                insns = bytearray(raw)
+                for i, op, src, idx in _insns(raw):
                     if op == LD_IMM64 and src == PSEUDO_MAP_FD:
                         struct.pack_into("<i", insns, i + 4, fds[idx])
                 self._insns[f["name"].encode()] = bytes(insns)
