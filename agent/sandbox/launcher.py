@@ -368,7 +368,7 @@ class Sandbox:
                          tmp_size=spec.tmp_size or spec.memory or (512 << 20), layout=lay, volumes=volumes,
                          seccomp=plans.seccomp_program(policy), sysctls=sysctls,
                          hold=bool(self.hooks["on_workload_exit"]))
-        config = ip.encode(MSG.CONFIG, plans.config_items(cfg))
+        config = plans.config_message(cfg)
         # nothing of the sandbox's until HELLO
         if why := ip.await_hello(self.ctl, 30.0):
             raise DsecError(f"sandbox {self.sid}: its init {why}", EXIT_DSEC)

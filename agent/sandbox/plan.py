@@ -1,7 +1,7 @@
 """What dsec-init does for one sandbox, computed on the host: the mount plan,
 the sysctls, the credentials and the seccomp program (docs/launcher.md).
 
-    items = config_items(Plan(...))        # the CONFIG message for dsec-init
+    msg = config_message(Plan(...))        # the CONFIG message for dsec-init (its items: config_items)
     prog = seccomp_program(policy)         # struct sock_filter[] bytes, compiled once per policy
     path = init_path()                     # the dsec-init binary (built by scripts/setup.sh)
 
@@ -105,8 +105,11 @@ def _check_data(data: str, what: str) -> str:
 def mount_ops(p: Plan) -> list:
     """The mount plan: overlays, /proc, /sys, /dev, /tmp, masks, volumes, the
     writable layout (noexec under an exec allowlist), pivot_root."""
-    lay = p.layout
-    noexec = lay.noexec
+    return _head_ops(p) + _inner_ops(p.layout, p.tmp_size, _volume_kinds(p.volumes)) + _tail_ops(p)
+
+
+def _head_ops(p: Plan) -> list:
+    """The sandbox's own layers: / made private, the root overlay, each host dir's overlay."""
     ops = [_mount("/", flags=su.MS_REC | su.MS_PRIVATE, host=True, what="making / private")]
     data = _check_data(f"lowerdir={':'.join(p.lowers)},upperdir={p.upper}/_root,workdir={p.work}/_root"
                        f"{OVERLAY_VOLATILE}",
@@ -119,6 +122,21 @@ def mount_ops(p: Plan) -> list:
                           data=_check_data(f"lowerdir=/{d},upperdir={p.upper}/{d},workdir={p.work}/{d}"
                                           f"{OVERLAY_VOLATILE}", d),
                           what=f"mount overlay on /{d}"))
+    return ops
+
+
+def _volume_kinds(volumes) -> tuple:
+    """(source, target, read-only, source is a file) of each volume: what its mounts depend on."""
+    return tuple((v["source"], v["target"], bool(v.get("readonly")), os.path.isfile(v["source"]))
+                 for v in volumes)
+
+
+def _inner_ops(lay, tmp_size, volumes: tuple) -> list:
+    """What every sandbox of one layout, /tmp size and volumes mounts inside its root
+    (paths relative to it): nothing of one sandbox's own, so config_message encodes it
+    once per such set."""
+    noexec = lay.noexec
+    ops = []
     ops.append(_mount("proc", src="proc", fstype="proc", flags=NSX, mkdir=0o555, record=True))
     ops.append(_mount("sys", src="sysfs", fstype="sysfs", flags=NSX | su.MS_RDONLY, mkdir=0o555, record=True))
     ops.append(_mount("dev", src="tmpfs", fstype="tmpfs", flags=su.MS_NOSUID | su.MS_STRICTATIME,
@@ -136,7 +154,7 @@ def mount_ops(p: Plan) -> list:
     for link, target in DEV_LINKS:
         ops.append(_op(OP.SYMLINK, target=f"dev/{link}", value=target, what=f"symlink /dev/{link}"))
     tmp_flags = su.MS_NOSUID | su.MS_NODEV | (su.MS_NOEXEC if noexec and not _exec_ok("/tmp", lay.exec_dirs) else 0)
-    ops.append(_mount("tmp", src="tmpfs", fstype="tmpfs", flags=tmp_flags, data=f"mode=1777,size={p.tmp_size}",
+    ops.append(_mount("tmp", src="tmpfs", fstype="tmpfs", flags=tmp_flags, data=f"mode=1777,size={tmp_size}",
                       mkdir=0o1777, record=True))
     for m in MASKED:
         ops.append(_op(OP.MASK, target=m))
@@ -145,9 +163,7 @@ def mount_ops(p: Plan) -> list:
                           what=f"bind {r}"))
         ops.append(_mount(r, flags=su.MS_BIND | su.MS_REMOUNT | su.MS_RDONLY | NSX, if_exists=True,
                           what=f"read-only {r}"))
-    for v in p.volumes:
-        src, target, ro = v["source"], v["target"], bool(v.get("readonly"))
-        is_file = os.path.isfile(src)
+    for src, target, ro, is_file in volumes:
         # not recursive: no host submounts under the volume's source
         ops.append(_mount(target, src=src, flags=su.MS_BIND,
                           mkdir=None if is_file else 0o755, mkfile=is_file, record=True,
@@ -158,26 +174,28 @@ def mount_ops(p: Plan) -> list:
         elif noexec and not _exec_ok(target, lay.exec_dirs):
             flags |= su.MS_NOEXEC
         ops.append(_mount(target, flags=flags, what=f"volume flags on {target}"))
-    ops += _writable_ops(p)
-    ops.append(_op(OP.PIVOT, target=p.root))
-    return ops
+    return ops + _writable_ops(lay)
 
 
-def _writable_ops(p: Plan) -> list:
+def _restricted(lay) -> bool:
+    """files.writable (or the implied set) limits what is writable: the image's layers go read-only."""
+    w = lay.writable
+    return w is not None and not any(x.rstrip("/") in ("", "/") for x in w)
+
+
+def _writable_ops(lay) -> list:
     """files.writable (or, under an exec allowlist, the implied writable set):
     each path becomes a bind mount of itself (created, owned by the workload's
-    user, when missing); then the image's layers are remounted read-only. Under
-    an exec allowlist every writable bind is noexec unless it lies under
-    exec.allow_written_under; a directory of that list inside a noexec mount
-    gets an exec-allowed bind of its own."""
-    lay = p.layout
-    w = lay.writable
-    if w is None or any(x.rstrip("/") in ("", "/") for x in w):
+    user, when missing); then (_tail_ops) the image's layers are remounted
+    read-only. Under an exec allowlist every writable bind is noexec unless it
+    lies under exec.allow_written_under; a directory of that list inside a
+    noexec mount gets an exec-allowed bind of its own."""
+    if not _restricted(lay):
         return []
     ops = []
     flags_base = su.MS_BIND | su.MS_REMOUNT | su.MS_NOSUID | su.MS_NODEV
     binds = []
-    for path in sorted(set(w)):
+    for path in sorted(set(lay.writable)):
         if path in ("/tmp", "/dev/shm", "/proc", "/sys") or path.startswith(("/tmp/", "/dev/", "/proc/", "/sys/")):
             continue                      # scratch tmpfs mounts: writable already; kernel interfaces: their own rules
         binds.append(path)
@@ -195,21 +213,62 @@ def _writable_ops(p: Plan) -> list:
                 ops.append(_mount(d, src=d, src_in_root=True, flags=su.MS_BIND | su.MS_REC, mkdir=0o755,
                                   owner=True, what=f"exec.allow_written_under {d}"))
                 ops.append(_mount(d, flags=flags_base, what=f"exec.allow_written_under {d} flags"))
-    ro = su.MS_BIND | su.MS_REMOUNT | su.MS_RDONLY | su.MS_NOSUID | su.MS_NODEV
-    ops.append(_mount(p.root, flags=ro, host=True, what="read-only /"))
-    for d in p.host_dirs:
-        ops.append(_mount(d, flags=ro, what=f"read-only /{d}"))
     return ops
 
 
-def config_items(p: Plan) -> list:
+def _tail_ops(p: Plan) -> list:
+    """The image's layers read-only when the layout restricts what is writable, then pivot_root."""
+    ops = []
+    if _restricted(p.layout):
+        ro = su.MS_BIND | su.MS_REMOUNT | su.MS_RDONLY | su.MS_NOSUID | su.MS_NODEV
+        ops.append(_mount(p.root, flags=ro, host=True, what="read-only /"))
+        for d in p.host_dirs:
+            ops.append(_mount(d, flags=ro, what=f"read-only /{d}"))
+    ops.append(_op(OP.PIVOT, target=p.root))
+    return ops
+
+
+def _settings(p: Plan) -> list:
     items = [(T.HOSTNAME, p.hostname), (T.UID, p.uid), (T.GID, p.gid), (T.HOLD, bool(p.hold)),
              (T.OOM_ADJ, WORKLOAD_OOM_SCORE_ADJ), (T.SELF_OOM_ADJ, INIT_OOM_SCORE_ADJ)]
     if p.seccomp:
         items.append((T.SECCOMP, p.seccomp))
     for path, value, if_exists in p.sysctls:
         items.append((T.SYSCTL, [(T.PATH, path), (T.VALUE, value)] + ([(T.IF_EXISTS, b"")] if if_exists else [])))
-    return items + mount_ops(p)
+    return items
+
+
+def config_items(p: Plan) -> list:
+    return _settings(p) + mount_ops(p)
+
+
+# the encoded _inner_ops of each (layout, /tmp size, volumes) seen lately: ~50 operations that are
+# the same for every sandbox of a kind (encoding them was ~0.3 ms of the agent's CPU a sandbox)
+_INNER_CACHE: OrderedDict = OrderedDict()
+_INNER_LOCK = threading.Lock()
+_INNER_KEEP = 64
+
+
+def config_message(p: Plan) -> bytes:
+    """The CONFIG message, ip.encode(MSG.CONFIG, config_items(p)) byte for byte: a message is
+    its items' encodings one after another, so the part every sandbox of a layout shares is
+    encoded once and spliced between the sandbox's own."""
+    lay = p.layout
+    vols = _volume_kinds(p.volumes)
+    key = (None if lay.writable is None else tuple(lay.writable), lay.implied, lay.noexec,
+           tuple(lay.exec_dirs), p.tmp_size, vols)
+    with _INNER_LOCK:
+        inner = _INNER_CACHE.get(key)
+        if inner is not None:
+            _INNER_CACHE.move_to_end(key)
+    if inner is None:
+        inner = ip.encode_items(_inner_ops(lay, p.tmp_size, vols))
+        with _INNER_LOCK:
+            _INNER_CACHE[key] = inner
+            while len(_INNER_CACHE) > _INNER_KEEP:
+                _INNER_CACHE.popitem(last=False)
+    return b"".join((ip.encode(ip.MSG.CONFIG, _settings(p) + _head_ops(p)), inner,
+                     ip.encode_items(_tail_ops(p))))
 
 
 # ---------------------------------------------------------------- seccomp
