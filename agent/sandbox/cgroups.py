@@ -380,9 +380,11 @@ class SandboxCgroup:
         finally:
             os.close(fd)
 
-    def remove(self, timeout: float = 5.0) -> list[str]:
-        """Remove the sandbox's cgroups; returns the paths that could not be removed."""
-        self.kill_all(timeout)
+    def remove(self, timeout: float = 5.0, kill: bool = True) -> list[str]:
+        """Remove the sandbox's cgroups; returns the paths that could not be removed.
+        kill=False: the caller's kill_all() found them empty (saves its second pass)."""
+        if kill:
+            self.kill_all(timeout)
         return self._rmdirs(self.paths, timeout)
 
     @staticmethod

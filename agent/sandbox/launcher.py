@@ -234,6 +234,7 @@ class Sandbox:
         self.next_step = 1
         self.closed_msg: dict | None = None
         self.supervisor_dead = False      # dsec-init has exited
+        self._emptied = False             # close() found its cgroups empty (teardown need not kill again)
         self.setup_error: str | None = None
         self._ready: dict | None = None
         self._cond = threading.Condition()
@@ -696,6 +697,7 @@ class Sandbox:
                 self.kill()
             summary = self._summary()
             empty = self.cg.kill_all() if self.cg else False
+            self._emptied = empty
             if empty and self.supervisor_dead:
                 self._hook("on_gone", self.sid)
             summary.update(manifest or self._manifest())
@@ -760,7 +762,9 @@ class Sandbox:
             if self.ctl is not None:
                 self.ctl.close()
                 self.ctl = None
-        left = self.cg.remove() if self.cg else []
+        # emptied by close (every member killed and gone, dsec-init too: nothing is left to fork
+        # into it) or killed here; either way the rmdirs wait out an EBUSY
+        left = self.cg.remove(kill=not self._emptied) if self.cg else []
         if (self.net or self.spec.network == "egress") and self.teardown_later:
             return trash.later(self.sid, lambda: self._teardown_rest(left))
         self._teardown_rest(left)
