@@ -87,6 +87,13 @@ from agent.sensors.watch import SandboxWatch
 log = logging.getLogger("dsec.agent")
 # below this open-file limit the agent runs out of fds before limits.max_sandboxes (reported as degraded)
 NOFILE_WANTED = 8192
+# the emit writer's group-commit window: records queued without a waiter (a step's end, a create's
+# start) go to the spool this long after the first kick, with whatever else came meanwhile, in one
+# fdatasync'ed append. Back-to-back steps: 0.44 appends a step instead of 1.6 (~0.5 ms less of the
+# agent's CPU a step), and the append no longer lands on the next step's start (docs/launch-figures.md).
+# A flush someone waits for (a close, a kill, a one-shot run's reply, the recorder's gate) is made at
+# once, by the waiting thread.
+EMIT_COMMIT_WINDOW_S = 0.004
 
 
 class CallCounter:
@@ -424,7 +431,8 @@ class Agent:
 
     def _emit_writer(self):
         while not self._stop.is_set():
-            self._emit_kick.wait(1.0)
+            if self._emit_kick.wait(1.0):
+                self._stop.wait(EMIT_COMMIT_WINDOW_S)     # group commit (EMIT_COMMIT_WINDOW_S); none at a stop
             self._emit_kick.clear()         # before the flush: a kick during it is another round
             try:
                 self._flush_emits()
