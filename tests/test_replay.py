@@ -170,6 +170,24 @@ def test_steps_command_status_duration_stdin_env(trajectory):
     assert t.info["network"] == "egress" and t.info["memory"] == 512 << 20 and t.info["pids"] == 256
 
 
+def test_env_redaction_is_fnmatch_of_each_pattern():
+    """A step's env in the record: redact_env matches every name against all the patterns in
+    one regex (fnmatch's translation, case-insensitive) with each name's answer kept; it must
+    redact exactly what fnmatch of each pattern does, for names fnmatch finds tricky too."""
+    import fnmatch
+    import random
+    from agent.sensors.watch import SECRET_ENV_PATTERNS, redact_env
+    rnd = random.Random(7)
+    names = ["PATH", "API_TOKEN", "aws_region", "MY_KEY", "keyboard", "AUTHOR", "x\nTOKEN", "a[b", "\udcffKEY"]
+    names += ["".join(rnd.choice("AKEYTOKNSuth_[]*?!\n") for _ in range(rnd.randint(1, 10))) for _ in range(500)]
+    env = {n: "v" for n in names}
+    for pats in (SECRET_ENV_PATTERNS, ("A?", "[!K]*"), ()):
+        want = {k: "<redacted>" if any(fnmatch.fnmatch(k.upper(), p.upper()) for p in pats) else v
+                for k, v in env.items()}
+        assert redact_env(env, pats) == want, pats
+        assert redact_env(env, pats) == want            # from the kept answers
+
+
 def test_process_tree_per_step_with_argv_sha256_build_id(trajectory):
     t = trajectory
     (root,) = t.step_roots(3)
