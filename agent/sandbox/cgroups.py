@@ -111,16 +111,17 @@ def _ensure_parent_v2(root: str):
 
 
 def _mkdir_under_parent(path: str):
-    """mkdir path, creating the "dsec" parent; `dsec gc` may remove an empty parent
-    between the two steps, so try again (bounded)."""
+    """mkdir path, creating the "dsec" parent when it is missing (it is there but for a
+    node's first sandbox: tried first, ~3 calls less a hierarchy); `dsec gc` may remove an
+    empty parent between the two steps, so try again (bounded)."""
     for attempt in range(3):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
             os.mkdir(path)
             return
         except FileNotFoundError:
             if attempt == 2:
                 raise
+        os.makedirs(os.path.dirname(path), exist_ok=True)
 
 
 def remove_empty_parents(layout: Layout) -> list[str]:
