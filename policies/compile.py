@@ -160,6 +160,26 @@ def seccomp_filter(policy: Policy, *, audit_log: bool = True):
 
 SOCK_TYPE_MASK = 0xF
 SOCKET_CALLS = ("socket", "socketpair")
+# calls whose rules look at their arguments (beside clone: socket rules, namespaces)
+_ARG_CHECKED = frozenset(SOCKET_CALLS) | {"unshare", "setns", "clone3"}
+
+
+def syscalls_allowed(policy: Policy, names) -> bool:
+    """Does seccomp_filter(policy) let every call in `names` through, whatever its arguments
+    (clone: without CLONE_NEW* flags, which a namespaces: deny rule looks at)? Learn mode: there
+    is no filter. A call whose rules depend on its arguments (socket rules, namespaces) is not
+    answered for: False."""
+    if policy.spec.mode == "learn":
+        return True
+    names = set(names)
+    if names & _ARG_CHECKED:
+        return False
+    s = _syscalls(policy)
+    if s.default == "deny":
+        return names <= set(s.allow)
+    return not names & set(s.deny)
+
+
 
 
 _NOTHING = object()

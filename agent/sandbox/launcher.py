@@ -367,7 +367,8 @@ class Sandbox:
         cfg = plans.Plan(root=root, upper=upper, work=work, lowers=lowers, host_dirs=host_dirs,
                          hostname=self.sid, uid=self.uid, gid=self.gid,
                          tmp_size=spec.tmp_size or spec.memory or (512 << 20), layout=lay, volumes=volumes,
-                         seccomp=plans.seccomp_program(policy), sysctls=sysctls,
+                         seccomp=plans.seccomp_program(policy), seccomp_shared=plans.seccomp_shareable(policy),
+                         sysctls=sysctls,
                          hold=bool(self.hooks["on_workload_exit"]))
         config = plans.config_message(cfg)
         # nothing of the sandbox's until HELLO

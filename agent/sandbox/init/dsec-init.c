@@ -16,13 +16,15 @@
  *           the mount plan (every path inside the new root resolved with
  *           openat2 RESOLVE_IN_ROOT: a symlink in a rootfs never leads
  *           outside it), pivot_root                           -> READY
- *           then the capability bounding set emptied, once, for every step
+ *           then the capability bounding set emptied, once, for every step;
+ *           with SECCOMP_SHARED the seccomp program loaded into PID 1, once
  *   EXEC    clone (vfork); the child: default signals (the few PID 1 handles:
  *           every other one is default from PID 1's start), setsid, stdio,
  *           workdir, close every other fd, oom_score_adj, capabilities
  *           dropped (ambient, then setresgid/setresuid, capset for uid 0; the
- *           bounding set is PID 1's, already empty), no_new_privs, seccomp,
- *           execve (no STARTED message: a wake-up of the agent per step)
+ *           bounding set is PID 1's, already empty), no_new_privs, seccomp
+ *           (unless inherited from PID 1), execve (no STARTED message: a
+ *           wake-up of the agent per step)
  *           every exit of a step's main process (its pid)     -> STEP_EXIT
  *   SIGNAL / TERMINATE   forwarded; signals sent to PID 1 go to every step
  *   CLOSE   SIGKILL to everything, reap                        -> CLOSED,
@@ -95,6 +97,8 @@ static int hold_after_exit;
 static long wl_oom_adj = 1000;
 static struct sock_filter *sc_filter;
 static unsigned short sc_len;
+static int sc_shared;       /* SECCOMP_SHARED: load the filter into PID 1 once (after set-up) */
+static int sc_loaded;       /* ... done: every step's child inherits it at its clone */
 static int last_cap = 40;
 static int nullfd = -1;
 static struct { pid_t pid; uint64_t step; } steps[MAX_STEPS];
@@ -600,6 +604,7 @@ static void configure(size_t n)
         case DSEC_T_UID: wl_uid = (uid_t)item_u64(&it); break;
         case DSEC_T_GID: wl_gid = (gid_t)item_u64(&it); break;
         case DSEC_T_HOLD: hold_after_exit = item_u64(&it) != 0; break;
+        case DSEC_T_SECCOMP_SHARED: sc_shared = 1; break;
         case DSEC_T_OOM_ADJ: wl_oom_adj = (long)(int64_t)item_u64(&it); break;
         case DSEC_T_SELF_OOM_ADJ: self_oom = (long)(int64_t)item_u64(&it); break;
         case DSEC_T_SECCOMP:
@@ -762,9 +767,10 @@ static void exec_workload(char **argv, char **envp, const char *workdir, const c
     const char *path = find_command(argv[0], pathvar, buf, sizeof(buf), &err);
     if (!path)
         child_fail(errfd, "exec", err);
-    if (sc_filter) {
+    if (sc_filter && !sc_loaded) {
         /* the last step before execve: the filter must not have to allow our own
-         * set-up calls, only execve itself (docs/launcher.md) */
+         * set-up calls, only execve itself (docs/launcher.md); a filter that allows
+         * them is PID 1's already (SECCOMP_SHARED, load_shared_filter) */
         struct sock_fprog prog = {sc_len, sc_filter};
         if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) < 0)
             child_fail(errfd, "seccomp", errno);
@@ -1001,6 +1007,21 @@ static void drop_bounding_set(void)
             fatal("capability bounding set: capability %d is still in it", c);
 }
 
+/* SECCOMP_SHARED: the launcher found that the sandbox's filter allows every call PID 1 and a
+ * step's child make from here on (agent/sandbox/plan.py INIT_SYSCALLS): loaded into PID 1 once,
+ * each step's child inherits it at its clone instead of loading it before its execve (a load is
+ * ~0.1-0.2 ms: the kernel checks the program and precomputes its per-syscall cache). PID 1 has
+ * CAP_SYS_ADMIN: no no_new_privs needed here (each step sets its own). */
+static void load_shared_filter(void)
+{
+    if (!sc_filter || !sc_shared)
+        return;
+    struct sock_fprog prog = {sc_len, sc_filter};
+    if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) < 0)
+        fatal("seccomp (shared by the steps): %s", strerror(errno));
+    sc_loaded = 1;
+}
+
 int main(void)
 {
     prctl(PR_SET_NAME, "dsec-init", 0, 0, 0);
@@ -1071,6 +1092,7 @@ int main(void)
         close(fds[i]);
     configure((size_t)n);
     drop_bounding_set();
+    load_shared_filter();           /* the last of the set-up: nothing of it runs under the filter */
     out_begin(DSEC_MSG_READY);
     for (int i = 0; i < created.n; i++)
         out_str(DSEC_T_CREATED, created.paths[i]);

@@ -81,6 +81,7 @@
 #define DSEC_T_OWNER 42         /* chown what is created to the workload's uid/gid */
 #define DSEC_T_DIR 43           /* the target must be a directory */
 #define DSEC_T_SELF_OOM_ADJ 44  /* oom_score_adj of init itself */
+#define DSEC_T_SECCOMP_SHARED 45 /* load SECCOMP into init once after set-up: every step inherits it */
 
 /* ---- mount-plan operations (DSEC_T_KIND) --------------------------------- */
 #define DSEC_OP_MOUNT 1         /* mount(SRC, TARGET, FSTYPE, FLAGS, DATA) */
