@@ -73,6 +73,7 @@ it; a figure is only comparable with one measured at a like steal.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import statistics
@@ -184,14 +185,18 @@ class Crun:
             raise RuntimeError(f"crun: {err}")
 
     def close(self):
+        """Idempotent: also run at exit (a bench that ends early, e.g. its agent not coming up)."""
         import shutil
         if self._ns >= 0:
             os.close(self._ns)
+            self._ns = -1
         if self._holder is not None:
             self._holder.stdin.close()
             self._holder.wait(10)
+            self._holder = None
         if getattr(self, "dir", None):
             shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
 
 
 class BenchAgent:
@@ -220,7 +225,7 @@ class BenchAgent:
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None:
-                raise SystemExit(f"bench: the agent exited ({self.proc.returncode}); log: {self.log.name}")
+                self._give_up(f"bench: the agent exited ({self.proc.returncode})")
             if os.path.exists(self.socket):
                 try:
                     self.client = Client(self.socket, connect_timeout=2)
@@ -229,8 +234,20 @@ class BenchAgent:
                 except AgentError:
                     self.client.close()
             if time.monotonic() > deadline:
-                raise SystemExit(f"bench: the agent did not come up; log: {self.log.name}")
+                self._give_up("bench: the agent did not come up")
             time.sleep(0.2)
+
+    def _give_up(self, why: str):
+        """The agent did not come up: its process stopped, its temp dir removed, its log's tail said."""
+        import shutil
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        with open(self.log.name, "rb") as f:
+            tail = f.read()[-2000:].decode(errors="replace").strip().splitlines()[-3:]
+        shutil.rmtree(self.dir, ignore_errors=True)
+        raise SystemExit(why + (": " + " / ".join(tail) if tail else ""))
 
     def wait_warm(self, n, timeout=60):
         deadline = time.monotonic() + timeout
@@ -241,9 +258,14 @@ class BenchAgent:
         return False
 
     def stop(self):
+        """Idempotent: also run at exit (a bench that ends before its own stop)."""
         import shutil
+        if getattr(self, "_stopped", False):
+            return
+        self._stopped = True
         self.client.close()
-        self.proc.send_signal(signal.SIGTERM)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
@@ -487,6 +509,7 @@ def main():
         assert r.exit_code == 0
 
     crun = Crun()
+    atexit.register(crun.close)     # its bundle is removed however the bench ends (closed below as well)
     py = os.path.join(os.path.dirname(DSEC), "python")
     tree = os.path.dirname(os.path.dirname(os.path.dirname(DSEC)))
     old_cli = not open(os.path.join(tree, "agent", "commands", "run.py")).read().count("def fast(")
@@ -511,6 +534,7 @@ def main():
     cli_warm_ids = []               # dsec-cli-agent-warm's sandboxes
     if not a.no_agent:
         agent = BenchAgent(warm_count=4)
+        atexit.register(agent.stop)
         agent_env = dict(os.environ, DSEC_AGENT_SOCKET=agent.socket)
         agent.wait_warm(4)
 
