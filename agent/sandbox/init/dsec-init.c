@@ -16,15 +16,13 @@
  *           the mount plan (every path inside the new root resolved with
  *           openat2 RESOLVE_IN_ROOT: a symlink in a rootfs never leads
  *           outside it), pivot_root                           -> READY
- *           then the capability bounding set emptied, once, for every step;
- *           with SECCOMP_SHARED the seccomp program loaded into PID 1, once
+ *           then the capability bounding set emptied, once, for every step
  *   EXEC    clone (vfork); the child: default signals (the few PID 1 handles:
  *           every other one is default from PID 1's start), setsid, stdio,
  *           workdir, close every other fd, oom_score_adj, capabilities
  *           dropped (ambient, then setresgid/setresuid, capset for uid 0; the
  *           bounding set is PID 1's, already empty), no_new_privs, seccomp
- *           (unless inherited from PID 1), execve (no STARTED message: a
- *           wake-up of the agent per step)
+ *           (unless PID 1 loaded it: SECCOMP_SHARED), execve (no STARTED message)
  *           every exit of a step's main process (its pid)     -> STEP_EXIT
  *   SIGNAL / TERMINATE   forwarded; signals sent to PID 1 go to every step
  *   CLOSE   SIGKILL to everything, reap                        -> CLOSED,
