@@ -2,6 +2,7 @@
 real cgroups, namespaces, mounts and links. Nothing is mocked."""
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
@@ -23,6 +24,8 @@ os.environ.setdefault("DSEC_AGENT", "reuse")
 _BPF_CACHE = None if "DSEC_BPF_CACHE" in os.environ else tempfile.mkdtemp(prefix="dsec-bpf-cache-")
 if _BPF_CACHE:
     os.environ["DSEC_BPF_CACHE"] = _BPF_CACHE
+    # also when no session runs (pytest --collect-only imports this file): removed at exit
+    atexit.register(shutil.rmtree, _BPF_CACHE, True)
 
 from hosts import leftovers  # noqa: E402
 from fixtures_clickhouse import *  # noqa: E402,F401,F403 - clickhouse_server, clickhouse_url, ...
