@@ -180,8 +180,6 @@ def syscalls_allowed(policy: Policy, names) -> bool:
     return not names & set(s.deny)
 
 
-
-
 _NOTHING = object()
 
 

@@ -14,14 +14,19 @@ import signal
 from agent.sandbox.launcher import Sandbox, SandboxSpec
 
 
-def _status(sb, argv, **kw) -> dict:
+def _out(sb, argv, **kw):
+    """(the step's result, its stdout)."""
     r, w = os.pipe()
     try:
         st = sb.exec(argv, stdout=w, **kw)
     finally:
         os.close(w)
     with os.fdopen(r, "rb") as f:
-        out = f.read().decode()
+        return st, f.read().decode()
+
+
+def _status(sb, argv, **kw) -> dict:
+    st, out = _out(sb, argv, **kw)
     assert st.code == 0, (st.code, st.error, out)
     fields = {}
     for line in out.splitlines():

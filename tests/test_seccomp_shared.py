@@ -14,25 +14,17 @@ import textwrap
 from agent.sandbox import plan
 from agent.sandbox.launcher import Sandbox, SandboxSpec
 from policies.load import load_policy, load_policy_text
+from test_init_steps import _out, _status
 
 # what /bin/true and /bin/sleep call (glibc's start-up, sleep's nanosleep), beside INIT_SYSCALLS
 WORKLOAD = ("arch_prctl", "getrandom", "mprotect", "pread64", "prlimit64", "rseq", "set_robust_list",
             "set_tid_address", "clock_nanosleep", "nanosleep", "futex", "fstat", "lseek", "ioctl")
 
 
-def _out(sb, argv, **kw):
-    r, w = os.pipe()
-    try:
-        st = sb.exec(argv, stdout=w, **kw)
-    finally:
-        os.close(w)
-    with os.fdopen(r, "rb") as f:
-        return st, f.read().decode()
-
-
-def _seccomp(status: str) -> tuple[str, str]:
-    f = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
-    return f["Seccomp"].strip(), f["Seccomp_filters"].strip()
+def _seccomp(sb, path: str) -> tuple[str, str]:
+    """Seccomp and Seccomp_filters of /proc/<path>/status, read by a step."""
+    f = _status(sb, ["/bin/cat", f"/proc/{path}/status"])
+    return f["Seccomp"][0], f["Seccomp_filters"][0]
 
 
 def _sandbox(policy, tag):
@@ -45,11 +37,9 @@ def test_the_default_policy_is_loaded_once_and_still_filters_every_step():
     assert plan.seccomp_shareable(pol)
     sb = _sandbox(pol, "d")
     try:
-        st, one = _out(sb, ["/bin/cat", "/proc/1/status"])
-        assert st.code == 0 and _seccomp(one) == ("2", "1"), one          # PID 1 holds it
+        assert _seccomp(sb, "1") == ("2", "1")                            # PID 1 holds it
         for _ in range(2):
-            st, me = _out(sb, ["/bin/cat", "/proc/self/status"])
-            assert st.code == 0 and _seccomp(me) == ("2", "1"), me       # inherited, not loaded again
+            assert _seccomp(sb, "self") == ("2", "1")                     # inherited, not loaded again
         # still the policy's filter: namespaces denied
         st, _ = _out(sb, ["/usr/bin/unshare", "-n", "/bin/true"])
         assert st.code != 0
@@ -100,10 +90,8 @@ def test_a_program_that_refuses_init_a_call_is_loaded_by_each_step():
     assert not plan.seccomp_shareable(pol)
     sb = _sandbox(pol, "n")
     try:
-        st, one = _out(sb, ["/bin/cat", "/proc/1/status"])
-        assert st.code == 0 and _seccomp(one) == ("0", "0"), one          # PID 1 unfiltered
-        st, me = _out(sb, ["/bin/cat", "/proc/self/status"])               # the step's own setsid ran first
-        assert st.code == 0 and _seccomp(me) == ("2", "1"), me
+        assert _seccomp(sb, "1") == ("0", "0")                            # PID 1 unfiltered
+        assert _seccomp(sb, "self") == ("2", "1")                         # the step's own setsid ran first
         st, _ = _out(sb, ["/usr/bin/setsid", "-w", "/bin/true"])            # the workload's is refused
         assert st.code != 0
     finally:

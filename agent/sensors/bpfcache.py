@@ -2,9 +2,10 @@
 
 BCC compiles a sensor's C text on every load: clang over BCC's helpers, then
 LLVM at -O3 over every program (audit 3.8 s, enforcement 1.9 s on a 2-core
-machine: most of an agent's start), and it cannot load pre-built bytecode: its bytecode carries the fds of the maps it created while
-compiling (iovisor/bcc#534). So this cache keeps what one compile produced and
-rebuilds the BPF object from it on the next load of the same text:
+machine: most of an agent's start), and it cannot load pre-built bytecode: its
+bytecode carries the fds of the maps it created while compiling (iovisor/bcc#534).
+So this cache keeps what one compile produced and rebuilds the BPF object from
+it on the next load of the same text:
 
 - stored: each program's instructions with every map fd (ld_imm64,
   BPF_PSEUDO_MAP_FD) turned back into the map's index, each map's shape (type,
@@ -43,6 +44,7 @@ import logging
 import os
 import struct
 import tempfile
+from collections.abc import Iterator
 
 log = logging.getLogger("dsec.bpfcache")
 
@@ -166,7 +168,7 @@ def _maps_of(module) -> list[dict]:
     return maps
 
 
-def _insns(insns) -> iter:
+def _insns(insns) -> Iterator[tuple[int, int, int, int]]:
     """(offset, opcode, source register, imm) of each instruction (an ld_imm64 is two slots)."""
     i = 0
     while i < len(insns):
