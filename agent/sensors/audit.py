@@ -65,8 +65,8 @@ REMOVAL_SETTLE_S = 0.005     # remove_sandbox of a cgroup that may still run: fr
 # DSEC_WAKE_NS) is usually the first of a burst -- a step's clone and exec -- and reading it at
 # once decoded a handful of records while that step ran, on the agent's interpreter lock and two
 # CPUs the step's own reply needed: the reader waits this long first, and decodes the burst in
-# one pass (bench/launch.py, steps alone, 6 pairs: step - fork+exec 1.01-1.79 -> 0.95-1.26 ms,
-# p99 6.8-11.0 -> 5.6-7.9 ms). Records already waiting are read at once; a burst's records reach
+# one pass (bench/launch.py, steps alone, 9 pairs: step - fork+exec 1.01-2.04 -> 0.95-1.56 ms,
+# p99 6.8-13.2 -> 5.6-8.2 ms). Records already waiting are read at once; a burst's records reach
 # the spool at most COALESCE_S later, within the poll timeout (20 ms) that bounded them before.
 COALESCE_S = 0.005
 
