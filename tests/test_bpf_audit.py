@@ -598,6 +598,22 @@ def test_stop_mode_kills_and_notifies(audit_sensor, audit_cgroups, tmp_path):
 
 # ---------------------------------------------------------------- API errors
 
+def test_a_removed_sandbox_stays_removed(audit_sensor, audit_cgroups):
+    """set_step writes the configuration the sensor keeps, without reading the kernel's back:
+    once remove_sandbox has taken the kernel's entry away, a step of that sandbox is refused
+    and never puts the entry back (its tasks' events would be admitted again, unowned)."""
+    h = audit_sensor
+    sbx = h.sandbox(audit_cgroups)
+    m = h.sensor._sandboxes_map
+    h.sensor.set_step(sbx.cg.id, 3)
+    assert m[m.Key(sbx.cg.id)].step == 3
+    sbx.remove()
+    with pytest.raises(DsecError, match="is not audited"):
+        h.sensor.set_step(sbx.cg.id, 4)
+    with pytest.raises(KeyError):
+        m[m.Key(sbx.cg.id)]
+
+
 def test_bad_configuration_is_a_clear_error(audit_sensor, audit_cgroups):
     s = audit_sensor.sensor
     with pytest.raises(DsecError, match="unknown label"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import threading
 import time
 from agent.errors import DsecError, EXIT_DSEC
 
@@ -148,6 +149,21 @@ class SandboxCgroup:
         self.v2_path = os.path.join(layout.v2_root, PARENT, sandbox_id) if layout.v2_root else None
         self.v1_paths = {c: os.path.join(r, PARENT, sandbox_id) for c, r in layout.v1_roots.items()} \
             if layout.mode != "v2" else {}
+        self._oom_fd = -1               # the OOM-kill counter's file, opened at the first read (oom_kills)
+        self._oom_lock = threading.Lock()
+
+    def __del__(self):
+        try:
+            self.close_files()
+        except Exception:  # noqa: BLE001 - a half-made object, or the interpreter's exit
+            pass
+
+    def close_files(self) -> None:
+        """Close the files kept open (remove() does, before the rmdirs)."""
+        with self._oom_lock:
+            if self._oom_fd >= 0:
+                os.close(self._oom_fd)
+                self._oom_fd = -1
 
     @property
     def paths(self) -> list[str]:
@@ -263,19 +279,23 @@ class SandboxCgroup:
 
     # --- stats -----------------------------------------------------------------
     def oom_kills(self) -> int:
-        """The sandbox's OOM kills so far (read twice per step: one open/read/close, no file object)."""
-        if self.layout.mode == "v2":
-            path = f"{self.v2_path}/memory.events"
-        else:
-            path = f"{self.v1_paths.get('memory', '/nonexistent')}/memory.oom_control"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        """The sandbox's OOM kills so far (read twice per step: a pread of the file, opened once
+        and kept until remove(); the lock keeps a closing thread from freeing the fd number under
+        a read, which could then read another file's)."""
+        with self._oom_lock:
+            if self._oom_fd < 0:
+                if self.layout.mode == "v2":
+                    path = f"{self.v2_path}/memory.events"
+                else:
+                    path = f"{self.v1_paths.get('memory', '/nonexistent')}/memory.oom_control"
+                try:
+                    self._oom_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    return 0
             try:
-                data = os.read(fd, 8192)
-            finally:
-                os.close(fd)
-        except OSError:
-            return 0
+                data = os.pread(self._oom_fd, 8192, 0)     # a cgroup file's offset 0: read afresh
+            except OSError:
+                return 0
         for line in data.splitlines():
             k, _, v = line.partition(b" ")
             if k == b"oom_kill":
@@ -384,6 +404,7 @@ class SandboxCgroup:
     def remove(self, timeout: float = 5.0, kill: bool = True) -> list[str]:
         """Remove the sandbox's cgroups; returns the paths that could not be removed.
         kill=False: the caller's kill_all() found them empty (saves its second pass)."""
+        self.close_files()
         if kill:
             self.kill_all(timeout)
         return self._rmdirs(self.paths, timeout)

@@ -202,6 +202,10 @@ class AuditSensor(RingSensor):
             enricher = ElfInfoCache()
         self._steps: dict[int, int] = {}
         self._modes: dict[int, str] = {}
+        # each audited sandbox's `sandboxes` value as last written: this sensor is its only writer
+        # (the programs read it), so a step's set_step writes it without reading it back first
+        # (a BCC look-up less on every step's path); gone the moment the entry is removed
+        self._cfgs: dict[int, object] = {}
         self._stop_notified: set[int] = set()
         events = self.bpf[b"events"]
         self._init_records(events, self.bpf[b"exec_scratch"].Leaf, node=node, enricher=enricher)
@@ -277,9 +281,11 @@ class AuditSensor(RingSensor):
             try:
                 self._state_map[self._state_map.Key(cgroup_id)] = self._state_map.Leaf()  # zeroed first
                 self._sandboxes_map[self._sandboxes_map.Key(cgroup_id)] = cfg
+                self._cfgs[cgroup_id] = cfg
                 k = self._gen.Key(0)          # membership.h: the per-cgroup lookup cache is stale now
                 self._gen[k] = self._gen.Leaf(self._gen[k].value + 1)
             except Exception as e:   # BCC raises bare Exception when a map update fails
+                self._cfgs.pop(cgroup_id, None)
                 for m in (self._sandboxes_map, self._state_map):
                     map_discard(m, m.Key(cgroup_id))
                 self._untrack(cgroup_id)
@@ -297,14 +303,14 @@ class AuditSensor(RingSensor):
         """Events admitted from now on carry `step`."""
         with self._lock:
             self._check_open()
-            key = self._sandboxes_map.Key(cgroup_id)
-            try:
-                cfg = self._sandboxes_map[key]
-            except KeyError:
-                raise DsecError(f"set_step: cgroup {cgroup_id} is not audited") from None
+            old = self._cfgs.get(cgroup_id)
+            if old is None:
+                raise DsecError(f"set_step: cgroup {cgroup_id} is not audited")
+            cfg = type(old).from_buffer_copy(old)       # the kept value changes once the kernel has it
             cfg.step = step
             self.repeats.next_gen(cgroup_id, cfg)       # the step's repeats: counted afresh
-            self._sandboxes_map[key] = cfg
+            self._sandboxes_map[self._sandboxes_map.Key(cgroup_id)] = cfg
+            self._cfgs[cgroup_id] = cfg
             self._steps[cgroup_id] = step
 
     def set_aggregate(self, cgroup_id: int, kinds) -> None:
@@ -337,6 +343,7 @@ class AuditSensor(RingSensor):
             self._check_open()
             if cgroup_id not in self.decoder.sandboxes:
                 return self._final(cgroup_id, "remove_sandbox")
+            self._cfgs.pop(cgroup_id, None)     # first: no later write can put the entry back
             map_discard(self._sandboxes_map, self._sandboxes_map.Key(cgroup_id))
             removed = time.monotonic()
             fence = self._ring_fence() if exited else None
@@ -473,13 +480,13 @@ class AuditSensor(RingSensor):
 
     def _update_cfg(self, cgroup_id: int, fn) -> None:
         """fn(configuration) of an audited sandbox, written back (with the lock)."""
-        key = self._sandboxes_map.Key(cgroup_id)
-        try:
-            cfg = self._sandboxes_map[key]
-        except KeyError:
+        old = self._cfgs.get(cgroup_id)
+        if old is None:
             return
+        cfg = type(old).from_buffer_copy(old)
         fn(cfg)
-        self._sandboxes_map[key] = cfg
+        self._sandboxes_map[self._sandboxes_map.Key(cgroup_id)] = cfg
+        self._cfgs[cgroup_id] = cfg
 
     def _flush_losses(self, cgroup_id: int, state: dict | None, unfinished: int = 0,
                       unreported: dict | None = None) -> None:

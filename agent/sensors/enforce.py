@@ -292,6 +292,7 @@ class _Sandbox:
     sys_hooks: list = field(default_factory=list)   # "enter" | "exit": syscall programs it needs
     sock_keys: list = field(default_factory=list)   # (family, type) keys in sock_rules
     sys_allow: int | None = None    # its syscall bitmap as an int (bit n = syscall n), once registered
+    cfg: object = None              # its `sandboxes` value as last written (this sensor is its only writer)
 
 
 def _mode_name(policy_mode: str, present: bool, learn_when_absent: bool = False) -> str:
@@ -518,6 +519,7 @@ class EnforcementSensor(RingSensor):
                 if modes["sys"] == "audit" and cfg.ns_deny:
                     self._sys_hook_get(sb, "clone")
                 self._cfg[self._cfg.Key(cgroup_id)] = cfg
+                sb.cfg = cfg
                 self._bump_gen()
                 if modes["egress"] != "off":
                     self._attach(sb, adopt)
@@ -569,11 +571,11 @@ class EnforcementSensor(RingSensor):
                 self._apply_egress(new)
                 self._apply_exec(new, exec_rules(policy) or [])
                 self._apply_sockets(new, socket_rules(policy) if sb.modes["sys"] in ("audit", "enforce") else None)
-                key = self._cfg.Key(cgroup_id)
-                cfg = self._cfg[key]
+                cfg = type(sb.cfg).from_buffer_copy(sb.cfg)
                 cfg.idx = new.idx
                 self._set_modes(cfg, new)
-                self._cfg[key] = cfg
+                self._cfg[self._cfg.Key(cgroup_id)] = cfg
+                sb.cfg = cfg
             except BaseException:
                 self._drop_sockets(new.idx, new.sock_keys)
                 self._drop_rules(new.idx, new.egress_entries, new.exec_keys)
@@ -595,10 +597,10 @@ class EnforcementSensor(RingSensor):
     def set_step(self, cgroup_id: int, step: int) -> None:
         with self._lock:
             sb = self._get(cgroup_id, "set_step")
-            key = self._cfg.Key(cgroup_id)
-            cfg = self._cfg[key]
+            cfg = type(sb.cfg).from_buffer_copy(sb.cfg)     # no read back: sb.cfg is what the kernel has
             cfg.step = step
-            self._cfg[key] = cfg
+            self._cfg[self._cfg.Key(cgroup_id)] = cfg
+            sb.cfg = cfg
             sb.step = step
 
     def remove_sandbox(self, cgroup_id: int) -> dict:
