@@ -40,6 +40,7 @@ from exporters.otel import OtlpSink
 
 from fixtures_clickhouse import free_ports
 from otlp_receiver import OtlpReceiver
+from test_spool import read_all as read_everything     # every record (and damage) not committed yet; commits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = "/usr/bin/python3"
@@ -69,18 +70,6 @@ def start_generator(cg, rate, duration, workdir):
     return subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0" || exit 125; exec "$@"', cg.procs_file,
                              PYTHON, "-I", "-S", "-c", GEN, str(rate), str(duration), str(workdir)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def read_everything(reader):
-    """All records (and damage) a reader has not committed yet; commits."""
-    recs, damage = [], []
-    while True:
-        b = reader.read(10000)
-        if not b:
-            return recs, damage
-        recs += b.records
-        damage += b.damage
-        reader.commit(b)
 
 
 def ch_ids(client, db, sid):
