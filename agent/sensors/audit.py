@@ -12,7 +12,7 @@ set_step() and remove_sandbox() may be called from different threads: they
 are serialised by a lock. poll() waits for the ring buffer WITHOUT the lock
 (poll(2) on the ring buffer's map fd) and takes it only to consume and decode,
 so a step's set_step() or a new sandbox never waits out a poll timeout. Woken
-from a quiet ring, it waits COALESCE_S (5 ms) more before it reads: the
+from a quiet ring, it waits WAKE_SETTLE_S (5 ms) more before it reads: the
 burst that woke it (a step) runs without the decoding beside it.
 
 Losses are never silent: every event the kernel could not emit is counted per
@@ -67,8 +67,8 @@ REMOVAL_SETTLE_S = 0.005     # remove_sandbox of a cgroup that may still run: fr
 # CPUs the step's own reply needed: the reader waits this long first, and decodes the burst in
 # one pass (bench/launch.py, steps alone, 9 pairs: step - fork+exec 1.01-2.04 -> 0.95-1.56 ms,
 # p99 6.8-13.2 -> 5.6-8.2 ms). Records already waiting are read at once; a burst's records reach
-# the spool at most COALESCE_S later, within the poll timeout (20 ms) that bounded them before.
-COALESCE_S = 0.005
+# the spool at most WAKE_SETTLE_S later, within the poll timeout (20 ms) that bounded them before.
+WAKE_SETTLE_S = 0.005
 
 
 # ---------------------------------------------------------------- features
@@ -400,7 +400,7 @@ class AuditSensor(RingSensor):
         if timeout_ms > 0 and not self._closed:
             try:
                 if not self._ring_wait.poll(0) and self._ring_wait.poll(int(timeout_ms)):
-                    time.sleep(COALESCE_S)     # woken from a quiet ring: let the burst come (COALESCE_S)
+                    time.sleep(WAKE_SETTLE_S)     # woken from a quiet ring: let the burst come
             except (InterruptedError, ValueError):
                 pass
             timeout_ms = 0          # then consume what is there, under the lock, without waiting again
