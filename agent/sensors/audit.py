@@ -303,14 +303,12 @@ class AuditSensor(RingSensor):
         """Events admitted from now on carry `step`."""
         with self._lock:
             self._check_open()
-            old = self._cfgs.get(cgroup_id)
-            if old is None:
+
+            def apply(cfg):
+                cfg.step = step
+                self.repeats.next_gen(cgroup_id, cfg)   # the step's repeats: counted afresh
+            if not self._update_cfg(cgroup_id, apply):
                 raise DsecError(f"set_step: cgroup {cgroup_id} is not audited")
-            cfg = type(old).from_buffer_copy(old)       # the kept value changes once the kernel has it
-            cfg.step = step
-            self.repeats.next_gen(cgroup_id, cfg)       # the step's repeats: counted afresh
-            self._sandboxes_map[self._sandboxes_map.Key(cgroup_id)] = cfg
-            self._cfgs[cgroup_id] = cfg
             self._steps[cgroup_id] = step
 
     def set_aggregate(self, cgroup_id: int, kinds) -> None:
@@ -478,15 +476,17 @@ class AuditSensor(RingSensor):
         for cgid, state in states.items():
             self._flush_losses(cgid, state)
 
-    def _update_cfg(self, cgroup_id: int, fn) -> None:
-        """fn(configuration) of an audited sandbox, written back (with the lock)."""
+    def _update_cfg(self, cgroup_id: int, fn) -> bool:
+        """fn(configuration) of an audited sandbox, written (with the lock); False when it is
+        not audited. A copy of the kept value: that changes once the kernel has the new one."""
         old = self._cfgs.get(cgroup_id)
         if old is None:
-            return
+            return False
         cfg = type(old).from_buffer_copy(old)
         fn(cfg)
         self._sandboxes_map[self._sandboxes_map.Key(cgroup_id)] = cfg
         self._cfgs[cgroup_id] = cfg
+        return True
 
     def _flush_losses(self, cgroup_id: int, state: dict | None, unfinished: int = 0,
                       unreported: dict | None = None) -> None:

@@ -571,11 +571,10 @@ class EnforcementSensor(RingSensor):
                 self._apply_egress(new)
                 self._apply_exec(new, exec_rules(policy) or [])
                 self._apply_sockets(new, socket_rules(policy) if sb.modes["sys"] in ("audit", "enforce") else None)
-                cfg = type(sb.cfg).from_buffer_copy(sb.cfg)
-                cfg.idx = new.idx
-                self._set_modes(cfg, new)
-                self._cfg[self._cfg.Key(cgroup_id)] = cfg
-                sb.cfg = cfg
+                def switch(cfg):
+                    cfg.idx = new.idx
+                    self._set_modes(cfg, new)
+                self._write_cfg(sb, switch)
             except BaseException:
                 self._drop_sockets(new.idx, new.sock_keys)
                 self._drop_rules(new.idx, new.egress_entries, new.exec_keys)
@@ -597,11 +596,16 @@ class EnforcementSensor(RingSensor):
     def set_step(self, cgroup_id: int, step: int) -> None:
         with self._lock:
             sb = self._get(cgroup_id, "set_step")
-            cfg = type(sb.cfg).from_buffer_copy(sb.cfg)     # no read back: sb.cfg is what the kernel has
-            cfg.step = step
-            self._cfg[self._cfg.Key(cgroup_id)] = cfg
-            sb.cfg = cfg
+            self._write_cfg(sb, lambda cfg: setattr(cfg, "step", step))
             sb.step = step
+
+    def _write_cfg(self, sb: _Sandbox, fn) -> None:
+        """fn(configuration) of a registered sandbox, written (with the lock): a copy of sb.cfg,
+        which is what the kernel has (no read back), kept once the kernel has the new one."""
+        cfg = type(sb.cfg).from_buffer_copy(sb.cfg)
+        fn(cfg)
+        self._cfg[self._cfg.Key(sb.cgroup_id)] = cfg
+        sb.cfg = cfg
 
     def remove_sandbox(self, cgroup_id: int) -> dict:
         """Stop enforcing: detach the egress programs, drain and report what is
