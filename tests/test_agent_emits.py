@@ -198,3 +198,47 @@ def agent_record(agent, state: str) -> dict:
     return normalize({"kind": "lifecycle", "sandbox_id": "", "step": 0, "ts_ns": 1, "pid": 1,
                       "event_id": f"test-{state}", "node": agent.node,
                       "extra": json.dumps({"state": state})})
+
+
+def test_an_ending_sandbox_holds_the_emit_writer_its_append_carries_the_queue(agent, monkeypatch):
+    """While a sandbox is ending (Agent._finish), the emit writer does not append what a step's
+    end queued: the end's own durable append carries it (one fdatasync for a RunOnce's or a
+    last step's records and the close's, and the close no longer waits behind the writer's
+    append); the hold is bounded (EMIT_HOLD_MAX_S), after which the writer appends as before."""
+    from agent.node import daemon
+    monkeypatch.setattr(daemon, "EMIT_HOLD_MAX_S", 0.05)
+    writer = threading.Thread(target=agent._emit_writer, daemon=True)
+    writer.start()
+    try:
+        with agent._emit_cv:
+            agent._ending += 1                          # a close under way (and staying so)
+        # the bound: a sandbox that stays ending does not hold the writer past EMIT_HOLD_MAX_S
+        agent._lifecycle("", "step_started")
+        agent._flush_emits_soon()
+        assert agent.spool.entered[0].wait(WAIT)
+        assert agent.spool.calls[0] == ["step_started"]
+        agent.spool.release[0].set()
+        # the hold: the next round waits for the ending sandbox's own append
+        monkeypatch.setattr(daemon, "EMIT_HOLD_MAX_S", WAIT)
+        agent._lifecycle("", "step_ended")
+        agent._flush_emits_soon()
+        # well past the commit window (4 ms): without the hold the writer has appended by now
+        assert not agent.spool.entered[1].wait(0.2), "the writer appended while a sandbox was ending"
+        closing = Flusher(agent, "exited")              # the ending's own flush
+        closing.start()
+        assert agent.spool.entered[1].wait(WAIT)
+        assert agent.spool.calls[1] == ["step_ended", "exited"]
+        agent.spool.release[1].set()
+        closing.join(WAIT)
+        assert not closing.is_alive() and {"step_ended", "exited"} <= closing.seen
+    finally:
+        with agent._emit_cv:
+            agent._ending = 0
+            agent._emit_cv.notify_all()
+        agent._stop.set()
+        agent._emit_kick.set()
+        for e in agent.spool.release:
+            e.set()
+        writer.join(WAIT)
+    assert not writer.is_alive()
+    assert len(agent.spool.calls) == 2                  # the writer's held round found nothing left

@@ -94,6 +94,13 @@ NOFILE_WANTED = 8192
 # A flush someone waits for (a close, a kill, a one-shot run's reply, the recorder's gate) is made at
 # once, by the waiting thread.
 EMIT_COMMIT_WINDOW_S = 0.004
+# ... and while a sandbox is ending (Agent._finish: a close, a kill, a stop) the writer waits for
+# its end instead, up to this long after the first kick: that end's own durable append (made by
+# the ending thread, at once) carries everything queued by then, so a step's end records and the
+# close that follows them (a RunOnce, a trajectory's last step) share one fdatasync, and the
+# close's append no longer waits behind the writer's (docs/agent.md "When a step's records are
+# durable"). At most the audit poll's own delivery bound (20 ms) later than alone.
+EMIT_HOLD_MAX_S = 0.02
 
 
 class CallCounter:
@@ -149,6 +156,7 @@ class Agent:
         self._emit_busy = False
         self._emit_failures = 0
         self._emit_kick = threading.Event()     # _flush_emits_soon -> the emit writer thread
+        self._ending = 0            # sandboxes in _finish (under _emit_cv): the writer holds (EMIT_HOLD_MAX_S)
         self._stop = threading.Event()
         self._shutting = False
         self._threads: list[threading.Thread] = []
@@ -430,9 +438,14 @@ class Agent:
         self._emit_kick.set()
 
     def _emit_writer(self):
+        cv = self._emit_cv
         while not self._stop.is_set():
             if self._emit_kick.wait(1.0):
+                kicked = time.monotonic()
                 self._stop.wait(EMIT_COMMIT_WINDOW_S)     # group commit (EMIT_COMMIT_WINDOW_S); none at a stop
+                with cv:    # an ending sandbox's append will carry them (EMIT_HOLD_MAX_S)
+                    cv.wait_for(lambda: not self._ending or self._stop.is_set(),
+                                kicked + EMIT_HOLD_MAX_S - time.monotonic())
             self._emit_kick.clear()         # before the flush: a kick during it is another round
             try:
                 self._flush_emits()
@@ -716,6 +729,16 @@ class Agent:
 
     def _finish(self, rec: SandboxRecord, state: str, reason: str | None, **extra):
         """Close the sandbox (teardown, manifest), record the end, release its resources."""
+        with self._emit_cv:
+            self._ending += 1
+        try:
+            return self._end(rec, state, reason, **extra)
+        finally:
+            with self._emit_cv:
+                self._ending -= 1
+                self._emit_cv.notify_all()
+
+    def _end(self, rec: SandboxRecord, state: str, reason: str | None, **extra):
         sb = rec.sandbox
         summary = None
         if sb is not None:

@@ -696,11 +696,11 @@ class Sandbox:
                     self._cond.wait(0.5)
             if not self.supervisor_dead:
                 self.kill()
-            summary = self._summary()
             empty = self.cg.kill_all() if self.cg else False
             self._emptied = empty
             if empty and self.supervisor_dead:
-                self._hook("on_gone", self.sid)
+                self._hook("on_gone", self.sid)      # first: what it starts runs beside the rest
+            summary = self._summary()
             summary.update(manifest or self._manifest())
             if self.spec.keep:
                 _private_dir(KEPT_DIR)
