@@ -38,6 +38,8 @@ Instruments (INSTRUMENTS below is the list; docs/exporters.md has the table):
   dsec.steps                counter   steps ended, by outcome (ok, failed, timed_out, oom_killed)
   dsec.sandbox.starts       counter   sandbox inits started, by path (clone3 | posix_spawn: the fallback,
                                       agent/sandbox/spawn.py)
+  dsec.sandbox.netns        counter   clone3 starts by where their network namespace came from (pool: made
+                                      ahead, agent/sandbox/netpool.py | clone: made by the start's clone)
   dsec.sandboxes            gauge     live sandboxes, by state
   dsec.spool.usage          gauge     bytes of the spool's segments
   dsec.spool.backlog        gauge     bytes not yet delivered, by sink
@@ -70,6 +72,8 @@ INSTRUMENTS: dict[str, tuple[str, str, str]] = {
     "dsec.steps": (COUNTER, "{step}", "steps ended, by outcome"),
     "dsec.sandbox.starts": (COUNTER, "{sandbox}", "sandbox inits started, by path (clone3: born in its cgroups; "
                                                   "posix_spawn: the fallback)"),
+    "dsec.sandbox.netns": (COUNTER, "{sandbox}", "clone3 starts by where their network namespace came from "
+                                                 "(pool: made ahead; clone: by the start's clone)"),
     "dsec.sandboxes": (GAUGE, "{sandbox}", "live sandboxes by state"),
     "dsec.spool.usage": (GAUGE, "By", "bytes of the spool's segment files"),
     "dsec.spool.backlog": (GAUGE, "By", "spool bytes not yet delivered, by sink"),

@@ -203,6 +203,8 @@ class Agent:
         from agent.sandbox import cgroups, uids
         uids.configure(cfg.sandbox_uids)
         self._layout = cgroups.detect()
+        from agent.sandbox import netpool
+        netpool.enable()        # network namespaces made ahead of cold starts (agent/sandbox/netpool.py)
         self.started_ns = time.time_ns()
         self.previous_agent = self.run_dir.take()
         self.spool = TapSpool(Spool(), self.streams.offer, self._emits_gate)
@@ -284,7 +286,8 @@ class Agent:
             self.breaker.stop()
         if self.executor:
             self.executor.shutdown(wait=True, cancel_futures=False)
-        from agent.sandbox import trash
+        from agent.sandbox import netpool, trash
+        netpool.close()
         if not trash.drain(timeout):        # the host links (and state dirs) of the last closes
             log.warning("background teardown not finished at shutdown: `dsec gc` removes what is left")
         self.streams.close_all()

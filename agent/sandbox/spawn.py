@@ -32,6 +32,7 @@ import socket
 import threading
 
 from agent.sandbox import initproto as ip
+from agent.sandbox import netpool
 from agent.sandbox import sysutil as su
 from exporters.metrics import METRICS
 
@@ -87,7 +88,8 @@ def _load():
             return None
         fn.restype = ctypes.c_long
         fn.argtypes = (ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int), ctypes.c_int,
-                       ctypes.c_uint64, ctypes.c_int, ctypes.POINTER(_Rlimit), ctypes.POINTER(ctypes.c_int),
+                       ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Rlimit),
+                       ctypes.POINTER(ctypes.c_int),
                        ctypes.POINTER(ctypes.c_int))
         _fn = fn
         STATE["path"] = "clone3"
@@ -99,10 +101,12 @@ def available() -> bool:
 
 
 def spawn_init(path: str, argv: list, fds: list[int], ns_flags: int, cgroup_fd: int,
-               nofile: tuple[int, int] | None = None) -> tuple[int, int]:
+               nofile: tuple[int, int] | None = None, netns_fd: int = -1) -> tuple[int, int]:
     """Start `path` (argv, an empty environment, fds[i] as fd 3+i) as PID 1 of new
     namespaces (ns_flags) inside the cgroup2 directory open as `cgroup_fd` (-1: none),
-    with the open-file limit `nofile` (soft, hard) when given. Returns (pid, pidfd).
+    with the open-file limit `nofile` (soft, hard) when given; in the network namespace
+    open as `netns_fd` instead of a new one, when given (agent/sandbox/netpool.py).
+    Returns (pid, pidfd).
     Raises Unavailable (the kernel or build cannot: use the fallback; said once)
     or OSError (this start failed: the exec's errno, or the clone's)."""
     fn = _load()
@@ -113,7 +117,7 @@ def spawn_init(path: str, argv: list, fds: list[int], ns_flags: int, cgroup_fd: 
     c_fds = (ctypes.c_int * max(1, len(fds)))(*fds)
     rl = ctypes.byref(_Rlimit(*nofile)) if nofile else None
     pidfd, child_failed = ctypes.c_int(-1), ctypes.c_int(0)
-    r = fn(os.fsencode(path), c_argv, c_fds, len(fds), ns_flags, cgroup_fd, rl, ctypes.byref(pidfd),
+    r = fn(os.fsencode(path), c_argv, c_fds, len(fds), ns_flags, cgroup_fd, netns_fd, rl, ctypes.byref(pidfd),
            ctypes.byref(child_failed))
     if r >= 0:
         return r, pidfd.value
@@ -129,7 +133,8 @@ def spawn_init(path: str, argv: list, fds: list[int], ns_flags: int, cgroup_fd: 
 
 def start_init(cg, path: str, ctl, ctl_child_fd: int, ns_flags: int) -> tuple[int, int, bool]:
     """Start the sandbox's dsec-init (`path`) for the cgroups `cg` (cgroups.SandboxCgroup),
-    `ctl_child_fd` its fd 3, and send it JOIN on `ctl`. Returns (pid, pidfd, join_left):
+    `ctl_child_fd` its fd 3, and send it JOIN on `ctl`; with CLONE_NEWNET in ns_flags, in a
+    network namespace of the pool when it has one (netpool.py). Returns (pid, pidfd, join_left):
     join_left when the launcher still has to move it into its cgroups (the fallback;
     cg.join after HELLO). Raises OSError when the start fails."""
     pid = pidfd = -1
@@ -138,10 +143,17 @@ def start_init(cg, path: str, ctl, ctl_child_fd: int, ns_flags: int) -> tuple[in
         try:
             if cg.v2_path:
                 mine.append(os.open(cg.v2_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
-            pid, pidfd = spawn_init(path, ["dsec-init"], [ctl_child_fd], ns_flags, mine[0] if mine else -1,
-                                    su.nofile_to_restore())
+            netns = netpool.take() if ns_flags & su.CLONE_NEWNET else -1
+            try:
+                pid, pidfd = spawn_init(path, ["dsec-init"], [ctl_child_fd], ns_flags, mine[0] if mine else -1,
+                                        su.nofile_to_restore(), netns)
+            finally:
+                if netns >= 0:
+                    os.close(netns)        # used once, by this start (or by none: it goes)
             join, join_left = list(cg.v1_paths.items()), False
             _count("clone3")
+            if ns_flags & su.CLONE_NEWNET:
+                METRICS.add("dsec.sandbox.netns", 1, source="pool" if netns >= 0 else "clone")
         except Unavailable:
             pid = su.spawn_in_namespaces(path, ["dsec-init"], ns_flags, ctl_child_fd)
             pidfd = os.pidfd_open(pid)
