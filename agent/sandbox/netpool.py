@@ -82,7 +82,8 @@ def ready() -> int:
 
 
 def close() -> None:
-    """No more pool: the unused namespaces go (their fds closed); the thread stops."""
+    """No more pool: the unused namespaces go (their fds closed), the thread ends (what it
+    is making goes too); enable() starts it again."""
     global _want
     with _lock:
         _want = 0
@@ -116,8 +117,11 @@ def _run() -> None:
     try:
         while True:
             with _lock:
-                while len(_ready) >= _want:
+                while _want and len(_ready) >= _want:
                     _wake.wait()
+                if not _want:
+                    _thread = None      # close(): no more pool (an enable() now starts another)
+                    return
                 later = _last_take + REFILL_DELAY_S - time.monotonic()
             if later > 0:
                 time.sleep(later)
@@ -140,4 +144,5 @@ def _run() -> None:
     finally:
         os.close(home)
         with _lock:
-            _thread = None
+            if _thread is threading.current_thread():
+                _thread = None
