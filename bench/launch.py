@@ -219,8 +219,14 @@ class BenchAgent:
         env = dict(os.environ, DSEC_SPOOL_DIR=os.path.join(self.dir, "spool"))
         env.pop("DSEC_AGENT_SOCKET", None)
         self.log = open(os.path.join(self.dir, "agent.log"), "wb")
-        self.proc = subprocess.Popen([DSEC, "agent", "--config", os.path.join(self.dir, "agent.yaml")],
-                                     env=env, stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL)
+        try:
+            self.proc = subprocess.Popen([DSEC, "agent", "--config", os.path.join(self.dir, "agent.yaml")],
+                                         env=env, stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL)
+        except OSError as e:        # no such CLI (--cli): nothing of ours is left behind
+            import shutil
+            self.log.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise SystemExit(f"bench: cannot start the agent {DSEC}: {e.strerror or e}")
         from agent.node.client import AgentError, Client
         deadline = time.monotonic() + 120
         while True:
