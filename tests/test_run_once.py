@@ -186,3 +186,38 @@ def test_sdk_falls_back_when_the_agent_does_not_know_run_once(agent, tmp_path):
     finally:
         server.stop(0)
         upstream.close()
+
+
+def test_an_egress_sandboxs_cleaned_record_waits_for_its_host_link(agent, client):
+    """`cleaned` says the sandbox is gone from the host (docs/agent.md). An egress sandbox's
+    host link is removed off the close's path (agent/sandbox/trash.py), so its `cleaned`
+    record is written once that is done, not when CloseSandbox returns: whenever the record
+    can be read in the spool, its state directory, the host end of its veth and the veth's
+    entry in the firewall's set are gone. (Before, the record was durable when the close
+    returned, with that teardown still under way.)"""
+    from agent.sandbox.launcher import SANDBOX_DIR
+    from agent.sandbox.netns import _live_policy_ifs, ifnames
+    from exporters.spool import Spool
+    spool = Spool(agent.spool)
+    reader = spool.reader("test-cleaned-late")
+    try:
+        read_all(reader)
+        for _ in range(3):
+            sb = client.create(warm=False, network="egress", policy="no-network")     # has egress rules
+            host_if, state = ifnames(sb.id)[0], os.path.join(SANDBOX_DIR, sb.id)
+            assert os.path.isdir(state) and os.path.exists(f"/sys/class/net/{host_if}") \
+                and host_if in _live_policy_ifs()
+            sb.close()
+            deadline, link_then = time.monotonic() + 30, None
+            while link_then is None and time.monotonic() < deadline:
+                recs, _ = read_all(reader)
+                if any(r["sandbox_id"] == sb.id and r["kind"] == "lifecycle"
+                       and json.loads(r["extra"])["state"] == "cleaned" for r in recs):
+                    link_then = (os.path.exists(state) or os.path.exists(f"/sys/class/net/{host_if}")
+                                 or host_if in _live_policy_ifs())
+                else:
+                    time.sleep(0.002)
+            assert link_then is False, (sb.id, "cleaned" if link_then else "no cleaned record in 30 s")
+    finally:
+        reader.close()
+        os.unlink(spool.cursor_path("test-cleaned-late"))

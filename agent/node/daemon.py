@@ -763,15 +763,30 @@ class Agent:
                 brief["audit"] = summary.get("audit")
             if state != PREEMPTED:      # the scheduler's "preempted" transition says it
                 self._lifecycle(rec.id, state, step=rec.steps, reason=reason, steps=rec.steps, **brief, **extra)
-            self._lifecycle(rec.id, "cleaned", step=rec.steps,
-                            kept_upper=(summary or {}).get("kept_upper"))
             self._changed_locked(rec)
+        self._cleaned(rec.id, sb, step=rec.steps, kept_upper=(summary or {}).get("kept_upper"))
         self._release(rec, reason if state != EXITED else None)
         self._retire(rec)
         self._flush_emits()          # durable before anyone is told it ended
         if self.rec is not None and rec.watch is not None and rec.watch.ticket:
             self.rec.make_durable(rec.watch.ticket, 10)     # the watch's end, if that append did not carry it
         return summary
+
+    def _cleaned(self, sid: str, sb, **extra):
+        """The `cleaned` record, once the sandbox is gone from the host: now, or (an egress
+        sandbox's host link is removed off the close's path) when the trash thread has removed
+        it (Sandbox.after_teardown), then written by the emit writer. It says what could not
+        be removed (`teardown_error`), never more than was done."""
+        def record(late: bool):
+            with self._lock:
+                self._lifecycle(sid, "cleaned", teardown_error=sb.teardown_error if sb is not None else None,
+                                **extra)
+            if late:
+                self._flush_emits_soon()
+        if sb is not None and sb.teardown_deferred:
+            sb.after_teardown(lambda: record(True))
+        else:
+            record(False)
 
     def _cancel_locked(self, rec: SandboxRecord, reason: str):
         try:

@@ -206,7 +206,7 @@ class WarmPool:
             w.rec.reason = reason
             w.rec.ended_ns = time.time_ns()
             self.agent._changed_locked(w.rec)
-            self.agent._lifecycle(w.rec.id, "cleaned", reason=reason, profile=w.profile.name)
+        self.agent._cleaned(w.rec.id, sb, reason=reason, profile=w.profile.name)
         if not w.failed:
             self.release_slot(w.slot, reason)
 

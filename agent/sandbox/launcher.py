@@ -216,6 +216,8 @@ class Sandbox:
         self.lock_fd = -1
         self.lease = None
         self.teardown_later = False      # the node agent's: an egress host side off the close (trash.py)
+        self.teardown_deferred = False           # the rest of the teardown is queued (trash.later), not yet done
+        self.teardown_error: str | None = None   # what the teardown could not remove (after_teardown's fn reads it)
         self._state: dict = {}           # what state.json says (written, never read back)
         self.uid = self.gid = None
         self.cg: cgroups.SandboxCgroup | None = None
@@ -766,16 +768,32 @@ class Sandbox:
         # emptied by close (every member killed and gone, dsec-init too: nothing is left to fork
         # into it) or killed here; either way the rmdirs wait out an EBUSY
         left = self.cg.remove(kill=not self._emptied) if self.cg else []
+        if left:
+            self.teardown_error = f"cgroups left: {' '.join(left)}"
         if (self.net or self.spec.network == "egress") and self.teardown_later:
+            self.teardown_deferred = True
             return trash.later(self.sid, lambda: self._teardown_rest(left))
         self._teardown_rest(left)
+
+    def after_teardown(self, fn) -> None:
+        """fn() once the whole teardown is done: now, or (an egress host side removed off
+        the close's path: teardown_later) on the trash thread right after it. A record that
+        says the sandbox is gone from the host waits for this, not for close()."""
+        if self.teardown_deferred:
+            trash.later(self.sid, fn)
+        else:
+            fn()
 
     def _teardown_rest(self, left: list):
         """The host link, the state dir, its lock, the uid lease: gc sees it live until then."""
         if self.net or self.spec.network == "egress":
             from agent.sandbox import netns
             pol = self.spec.policy
-            netns.teardown(self.sid, policy_egress=bool(self.net) and pol is not None and pol.spec.egress is not None)
+            try:
+                netns.teardown(self.sid, policy_egress=bool(self.net) and pol is not None and pol.spec.egress is not None)
+            except Exception as e:  # noqa: BLE001 - said by after_teardown's record, and on stderr by trash
+                self.teardown_error = f"host link: {e}"
+                raise
         if self.dir and not left:
             trash.remove_later(self.dir)     # renamed now, removed off the close's path (trash.py)
         if self.lock_fd >= 0:
