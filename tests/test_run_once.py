@@ -218,6 +218,21 @@ def test_an_egress_sandboxs_cleaned_record_waits_for_its_host_link(agent, client
                 else:
                     time.sleep(0.002)
             assert link_then is False, (sb.id, "cleaned" if link_then else "no cleaned record in 30 s")
+        # a start that fails after its state dir was made (no such user in the image): torn down by
+        # start() itself, the egress part off its path too, and `cleaned` after that, as above
+        sid = "sbx-cleanedlate-failed"
+        with pytest.raises(SandboxFailed):
+            client.create(sandbox_id=sid, warm=False, network="egress", user="no-such-user-here")
+        state, deadline, states, then = os.path.join(SANDBOX_DIR, sid), time.monotonic() + 30, [], None
+        while then is None and time.monotonic() < deadline:
+            recs, _ = read_all(reader)
+            states += [json.loads(r["extra"])["state"] for r in recs
+                       if r["sandbox_id"] == sid and r["kind"] == "lifecycle"]
+            if "cleaned" in states:
+                then = os.path.exists(state)
+            else:
+                time.sleep(0.002)
+        assert then is False and states.index("failed") < states.index("cleaned"), (states, then)
     finally:
         reader.close()
         os.unlink(spool.cursor_path("test-cleaned-late"))

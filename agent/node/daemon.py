@@ -609,6 +609,7 @@ class Agent:
                 sb.start()
             except BaseException:
                 rec.watch.unwatch()      # start() tore the sandbox down without on_exit
+                rec.failed_start = sb    # its `cleaned` waits for that teardown (_cleaned)
                 raise
         return sb
 
@@ -652,8 +653,8 @@ class Agent:
             rec.ended_ns = time.time_ns()
             rec.start_done.set()
             self._lifecycle(rec.id, "failed", reason=reason)
-            self._lifecycle(rec.id, "cleaned")
             self._changed_locked(rec)
+        self._cleaned(rec.id, rec.failed_start)
         self._release(rec, reason)
         self._retire(rec)
         self._flush_emits()

@@ -139,6 +139,7 @@ class SandboxRecord:
         self.queued_s = 0.0
         self.deadline: float | None = None     # monotonic end of lifetime
         self.sandbox = None                    # launcher.Sandbox once started
+        self.failed_start = None               # the launcher.Sandbox whose start failed (torn down by it)
         self.watch = None                      # its sensors.watch.SandboxWatch (the record)
         self.cgroup_id = 0
         self.steps = 0

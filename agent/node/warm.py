@@ -162,6 +162,7 @@ class WarmPool:
                 self.agent._lifecycle(w.rec.id, "failed", reason=f"warm sandbox start failed: {msg}",
                                       profile=prof.name)
                 self.agent._changed_locked(w.rec)
+            self.agent._cleaned(w.rec.id, w.rec.failed_start, profile=prof.name)
             if not w.abandoned:         # else destroy() released the slot
                 self.release_slot(w.slot, f"warm sandbox start failed: {msg}")
             return
