@@ -49,8 +49,9 @@ Prints min / median / p90 / p99 in ms and the ratios against bwrap and fork+exec
 
 Then sandboxes per second through the agent (create + exec /bin/true + close,
 64 MiB each, no CPU quota, cold) at concurrency 1, 8 and 32 (--levels), each for
---sustain seconds (default 15), with the agent's CPU per sandbox (utime + stime):
-three calls (CreateSandbox, Exec, CloseSandbox) and one RunOnce, alternating at
+--sustain seconds (default 15), with the agent's CPU per sandbox (utime + stime, and
+the two apart: its Python and its system calls) and its threads' context switches per
+sandbox (each a hand-off between threads: a wake-up paid on both sides): three calls (CreateSandbox, Exec, CloseSandbox) and one RunOnce, alternating at
 each level, so the ratio once / calls comes from the same minute.
 
 Then, each with an agent of its own:
@@ -318,9 +319,35 @@ def sustained(agent, concurrency: int, seconds: float, once: bool = False) -> tu
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of process pid (all its threads), seconds."""
+    return sum(usage(pid)[:2])
+
+
+def usage(pid: int) -> tuple[float, float, int]:
+    """(utime s, stime s, context switches) of process pid, all its threads: the user part is
+    the agent's Python (and libraries), the kernel part its syscalls, and the switches (voluntary
+    and not, of every thread alive now: an ended thread's are lost with it) its hand-offs
+    between threads, each a wake-up paid on both sides (~20-40 us of CPU on this VM)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    switches = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{t}/status") as f:
+                for line in f:
+                    if "ctxt_switches:" in line:        # voluntary_... and nonvoluntary_...
+                        switches += int(line.split()[1])
+        except OSError:
+            continue
+    return int(fields[11]) / tick, int(fields[12]) / tick, switches
+
+
+def usage_since(pid: int, before: tuple, n: int) -> str:
+    """The agent's CPU per sandbox since `before` (usage()), split, and its switches per sandbox."""
+    u, k, sw = (a - b for a, b in zip(usage(pid), before))
+    n = max(1, n)
+    return (f"agent CPU {(u + k) * 1000 / n:.1f} ms per sandbox (user {u * 1000 / n:.1f}, kernel "
+            f"{k * 1000 / n:.1f}; {sw / n:.0f} context switches)")
 
 
 def pss_kib(pid: int) -> int:
@@ -382,14 +409,15 @@ def burst(n: int, pool: int, concurrency: int, limit_s: float = 120.0) -> dict:
             except AgentError as e:
                 with lock:
                     failed.append(str(e)[:200])
-        cpu0, t0 = cpu_seconds(agent.proc.pid), time.monotonic()
+        use0, t0 = usage(agent.proc.pid), time.monotonic()
         give_up[0] = t0 + limit_s
         with ThreadPoolExecutor(concurrency) as ex:
             list(ex.map(one, range(n)))
         wall = time.monotonic() - t0
-        cpu = cpu_seconds(agent.proc.pid) - cpu0
+        cpu = cpu_seconds(agent.proc.pid) - sum(use0[:2])
+        split = usage_since(agent.proc.pid, use0, n).replace("per sandbox", "per request")
         return {"n": n, "once": hasattr(agent.client, "run_once"), "pool": pool, "pool_ready": ready, "wall_s": wall, "warm": hits[0], "failed": failed,
-                "agent_cpu_ms": cpu * 1000 / n}
+                "agent_cpu_ms": cpu * 1000 / n, "agent_usage": split}
     finally:
         agent.stop()
 
@@ -656,13 +684,13 @@ def main():
             for conc in [int(x) for x in a.levels.split(",") if x] if a.sustain > 0 else ():
                 got = {}
                 for once in (False, True) if hasattr(agent.client, "run_once") else (False,):
-                    cpu0, machine0 = cpu_seconds(agent.proc.pid), cpu_times()
+                    use0, machine0 = usage(agent.proc.pid), cpu_times()
                     n, rate, failed = sustained(agent, conc, a.sustain, once=once)
-                    cpu = (cpu_seconds(agent.proc.pid) - cpu0) * 1000 / max(1, n)
+                    cpu = (cpu_seconds(agent.proc.pid) - sum(use0[:2])) * 1000 / max(1, n)
                     got[once] = (rate, cpu)
                     base = base or rate
                     print(f"  concurrency {conc:2d} {'RunOnce' if once else '3 calls'}: {rate:6.1f}/s ({n} sandboxes, "
-                          f"{failed} failed, {rate / base:4.2f}x the first level; agent CPU {cpu:.1f} ms per sandbox; "
+                          f"{failed} failed, {rate / base:4.2f}x the first level; {usage_since(agent.proc.pid, use0, n)}; "
                           f"{steal_since(machine0)}) (target >= 100/s)")
                 if True in got:
                     print(f"  concurrency {conc:2d} RunOnce / 3 calls: {got[True][0] / got[False][0]:.2f}x "
@@ -682,7 +710,7 @@ def main():
         print(f"\nburst: {b['n']} requests (create + exec /bin/true + close: {how}), 32 at a time, from a warm pool of "
               f"{b['pool']} ({'ready' if b['pool_ready'] else 'NOT fully ready'} at the start, refilled as it "
               f"drains): {b['wall_s']:.1f} s (target <= 15 s), {b['warm']} served warm, {len(b['failed'])} failed"
-              f"{' ' + repr(b['failed'][:2]) if b['failed'] else ''}; agent CPU {b['agent_cpu_ms']:.1f} ms per request; {steal_since(machine0)}")
+              f"{' ' + repr(b['failed'][:2]) if b['failed'] else ''}; {b['agent_usage']}; {steal_since(machine0)}")
     if agent is not None and a.idle:
         m = idle_memory(a.idle)
         print(f"\nidle: {m['live']} of {m['n']} idle live sandboxes (created in {m['create_s']:.1f} s"
