@@ -21,7 +21,9 @@ unregister) took ~19 ms of a close; the node agent runs it here (the launcher's
 Sandbox.teardown_later), followed by the rest of the teardown that must come
 after it: the state directory's rename, its lock's release (until then `dsec
 gc` sees a live sandbox, links included) and the uid lease's. A start of the
-same sandbox id in this process waits for it (wait_for).
+same sandbox id in this process waits for it (wait_for), and the agent's
+`cleaned` record for the sandbox is written after it (Sandbox.after_teardown
+queues it here), not when the close answers.
 """
 from __future__ import annotations
 
