@@ -51,7 +51,8 @@ Then sandboxes per second through the agent (create + exec /bin/true + close,
 64 MiB each, no CPU quota, cold) at concurrency 1, 8 and 32 (--levels), each for
 --sustain seconds (default 15), with the agent's CPU per sandbox (utime + stime, and
 the two apart: its Python and its system calls) and its threads' context switches per
-sandbox (each a hand-off between threads: a wake-up paid on both sides): three calls (CreateSandbox, Exec, CloseSandbox) and one RunOnce, alternating at
+sandbox (each a hand-off between threads: a wake-up paid on both sides; a lower bound, as
+the switches of threads that ended meanwhile are not counted): three calls (CreateSandbox, Exec, CloseSandbox) and one RunOnce, alternating at
 each level, so the ratio once / calls comes from the same minute.
 
 Then, each with an agent of its own:
@@ -325,7 +326,8 @@ def cpu_seconds(pid: int) -> float:
 def usage(pid: int) -> tuple[float, float, int]:
     """(utime s, stime s, context switches) of process pid, all its threads: the user part is
     the agent's Python (and libraries), the kernel part its syscalls, and the switches (voluntary
-    and not, of every thread alive now: an ended thread's are lost with it) its hand-offs
+    and not, of every thread alive now: an ended thread's are lost with it, so a difference
+    is a lower bound, and a low one where connection threads came and went) its hand-offs
     between threads, each a wake-up paid on both sides (~20-40 us of CPU on this VM)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
@@ -347,7 +349,7 @@ def usage_since(pid: int, before: tuple, n: int) -> str:
     u, k, sw = (a - b for a, b in zip(usage(pid), before))
     n = max(1, n)
     return (f"agent CPU {(u + k) * 1000 / n:.1f} ms per sandbox (user {u * 1000 / n:.1f}, kernel "
-            f"{k * 1000 / n:.1f}; {sw / n:.0f} context switches)")
+            f"{k * 1000 / n:.1f}; >= {max(0, sw) / n:.0f} context switches)")
 
 
 def pss_kib(pid: int) -> int:
