@@ -1,6 +1,7 @@
 """dsec run: real sandboxes on the real kernel."""
 from __future__ import annotations
 
+import ast
 import errno
 import hashlib
 import json
@@ -111,6 +112,55 @@ def test_writable_layers_are_volatile_a_workloads_sync_stays_in_the_sandbox():
     assert len(lines) >= 2, lines                 # the root and /usr at least
     for ln in lines:
         assert "fsync=volatile" in ln or ",volatile" in ln, ln
+
+
+MASK_PROBE = r"""
+import os
+info = {}
+for ln in open("/proc/self/mountinfo"):
+    f = ln.split()
+    info[f[4]] = (f[2], set(f[5].split(",")), ln.split(" - ")[1].split()[0])
+out = []
+for m in MASKED:
+    if not os.path.lexists(m):
+        continue
+    if os.path.isdir(m):
+        dev, flags, fstype = info[m]
+        w = None
+        try:
+            open(os.path.join(m, "x"), "w")
+        except OSError as e:
+            w = e.errno
+        out.append(("dir", m, dev, sorted(flags & {"ro", "nosuid", "nodev", "noexec"}), fstype, os.listdir(m), w))
+    else:
+        try:
+            data = open(m, "rb").read(64)
+        except OSError as e:
+            data = e.errno
+        out.append(("file", m, data))
+print(repr(out))
+"""
+
+
+def test_masked_paths_are_empty_and_read_only():
+    """The OCI runtimes' masked paths (agent/sandbox/plan.py MASKED): a masked directory is an
+    empty tmpfs, read-only, nosuid, nodev, noexec, one superblock shared by all of them
+    (dsec-init mounts it once and binds it: each superblock is a registration under a kernel-wide
+    lock that a busy node's memory-cgroup removals walk); a masked file reads as /dev/null."""
+    from agent.sandbox.plan import MASKED
+    probe = f"MASKED = {MASKED!r}" + MASK_PROBE
+    r = dsec(*RUN, "--", "python3", "-I", "-c", probe)
+    assert r.returncode == 0, r.stderr
+    out = ast.literal_eval(r.stdout.decode().strip())
+    dirs = [o for o in out if o[0] == "dir"]
+    files = [o for o in out if o[0] == "file"]
+    assert len(dirs) >= 3 and files, out         # /sys/firmware, /sys/kernel/debug, /sys/fs/bpf; /proc/kcore
+    for _, m, dev, flags, fstype, listing, werr in dirs:
+        assert fstype == "tmpfs" and flags == ["nodev", "noexec", "nosuid", "ro"], (m, fstype, flags)
+        assert listing == [] and werr in (errno.EROFS, errno.EACCES), (m, listing, werr)   # EACCES: not root
+    assert len({d[2] for d in dirs}) == 1, dirs   # one superblock
+    for _, m, data in files:
+        assert data == b"", (m, data)
 
 
 def test_sandbox_state_dirs_are_spread_over_the_file_system(tmp_path):

@@ -465,6 +465,14 @@ static void do_mount(struct op *op)
     close(tfd);
 }
 
+/* The root of the first directory mask's tmpfs (O_PATH): every later directory mask is a bind
+ * mount of it, one empty read-only (superblock and mount) tmpfs for the sandbox instead of one per
+ * masked directory. Each superblock costs a mount, and a registration under a kernel-wide lock
+ * (its memcg-aware dentry and inode LRUs) that every memory cgroup's removal on the node walks:
+ * with a few hundred sandboxes alive, a start's mounts waited on that lock
+ * (docs/launch-figures.md). Closed before the pivot. */
+static int mask_dir_fd = -1;
+
 static void do_mask(struct op *op)
 {
     int fd = resolve_in_root(op->target, 0);
@@ -478,9 +486,14 @@ static void do_mask(struct op *op)
         fatal("mask %s: %s", op->target, strerror(errno));
     char tbuf[64], sbuf[64];
     int r;
-    if (S_ISDIR(st.st_mode)) {
+    if (S_ISDIR(st.st_mode) && mask_dir_fd >= 0) {
+        /* a bind keeps the source mount's flags: read-only, nosuid, nodev, noexec */
+        r = mount(fdpath(mask_dir_fd, sbuf, sizeof(sbuf)), fdpath(fd, tbuf, sizeof(tbuf)), NULL, MS_BIND, NULL);
+    } else if (S_ISDIR(st.st_mode)) {
         r = mount("tmpfs", fdpath(fd, tbuf, sizeof(tbuf)), "tmpfs",
                   MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=0");
+        if (r == 0 && (mask_dir_fd = resolve_in_root(op->target, O_DIRECTORY)) < 0)
+            fatal("mask %s: reopening it: %s", op->target, strerror(errno));
     } else {
         int nfd = resolve_in_root("/dev/null", 0);
         if (nfd < 0)
@@ -538,6 +551,10 @@ static void run_op(const unsigned char *p, const unsigned char *end)
         do_mask(&op);
         break;
     case DSEC_OP_PIVOT:
+        if (mask_dir_fd >= 0) {
+            close(mask_dir_fd);
+            mask_dir_fd = -1;
+        }
         if (fchdir(rootfd) < 0 || syscall(SYS_pivot_root, ".", ".") < 0)
             fatal("pivot_root into %s failed: %s", op.target ? op.target : "the root", strerror(errno));
         if (umount2(".", MNT_DETACH) < 0)
