@@ -896,6 +896,8 @@ class Agent:
     def _check_room_locked(self):
         if self._shutting:
             raise ApiError("UNAVAILABLE", "the agent is shutting down")
+        if len(self._records) < self.cfg.limits.max_sandboxes:
+            return          # (the live ones are among them: no count of every record per create)
         live = sum(1 for r in self._records.values() if r.state not in ENDED)
         if live >= self.cfg.limits.max_sandboxes:
             raise ApiError("RESOURCE_EXHAUSTED", f"the agent already holds {live} sandboxes "
