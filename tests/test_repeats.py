@@ -323,9 +323,10 @@ def test_sandbox_repeats_in_clickhouse_replay_denials_and_off(audit_env, sid, tm
 
 
 def test_one_sandbox_end_leaves_the_others_counts_exact(audit_sensor, audit_cgroups, tmp_path):
-    """A sandbox's end reads its own entries only (Repeats.flush scoped, finish): another
-    sandbox's counts, and a generation it retired just before, stay exact to its own end
-    and nothing of either is left in the table."""
+    """A sandbox's end reads its own entries only, once (its removal's Repeats.finish; the drain
+    before it leaves them: a read walks every sandbox's entries of `agg`): another sandbox's
+    counts, and a generation it retired just before, stay exact to its own end and nothing of
+    either is left in the table."""
     h = audit_sensor
     a = h.sandbox(audit_cgroups, aggregate=KINDS)
     b = h.sandbox(audit_cgroups, aggregate=KINDS)
@@ -346,9 +347,17 @@ def test_one_sandbox_end_leaves_the_others_counts_exact(audit_sensor, audit_cgro
         h.sensor.set_step(b.cg.id, 2)               # b's first generation retired
         ask(b, 5)
         ask(a, 5)
-        h.sensor.drain(a.cg.id)                     # a's end, as Recorder.catch_up
-        _kill(procs[a.sandbox_id])
-        t_a = a.remove()
+        reads = []
+        real = h.sensor.repeats._entries
+        h.sensor.repeats._entries = lambda scope=None: reads.append(scope) or real(scope)
+        try:
+            h.sensor.drain(a.cg.id, ending=True)    # a's end, as Recorder.catch_up: its removal follows
+            assert reads == []                      # which reads its entries (one walk of `agg`, not two)
+            _kill(procs[a.sandbox_id])
+            t_a = a.remove()
+            assert reads == [{a.cg.id}]
+        finally:
+            del h.sensor.repeats._entries
         ask(b, 5)
     finally:
         for p in procs.values():

@@ -588,7 +588,7 @@ class RingSensor:
             self._after_periodic()
         return n
 
-    def _drain(self, cgroup_id: int | None = None) -> int:
+    def _drain(self, cgroup_id: int | None = None, ending: bool = False) -> int:
         with self._lock:
             self._check_open()
             self._consume()
@@ -603,7 +603,7 @@ class RingSensor:
             if self._closed:
                 return 0
             self._take_enriched()
-            self._flush_all(final=True, only=cgroup_id)
+            self._flush_all(final=True, only=cgroup_id, ending=ending)
             return self._deliver()
 
     def _periodic(self, now: float) -> None:
@@ -615,7 +615,8 @@ class RingSensor:
     def _between_flushes(self, now: float) -> None:
         """Every poll() that is not a periodic flush, under the lock, after the ring was read."""
 
-    def _flush_all(self, final: bool, only: int | None = None) -> None:
+    def _flush_all(self, final: bool, only: int | None = None, ending: bool = False) -> None:
+        """ending: `only`'s end follows (its removal reads what is left of it)."""
         for cgid in self._flush_ids(only):
             self._flush_losses(cgid, self._read_state(cgid))
 

@@ -660,9 +660,9 @@ class EnforcementSensor(RingSensor):
             self._sys_hooks_idle(time.monotonic())
         self.refresh_hosts()
 
-    def _flush_all(self, final: bool, only: int | None = None) -> None:
+    def _flush_all(self, final: bool, only: int | None = None, ending: bool = False) -> None:
         self._flush_syscalls(only, final=final)
-        super()._flush_all(final, only)
+        super()._flush_all(final, only, ending)
 
     def stats(self, cgroup_id: int) -> dict:
         with self._lock:

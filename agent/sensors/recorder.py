@@ -485,11 +485,12 @@ class Recorder:
             return {}
         return self.enforcer.syscall_counts(cgroup_id)
 
-    def catch_up(self, cgroup_id: int | None = None, flush: bool = True):
+    def catch_up(self, cgroup_id: int | None = None, flush: bool = True, ending: bool = False):
         """Decode (and enrich) everything the kernel has emitted so far; the
         wait for exec enrichment is for `cgroup_id`'s files only when given.
-        flush=False: queued, not appended (the caller's next append takes them)."""
-        self.sensor.drain(cgroup_id)
+        flush=False: queued, not appended (the caller's next append takes them).
+        ending: `cgroup_id`'s unwatch follows, which reads its repeats (AuditSensor.drain)."""
+        self.sensor.drain(cgroup_id, ending=ending and cgroup_id is not None)
         if self.enforcer is not None:
             self.enforcer.drain(cgroup_id)
         if flush:

@@ -247,7 +247,7 @@ class SandboxWatch:
 
     def on_workload_exit(self, sandbox_id):
         if self.watched:
-            self.rec.catch_up(self.cgroup_id, flush=self.flush)
+            self.rec.catch_up(self.cgroup_id, flush=self.flush, ending=True)    # unwatch() follows
 
     def unwatch(self) -> dict:
         """Stop watching (the sandbox is gone, or never started): the sensors' totals."""
