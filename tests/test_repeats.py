@@ -165,6 +165,41 @@ def test_step_change_retires_the_counts_and_off_switch(audit_sensor, audit_cgrou
     assert t_off["aggregated"] == {} and t_off["summaries"] == 0
 
 
+def test_the_set_up_before_the_first_step_makes_no_entries(audit_sensor, audit_cgroups, tmp_path):
+    """aggregate_from_step (the recorder's, for every sandbox it watches): what runs before
+    the first step -- a sandbox's init setting it up, whose records the recorder leaves out
+    -- is emitted one record per event and makes no entry of `agg`, where it made entries
+    that stayed for the sandbox's life (two an idle sandbox: every read of the table walked
+    them); from the first set_step on, repeats are counted as before."""
+    h = audit_sensor
+    path = str(tmp_path / "s")
+    sbx = h.sandbox(audit_cgroups, aggregate=KINDS, aggregate_from_step=True)
+    p = run_in_cgroup(sbx.cg, [PYTHON, "-I", "-S", "-B", "-c", STEPS, path], stdin=subprocess.PIPE,
+                      stdout=subprocess.PIPE)
+    mine = lambda: [r for r in sbx.of_kind("open_write") if r["path"] == path]  # noqa: E731
+
+    def ask(n):
+        p.stdin.write(b"%d\n" % n)
+        p.stdin.flush()
+        assert p.stdout.readline() == b"ok\n"
+    try:
+        ask(5)
+        assert h.poll_until(lambda: len(mine()) == 5, 10)
+        assert not any(_summary(r) for r in mine()) and not _entries(h.sensor, sbx.cg.id)
+        h.sensor.set_step(sbx.cg.id, 1)
+        ask(20)
+        assert h.poll_until(lambda: _occurrences(mine()) == 25, 10)
+        step1 = [r for r in mine() if r["step"] == 1]
+        assert len(step1) == 2 and not _summary(step1[0]) and _summary(step1[1]), step1
+        assert len(_entries(h.sensor, sbx.cg.id)) == 1
+    finally:
+        p.stdin.close()
+        _kill(p)
+    t = sbx.remove()
+    assert not _entries(h.sensor, sbx.cg.id)
+    assert t["aggregated"] == {"open_write": 19} and t["lost_total"] == 0
+
+
 def test_quick_steps_retire_generations_without_the_periodic_flush(audit_sensor, audit_cgroups, tmp_path):
     """A sandbox stepping every few ms retires a generation a step: each is read a last
     time and deleted within a few settles, and the counts stay exact, without bringing

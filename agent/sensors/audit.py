@@ -206,6 +206,8 @@ class AuditSensor(RingSensor):
         # (the programs read it), so a step's set_step writes it without reading it back first
         # (a BCC look-up less on every step's path); gone the moment the entry is removed
         self._cfgs: dict[int, object] = {}
+        # agg_kinds held back until the sandbox's first set_step (add_sandbox's aggregate_from_step)
+        self._agg_held: dict[int, int] = {}
         self._stop_notified: set[int] = set()
         events = self.bpf[b"events"]
         self._init_records(events, self.bpf[b"exec_scratch"].Leaf, node=node, enricher=enricher)
@@ -243,10 +245,14 @@ class AuditSensor(RingSensor):
         overriding the defaults, aggregate (the kinds whose repeats the kernel
         may count: only those the sandbox's policy can decide nothing but
         "allowed" for, policies.evaluate.aggregable_kinds; default all of
-        repeats.KINDS; nothing when the sensor's aggregate is off).
+        repeats.KINDS; nothing when the sensor's aggregate is off), aggregate_from_step (True:
+        the kernel counts repeats only from the first set_step on, so that the sandbox's own
+        set-up -- its init's records, which the recorder leaves out of the record -- makes no
+        entry of `agg` that would stay there for the sandbox's life: an idle sandbox held two,
+        and every read of the table walks every sandbox's entries).
         """
         known = set(LABELS) | {"step", "root_pid", "rate", "burst", "byte_rate", "byte_burst", "over_budget",
-                               "aggregate"}
+                               "aggregate", "aggregate_from_step"}
         bad = sorted(set(labels) - known)
         if bad:
             raise DsecError(f"add_sandbox: unknown label(s) {', '.join(bad)} (known: {', '.join(sorted(known))})")
@@ -277,6 +283,9 @@ class AuditSensor(RingSensor):
             cfg.byte_ps, cfg.byte_tol_ns = byte_ps, byte_tol
             cfg.mode = self.consts.over[mode]
             cfg.agg_kinds = agg_mask
+            if labels.get("aggregate_from_step") and agg_mask:
+                cfg.agg_kinds = 0
+                self._agg_held[cgroup_id] = agg_mask
             self.repeats.add(cgroup_id, agg_kinds)
             try:
                 self._state_map[self._state_map.Key(cgroup_id)] = self._state_map.Leaf()  # zeroed first
@@ -286,6 +295,7 @@ class AuditSensor(RingSensor):
                 self._gen[k] = self._gen.Leaf(self._gen[k].value + 1)
             except Exception as e:   # BCC raises bare Exception when a map update fails
                 self._cfgs.pop(cgroup_id, None)
+                self._agg_held.pop(cgroup_id, None)
                 for m in (self._sandboxes_map, self._state_map):
                     map_discard(m, m.Key(cgroup_id))
                 self._untrack(cgroup_id)
@@ -307,6 +317,9 @@ class AuditSensor(RingSensor):
             def apply(cfg):
                 cfg.step = step
                 self.repeats.next_gen(cgroup_id, cfg)   # the step's repeats: counted afresh
+                held = self._agg_held.pop(cgroup_id, None)
+                if held is not None:                    # the first step: repeats counted from now on
+                    cfg.agg_kinds = held
             if not self._update_cfg(cgroup_id, apply):
                 raise DsecError(f"set_step: cgroup {cgroup_id} is not audited")
             self._steps[cgroup_id] = step
@@ -324,7 +337,10 @@ class AuditSensor(RingSensor):
             self.repeats.set_kinds(cgroup_id, kinds)
 
             def apply(cfg):
-                cfg.agg_kinds = mask
+                if cgroup_id in self._agg_held:         # no step yet: the new kinds from the first
+                    self._agg_held[cgroup_id] = mask
+                else:
+                    cfg.agg_kinds = mask
                 cfg.agg_gen = self.repeats.gen(cgroup_id)
             self._update_cfg(cgroup_id, apply)
 
@@ -342,6 +358,7 @@ class AuditSensor(RingSensor):
             if cgroup_id not in self.decoder.sandboxes:
                 return self._final(cgroup_id, "remove_sandbox")
             self._cfgs.pop(cgroup_id, None)     # first: no later write can put the entry back
+            self._agg_held.pop(cgroup_id, None)
             map_discard(self._sandboxes_map, self._sandboxes_map.Key(cgroup_id))
             removed = time.monotonic()
             fence = self._ring_fence() if exited else None

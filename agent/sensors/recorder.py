@@ -429,6 +429,7 @@ class Recorder:
         if image_digest:
             self.images[sandbox_id] = image_digest
         labels.setdefault("aggregate", aggregable_kinds(policy))
+        labels.setdefault("aggregate_from_step", True)     # the init's set-up: none (AuditSensor.add_sandbox)
         self.sensor.add_sandbox(cgroup_id, sandbox_id, step=step, **labels)
         self._watched[cgroup_id] = {"sandbox_id": sandbox_id, "policy": policy, "path": cgroup_path,
                                     "enforced": False, "step": step}
