@@ -52,8 +52,9 @@ Then sandboxes per second through the agent (create + exec /bin/true + close,
 --sustain seconds (default 15), with the agent's CPU per sandbox (utime + stime, and
 the two apart: its Python and its system calls) and its threads' context switches per
 sandbox (each a hand-off between threads: a wake-up paid on both sides; a lower bound, as
-the switches of threads that ended meanwhile are not counted): three calls (CreateSandbox, Exec, CloseSandbox) and one RunOnce, alternating at
-each level, so the ratio once / calls comes from the same minute.
+the switches of threads that ended meanwhile are not counted): three calls
+(CreateSandbox, Exec, CloseSandbox) and one RunOnce, alternating at each level, so the
+ratio once / calls comes from the same minute.
 
 Then, each with an agent of its own:
   burst         --burst requests (default 1,000; create + exec /bin/true + close in the warm
@@ -318,11 +319,6 @@ def sustained(agent, concurrency: int, seconds: float, once: bool = False) -> tu
     return done[0], done[0] / (time.monotonic() - t0), failed[0]
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of process pid (all its threads), seconds."""
-    return sum(usage(pid)[:2])
-
-
 def usage(pid: int) -> tuple[float, float, int]:
     """(utime s, stime s, context switches) of process pid, all its threads: the user part is
     the agent's Python (and libraries), the kernel part its syscalls, and the switches (voluntary
@@ -344,12 +340,14 @@ def usage(pid: int) -> tuple[float, float, int]:
     return int(fields[11]) / tick, int(fields[12]) / tick, switches
 
 
-def usage_since(pid: int, before: tuple, n: int) -> str:
-    """The agent's CPU per sandbox since `before` (usage()), split, and its switches per sandbox."""
+def usage_since(pid: int, before: tuple, n: int, unit: str = "sandbox") -> tuple[float, str]:
+    """The agent's CPU per `unit` since `before` (usage()) in ms, and that figure said: split,
+    with its switches per `unit`."""
     u, k, sw = (a - b for a, b in zip(usage(pid), before))
     n = max(1, n)
-    return (f"agent CPU {(u + k) * 1000 / n:.1f} ms per sandbox (user {u * 1000 / n:.1f}, kernel "
-            f"{k * 1000 / n:.1f}; >= {max(0, sw) / n:.0f} context switches)")
+    cpu = (u + k) * 1000 / n
+    return cpu, (f"agent CPU {cpu:.1f} ms per {unit} (user {u * 1000 / n:.1f}, kernel "
+                 f"{k * 1000 / n:.1f}; >= {max(0, sw) / n:.0f} context switches)")
 
 
 def pss_kib(pid: int) -> int:
@@ -416,10 +414,9 @@ def burst(n: int, pool: int, concurrency: int, limit_s: float = 120.0) -> dict:
         with ThreadPoolExecutor(concurrency) as ex:
             list(ex.map(one, range(n)))
         wall = time.monotonic() - t0
-        cpu = cpu_seconds(agent.proc.pid) - sum(use0[:2])
-        split = usage_since(agent.proc.pid, use0, n).replace("per sandbox", "per request")
+        _, said = usage_since(agent.proc.pid, use0, n, "request")
         return {"n": n, "once": hasattr(agent.client, "run_once"), "pool": pool, "pool_ready": ready, "wall_s": wall, "warm": hits[0], "failed": failed,
-                "agent_cpu_ms": cpu * 1000 / n, "agent_usage": split}
+                "agent_usage": said}
     finally:
         agent.stop()
 
@@ -688,11 +685,11 @@ def main():
                 for once in (False, True) if hasattr(agent.client, "run_once") else (False,):
                     use0, machine0 = usage(agent.proc.pid), cpu_times()
                     n, rate, failed = sustained(agent, conc, a.sustain, once=once)
-                    cpu = (cpu_seconds(agent.proc.pid) - sum(use0[:2])) * 1000 / max(1, n)
+                    cpu, said = usage_since(agent.proc.pid, use0, n)
                     got[once] = (rate, cpu)
                     base = base or rate
                     print(f"  concurrency {conc:2d} {'RunOnce' if once else '3 calls'}: {rate:6.1f}/s ({n} sandboxes, "
-                          f"{failed} failed, {rate / base:4.2f}x the first level; {usage_since(agent.proc.pid, use0, n)}; "
+                          f"{failed} failed, {rate / base:4.2f}x the first level; {said}; "
                           f"{steal_since(machine0)}) (target >= 100/s)")
                 if True in got:
                     print(f"  concurrency {conc:2d} RunOnce / 3 calls: {got[True][0] / got[False][0]:.2f}x "

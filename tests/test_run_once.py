@@ -188,6 +188,20 @@ def test_sdk_falls_back_when_the_agent_does_not_know_run_once(agent, tmp_path):
         upstream.close()
 
 
+def _at_cleaned(reader, sid: str, look, limit_s: float = 30.0):
+    """Reads the spool until `sid`'s `cleaned` lifecycle record is there: (its lifecycle
+    states so far, look() called the moment that record was read; None if it never came)."""
+    deadline, states = time.monotonic() + limit_s, []
+    while time.monotonic() < deadline:
+        recs, _ = read_all(reader)
+        states += [json.loads(r["extra"])["state"] for r in recs
+                   if r["sandbox_id"] == sid and r["kind"] == "lifecycle"]
+        if "cleaned" in states:
+            return states, look()
+        time.sleep(0.002)
+    return states, None
+
+
 def test_an_egress_sandboxs_cleaned_record_waits_for_its_host_link(agent, client):
     """`cleaned` says the sandbox is gone from the host (docs/agent.md). An egress sandbox's
     host link is removed off the close's path (agent/sandbox/trash.py), so its `cleaned`
@@ -208,30 +222,16 @@ def test_an_egress_sandboxs_cleaned_record_waits_for_its_host_link(agent, client
             assert os.path.isdir(state) and os.path.exists(f"/sys/class/net/{host_if}") \
                 and host_if in _live_policy_ifs()
             sb.close()
-            deadline, link_then = time.monotonic() + 30, None
-            while link_then is None and time.monotonic() < deadline:
-                recs, _ = read_all(reader)
-                if any(r["sandbox_id"] == sb.id and r["kind"] == "lifecycle"
-                       and json.loads(r["extra"])["state"] == "cleaned" for r in recs):
-                    link_then = (os.path.exists(state) or os.path.exists(f"/sys/class/net/{host_if}")
-                                 or host_if in _live_policy_ifs())
-                else:
-                    time.sleep(0.002)
+            _, link_then = _at_cleaned(reader, sb.id, lambda: os.path.exists(state) or os.path.exists(
+                f"/sys/class/net/{host_if}") or host_if in _live_policy_ifs())
             assert link_then is False, (sb.id, "cleaned" if link_then else "no cleaned record in 30 s")
         # a start that fails after its state dir was made (no such user in the image): torn down by
         # start() itself, the egress part off its path too, and `cleaned` after that, as above
         sid = "sbx-cleanedlate-failed"
         with pytest.raises(SandboxFailed):
             client.create(sandbox_id=sid, warm=False, network="egress", user="no-such-user-here")
-        state, deadline, states, then = os.path.join(SANDBOX_DIR, sid), time.monotonic() + 30, [], None
-        while then is None and time.monotonic() < deadline:
-            recs, _ = read_all(reader)
-            states += [json.loads(r["extra"])["state"] for r in recs
-                       if r["sandbox_id"] == sid and r["kind"] == "lifecycle"]
-            if "cleaned" in states:
-                then = os.path.exists(state)
-            else:
-                time.sleep(0.002)
+        state = os.path.join(SANDBOX_DIR, sid)
+        states, then = _at_cleaned(reader, sid, lambda: os.path.exists(state))
         assert then is False and states.index("failed") < states.index("cleaned"), (states, then)
     finally:
         reader.close()

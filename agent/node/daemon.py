@@ -784,10 +784,10 @@ class Agent:
                                 **extra)
             if late:
                 self._flush_emits_soon()
-        if sb is not None and sb.teardown_deferred:
-            sb.after_teardown(lambda: record(True))
-        else:
+        if sb is None:
             record(False)
+        else:
+            sb.after_teardown(lambda: record(sb.teardown_deferred))
 
     def _cancel_locked(self, rec: SandboxRecord, reason: str):
         try:

@@ -127,13 +127,9 @@ def _run() -> None:
                 time.sleep(later)
             try:
                 fd = _make(home)
-            except RuntimeError as e:
+            except (RuntimeError, OSError) as e:      # (RuntimeError: this thread could not go back)
                 _broken = str(e)
                 log.warning("network namespace pool stopped: %s; sandboxes clone their own", e)
-                return
-            except OSError as e:
-                _broken = str(e)
-                log.warning("network namespace pool unavailable: %s; sandboxes clone their own", e)
                 return
             with _lock:
                 if len(_ready) < _want:

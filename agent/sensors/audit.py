@@ -206,8 +206,8 @@ class AuditSensor(RingSensor):
         # (the programs read it), so a step's set_step writes it without reading it back first
         # (a BCC look-up less on every step's path); gone the moment the entry is removed
         self._cfgs: dict[int, object] = {}
-        # agg_kinds held back until the sandbox's first set_step (add_sandbox's aggregate_from_step)
-        self._agg_held: dict[int, int] = {}
+        # sandboxes whose agg_kinds wait for their first set_step (add_sandbox's aggregate_from_step)
+        self._agg_held: set[int] = set()
         self._stop_notified: set[int] = set()
         events = self.bpf[b"events"]
         self._init_records(events, self.bpf[b"exec_scratch"].Leaf, node=node, enricher=enricher)
@@ -285,7 +285,7 @@ class AuditSensor(RingSensor):
             cfg.agg_kinds = agg_mask
             if labels.get("aggregate_from_step") and agg_mask:
                 cfg.agg_kinds = 0
-                self._agg_held[cgroup_id] = agg_mask
+                self._agg_held.add(cgroup_id)
             self.repeats.add(cgroup_id, agg_kinds)
             try:
                 self._state_map[self._state_map.Key(cgroup_id)] = self._state_map.Leaf()  # zeroed first
@@ -295,7 +295,7 @@ class AuditSensor(RingSensor):
                 self._gen[k] = self._gen.Leaf(self._gen[k].value + 1)
             except Exception as e:   # BCC raises bare Exception when a map update fails
                 self._cfgs.pop(cgroup_id, None)
-                self._agg_held.pop(cgroup_id, None)
+                self._agg_held.discard(cgroup_id)
                 for m in (self._sandboxes_map, self._state_map):
                     map_discard(m, m.Key(cgroup_id))
                 self._untrack(cgroup_id)
@@ -317,9 +317,9 @@ class AuditSensor(RingSensor):
             def apply(cfg):
                 cfg.step = step
                 self.repeats.next_gen(cgroup_id, cfg)   # the step's repeats: counted afresh
-                held = self._agg_held.pop(cgroup_id, None)
-                if held is not None:                    # the first step: repeats counted from now on
-                    cfg.agg_kinds = held
+                if cgroup_id in self._agg_held:         # the first step: repeats counted from now on
+                    self._agg_held.discard(cgroup_id)
+                    cfg.agg_kinds = self.repeats.mask(self.repeats.kinds(cgroup_id))
             if not self._update_cfg(cgroup_id, apply):
                 raise DsecError(f"set_step: cgroup {cgroup_id} is not audited")
             self._steps[cgroup_id] = step
@@ -337,9 +337,7 @@ class AuditSensor(RingSensor):
             self.repeats.set_kinds(cgroup_id, kinds)
 
             def apply(cfg):
-                if cgroup_id in self._agg_held:         # no step yet: the new kinds from the first
-                    self._agg_held[cgroup_id] = mask
-                else:
+                if cgroup_id not in self._agg_held:     # (no step yet: the first step sets them)
                     cfg.agg_kinds = mask
                 cfg.agg_gen = self.repeats.gen(cgroup_id)
             self._update_cfg(cgroup_id, apply)
@@ -358,7 +356,7 @@ class AuditSensor(RingSensor):
             if cgroup_id not in self.decoder.sandboxes:
                 return self._final(cgroup_id, "remove_sandbox")
             self._cfgs.pop(cgroup_id, None)     # first: no later write can put the entry back
-            self._agg_held.pop(cgroup_id, None)
+            self._agg_held.discard(cgroup_id)
             map_discard(self._sandboxes_map, self._sandboxes_map.Key(cgroup_id))
             removed = time.monotonic()
             fence = self._ring_fence() if exited else None

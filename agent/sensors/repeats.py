@@ -112,6 +112,10 @@ class Repeats:
         s = self._sbx.get(cgroup_id)
         return s["gen"] if s else 0
 
+    def kinds(self, cgroup_id: int) -> tuple:
+        s = self._sbx.get(cgroup_id)
+        return s["kinds"] if s else ()
+
     def set_kinds(self, cgroup_id: int, kinds) -> None:
         s = self._sbx.get(cgroup_id)
         if s is not None:
