@@ -8,6 +8,7 @@ usage:
   .venv/bin/python bench/launch.py --runs 50 --no-agent    # only the in-process cases
   .venv/bin/python bench/launch.py --runs 500 --only fork+exec,agent-step --sustain 0 --burst 0 --idle 0
                                               # the step figure alone
+  .venv/bin/python bench/launch.py --scratch memory        # the agents' writable layers in memory
 
 Measures, N times each, interleaved so that machine noise hits all alike:
   fork+exec     posix_spawn of /bin/true, waited (the floor)
@@ -90,6 +91,7 @@ from _common import cpu_times, entry, pct, steal_since, timed  # noqa: E402
 
 DSEC = _common.DSEC         # --cli: another tree's CLI (and agent), measured by this bench's code
 PARALLEL_STARTS = None      # --parallel-starts: the bench agent's scheduling.max_parallel_starts (None: its default)
+SCRATCH = "disk"            # --scratch: the bench agents' host.scratch (memory: writable layers on a tmpfs)
 
 
 def bwrap_cmd():
@@ -216,6 +218,8 @@ class BenchAgent:
                "warm_pool": [{"name": "bench", "count": warm_count, "memory": "128M", "pids": 256}]}
         if PARALLEL_STARTS:
             cfg["scheduling"]["max_parallel_starts"] = PARALLEL_STARTS
+        if SCRATCH != "disk":
+            cfg["host"] = {"scratch": SCRATCH}
         cfg.update(extra or {})         # other benches' additions (bench/trainer.py: the http listener)
         with open(os.path.join(self.dir, "agent.yaml"), "w") as f:
             yaml.safe_dump(cfg, f)
@@ -238,7 +242,11 @@ class BenchAgent:
             if os.path.exists(self.socket):
                 try:
                     self.client = Client(self.socket, connect_timeout=2)
-                    self.client.capabilities(timeout=5)
+                    caps = self.client.capabilities(timeout=5)
+                    scratch = [d for d in caps.get("degraded", []) if "scratch" in d]
+                    if scratch:
+                        self.stop()
+                        raise SystemExit(f"bench: {scratch[0]}")
                     break
                 except AgentError:
                     self.client.close()
@@ -513,8 +521,12 @@ def main():
     ap.add_argument("--parallel-starts", type=int, metavar="N",
                     help="the bench agent's scheduling.max_parallel_starts (default: the agent's own, 8; "
                          "this bench set 16 until 2026-12-04, which cost the burst ~40%%: docs/launch-figures.md)")
+    ap.add_argument("--scratch", choices=("disk", "memory"), default="disk",
+                    help="the bench agents' host.scratch: where the sandboxes' writable layers live "
+                         "(memory: a tmpfs on the state dir's sandboxes directory; docs/launcher.md)")
     a = ap.parse_args()
-    global DSEC, PARALLEL_STARTS
+    global DSEC, PARALLEL_STARTS, SCRATCH
+    SCRATCH = a.scratch
     if a.cli:
         DSEC = os.path.abspath(a.cli)
     PARALLEL_STARTS = a.parallel_starts
@@ -642,7 +654,8 @@ def main():
         for i in range(a.runs):
             for k, fn in cases.items():
                 res[k].append(timed(fn) * 1000)
-        print(f"launch latency of /bin/true, {a.runs} runs each (ms; the machine: {steal_since(machine0)})")
+        print(f"launch latency of /bin/true, {a.runs} runs each (ms; the machine: {steal_since(machine0)}"
+              f"{'; the agents: host.scratch memory' if SCRATCH != 'disk' else ''})")
         print(f"{'':22} {'min':>8} {'median':>8} {'p90':>8} {'p99':>8}")
         for k, xs in res.items():
             print(f"{k:22} {min(xs):8.2f} {statistics.median(xs):8.2f} {pct(xs, 90):8.2f} {pct(xs, 99):8.2f}")

@@ -535,6 +535,7 @@ def test_identities_have_privileges_and_see_only_their_tenant(agent, pki, clickh
                 b.list(labels={"tenant": "tenant-a"})
             with b.create(warm=False, keep=True) as sbk:                # tenant-b has keep
                 assert sbk.info().labels["tenant"] == "tenant-b"
+            shutil.rmtree(ops.get(sbk.id).summary["kept_upper"])       # (the kept tree: not left behind)
     recs = _access_denied(clickhouse_url, "tenant-a")
     assert any("may not use root" in r["reason"] for r in recs), recs
     assert _access_denied(clickhouse_url, "tenant-b")

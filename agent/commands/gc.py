@@ -9,7 +9,8 @@ A sandbox is orphaned when no dsec process holds its state directory's lock
 touched. Everything dsec creates is recognisable: cgroups under "dsec/" in
 each hierarchy, host links named dsv*/dsp*, state under /var/lib/dsec, the
 nftables table "ip dsec" and the empty "dsec" parent cgroups (removed when no
-sandbox is left).
+sandbox is left), and the sandboxes' tmpfs of an agent with host.scratch: memory
+that died (unmounted once empty; a running agent's is never touched).
 
 Prints one line per removed item; exit 0 when everything is clean, 1 when
 something could not be removed.
@@ -50,4 +51,6 @@ def run(args) -> int:
         print(f"removed empty cgroup parent {parent}")
     for path in rep.get("trash", ()):
         print(f"removed closed sandbox state {path}")
+    if rep.get("scratch_unmounted"):
+        print(f"unmounted the sandboxes' empty tmpfs {rep['scratch_unmounted']} (host.scratch: memory)")
     return 1 if rep["failed"] else 0

@@ -368,6 +368,10 @@ class HostConfig(_Base):
                                                            "hierarchy (DSEC_CGROUP_PARENT, default dsec)")
     egress_pool: Optional[str] = Field(None, description="IPv4 network the egress veths' /30s come from "
                                                          "(DSEC_EGRESS_POOL, default 10.213.0.0/16)")
+    scratch: Literal["disk", "memory"] = Field("disk", description="where the sandboxes' writable layers live: "
+                                               "disk (under STATE_DIR/sandboxes), or memory (a tmpfs the agent "
+                                               "mounts there: a sandbox's writes count against its memory limit; "
+                                               "agent/sandbox/scratch.py)")
 
     @field_validator("node_name")
     @classmethod

@@ -70,7 +70,7 @@ from concurrent.futures import ThreadPoolExecutor
 from agent.errors import DsecError, ReportedError
 from agent.node import steps
 from agent.node.export import ClickHouseExport, ExporterProcess
-from agent.node.host import RunDir, apply_host, clean_up_after, load_audit
+from agent.node.host import RunDir, apply_host, clean_up_after, load_audit, release_scratch, use_scratch
 from agent.node.images import NodeImages
 from agent.node.snapshots import NodeSnapshots
 from agent.node.records import (CANCELLED, ENDED, EXITED, FAILED, KILLED, MAX_ARG_BYTES, MAX_ARGV_ITEMS,
@@ -233,6 +233,11 @@ class Agent:
         self.images = self.node_images.open()
         self.snapshots.open()
         self.warm.resolve()
+        self.cleaned = clean_up_after(self.previous_agent, self._lifecycle)
+        # after the clean-up: what is left in the sandboxes' directory is live
+        self.host["scratch"], why = use_scratch(cfg.host.scratch)
+        if why:
+            self.degraded.append(why)
         self._lifecycle("", "agent_started", pid=os.getpid(), version=VERSION, config={
             "socket": cfg.socket, "tcp": cfg.tcp.listen if cfg.tcp else None,
             "capacity": {"cpus": total_cpus, "memory": total_mem, "reserve_cpus": cfg.capacity.reserve_cpus,
@@ -242,7 +247,6 @@ class Agent:
             "clickhouse": {"cluster": cfg.clickhouse.cluster, "insert": cfg.clickhouse.insert},
             "open_files": self.nofile},
             degraded=self.degraded, previous_agent=self.previous_agent)
-        self.cleaned = clean_up_after(self.previous_agent, self._lifecycle)
         self.run_dir.write_pidfile(self.instance, self.started_ns)
         self.executor = ThreadPoolExecutor(max_workers=max(32, cfg.scheduling.max_parallel_starts * 4),
                                            thread_name_prefix="dsec-agent-work")
@@ -290,6 +294,7 @@ class Agent:
         netpool.close()
         if not trash.drain(timeout):        # the host links (and state dirs) of the last closes
             log.warning("background teardown not finished at shutdown: `dsec gc` removes what is left")
+        release_scratch(self.host.get("scratch"))
         self.streams.close_all()
         self._lifecycle("", "agent_stopped", reason=reason)
         self._flush_emits()

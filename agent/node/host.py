@@ -6,6 +6,8 @@ leaves for the next), and the eBPF sensors, with the features it has and lacks.
     run.write_pidfile(instance, started_ns); ... run.release()
     audit = load_audit(cfg, node, spool)         # .rec (Recorder or None), .audit, .enforcement, .degraded
     clean_up_after(previous, lifecycle)          # what a dead agent left, each removal audited
+    medium, why = use_scratch(cfg.host.scratch)  # host.scratch: the writable layers in memory or on disk
+    ... release_scratch(medium)                  # at the stop
     apply_host(cfg)                              # the host section: state dir, spool, cgroup parent, pool
 """
 from __future__ import annotations
@@ -174,6 +176,45 @@ def load_audit(cfg, node: str, spool) -> AuditSetup:
     out.audit = {"available": out.rec is not None, "missing": missing if err else [],
                  "detail": "eBPF audit: available" if out.rec is not None else f"eBPF audit unavailable: {err}"}
     return out
+
+
+def use_scratch(wanted: str) -> tuple[str, str | None]:
+    """host.scratch (agent/sandbox/scratch.py): the sandboxes' writable layers in memory (a
+    tmpfs on their directory) or on disk. Run after the start's clean-up (what is left in
+    that directory then is live). Returns (the medium in force, why it is not the one asked
+    for: the agent's degraded entry, also logged; None when it is)."""
+    from agent.sandbox import launcher, scratch
+    sdir = launcher.SANDBOX_DIR
+    if wanted != "memory":
+        if scratch.fs_type(sdir) != "tmpfs":
+            return "disk", None
+        done, left = scratch.release(sdir)          # an earlier agent's, left mounted
+        if done:
+            log.info("unmounted the sandboxes' tmpfs an earlier agent left on %s", sdir)
+            return "disk", None
+        why = (f"host.scratch: disk not in force, the sandboxes' writable layers are in memory: {sdir} is a "
+               f"tmpfs an earlier agent left, {left}")
+        log.warning("%s", why)
+        return "memory", why
+    got = scratch.use_memory(sdir)
+    if got["scratch"] == "memory":
+        log.info("sandboxes' writable layers in memory: a tmpfs on %s (%s)", sdir,
+                 "mounted" if got["mounted"] else "a previous agent's")
+        return "memory", None
+    why = f"host.scratch: memory not in force, the sandboxes' writable layers are on disk: {got['reason']}"
+    log.warning("%s", why)
+    return "disk", why
+
+
+def release_scratch(in_force: str | None) -> None:
+    """At the agent's stop: its tmpfs unmounted when nothing is left in it (else logged)."""
+    if in_force != "memory":
+        return
+    from agent.sandbox import launcher, scratch
+    _, why = scratch.release(launcher.SANDBOX_DIR)
+    if why:
+        log.warning("the sandboxes' tmpfs %s stays mounted: %s (`dsec gc` unmounts it once empty)",
+                    launcher.SANDBOX_DIR, why)
 
 
 def clean_up_after(previous_agent: dict | None, lifecycle) -> list[dict]:

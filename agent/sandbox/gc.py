@@ -33,13 +33,14 @@ import time
 
 from agent.sandbox import trees
 from agent.sandbox.gclock import gc_lock as _gc_lock
+from agent.sandbox.scratch import sandbox_entries
 
 
 def _live_now() -> set:
     from agent.sandbox import launcher
     if not os.path.isdir(launcher.SANDBOX_DIR):
         return set()
-    return {sid for sid in os.listdir(launcher.SANDBOX_DIR)
+    return {sid for sid in sandbox_entries(launcher.SANDBOX_DIR)
             if _is_live(os.path.join(launcher.SANDBOX_DIR, sid))}
 
 
@@ -68,7 +69,7 @@ def collect() -> dict:
     from agent.sandbox import cgroups, launcher, netns
     state = {}
     if os.path.isdir(launcher.SANDBOX_DIR):
-        for sid in os.listdir(launcher.SANDBOX_DIR):
+        for sid in sandbox_entries(launcher.SANDBOX_DIR):
             state[sid] = _is_live(os.path.join(launcher.SANDBOX_DIR, sid))
     layout = cgroups.detect()
     cgs = cgroups.list_sandbox_cgroups(layout)
@@ -150,4 +151,8 @@ def _remove(found: dict | None = None, *, dry_run: bool = False, final: bool = T
     if final and not out["live"] and not dry_run:
         netns.remove_nat()
         out["parents"] = cgroups.remove_empty_parents(found["layout"])
+    if final and not dry_run:
+        # the sandboxes' tmpfs a crashed agent left (host.scratch: memory), once empty
+        from agent.sandbox.scratch import release_locked
+        out["scratch_unmounted"] = release_locked(launcher.SANDBOX_DIR)[0] and launcher.SANDBOX_DIR
     return out

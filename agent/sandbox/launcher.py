@@ -708,7 +708,7 @@ class Sandbox:
                 _private_dir(KEPT_DIR)
                 dest = os.path.join(KEPT_DIR, self.sid)
                 trees.remove(dest)
-                os.rename(os.path.join(self.dir, "upper"), dest)
+                trees.move(os.path.join(self.dir, "upper"), dest)
                 os.chmod(dest, 0o700)
                 summary["kept_privileges_stripped"] = rootfs.strip_privileges(dest)
                 summary["kept_upper"] = dest

@@ -41,11 +41,26 @@ _thread: threading.Thread | None = None
 _pending = 0
 _keys: dict[str, int] = {}          # key -> its jobs queued or running (later())
 _idle = threading.Condition(_lock)
+IN_FS = ".trash"         # the trash in a sandboxes directory with a file system of its own (trash_dir)
 
 
 def trash_dir(sandboxes_dir: str) -> str:
-    """The trash directory beside the sandboxes' state directories (<state dir>/trash)."""
-    return os.path.join(os.path.dirname(os.path.abspath(sandboxes_dir)), "trash")
+    """The trash directory on the sandboxes' state directories' file system (a rename
+    is all a close pays): beside them (<state dir>/trash), or, when the sandboxes
+    directory is a file system of its own (host.scratch: memory, agent/sandbox/scratch.py),
+    in it (<state dir>/sandboxes/.trash)."""
+    sd = os.path.abspath(sandboxes_dir)
+    if is_own_fs(sd):
+        return os.path.join(sd, IN_FS)
+    return os.path.join(os.path.dirname(sd), "trash")
+
+
+def is_own_fs(path: str) -> bool:
+    """True when `path` is the root of a file system of its own (a mount point)."""
+    try:
+        return os.stat(path).st_dev != os.stat(os.path.join(path, "..")).st_dev
+    except OSError:
+        return False
 
 
 def remove_later(state_dir: str) -> None:

@@ -2,6 +2,7 @@
 
     for dirpath, dirnames, filenames in trees.walk(top): ...   # os.walk, top-down, not recursive
     trees.remove(path)                                          # shutil.rmtree, any depth
+    trees.move(src, dest)                                       # rename, or cp -a + remove across file systems
 
 Python 3.11's os.walk and shutil.rmtree recurse once per directory level, and a
 workload makes a tree deeper than the interpreter's recursion limit (~1,000) with
@@ -105,3 +106,21 @@ def remove(path) -> None:
             pass
     subprocess.run(["rm", "-rf", "--one-file-system", "--", path], stdin=subprocess.DEVNULL,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+
+
+def move(src: str, dest: str) -> None:
+    """rename(2), or across file systems (the sandboxes' tmpfs, host.scratch: memory, to the
+    kept dir on disk) a copy with everything an upper layer holds (whiteouts, the overlay's
+    xattrs, owners, modes, times: `cp -a`), then the source removed."""
+    try:
+        os.rename(src, dest)
+        return
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+    r = subprocess.run(["cp", "-a", "--", src, dest], capture_output=True)
+    if r.returncode != 0:
+        remove(dest)
+        raise OSError(errno.EIO, f"copying {src} to {dest}: "
+                                 f"{r.stderr.decode(errors='replace').strip()[-300:] or r.returncode}")
+    remove(src)
