@@ -40,8 +40,12 @@ def test_writes_live_in_the_sandboxs_memory_and_a_stop_unmounts(tmp_path, clickh
     a = _agent(str(tmp_path), clickhouse_url, host)
     try:
         assert is_own_fs(sdir) and fs_type(sdir) == "tmpfs"
+        # no shared inode count: one sandbox's empty files cannot exhaust it for the others
+        # (each sandbox's inodes are charged to its memory cgroup, as its pages)
+        assert os.statvfs(sdir).f_files == 0
         with a.client() as c:
-            assert not [d for d in c.capabilities()["degraded"] if "scratch" in d]
+            caps = c.capabilities()
+            assert caps["limits"]["scratch"] == "memory" and not [d for d in caps["degraded"] if "scratch" in d]
             sb = c.create(memory="64M", pids=64, warm=False, keep=True)
             assert sb.exec(["sh", "-c", "head -c 8000000 /dev/zero > /workspace/f"]).code == 0
             f = os.path.join(sdir, sb.id, "upper", "_root", "workspace", "f")
@@ -76,7 +80,9 @@ def test_never_over_live_sandboxes_and_gc_unmounts_a_dead_agents(tmp_path, click
         try:
             assert not is_own_fs(sdir)
             with a.client() as c:
-                (why,) = [d for d in c.capabilities()["degraded"] if "scratch" in d]
+                caps = c.capabilities()
+                (why,) = [d for d in caps["degraded"] if "scratch" in d]
+                assert caps["limits"]["scratch"] == "disk"
                 assert "not in force" in why and "sbx-livelivelive" in why, why
                 with c.create(warm=False) as sb:                  # on disk, as without the setting
                     assert sb.exec(["true"]).code == 0

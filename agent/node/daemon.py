@@ -1188,7 +1188,9 @@ class Agent:
                   "max_labels": MAX_LABELS, "max_sandboxes": self.cfg.limits.max_sandboxes,
                   "max_lifetime_seconds": self.cfg.limits.max_lifetime_seconds,
                   "max_stream_subscribers": self.cfg.limits.max_stream_subscribers,
-                  "open_files": self.nofile["soft"], "open_files_hard": self.nofile["hard"]}
+                  "open_files": self.nofile["soft"], "open_files_hard": self.nofile["hard"],
+                  # where a sandbox's writes go: "memory" counts them against its memory limit
+                  "scratch": self.host.get("scratch", "disk")}
         return {"node": self.node, "agent_version": VERSION, "kernel": os.uname().release, "cgroup_mode": mode,
                 "images": self.node_images.report(warm), "snapshots": self.snapshots.report(),
                 "audit": self.audit_feature, "enforcement": self.enforce_feature, "degraded": degraded,

@@ -11,10 +11,11 @@ task that writes it): a sandbox's writes count against its memory limit, as
 Kubernetes' emptyDir with medium Memory does, and past it a write fails or the
 sandbox is OOM-killed, where on disk it could fill the node's disk. Nothing of a
 sandbox touches the disk: its layers' directories are made and removed in memory
-(on this VM's no-journal ext4 with synchronous discards, a cold create through the
-agent ~1.4 ms faster of ~7.5, ~15% less of the agent's CPU a sandbox; docs/launcher.md). The tmpfs's own
-size is the node's memory: the memory cgroups, not the tmpfs, bound what is
-written, and the scheduler's memory capacity bounds their sum.
+(on this VM's no-journal ext4 with synchronous discards: a cold create through
+the agent ~1.4 ms faster of ~7.5, ~15% less of the agent's CPU a sandbox;
+docs/launcher.md). The tmpfs's own size is the node's memory: the memory cgroups,
+not the tmpfs, bound what is written, and the scheduler's memory capacity bounds
+their sum.
 
 Nothing else moves: the base rootfs, images, snapshots, kept upper layers (copied
 out of memory at the close) and the spool stay on disk. A crashed agent leaves the
@@ -33,7 +34,6 @@ from agent.errors import DsecError
 from agent.sandbox.gclock import gc_lock
 from agent.sandbox.trash import IN_FS as TRASH, is_own_fs
 
-MEDIA = ("disk", "memory")
 _held = -1                # the agent's fd on its tmpfs: busy (never unmounted by `dsec gc`) while it runs
 
 
@@ -105,7 +105,10 @@ def _use_memory(sandboxes_dir: str) -> dict:
                                              f"hide their layers; writable layers stay on disk until the agent "
                                              f"restarts without them"}
     try:
-        sysutil.mount("tmpfs", sandboxes_dir, "tmpfs", 0, f"mode=0700,size={_mem_total()}")
+        # no inode count of its own (nr_inodes=0): a sandbox's inodes are charged to its memory
+        # cgroup as its pages are, where a shared count would let one sandbox's empty files
+        # exhaust it for every other (ENOSPC)
+        sysutil.mount("tmpfs", sandboxes_dir, "tmpfs", 0, f"mode=0700,size={_mem_total()},nr_inodes=0")
     except OSError as e:
         return {"scratch": "disk", "reason": f"cannot mount a tmpfs on {sandboxes_dir}: {e.strerror or e}"}
     _hold(sandboxes_dir)
