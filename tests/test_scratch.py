@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import stat
 import uuid
 
 from agents import AgentProc
@@ -46,25 +47,30 @@ def test_writes_live_in_the_sandboxs_memory_and_a_stop_unmounts(tmp_path, clickh
         with a.client() as c:
             caps = c.capabilities()
             assert caps["limits"]["scratch"] == "memory" and not [d for d in caps["degraded"] if "scratch" in d]
-            sb = c.create(memory="64M", pids=64, warm=False, keep=True)
-            assert sb.exec(["sh", "-c", "head -c 8000000 /dev/zero > /workspace/f"]).code == 0
-            f = os.path.join(sdir, sb.id, "upper", "_root", "workspace", "f")
+            sb = c.create(memory="64M", pids=64, warm=False, keep=True, user="root")
+            r = sb.exec(["sh", "-c", "head -c 8000000 /dev/zero > /etc/f && rm /etc/os-release"])
+            assert r.code == 0, r.stderr
+            f = os.path.join(sdir, sb.id, "upper", "_root", "etc", "f")
             assert os.path.getsize(f) == 8_000_000 and os.stat(f).st_dev == os.stat(sdir).st_dev   # in the tmpfs
             # 100 MB more in a 64 MiB sandbox: its memory, not the node's disk -> killed by its own limit
-            r = sb.exec(["sh", "-c", "head -c 100000000 /dev/zero > /workspace/g"])
+            r = sb.exec(["sh", "-c", "head -c 100000000 /dev/zero > /etc/g"])
             assert r.code != 0
             summ = sb.close().summary
             assert summ["oom_killed"] is True
             kept = summ["kept_upper"]
             assert kept == os.path.join(host["state_dir"], "kept", sb.id)
             assert not is_own_fs(kept) and os.stat(kept).st_dev != os.stat(sdir).st_dev     # copied out to disk
-            assert os.path.getsize(os.path.join(kept, "_root", "workspace", "f")) == 8_000_000
+            assert os.path.getsize(os.path.join(kept, "_root", "etc", "f")) == 8_000_000
+            wh = os.stat(os.path.join(kept, "_root", "etc", "os-release"), follow_symlinks=False)
+            assert stat.S_ISCHR(wh.st_mode) and wh.st_rdev == 0           # the overlay's whiteout, kept
             shutil.rmtree(kept)
     finally:
-        assert a.stop() == 0, a.read_log()[-3000:]
-    assert not is_own_fs(sdir), "a clean stop leaves the sandboxes' tmpfs mounted"
-    assert "writable layers in memory" in a.read_log()
-    assert "unmounted" not in _gc(host)           # (and its parent cgroups gone)
+        rc = a.stop()
+        unmounted = not is_own_fs(sdir)
+        gc_out = _gc(host)                        # its parent cgroups removed, whatever happened
+    assert rc == 0, a.read_log()[-3000:]
+    assert unmounted, "a clean stop leaves the sandboxes' tmpfs mounted"
+    assert "writable layers in memory" in a.read_log() and "unmounted" not in gc_out
 
 
 def test_never_over_live_sandboxes_and_gc_unmounts_a_dead_agents(tmp_path, clickhouse_url):
@@ -92,16 +98,19 @@ def test_never_over_live_sandboxes_and_gc_unmounts_a_dead_agents(tmp_path, click
         os.close(fd)
         shutil.rmtree(live)
     # the next agent mounts it; killed with a sandbox live, it leaves the tmpfs and the orphan
-    b = _agent(os.path.join(str(tmp_path), "a2"), clickhouse_url, host)
     try:
-        assert fs_type(sdir) == "tmpfs"
-        out = _gc(host)             # no sandbox in it: a running agent's tmpfs is never taken all the same
-        assert "unmounted" not in out and is_own_fs(sdir), out
-        with b.client() as c:
-            sid = c.create(warm=False).id
+        b = _agent(os.path.join(str(tmp_path), "a2"), clickhouse_url, host)
+        try:
+            assert fs_type(sdir) == "tmpfs"
+            out = _gc(host)         # no sandbox in it: a running agent's tmpfs is never taken all the same
+            assert "unmounted" not in out and is_own_fs(sdir), out
+            with b.client() as c:
+                sid = c.create(warm=False).id
+        finally:
+            b.kill9()
+        assert is_own_fs(sdir) and os.path.isdir(os.path.join(sdir, sid))
+        out = _gc(host)
+        assert f"sandbox {sid}: orphaned" in out and "unmounted the sandboxes' empty tmpfs" in out, out
+        assert not is_own_fs(sdir)
     finally:
-        b.kill9()
-    assert is_own_fs(sdir) and os.path.isdir(os.path.join(sdir, sid))
-    out = _gc(host)
-    assert f"sandbox {sid}: orphaned" in out and "unmounted the sandboxes' empty tmpfs" in out, out
-    assert not is_own_fs(sdir)
+        _gc(host)                   # whatever happened: its cgroups, pins and tmpfs gone
