@@ -1,9 +1,10 @@
 """host.scratch: memory (agent/sandbox/scratch.py): the sandboxes' writable layers on a tmpfs
 the agent mounts on its state dir's sandboxes directory. Real agents, real sandboxes: a
 sandbox's writes are its own memory (past its limit it is OOM-killed, the disk untouched), a
-kept upper layer is copied out to disk, a clean stop unmounts the tmpfs, a crashed agent's is
-unmounted by `dsec gc` once its orphans are gone, and the tmpfs is never mounted over another
-process's live sandbox (the agent says so: degraded, on disk)."""
+kept upper layer is copied out to disk (its whiteouts too), a clean stop unmounts the tmpfs, a
+crashed agent's is cleaned and unmounted by the next agent on disk (and by `dsec gc` once
+empty), and the tmpfs is never mounted over another process's live sandbox (the agent says
+so: degraded, on disk)."""
 from __future__ import annotations
 
 import fcntl
@@ -109,8 +110,22 @@ def test_never_over_live_sandboxes_and_gc_unmounts_a_dead_agents(tmp_path, click
         finally:
             b.kill9()
         assert is_own_fs(sdir) and os.path.isdir(os.path.join(sdir, sid))
+        # an agent on disk after it: its clean-up removes the orphan, then it unmounts the tmpfs
+        d = _agent(os.path.join(str(tmp_path), "a3"), clickhouse_url, dict(host, scratch="disk"))
+        try:
+            assert not is_own_fs(sdir)
+            with d.client() as c:
+                caps = c.capabilities()
+                assert caps["limits"]["scratch"] == "disk" and not [x for x in caps["degraded"] if "scratch" in x]
+        finally:
+            assert d.stop() == 0, d.read_log()[-3000:]
+        assert "orphan" in d.read_log() and sid in d.read_log()
+        # a memory agent killed with nothing in its tmpfs: `dsec gc` unmounts it
+        e = _agent(os.path.join(str(tmp_path), "a4"), clickhouse_url, host)
+        e.kill9()
+        assert is_own_fs(sdir)
         out = _gc(host)
-        assert f"sandbox {sid}: orphaned" in out and "unmounted the sandboxes' empty tmpfs" in out, out
+        assert "unmounted the sandboxes' empty tmpfs" in out, out
         assert not is_own_fs(sdir)
     finally:
         _gc(host)                   # whatever happened: its cgroups, pins and tmpfs gone
