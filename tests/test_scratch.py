@@ -16,7 +16,8 @@ import uuid
 from agents import AgentProc
 from conftest import dsec
 
-from agent.sandbox.scratch import fs_type, is_own_fs
+from agent.sandbox.scratch import fs_type
+from agent.sandbox.trash import is_own_fs
 
 
 def _host(base: str) -> dict:

@@ -30,9 +30,9 @@ import errno
 import fcntl
 import os
 
-from agent.errors import DsecError
+from agent.sandbox import sysutil
 from agent.sandbox.gclock import gc_lock
-from agent.sandbox.trash import IN_FS as TRASH, is_own_fs
+from agent.sandbox.trash import IN_FS as TRASH, sweep
 
 _held = -1                # the agent's fd on its tmpfs: busy (never unmounted by `dsec gc`) while it runs
 
@@ -40,21 +40,7 @@ _held = -1                # the agent's fd on its tmpfs: busy (never unmounted b
 def fs_type(path: str) -> str:
     """The type of the file system mounted exactly on `path` ("" when none is)."""
     path = os.path.realpath(path)
-    found = ""
-    try:
-        with open("/proc/self/mounts", "rb") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3 and _unescape(parts[1]) == path:
-                    found = parts[2].decode(errors="replace")     # the last mount on it is the one in force
-    except OSError:
-        pass
-    return found
-
-
-def _unescape(field: bytes) -> str:
-    return os.fsdecode(field.replace(b"\\040", b" ").replace(b"\\011", b"\t").replace(b"\\012", b"\n")
-                       .replace(b"\\134", b"\\"))
+    return next((t for where, t in reversed(sysutil.mounts()) if where == path), "")
 
 
 def sandbox_entries(sandboxes_dir: str) -> list[str]:
@@ -63,14 +49,6 @@ def sandbox_entries(sandboxes_dir: str) -> list[str]:
         return [n for n in os.listdir(sandboxes_dir) if n != TRASH]
     except OSError:
         return []
-
-
-def _mem_total() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise DsecError("host.scratch: memory: /proc/meminfo has no MemTotal")
 
 
 def use_memory(sandboxes_dir: str) -> dict:
@@ -82,6 +60,10 @@ def use_memory(sandboxes_dir: str) -> dict:
         return _use_memory(sandboxes_dir)
 
 
+def _mem_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def _hold(sandboxes_dir: str) -> None:
     global _held
     if _held < 0:
@@ -89,15 +71,14 @@ def _hold(sandboxes_dir: str) -> None:
 
 
 def _use_memory(sandboxes_dir: str) -> dict:
-    from agent.sandbox import sysutil
     os.makedirs(sandboxes_dir, mode=0o700, exist_ok=True)
-    if is_own_fs(sandboxes_dir):
-        kind = fs_type(sandboxes_dir)
-        if kind == "tmpfs":
-            _hold(sandboxes_dir)
-            return {"scratch": "memory", "mounted": False}
-        return {"scratch": "disk", "reason": f"{sandboxes_dir} is a mount point of its own ({kind or 'unknown'}), "
-                                             f"not a tmpfs: left as it is"}
+    kind = fs_type(sandboxes_dir)
+    if kind == "tmpfs":
+        _hold(sandboxes_dir)
+        return {"scratch": "memory", "mounted": False}
+    if kind:
+        return {"scratch": "disk", "reason": f"{sandboxes_dir} is a mount point of its own ({kind}), not a "
+                                             f"tmpfs: left as it is"}
     live = sandbox_entries(sandboxes_dir)
     if live:
         return {"scratch": "disk", "reason": f"{sandboxes_dir} holds {len(live)} live sandbox(es) of other dsec "
@@ -108,7 +89,7 @@ def _use_memory(sandboxes_dir: str) -> dict:
         # no inode count of its own (nr_inodes=0): a sandbox's inodes are charged to its memory
         # cgroup as its pages are, where a shared count would let one sandbox's empty files
         # exhaust it for every other (ENOSPC)
-        sysutil.mount("tmpfs", sandboxes_dir, "tmpfs", 0, f"mode=0700,size={_mem_total()},nr_inodes=0")
+        sysutil.mount("tmpfs", sandboxes_dir, "tmpfs", 0, f"mode=0700,size={_mem_bytes()},nr_inodes=0")
     except OSError as e:
         return {"scratch": "disk", "reason": f"cannot mount a tmpfs on {sandboxes_dir}: {e.strerror or e}"}
     _hold(sandboxes_dir)
@@ -129,10 +110,9 @@ def release(sandboxes_dir: str) -> tuple[bool, str | None]:
 
 def release_locked(sandboxes_dir: str) -> tuple[bool, str | None]:
     """release(), gc.lock held (`dsec gc`: a running agent's tmpfs is busy, its fd in it)."""
-    from agent.sandbox import sysutil, trash
-    if not is_own_fs(sandboxes_dir) or fs_type(sandboxes_dir) != "tmpfs":
+    if fs_type(sandboxes_dir) != "tmpfs":
         return False, None
-    trash.sweep(sandboxes_dir)
+    sweep(sandboxes_dir)
     left = sandbox_entries(sandboxes_dir)
     if left:
         return False, f"{len(left)} sandbox state dir(s) left in it ({', '.join(sorted(left)[:3])})"

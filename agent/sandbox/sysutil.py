@@ -11,6 +11,7 @@ import ctypes
 import errno
 import ctypes.util
 import os
+import re
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -303,3 +304,19 @@ def restore_nofile(pid: int) -> None:
     orig = nofile_to_restore()
     if orig is not None:
         resource.prlimit(pid, resource.RLIMIT_NOFILE, orig)
+
+
+def mounts() -> list[tuple[str, str]]:
+    """(mount point, file system type) of /proc/self/mounts, in its order (the last mount
+    on a point is the one in force); the kernel's octal escapes of the point undone."""
+    out = []
+    try:
+        with open("/proc/self/mounts", "rb") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2:
+                    point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), parts[1])
+                    out.append((os.fsdecode(point), parts[2].decode(errors="replace")))
+    except OSError:
+        pass
+    return out

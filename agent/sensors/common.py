@@ -36,6 +36,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 
+from agent.sandbox import sysutil
 from agent.sensors import bpfcache, bpfsys, ringbuf
 from agent.sensors.batchdecode import BatchDecoder
 from agent.sensors.decoder import Decoder
@@ -104,24 +105,10 @@ def find_tracefs(roots=TRACEFS) -> str | None:
     return next((t for t in roots if os.path.isdir(os.path.join(t, "events"))), None)
 
 
-def _mounts() -> list[tuple[str, str]]:
-    """(mount point, filesystem type) of /proc/self/mounts, in its order."""
-    out = []
-    try:
-        with open("/proc/self/mounts", encoding="utf-8") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 2:
-                    out.append((parts[1], parts[2]))
-    except OSError:
-        pass
-    return out
-
-
 def cgroup2_mount() -> str | None:
     """Where the cgroup2 hierarchy is mounted (/sys/fs/cgroup/unified on hybrid
     hosts, /sys/fs/cgroup on pure v2), or None."""
-    return next((where for where, fstype in _mounts() if fstype == "cgroup2"), None)
+    return next((where for where, fstype in sysutil.mounts() if fstype == "cgroup2"), None)
 
 
 def cgroup_populated(path: str | None, cgroup_id: int = 0) -> bool:
@@ -161,7 +148,7 @@ def cgroup_populated(path: str | None, cgroup_id: int = 0) -> bool:
 def bpffs_mounted(path: str) -> bool:
     """Is `path` (or the directory it would be created in) on a bpf filesystem?"""
     best = ("", "")
-    for where, fstype in _mounts():
+    for where, fstype in sysutil.mounts():
         if (path == where or path.startswith(where.rstrip("/") + "/")) and len(where) > len(best[0]):
             best = (where, fstype)
     return best[1] == "bpf"
