@@ -634,3 +634,31 @@ def test_an_egress_sandbox_s_link_goes_off_the_close_s_path_and_its_id_waits(sid
         assert trash.drain(60)
     assert not os.path.exists(f"/sys/class/net/{host_if}")
     assert not os.path.exists(os.path.join(SANDBOX_DIR, sid))
+
+
+def test_manifest_leaves_out_what_dsec_seeded_and_reads_it_only_if_changed(tmp_path):
+    """The default user's passwd and group entries that dsec writes into the upper layer are
+    not changes of the workload; the manifest takes their hash from the seeding when the
+    file's inode, ctime and size are as written, and reads a file again otherwise."""
+    r, s = run_json(tmp_path, "--", "sh", "-c", "echo hi > /workspace/out")
+    assert r.returncode == 0, r.stderr
+    paths = {c["path"] for c in s["changes"]}
+    assert "/workspace/out" in paths
+    assert not paths & {"/etc/passwd", "/etc/group", "/etc", "/workspace"}, paths
+
+    from agent.sandbox import rootfs
+    upper, lower = tmp_path / "upper", tmp_path / "lower"
+    (upper / "etc").mkdir(parents=True)
+    (lower / "etc").mkdir(parents=True)
+    (lower / "etc" / "passwd").write_text("root:x:0:0::/:/bin/sh\n")
+    f = upper / "etc" / "passwd"
+    f.write_text("sandbox:x:1:1::/:/bin/sh\n")
+    st = os.stat(f)
+    known = {str(f): (st.st_ino, st.st_ctime_ns, st.st_size, "0" * 64)}
+    ch, _ = rootfs.changes([("/", str(upper), str(lower))], known=known)
+    assert {c["path"]: c.get("sha256") for c in ch}["/etc/passwd"] == "0" * 64     # not read again
+    time.sleep(0.01)
+    f.write_text("sandbox:x:2:2::/:/bin/sh\n")        # the same size, written: its ctime moved
+    ch, _ = rootfs.changes([("/", str(upper), str(lower))], known=known)
+    assert {c["path"]: c.get("sha256") for c in ch}["/etc/passwd"] == \
+        hashlib.sha256(b"sandbox:x:2:2::/:/bin/sh\n").hexdigest()

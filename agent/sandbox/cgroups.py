@@ -208,8 +208,10 @@ class SandboxCgroup:
         if memory and "memory" in self.v1_paths:
             d = self.v1_paths["memory"]
             _write(f"{d}/memory.limit_in_bytes", str(memory))
-            if os.path.exists(f"{d}/memory.memsw.limit_in_bytes"):
+            try:
                 _write(f"{d}/memory.memsw.limit_in_bytes", str(memory))
+            except FileNotFoundError:       # a kernel without swap accounting
+                pass
         if cpus and "cpu" in self.v1_paths:
             d = self.v1_paths["cpu"]
             _write(f"{d}/cpu.cfs_period_us", str(CFS_PERIOD_US))
@@ -371,7 +373,7 @@ class SandboxCgroup:
         pid through a pidfd opened first and signalled only if that pid is
         still a member after the pidfd pins the process."""
         kill_file = f"{self.v2_path}/cgroup.kill" if self.v2_path else None
-        has_kill = bool(kill_file and os.path.exists(kill_file))
+        has_kill = kill_file is not None          # a kernel without it: the write below fails (ENOENT)
         deadline = time.monotonic() + timeout
         while True:
             if has_kill:

@@ -31,8 +31,12 @@ class StartGuard:
     waits); release() is idempotent."""
 
     def __init__(self):
-        os.makedirs(os.path.dirname(_lock_path()), exist_ok=True)
-        self.fd = os.open(_lock_path(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        path = _lock_path()
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:       # the state root not made yet: made once, not looked at per start
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_SH)
         except BaseException:

@@ -108,6 +108,29 @@ def _devnull() -> int:
 
 _preflight_ok = False
 _private_ok: set = set()
+CLOCK_REALTIME_COARSE = getattr(time, "CLOCK_REALTIME_COARSE", 5)   # what file times are stamped from
+_lower_seen: dict[tuple, tuple] = {}     # the built-in base's lowers -> _lower_facts' answer
+
+
+def _lower_facts(lowers: list[str]) -> tuple:
+    """What _seed_upper reads of the lower stack: (its etc/passwd, its etc/group, whether
+    it has an etc directory, whether it has a /workspace). The built-in base's are read
+    once per process: it is content-addressed and never changed once in place
+    (rootfs.ensure_base builds it aside and renames it in); an image's or a --rootfs's
+    are read at each start (~20 system calls)."""
+    key = tuple(lowers)
+    fixed = all(os.path.dirname(lw) == rootfs.BASE_ROOT for lw in lowers)
+    if fixed and key in _lower_seen:
+        return _lower_seen[key]
+    facts = (rootfs.read_in_layers(lowers, "etc/passwd"), rootfs.read_in_layers(lowers, "etc/group"),
+             any(os.path.isdir(os.path.join(lw, "etc")) for lw in lowers),
+             rootfs.read_in_layers(lowers, "workspace") is not None
+             or any(os.path.isdir(os.path.join(lw, "workspace")) for lw in lowers))
+    if fixed:
+        if len(_lower_seen) >= 16:       # a base per host /etc change: a handful in an agent's life
+            _lower_seen.clear()
+        _lower_seen[key] = facts
+    return facts
 
 
 def _private_dir(path: str, spread: bool = False):
@@ -228,6 +251,8 @@ class Sandbox:
         self.net = None
         self.created_mountpoints: list[str] = []
         self.generated: dict[str, str | None] = {}   # sandbox path -> sha256 of what dsec wrote there
+        self.seeded: dict[str, tuple] = {}   # upper path -> (inode, ctime_ns, size, sha256) as dsec wrote it
+        self.sealed_ns: int | None = None    # the coarse wall clock as the first step was sent
         self.layers: list[tuple[str, str, str]] = []
         self.env: dict = {}
         self.started_at = 0.0
@@ -407,28 +432,37 @@ class Sandbox:
         """What dsec writes into the root's upper layer before it is mounted: the
         default user's passwd/group entries (its leased uid) and /workspace
         owned by it. Not changes of the workload: excluded from the manifest
-        unless the workload changes them."""
+        unless the workload changes them (the files' inode and ctime are kept, so the
+        manifest takes the hash of one it finds unchanged without reading it again)."""
         if self.lease is None:
             return
-        lower_has = lambda rel: rootfs.read_in_layers(lowers, rel) is not None   # noqa: E731
+        passwd, group, etc_in_lower, ws_in_lower = _lower_facts(lowers)
         etc = os.path.join(upper_root, "etc")
-        os.makedirs(etc, exist_ok=True)
-        if not any(os.path.isdir(os.path.join(lw, "etc")) for lw in lowers):
+        os.mkdir(etc)                       # the upper layer is new: nothing is in it yet
+        if not etc_in_lower:
             self.created_mountpoints.append("/etc")
-        for name, group in (("passwd", False), ("group", True)):
-            old = rootfs.read_in_layers(lowers, f"etc/{name}")
-            data = rootfs.with_user(old, DEFAULT_USER, self.uid, self.gid, "/workspace", group=group)
-            with open(os.path.join(etc, name), "wb") as f:
-                f.write(data)
-            os.chmod(os.path.join(etc, name), 0o644)
+        for name, old, group_file in (("passwd", passwd, False), ("group", group, True)):
+            data = rootfs.with_user(old, DEFAULT_USER, self.uid, self.gid, "/workspace", group=group_file)
+            path = os.path.join(etc, name)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fchmod(fd, 0o644)        # whatever the umask
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            digest = hashlib.sha256(data).hexdigest()
+            self.seeded[path] = (st.st_ino, st.st_ctime_ns, st.st_size, digest)
             if old is None:
                 self.created_mountpoints.append(f"/etc/{name}")
             else:
-                self.generated[f"/etc/{name}"] = hashlib.sha256(data).hexdigest()
+                self.generated[f"/etc/{name}"] = digest
         ws = os.path.join(upper_root, "workspace")
         os.mkdir(ws, 0o755)
         os.chown(ws, self.uid, self.gid)
-        if not lower_has("workspace") and not any(os.path.isdir(os.path.join(lw, "workspace")) for lw in lowers):
+        if not ws_in_lower:
             self.created_mountpoints.append("/workspace")
 
     def _write_state(self, update: dict):
@@ -579,6 +613,8 @@ class Sandbox:
             self.next_step += 1
             st = self.steps[step] = StepResult(step)
             st.on_done = on_done
+            if self.sealed_ns is None:      # before the first workload code runs: see _manifest
+                self.sealed_ns = time.clock_gettime_ns(CLOCK_REALTIME_COARSE)
         e = dict(self.env)
         if env:
             e.update(env)
@@ -722,7 +758,14 @@ class Sandbox:
     def _manifest(self) -> dict:
         """The file-change manifest of the summary: what the workload changed in the
         layers, less the mountpoints and files dsec itself made (unless changed since)."""
-        ch, total = rootfs.changes(self.layers)
+        # a file dsec seeded is taken as unchanged (not read again) when its inode, ctime and size
+        # are as written and that ctime is older than the first step: a change by the workload
+        # moves the ctime to at least the (coarse) clock of its time, so one within the clock
+        # tick of the seeding is not mistaken for none (git's "racily clean" entries); with no
+        # step sent, no code of the workload ran
+        sealed = self.sealed_ns
+        known = {p: k for p, k in self.seeded.items() if sealed is None or k[1] < sealed}
+        ch, total = rootfs.changes(self.layers, known=known)
         created = set(self.created_mountpoints)
         keep = [c for c in ch if c["path"] not in created
                 and not ((g := self.generated.get(c["path"])) is not None and c.get("sha256") == g)]

@@ -422,14 +422,18 @@ MAX_HASH_TOTAL = 1 << 30          # and a manifest hashes this much in all: a wo
 
 
 def _sha256(path: str) -> str | None:
+    """The file's sha256 (None: it cannot be opened); read with plain read(2)s, without the
+    buffered file object's fstat, ioctl and lseek."""
     h = hashlib.sha256()
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as f:
-        while chunk := f.read(1 << 20):
+    try:
+        while chunk := os.read(fd, 1 << 20):
             h.update(chunk)
+    finally:
+        os.close(fd)
     return h.hexdigest()
 
 
@@ -483,12 +487,16 @@ def _not_walked(spath: str, in_lower: bool, kind: str, why: str) -> dict:
     return {"path": spath, "change": "modified" if in_lower else "added", "kind": kind, "not_walked": why}
 
 
-def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES) -> tuple[list[dict], int]:
+def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES,
+            known: dict | None = None) -> tuple[list[dict], int]:
     """Walk upper layers; layers = [(sandbox path prefix, upper dir, lower dir)].
 
     Returns (entries, total). Each entry: path, change (added | modified | deleted),
     kind, and for files size and sha256; symlinks carry their target. Paths are
     str with non-UTF-8 bytes as surrogate escapes (lossless, see audit_schema).
+    known: {upper file path: (inode, ctime_ns, size, sha256)} of files dsec wrote: one
+    found with the same inode, ctime and size is not read again (any write, chmod,
+    utimes or rename onto it moves its ctime, which no call sets back).
     """
     out: list[dict] = []
     unwalked: list[dict] = []
@@ -528,7 +536,9 @@ def changes(layers: list[tuple[str, str, str]], limit: int = MAX_CHANGES) -> tup
                         elif hashed + st.st_size > MAX_HASH_TOTAL:
                             entry["sha256_skipped"] = f"the manifest's hashing budget ({MAX_HASH_TOTAL} bytes) is spent"
                         elif len(out) < limit:        # an entry past the listed ones is not hashed
-                            entry["sha256"] = _sha256(full)
+                            k = known.get(full) if known else None
+                            same = k is not None and (st.st_ino, st.st_ctime_ns, st.st_size) == k[:3]
+                            entry["sha256"] = k[3] if same else _sha256(full)
                             hashed += st.st_size
                 total += 1
                 if len(out) < limit:

@@ -62,15 +62,19 @@ class Lease:
 
 def allocate(sandbox_id: str) -> Lease:
     first, count = current_range()
-    try:
-        os.makedirs(LEASE_DIR, mode=0o700, exist_ok=True)
-    except OSError as e:
-        raise DsecError(f"cannot create {LEASE_DIR}: {e.strerror}", EXIT_DSEC)
     start = int(hashlib.sha1(sandbox_id.encode()).hexdigest()[:8], 16) % count
     for i in range(count):
         uid = first + (start + i) % count
+        path = os.path.join(LEASE_DIR, str(uid))
         try:
-            fd = os.open(os.path.join(LEASE_DIR, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except FileNotFoundError:   # the lease directory not made yet (made once, not looked at per lease)
+                try:
+                    os.makedirs(LEASE_DIR, mode=0o700, exist_ok=True)
+                except OSError as e:
+                    raise DsecError(f"cannot create {LEASE_DIR}: {e.strerror}", EXIT_DSEC) from None
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise DsecError(f"cannot lease a sandbox uid in {LEASE_DIR}: {e.strerror}", EXIT_DSEC)
         try:
