@@ -43,6 +43,7 @@ from agent.sensors.common import (cgroup_populated, check_sandbox_ids, compile_t
                               map_discard, ring_pages, source_text, token_bucket, tracepoints_in, unavailable,
                               byte_bucket)
 from agent.sensors.decoder import SandboxInfo, load_constants
+from agent.sensors.procs import pin_root
 from agent.sensors.repeats import ENV as AGGREGATE_ENV, KINDS as AGGREGATE_KINDS, RETIRE_SETTLE_S, Repeats
 from agent.errors import DsecError
 
@@ -303,11 +304,14 @@ class AuditSensor(RingSensor):
                                 f"(at most {self.consts.values['DSEC_MAX_SANDBOXES']} sandboxes): {e}") from None
 
     def set_root_pid(self, cgroup_id: int, pid: int) -> None:
-        """Name a live process of the sandbox (its supervisor) once it exists."""
+        """Name a live process of the sandbox (its supervisor) once it exists. Its /proc
+        reads (~5 system calls) are made without the sensor's lock, which the poll thread and
+        the other sandboxes' calls wait for."""
+        root = pin_root(pid, cgroup_id, self.decoder.cgroup2_root, self.decoder.proc)
         with self._lock:
             info = self.decoder.sandboxes.get(cgroup_id)
             if info is not None:
-                self.decoder.set_root_pid(info, pid)
+                info.root_pid = root
 
     def set_step(self, cgroup_id: int, step: int) -> None:
         """Events admitted from now on carry `step`."""

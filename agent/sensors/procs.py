@@ -63,17 +63,21 @@ class PinnedPid(int):
 
 
 def set_root_pid(info, pid: int, cgroup2_root: str | None, proc: str = "/proc") -> None:
-    """The sandbox's init (for enrichment once an exec'ing process is gone): pinned
-    (PinnedPid) when it is in the sandbox's cgroup now, else kept as a plain pid that is
-    checked at each use."""
-    info.root_pid = pid
-    if pid and in_cgroup(pid, info.cgroup_id, cgroup2_root, proc):
+    """The sandbox's init (for enrichment once an exec'ing process is gone): see pin_root."""
+    info.root_pid = pin_root(pid, info.cgroup_id, cgroup2_root, proc)
+
+
+def pin_root(pid: int, cgroup_id: int, cgroup2_root: str | None, proc: str = "/proc") -> int:
+    """`pid` pinned (PinnedPid) when it is in the sandbox's cgroup now, else the plain pid,
+    checked at each use. Its reads need no lock (a sensor takes it outside its own)."""
+    if pid and in_cgroup(pid, cgroup_id, cgroup2_root, proc):
         try:
             pinned = PinnedPid(pid)
             pinned.dir = ProcDir(pid, proc)
         except OSError:
-            return                                # gone already: a plain pid, checked per use
-        info.root_pid = pinned
+            return pid                            # gone already: a plain pid, checked per use
+        return pinned
+    return pid
 
 
 class LivePids:
