@@ -1081,12 +1081,14 @@ class Spool:
         return total
 
     # -- append
-    def _head_fd(self, incoming: int) -> int:
-        """Called under the lock: an fd on the head segment with room (rotating if needed)."""
+    def _head_fd(self, incoming: int) -> tuple[int, int]:
+        """Called under the lock: an fd on the head segment with room (rotating if needed),
+        and the segment's size (where this append starts: no other writer appends while
+        the lock is held)."""
         if self._fd is not None:
             st = os.fstat(self._fd)
             if st.st_nlink and st.st_size < self.segment_bytes and self.is_head(self._seq):
-                return self._fd
+                return self._fd, st.st_size
             os.close(self._fd)
             self._fd = None
         segs = self.segments()
@@ -1095,12 +1097,12 @@ class Spool:
             if os.stat(self.seg_path(head)).st_size < self.segment_bytes:
                 self._fd = os.open(self.seg_path(head), os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
                 self._seq = head
-                return self._fd
+                return self._fd, os.fstat(self._fd).st_size
         seq = (segs[-1] + 1) if segs else 1
         self._fd = os.open(self.seg_path(seq), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         self._seq = seq
         _fsync_dir(self.path)
-        return self._fd
+        return self._fd, 0
 
     def append(self, record: dict) -> None:
         self.append_many([record])
@@ -1159,12 +1161,11 @@ class Spool:
     def _write(self, data: bytes):
         """Under the lock: append data to the head segment (all or nothing)."""
         try:
-            fd = self._head_fd(len(data))
+            fd, start = self._head_fd(len(data))
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise
             raise ExportError(f"spool {self.path}: cannot open a segment: {e.strerror}")
-        start = os.fstat(fd).st_size
         try:
             view = memoryview(data)
             while view:

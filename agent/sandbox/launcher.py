@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -109,28 +108,6 @@ def _devnull() -> int:
 _preflight_ok = False
 _private_ok: set = set()
 CLOCK_REALTIME_COARSE = getattr(time, "CLOCK_REALTIME_COARSE", 5)   # what file times are stamped from
-_lower_seen: dict[tuple, tuple] = {}     # the built-in base's lowers -> _lower_facts' answer
-
-
-def _lower_facts(lowers: list[str]) -> tuple:
-    """What _seed_upper reads of the lower stack: (its etc/passwd, its etc/group, whether
-    it has an etc directory, whether it has a /workspace). The built-in base's are read
-    once per process: it is content-addressed and never changed once in place
-    (rootfs.ensure_base builds it aside and renames it in); an image's or a --rootfs's
-    are read at each start (~20 system calls)."""
-    key = tuple(lowers)
-    fixed = all(os.path.dirname(lw) == rootfs.BASE_ROOT for lw in lowers)
-    if fixed and key in _lower_seen:
-        return _lower_seen[key]
-    facts = (rootfs.read_in_layers(lowers, "etc/passwd"), rootfs.read_in_layers(lowers, "etc/group"),
-             any(os.path.isdir(os.path.join(lw, "etc")) for lw in lowers),
-             rootfs.read_in_layers(lowers, "workspace") is not None
-             or any(os.path.isdir(os.path.join(lw, "workspace")) for lw in lowers))
-    if fixed:
-        if len(_lower_seen) >= 16:       # a base per host /etc change: a handful in an agent's life
-            _lower_seen.clear()
-        _lower_seen[key] = facts
-    return facts
 
 
 def _private_dir(path: str, spread: bool = False):
@@ -429,41 +406,14 @@ class Sandbox:
         self._send(ip.encode(MSG.GO))
 
     def _seed_upper(self, upper_root: str, lowers: list[str]):
-        """What dsec writes into the root's upper layer before it is mounted: the
-        default user's passwd/group entries (its leased uid) and /workspace
-        owned by it. Not changes of the workload: excluded from the manifest
-        unless the workload changes them (the files' inode and ctime are kept, so the
-        manifest takes the hash of one it finds unchanged without reading it again)."""
+        """The default user's passwd/group entries and /workspace, written into the root's
+        upper layer before it is mounted (rootfs.seed_upper); not changes of the workload."""
         if self.lease is None:
             return
-        passwd, group, etc_in_lower, ws_in_lower = _lower_facts(lowers)
-        etc = os.path.join(upper_root, "etc")
-        os.mkdir(etc)                       # the upper layer is new: nothing is in it yet
-        if not etc_in_lower:
-            self.created_mountpoints.append("/etc")
-        for name, old, group_file in (("passwd", passwd, False), ("group", group, True)):
-            data = rootfs.with_user(old, DEFAULT_USER, self.uid, self.gid, "/workspace", group=group_file)
-            path = os.path.join(etc, name)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fchmod(fd, 0o644)        # whatever the umask
-                st = os.fstat(fd)
-            finally:
-                os.close(fd)
-            digest = hashlib.sha256(data).hexdigest()
-            self.seeded[path] = (st.st_ino, st.st_ctime_ns, st.st_size, digest)
-            if old is None:
-                self.created_mountpoints.append(f"/etc/{name}")
-            else:
-                self.generated[f"/etc/{name}"] = digest
-        ws = os.path.join(upper_root, "workspace")
-        os.mkdir(ws, 0o755)
-        os.chown(ws, self.uid, self.gid)
-        if not ws_in_lower:
-            self.created_mountpoints.append("/workspace")
+        created, generated, seeded = rootfs.seed_upper(upper_root, lowers, DEFAULT_USER, self.uid, self.gid)
+        self.created_mountpoints += created
+        self.generated.update(generated)
+        self.seeded.update(seeded)
 
     def _write_state(self, update: dict):
         """state.json (for gc) replaced atomically; its content kept here, not read back."""

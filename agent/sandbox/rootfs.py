@@ -322,6 +322,68 @@ def read_in_layers(layers: list[str], rel: str) -> bytes | None:
     return None
 
 
+_lower_seen: dict[tuple, tuple] = {}     # the built-in base's lowers -> lower_facts' answer
+
+
+def lower_facts(lowers: list[str]) -> tuple:
+    """What seed_upper reads of the lower stack: (its etc/passwd, its etc/group, whether
+    it has an etc directory, whether it has a /workspace). The built-in base's are read
+    once per process: it is content-addressed and never changed once in place
+    (ensure_base builds it aside and renames it in); an image's or a --rootfs's
+    are read at each start (~20 system calls)."""
+    key = tuple(lowers)
+    fixed = all(os.path.dirname(lw) == BASE_ROOT for lw in lowers)
+    if fixed and key in _lower_seen:
+        return _lower_seen[key]
+    facts = (read_in_layers(lowers, "etc/passwd"), read_in_layers(lowers, "etc/group"),
+             any(os.path.isdir(os.path.join(lw, "etc")) for lw in lowers),
+             read_in_layers(lowers, "workspace") is not None
+             or any(os.path.isdir(os.path.join(lw, "workspace")) for lw in lowers))
+    if fixed:
+        if len(_lower_seen) >= 16:       # a base per host /etc change: a handful in an agent's life
+            _lower_seen.clear()
+        _lower_seen[key] = facts
+    return facts
+
+
+def seed_upper(upper_root: str, lowers: list[str], user: str, uid: int, gid: int) -> tuple[list, dict, dict]:
+    """What dsec writes into a root's upper layer before it is mounted: `user`'s
+    passwd/group entries (uid, gid) and /workspace owned by it. Returns (mountpoints it
+    created, {sandbox path: sha256} of the files it generated over the lowers' own,
+    {upper path: (inode, ctime_ns, size, sha256)} of the files as written: the manifest
+    takes one it finds unchanged from there (changes(known=...)) without reading it)."""
+    passwd, group, etc_in_lower, ws_in_lower = lower_facts(lowers)
+    created, generated, seeded = [], {}, {}
+    etc = os.path.join(upper_root, "etc")
+    os.mkdir(etc)                       # the upper layer is new: nothing is in it yet
+    if not etc_in_lower:
+        created.append("/etc")
+    for name, old, group_file in (("passwd", passwd, False), ("group", group, True)):
+        data = with_user(old, user, uid, gid, "/workspace", group=group_file)
+        path = os.path.join(etc, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fchmod(fd, 0o644)        # whatever the umask
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        digest = hashlib.sha256(data).hexdigest()
+        seeded[path] = (st.st_ino, st.st_ctime_ns, st.st_size, digest)
+        if old is None:
+            created.append(f"/etc/{name}")
+        else:
+            generated[f"/etc/{name}"] = digest
+    ws = os.path.join(upper_root, "workspace")
+    os.mkdir(ws, 0o755)
+    os.chown(ws, uid, gid)
+    if not ws_in_lower:
+        created.append("/workspace")
+    return created, generated, seeded
+
+
 def parse_passwd(data: bytes | None) -> list[tuple[str, int, int, str]]:
     entries = []
     for line in (data or b"").decode("utf-8", "surrogateescape").splitlines():
@@ -447,9 +509,26 @@ def _kind(mode: int) -> str:
     return "other"
 
 
+_base_shows: dict[tuple[str, str], bool] = {}    # (built-in base, rel) -> _in_lowers' answer
+
+
 def _in_lowers(lowers: list[str], rel: str) -> bool:
     """Does the lower stack (top first) show `rel`? A whiteout (0/0 char device)
-    in a higher layer hides what lower ones have."""
+    in a higher layer hides what lower ones have. The built-in base's answers are kept
+    (content-addressed, never changed once in place: ensure_base): a manifest looks up
+    the same few paths (/etc, /workspace ...) at every close."""
+    if len(lowers) == 1 and os.path.dirname(lowers[0]) == BASE_ROOT:
+        key = (lowers[0], rel)
+        got = _base_shows.get(key)
+        if got is None:
+            if len(_base_shows) >= 4096:
+                _base_shows.clear()
+            got = _base_shows[key] = _in_lowers_read(lowers, rel)
+        return got
+    return _in_lowers_read(lowers, rel)
+
+
+def _in_lowers_read(lowers: list[str], rel: str) -> bool:
     for d in lowers:
         try:
             st = os.lstat(os.path.join(d, rel))
