@@ -14,6 +14,12 @@ cgroup.procs write of the launcher takes (its writer side waits for an RCU grace
 period whenever no migration happened on the node within the last one: ~10 ms
 median, p90 24 ms of a 43 ms cold start; docs/launch-figures.md).
 
+The clone shares the agent's fd table (CLONE_FILES) and dsec-init takes a table of its
+own holding only the fds below a few low slots reserved at import (close_range with
+CLOSE_RANGE_UNSHARE, Linux 5.9; _Slots): a clone that copied the table made every start
+pay for every fd the agent holds (~8 a live sandbox: the copy, then the exec closing each
+again; beside 500 sandboxes ~2 ms of a start, docs/launch-figures.md).
+
 The fallback (sysutil.spawn_in_namespaces: posix_spawn from a thread that unshared
 the namespaces, then the launcher writes the pid into every hierarchy's
 cgroup.procs) is taken when the library is not built or older than its source,
@@ -50,6 +56,42 @@ _UNSUPPORTED = (errno.ENOSYS, errno.E2BIG, errno.EINVAL)
 
 class Unavailable(Exception):
     """The clone3 path cannot be used here: take the fallback."""
+
+
+class _Slots:
+    """Low fd numbers kept (on /dev/null, close-on-exec) for the fds a start hands
+    dsec-init: the clone shares the agent's fd table and the child keeps only what is
+    below the highest slot (spawn.c files_below), instead of a copy of the whole table
+    (~8 fds a live sandbox) that its exec then closes again. Taken at import, while the
+    process holds few fds; a start that finds none free copies the table as before."""
+
+    COUNT = 8
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.free: list[int] = []
+        self._null = -1
+        try:
+            self._null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            self.free = [os.dup(self._null) for _ in range(self.COUNT)]     # the lowest free numbers
+        except OSError:
+            pass
+
+    def take(self, n: int) -> list[int] | None:
+        with self._lock:
+            if n > len(self.free):
+                return None
+            got, self.free = self.free[:n], self.free[n:]
+            return got
+
+    def give(self, slots: list[int]) -> None:
+        for s in slots:
+            os.dup2(self._null, s, inheritable=False)     # what was put there is let go at once
+        with self._lock:
+            self.free.extend(slots)
+
+
+_SLOTS = _Slots()
 
 
 class _Rlimit(ctypes.Structure):
@@ -90,7 +132,7 @@ def _load():
         fn.argtypes = (ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int), ctypes.c_int,
                        ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Rlimit),
                        ctypes.POINTER(ctypes.c_int),
-                       ctypes.POINTER(ctypes.c_int))
+                       ctypes.POINTER(ctypes.c_int), ctypes.c_int)
         _fn = fn
         STATE["path"] = "clone3"
         return fn
@@ -114,11 +156,20 @@ def spawn_init(path: str, argv: list, fds: list[int], ns_flags: int, cgroup_fd: 
         raise Unavailable(STATE["reason"])
     args = [os.fsencode(a) for a in argv]
     c_argv = (ctypes.c_char_p * (len(args) + 1))(*args, None)
-    c_fds = (ctypes.c_int * max(1, len(fds)))(*fds)
-    rl = ctypes.byref(_Rlimit(*nofile)) if nofile else None
-    pidfd, child_failed = ctypes.c_int(-1), ctypes.c_int(0)
-    r = fn(os.fsencode(path), c_argv, c_fds, len(fds), ns_flags, cgroup_fd, netns_fd, rl, ctypes.byref(pidfd),
-           ctypes.byref(child_failed))
+    slots = _SLOTS.take(len(fds)) if fds else None
+    try:
+        if slots:
+            for fd, slot in zip(fds, slots):
+                os.dup2(fd, slot, inheritable=False)
+        src = slots or fds
+        c_fds = (ctypes.c_int * max(1, len(src)))(*src)
+        rl = ctypes.byref(_Rlimit(*nofile)) if nofile else None
+        pidfd, child_failed = ctypes.c_int(-1), ctypes.c_int(0)
+        r = fn(os.fsencode(path), c_argv, c_fds, len(src), ns_flags, cgroup_fd, netns_fd, rl, ctypes.byref(pidfd),
+               ctypes.byref(child_failed), max(slots) + 1 if slots else 0)
+    finally:
+        if slots:
+            _SLOTS.give(slots)
     if r >= 0:
         return r, pidfd.value
     err = -r
