@@ -201,7 +201,7 @@ def test_close_loses_no_event_of_a_workload_killed_while_it_forks_and_writes(rec
     """Closed while its workload forks and writes, each sandbox's record holds
     every event both sensors' kernel counters say they emitted, none lost: the
     sensors' last read at a close is fenced by the ring's producer position once
-    the cgroup is empty (agent/sensors/common.py cgroup_populated, _consume_past).
+    the cgroup is empty (agent/sandbox/cgroups.py cgroup_populated, _consume_past).
     Both ways a watch ends: on the launcher's on_gone (the node agent: the cgroup
     empty, still there) and at on_exit (`dsec run`: the cgroup removed)."""
     from agent.sandbox.launcher import Sandbox, SandboxSpec

@@ -406,7 +406,7 @@ def test_an_empty_cgroup_is_known_and_its_removal_fenced(audit_sensor, audit_cgr
     """cgroup_populated says False only when no task can run in the cgroup (or below it): its
     cgroup.events says populated 0, or it is gone; then remove_sandbox reads the ring up to its
     producer position (a fence) instead of sleeping REMOVAL_SETTLE_S, and has every record."""
-    from agent.sensors.common import cgroup_populated
+    from agent.sandbox.cgroups import cgroup_populated
     h = audit_sensor
     sbx = h.sandbox(audit_cgroups)
     cg = sbx.cg

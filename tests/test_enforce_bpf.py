@@ -661,7 +661,7 @@ def test_remove_sandbox_finds_its_entries_without_walking_the_tables(enforce_sen
     """A sandbox whose cgroup is empty at removal (every close) has its exempt pids, violation counters
     and learned destinations removed without a walk of the whole tables (enforce._forget): none of its
     entries is left, and another sandbox's are kept. One whose cgroup still has a process is walked."""
-    from agent.sensors.common import cgroup_populated as _populated
+    from agent.sandbox.cgroups import cgroup_populated as _populated
     h, net, s = enforce_sensor, enforce_net, enforce_sensor.sensor
 
     def entries(cgid):

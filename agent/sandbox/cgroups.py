@@ -140,6 +140,40 @@ def remove_empty_parents(layout: Layout) -> list[str]:
     return removed
 
 
+def cgroup_populated(path: str | None, cgroup_id: int = 0) -> bool:
+    """Whether a task may still run in cgroup2 directory `path` (or below it):
+    False only when that is known not to be so -- its cgroup.events says
+    "populated 0", or the directory is gone (only an empty cgroup can be
+    removed); True otherwise (unreadable, no path, or another cgroup than
+    `cgroup_id` there now). An empty cgroup stays empty: nothing of the
+    sandbox's can run again, every task of it has passed cgroup_exit() in
+    do_exit(), and with it its last BPF program (sched_process_exit runs
+    before cgroup_exit; every program runs to its end in its task's context)."""
+    if not path:
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        if cgroup_id and os.fstat(fd).st_ino != cgroup_id:
+            return True
+        efd = os.open("cgroup.events", os.O_RDONLY, dir_fd=fd)
+        try:
+            data = os.read(efd, 4096)
+        finally:
+            os.close(efd)
+    except OSError as e:
+        # ENOENT, or ENODEV from a node the kernel is removing: removed since it was opened
+        # (it is the sandbox's: its id was checked), and only an empty cgroup is removed
+        return e.errno not in (errno.ENOENT, errno.ENODEV)
+    finally:
+        os.close(fd)
+    return b"populated 0\n" not in data
+
+
 class SandboxCgroup:
     """The cgroups of one sandbox. Create, join (from the child), read stats, remove."""
 
@@ -364,21 +398,6 @@ class SandboxCgroup:
         return sorted(out)
 
     # --- teardown --------------------------------------------------------------
-    def _populated(self) -> bool:
-        """Has the cgroup2 directory or one below it a live task ("populated" of
-        cgroup.events)? True when it cannot be read (the caller then lists the members)."""
-        try:
-            fd = os.open(f"{self.v2_path}/cgroup.events", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return True
-        try:
-            data = os.read(fd, 4096)     # a few dozen bytes: one read
-        except OSError:
-            return True
-        finally:
-            os.close(fd)
-        return b"populated 0" not in data
-
     def kill_all(self, timeout: float = 5.0):
         """SIGKILL every process left in the sandbox's cgroups and wait until empty.
 
@@ -396,7 +415,7 @@ class SandboxCgroup:
                     _write(kill_file, "1")
                 except OSError:
                     has_kill = False
-            if has_kill and not self._populated():
+            if has_kill and not cgroup_populated(self.v2_path):
                 # no task left anywhere in the cgroup2 subtree, which every process of the
                 # sandbox is in (dsec-init is born in it; a process cannot leave it): one read
                 # where the members of each hierarchy were four (v1's cgroup.procs also

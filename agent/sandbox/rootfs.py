@@ -325,14 +325,19 @@ def read_in_layers(layers: list[str], rel: str) -> bytes | None:
 _lower_seen: dict[tuple, tuple] = {}     # the built-in base's lowers -> lower_facts' answer
 
 
+def _is_base(lowers: list[str]) -> bool:
+    """Is the lower stack the built-in base alone? It is content-addressed and never changed
+    once in place (ensure_base builds it aside and renames it in): what is read of it holds
+    for the process's life."""
+    return len(lowers) == 1 and os.path.dirname(lowers[0]) == BASE_ROOT
+
+
 def lower_facts(lowers: list[str]) -> tuple:
     """What seed_upper reads of the lower stack: (its etc/passwd, its etc/group, whether
     it has an etc directory, whether it has a /workspace). The built-in base's are read
-    once per process: it is content-addressed and never changed once in place
-    (ensure_base builds it aside and renames it in); an image's or a --rootfs's
-    are read at each start (~20 system calls)."""
+    once per process (_is_base); an image's or a --rootfs's at each start (~20 system calls)."""
     key = tuple(lowers)
-    fixed = all(os.path.dirname(lw) == BASE_ROOT for lw in lowers)
+    fixed = _is_base(lowers)
     if fixed and key in _lower_seen:
         return _lower_seen[key]
     facts = (read_in_layers(lowers, "etc/passwd"), read_in_layers(lowers, "etc/group"),
@@ -515,9 +520,8 @@ _base_shows: dict[tuple[str, str], bool] = {}    # (built-in base, rel) -> _in_l
 def _in_lowers(lowers: list[str], rel: str) -> bool:
     """Does the lower stack (top first) show `rel`? A whiteout (0/0 char device)
     in a higher layer hides what lower ones have. The built-in base's answers are kept
-    (content-addressed, never changed once in place: ensure_base): a manifest looks up
-    the same few paths (/etc, /workspace ...) at every close."""
-    if len(lowers) == 1 and os.path.dirname(lowers[0]) == BASE_ROOT:
+    (_is_base): a manifest looks up the same few paths (/etc, /workspace ...) at every close."""
+    if _is_base(lowers):
         key = (lowers[0], rel)
         got = _base_shows.get(key)
         if got is None:

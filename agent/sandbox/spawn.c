@@ -180,9 +180,6 @@ long dsec_spawn(const char *path, char *const argv[], const int *fds, int nfds, 
     if (nfds < 0 || nfds > MAX_FDS)
         return -EINVAL;
     char stack[STACK_BYTES] __attribute__((aligned(16)));
-    for (int i = 0; i < nfds && files_below > 0; i++)
-        if (fds[i] >= files_below)
-            return -EINVAL;
     struct child_args a = {path, argv, fds, nfds, netns_fd, files_below, nofile, 0};
     int pidfd = -1;
     struct clone_args ca;

@@ -28,8 +28,7 @@
 
 #define MAX_DEPTH 128
 #define DENTS_BYTES 32768                      /* as glibc's readdir buffer */
-#define T_UNKNOWN 0                            /* d_type values (dirent.h's DT_*) */
-#define T_DIR 4
+#define T_DIR 4                                /* dirent.h's DT_DIR */
 
 struct dent64 {                                /* getdents64(2)'s record */
     unsigned long long d_ino;
@@ -104,7 +103,7 @@ static int rm_dir(int dfd, const char *name, dev_t dev, int depth)
                 off += e->d_reclen;
                 if (e->d_name[0] == '.' && (e->d_name[1] == 0 || (e->d_name[1] == '.' && e->d_name[2] == 0)))
                     continue;
-                int r = rm_entry(fd, e->d_name, e->d_type == T_UNKNOWN ? 0 : e->d_type, dev, depth + 1);
+                int r = rm_entry(fd, e->d_name, e->d_type, dev, depth + 1);
                 if (r != 0 && rc == 0)
                     rc = r;
             }

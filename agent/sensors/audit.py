@@ -36,10 +36,11 @@ import os
 import select
 import time
 
+from agent.sandbox.cgroups import cgroup_populated
 from agent.sensors.common import BPF_DIR, TRACEFS, RINGBUF_MISSING, RingSensor, base_missing, cgroup2_mount
 from agent.sensors.common import StderrCapture as _StderrCapture, first_error as _first_error  # noqa: F401 (API)
 from agent.sensors.common import ringbuf_supported as _ringbuf_supported
-from agent.sensors.common import (cgroup_populated, check_sandbox_ids, compile_text, describe, loss_totals,
+from agent.sensors.common import (check_sandbox_ids, compile_text, describe, loss_totals,
                               map_discard, ring_pages, source_text, token_bucket, tracepoints_in, unavailable,
                               byte_bucket)
 from agent.sensors.decoder import SandboxInfo, load_constants

@@ -111,40 +111,6 @@ def cgroup2_mount() -> str | None:
     return next((where for where, fstype in sysutil.mounts() if fstype == "cgroup2"), None)
 
 
-def cgroup_populated(path: str | None, cgroup_id: int = 0) -> bool:
-    """Whether a task may still run in cgroup2 directory `path` (or below it):
-    False only when that is known not to be so -- its cgroup.events says
-    "populated 0", or the directory is gone (only an empty cgroup can be
-    removed); True otherwise (unreadable, no path, or another cgroup than
-    `cgroup_id` there now). An empty cgroup stays empty: nothing of the
-    sandbox's can run again, every task of it has passed cgroup_exit() in
-    do_exit(), and with it its last BPF program (sched_process_exit runs
-    before cgroup_exit; every program runs to its end in its task's context)."""
-    if not path:
-        return True
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    try:
-        if cgroup_id and os.fstat(fd).st_ino != cgroup_id:
-            return True
-        efd = os.open("cgroup.events", os.O_RDONLY, dir_fd=fd)
-        try:
-            data = os.read(efd, 4096)
-        finally:
-            os.close(efd)
-    except OSError as e:
-        # ENOENT, or ENODEV from a node the kernel is removing: removed since it was opened
-        # (it is the sandbox's: its id was checked), and only an empty cgroup is removed
-        return e.errno not in (errno.ENOENT, errno.ENODEV)
-    finally:
-        os.close(fd)
-    return b"populated 0\n" not in data
-
-
 def bpffs_mounted(path: str) -> bool:
     """Is `path` (or the directory it would be created in) on a bpf filesystem?"""
     best = ("", "")

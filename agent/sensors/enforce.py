@@ -52,7 +52,8 @@ from dataclasses import dataclass, field
 
 from agent.sensors import bpfsys
 from agent.sensors.common import BPF_DIR, TRACEFS, RINGBUF_MISSING, RingSensor, base_missing
-from agent.sensors.common import byte_bucket, cgroup_populated
+from agent.sandbox.cgroups import cgroup_populated
+from agent.sensors.common import byte_bucket
 from agent.sensors.common import (bpffs_mounted, cgroup2_mount, check_sandbox_ids, compile_text, describe, find_tracefs,
                               loss_totals, map_discard, ring_pages, ringbuf_supported, source_text, token_bucket,
                               tracepoint_program, tracepoints_in, unavailable)
