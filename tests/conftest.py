@@ -38,6 +38,23 @@ def pytest_configure(config):
         raise pytest.UsageError("the dsec test suite needs root (real namespaces, cgroups, eBPF)")
 
 
+def dash_rootfs(dest):
+    """A rootfs directory of a test's own at `dest` (a pathlib.Path): dash as /bin/sh and its
+    libraries, an /etc/passwd with root and sandbox (1000)."""
+    for d in ("bin", "lib", "lib64", "etc"):
+        (dest / d).mkdir(parents=True)
+    shutil.copy2("/bin/dash", dest / "bin" / "sh")
+    libs = subprocess.run(["ldd", "/bin/dash"], capture_output=True, text=True).stdout
+    for line in libs.splitlines():
+        for tok in line.split():
+            if tok.startswith("/"):
+                lib = dest / tok.lstrip("/")
+                lib.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(tok, lib)
+    (dest / "etc" / "passwd").write_text("root:x:0:0::/:/bin/sh\nsandbox:x:1000:1000::/:/bin/sh\n")
+    return dest
+
+
 def dsec(*args, input=None, timeout=120, env=None, **kw):
     """Run the real dsec CLI; returns CompletedProcess with bytes stdout/stderr."""
     e = dict(os.environ)

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import DSEC, dsec
+from conftest import DSEC, dash_rootfs, dsec
 from hosts import NetHost, leftovers, wait_clean
 
 
@@ -374,18 +374,7 @@ def test_workdir_and_dev(tmp_path):
 
 def test_custom_rootfs(tmp_path):
     """A rootfs directory of the test's own: dash and its libraries only."""
-    rf = tmp_path / "rootfs"
-    for d in ("bin", "lib", "lib64", "etc"):
-        (rf / d).mkdir(parents=True)
-    shutil.copy2("/bin/dash", rf / "bin" / "sh")
-    libs = subprocess.run(["ldd", "/bin/dash"], capture_output=True, text=True).stdout
-    for line in libs.splitlines():
-        for tok in line.split():
-            if tok.startswith("/"):
-                dest = rf / tok.lstrip("/")
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(tok, dest)
-    (rf / "etc" / "passwd").write_text("root:x:0:0::/:/bin/sh\nsandbox:x:1000:1000::/:/bin/sh\n")
+    rf = dash_rootfs(tmp_path / "rootfs")
     r = dsec(*RUN, "--rootfs", str(rf), "--workdir", "/", "--", "/bin/sh", "-c",
              "echo in-custom; test -e /usr/bin/python3 && echo host-visible; echo x > /tmp/t && echo tmp-ok")
     assert r.returncode == 0, r.stderr

@@ -3,11 +3,13 @@ kernel, with the decisions recorded in ClickHouse."""
 from __future__ import annotations
 
 import json
+import os
 import textwrap
+import uuid
 
 import pytest
 
-from conftest import dsec, dsec_each
+from conftest import dash_rootfs, dsec, dsec_each
 
 ATTACKS = textwrap.dedent(r'''
     import ctypes, errno, os
@@ -133,6 +135,45 @@ def test_files_writable_layout_and_decisions(mode, ws_runs):
         assert vt["decision"] == "would-deny" and vt["ret"] >= 0, vt
         assert opt["decision"] == "failed" and opt["ret"] == -13     # EACCES: failed on its own
         assert "refused_anyway" not in json.loads(opt["extra"] or "{}")
+
+
+SRV_POLICY = textwrap.dedent("""\
+    apiVersion: dsec/v1
+    kind: SandboxPolicy
+    metadata: {name: tmp-only}
+    spec:
+      mode: enforce
+      files: {writable: [/tmp]}
+    """)
+
+
+def test_refused_anyway_reads_the_sandboxs_own_files(tmp_path, clickhouse_url):
+    """Whether an EROFS write "would have failed anyway" is read from the mode bits in the
+    sandbox's root, never the host's. Here /srv is uid 1000's in the sandbox (a rootfs of the
+    test's own) and root's (0755) on the host: uid 1000's write there is refused by the policy's
+    read-only layout alone, a policy denial. The check's root was opened before dsec-init's
+    pivot_root, i.e. the host's tree, which said "0:0 drwxr-xr-x: refused anyway" and turned
+    the denial into a write that merely failed."""
+    host_srv = os.stat("/srv")
+    assert host_srv.st_uid == 0 and not host_srv.st_mode & 0o002     # the host's /srv: not uid 1000's
+    rf = dash_rootfs(tmp_path / "rootfs")
+    (rf / "srv").mkdir(mode=0o755)
+    os.chown(rf / "srv", 1000, 1000)
+    pol = tmp_path / "tmp-only.yaml"
+    pol.write_text(SRV_POLICY)
+    env = {"DSEC_CLICKHOUSE_URL": clickhouse_url, "DSEC_SPOOL_DIR": str(tmp_path / "spool")}
+    sid = "srv-" + uuid.uuid4().hex[:10]
+    r = dsec("run", "--sandbox-id", sid, "--rootfs", str(rf), "--user", "1000:1000", "--workdir", "/",
+             "--policy", str(pol), "--", "/bin/sh", "-c", "(echo x > /srv/x) 2>/dev/null || echo refused",
+             env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [b"refused"]
+    ev = [json.loads(x) for x in dsec("events", "--sandbox", sid, "--format", "json", "--kind", "open_write",
+                                      env=env).stdout.decode().splitlines()]
+    srv = {e["path"]: e for e in ev}["/srv/x"]
+    assert srv["ret"] == -30 and srv["uid"] == 1000, srv                 # EROFS: the layout refused it
+    assert srv["decision"] == "denied", srv
+    assert "refused_anyway" not in json.loads(srv["extra"] or "{}"), srv
 
 
 def test_audit_off_refuses_policies_enforced_in_ebpf():

@@ -201,9 +201,13 @@ class Sandbox:
     knows exactly what exists. Thread-safe: steps may run concurrently."""
 
     def __init__(self, spec: SandboxSpec, on_cgroup=None, on_started=None, on_step=None,
-                 on_workload_exit=None, on_exit=None, on_step_info=None, on_step_end=None, on_gone=None):
+                 on_workload_exit=None, on_exit=None, on_step_info=None, on_step_end=None, on_gone=None,
+                 on_ready=None):
         self.spec = spec
         self.hooks = {"on_cgroup": on_cgroup, "on_started": on_started, "on_step": on_step,
+                      # dsec-init is READY: its mounts made and its root the sandbox's (pivot_root),
+                      # before GO and anything of the workload (the sensors open that root then)
+                      "on_ready": on_ready,
                       "on_workload_exit": on_workload_exit, "on_exit": on_exit,
                       "on_step_info": on_step_info, "on_step_end": on_step_end,
                       # close(): its init reaped and its cgroups found empty (nothing of the sandbox can
@@ -399,6 +403,7 @@ class Sandbox:
         self._write_state({"supervisor_pid": self.sup_pid})
         ready = self._wait_for(lambda: self._ready, 30.0, "did not become ready")
         self.created_mountpoints += ready.get("created", [])
+        self._hook("on_ready", self.sid, self.sup_pid)
         if spec.network == "egress":
             from agent.sandbox import netns
             self.net = netns.setup_egress(self.sid, self.sup_pid, policy_egress=bool(
@@ -799,14 +804,14 @@ class Sandbox:
 
 
 def launch(spec: SandboxSpec, on_cgroup=None, on_exit=None, stdio=None, on_started=None, on_go=None,
-           on_workload_exit=None, on_step_info=None, on_step_end=None) -> Result:
+           on_workload_exit=None, on_step_info=None, on_step_end=None, on_ready=None) -> Result:
     """One-shot: start, run spec.argv as step 1 with the caller's stdio, close."""
     if not spec.argv:
         raise DsecError("no command given", EXIT_DSEC)
     sb = Sandbox(spec, on_cgroup=on_cgroup, on_started=on_started,
                  on_step=(lambda sid, step: on_go(sid)) if on_go else None,
                  on_workload_exit=on_workload_exit, on_exit=on_exit,
-                 on_step_info=on_step_info, on_step_end=on_step_end)
+                 on_step_info=on_step_info, on_step_end=on_step_end, on_ready=on_ready)
     sb.start()
     relay_threads = []
     try:

@@ -2,7 +2,7 @@
 reviewer can read)
 
     roots = SandboxRoots()
-    roots.add(sandbox_id, supervisor_pid)     # when the sandbox's PID 1 exists
+    roots.add(sandbox_id, supervisor_pid)     # once the sandbox's PID 1 is in its root (READY)
     why = roots.refused_anyway(sandbox_id, rec)   # "EACCES: ..." or None
     roots.remove(sandbox_id)                  # after the sandbox's last record
 
@@ -22,9 +22,10 @@ capabilities (every sandbox runs with none):
   rename             write+search on both directories
 
 It looks as root, after the fact, through the sandbox's own root (the
-supervisor's /proc/<pid>/root, opened when the sandbox starts and held with
-its mount namespace until its last record, so a write in the sandbox's last
-moment is still checked) with openat2(RESOLVE_IN_ROOT): symlinks resolve
+supervisor's /proc/<pid>/root, opened once dsec-init has pivoted into it --
+READY, before the workload's first step: earlier it is the host's tree -- and
+held with its mount namespace until its last record, so a write in the
+sandbox's last moment is still checked) with openat2(RESOLVE_IN_ROOT): symlinks resolve
 inside the sandbox, never on the host; O_PATH, so nothing is opened (no FIFO
 blocks). What is read-only cannot have changed since the write, so "after the
 fact" sees what the write saw.

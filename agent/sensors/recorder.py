@@ -442,8 +442,6 @@ class Recorder:
         w = self._watched.get(cgroup_id)
         if w:
             self.init_pids[w["sandbox_id"]] = pid
-        if w and w["policy"] is not None and w["policy"].mode == "enforce":
-            self.roots.add(w["sandbox_id"], pid)
         if not w or w["policy"] is None or self.enforcer is None or not w["path"]:
             if w and w["policy"] is not None and self.enforcer is None:
                 sys.stderr.write(f"dsec: warning: sandbox {w['sandbox_id']}: eBPF enforcement unavailable "
@@ -453,6 +451,15 @@ class Recorder:
                                   step=w["step"], exempt_pids=[pid])
         w["enforced"] = True
         return True
+
+    def ready(self, cgroup_id: int, pid: int) -> None:
+        """The sandbox's init has pivoted into the sandbox's root (READY, before GO): an
+        enforce-mode sandbox's root is opened now for the "refused anyway" check of its
+        EROFS writes (permcheck.SandboxRoots). Not at started(): before dsec-init's
+        pivot_root its root is the host's (a copy of the agent's mount namespace)."""
+        w = self._watched.get(cgroup_id)
+        if w and w["policy"] is not None and w["policy"].mode == "enforce":
+            self.roots.add(w["sandbox_id"], pid)
 
     def set_step(self, cgroup_id: int, step: int):
         self.sensor.set_step(cgroup_id, step)

@@ -131,7 +131,8 @@ class SandboxWatch:
     def hooks(self, **after) -> dict:
         """The launcher's hooks; `after` adds the caller's own hook functions, each
         called after the watch's (on_cgroup=fn, on_step=fn, ...)."""
-        own = {"on_cgroup": self.on_cgroup, "on_started": self.on_started, "on_step": self.on_step,
+        own = {"on_cgroup": self.on_cgroup, "on_started": self.on_started, "on_ready": self.on_ready,
+               "on_step": self.on_step,
                "on_workload_exit": self.on_workload_exit, "on_exit": self.on_exit,
                "on_step_info": self.on_step_info, "on_step_end": self.on_step_end}
         for name, fn in after.items():
@@ -212,6 +213,12 @@ class SandboxWatch:
             from policies.compile import ebpf_concerns
             return ebpf_concerns(self.spec.policy)
         return []
+
+    def on_ready(self, sandbox_id, pid):
+        """dsec-init has made the sandbox's mounts and pivoted into its root (READY); nothing
+        of the workload has run: what is read through that root from now on is the sandbox's."""
+        if self.watched:
+            self.rec.ready(self.cgroup_id, pid)
 
     def on_step(self, sandbox_id, step):
         self.step = step
