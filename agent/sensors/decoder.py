@@ -502,7 +502,7 @@ class Decoder:
             info.saw(h.pid)
         if extra:
             rec["extra"] = self._dump_extra(extra)
-        if kind == "exec" or len(rec) != _NFIELDS:
+        if len(rec) != _NFIELDS or (kind == "exec" and None in rec.values()):
             rec = normalize(rec)        # enrichment may set None; a field not in the schema raises
         if self._pending is not None:
             from agent.sensors.enrich import EnrichJob
