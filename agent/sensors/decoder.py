@@ -535,9 +535,10 @@ class Decoder:
         far the path is fact (path_resolution); the rename target's go to extra."""
         resolved = resolve_path(pid, raw, dirfd, self.proc)
         how = "exact" if raw.startswith(b"/") else "unresolved" if resolved is None else "best_effort"
-        rec["path2" if second else "path"] = from_bytes(raw if resolved is None else resolved)
+        name = from_bytes(raw)
+        rec["path2" if second else "path"] = name if resolved is None or resolved is raw else from_bytes(resolved)
         given = extra if second else rec
-        given["path2_raw" if second else "path_raw"] = from_bytes(raw)
+        given["path2_raw" if second else "path_raw"] = name
         given["dirfd2" if second else "dirfd"] = dirfd_name(dirfd)
         given["path2_resolution" if second else "path_resolution"] = how
 
@@ -571,7 +572,8 @@ class Decoder:
         if status:
             extra["status"] = status
         if e.ret == 0 and self.enricher is not None:
-            exe_path = os.fsencode(rec["path"]) if rec["path"].startswith("/") else raw_path
+            path = rec["path"]      # str.encode: os.fsencode's, without its Python-level checks
+            exe_path = path.encode("utf-8", "surrogateescape") if path.startswith("/") else raw_path
             # only processes still in this sandbox: never the host's view of a path. The exec'ing
             # one is checked now; the others only if for_exec needs them (its open failed, or a
             # file not cached yet: then when they are used), each checked then
