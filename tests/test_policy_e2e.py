@@ -137,16 +137,6 @@ def test_files_writable_layout_and_decisions(mode, ws_runs):
         assert "refused_anyway" not in json.loads(opt["extra"] or "{}")
 
 
-SRV_POLICY = textwrap.dedent("""\
-    apiVersion: dsec/v1
-    kind: SandboxPolicy
-    metadata: {name: tmp-only}
-    spec:
-      mode: enforce
-      files: {writable: [/tmp]}
-    """)
-
-
 def test_refused_anyway_reads_the_sandboxs_own_files(tmp_path, clickhouse_url):
     """Whether an EROFS write "would have failed anyway" is read from the mode bits in the
     sandbox's root, never the host's. Here /srv is uid 1000's in the sandbox (a rootfs of the
@@ -159,8 +149,8 @@ def test_refused_anyway_reads_the_sandboxs_own_files(tmp_path, clickhouse_url):
     rf = dash_rootfs(tmp_path / "rootfs")
     (rf / "srv").mkdir(mode=0o755)
     os.chown(rf / "srv", 1000, 1000)
-    pol = tmp_path / "tmp-only.yaml"
-    pol.write_text(SRV_POLICY)
+    pol = tmp_path / "ws-only.yaml"
+    pol.write_text(WS_POLICY % "enforce")
     env = {"DSEC_CLICKHOUSE_URL": clickhouse_url, "DSEC_SPOOL_DIR": str(tmp_path / "spool")}
     sid = "srv-" + uuid.uuid4().hex[:10]
     r = dsec("run", "--sandbox-id", sid, "--rootfs", str(rf), "--user", "1000:1000", "--workdir", "/",
