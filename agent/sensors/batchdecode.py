@@ -52,8 +52,7 @@ import struct
 import sys
 import threading
 
-from agent.sensors.decoder import _NFIELDS, _TEMPLATE, AT_FDCWD, decode_sockaddr, dirfd_name
-from audit_schema.events import normalize
+from agent.sensors.decoder import _TEMPLATE, AT_FDCWD, complete, decode_sockaddr, dirfd_name
 
 _HDR = ("ts_ns", "cgroup_id", "kind", "size", "pid", "tid", "ppid", "uid", "gid", "step", "comm")
 _BODIES = {
@@ -440,9 +439,7 @@ class BatchDecoder:
             self._exec_job, dec._pending = dec._pending, None     # a raise below: the loop discards it
         if extra:
             rec["extra"] = dec._dump_extra(extra)
-        # as decode(): the template has every field in order, so a record of as many fields has no
-        # other; enrichment may set None (normalize puts the default)
-        return normalize(rec) if len(rec) != _NFIELDS or None in rec.values() else rec
+        return complete(rec)         # as decode(): enrichment may set None
 
     def _fork(self, t, blob, o, n, b, bo, pid, tid, gid, info):
         clone_flags, child, _pad = b

@@ -53,6 +53,13 @@ PROTOCOLS = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmpv6", 136: "udplite", 132: 
 SOCK_TYPES = {1: "stream", 2: "dgram", 3: "raw", 5: "seqpacket"}
 _TEMPLATE = {f.name: default(f) for f in FIELDS}
 _NFIELDS = len(_TEMPLATE)
+
+
+def complete(rec: dict) -> dict:
+    """A record made from _TEMPLATE (every field, in FIELDS order), as normalize would give
+    it: a record of as many fields holds no other, so only a None (enrichment may set one)
+    needs normalize's default; a field not in the schema raises there."""
+    return normalize(rec) if len(rec) != _NFIELDS or None in rec.values() else rec
 EVENTS_H = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf", "events.h")
 
 
@@ -502,8 +509,8 @@ class Decoder:
             info.saw(h.pid)
         if extra:
             rec["extra"] = self._dump_extra(extra)
-        if len(rec) != _NFIELDS or (kind == "exec" and None in rec.values()):
-            rec = normalize(rec)        # enrichment may set None; a field not in the schema raises
+        if kind == "exec" or len(rec) != _NFIELDS:
+            rec = complete(rec)         # enrichment may set None; a field not in the schema raises
         if self._pending is not None:
             from agent.sensors.enrich import EnrichJob
             (pending, ex), self._pending = self._pending, None
@@ -536,7 +543,7 @@ class Decoder:
         resolved = resolve_path(pid, raw, dirfd, self.proc)
         how = "exact" if raw.startswith(b"/") else "unresolved" if resolved is None else "best_effort"
         name = from_bytes(raw)
-        rec["path2" if second else "path"] = name if resolved is None or resolved is raw else from_bytes(resolved)
+        rec["path2" if second else "path"] = name if resolved is None or resolved == raw else from_bytes(resolved)
         given = extra if second else rec
         given["path2_raw" if second else "path_raw"] = name
         given["dirfd2" if second else "dirfd"] = dirfd_name(dirfd)
