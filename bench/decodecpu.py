@@ -9,7 +9,7 @@ last records drained and spooled), less the same process's CPU over the same
 wall time with nothing running in the sandbox (the baseline, measured right
 after: the poll loop's own wake-ups), divided by N.
 
-    .venv/bin/python bench/decodecpu.py [--n 2000] [--reps 5] [--compare DIR ...]
+    .venv/bin/python bench/decodecpu.py [--n 2000] [--reps 5] [--live] [--compare DIR ...]
 
 --compare DIR: the same measurement with another tree's code (e.g. a worktree of
 main) in the same run, interleaved rep by rep; printed as a ratio to the first
@@ -37,6 +37,7 @@ from fixtures_bpf import CgroupFactory, run_in_cgroup
 from agent.sensors.recorder import Recorder
 from exporters.spool import Spool
 n = int(sys.argv[1])
+prog = sys.argv[2] if len(sys.argv) > 2 else "/bin/true"
 d = tempfile.mkdtemp(prefix="dsec-decodecpu-")
 rec = Recorder(node="bench", spool=Spool(os.path.join(d, "sp"), fsync="never"), enforce=False)
 cgs = CgroupFactory()
@@ -47,8 +48,10 @@ try:
     while not cg.pids():
         time.sleep(0.01)
     rec.sensor.set_root_pid(cg.id, init.pid)
+    if hasattr(rec, "ready"):                        # READY, as the launcher's hook says it (older trees: none)
+        rec.ready(cg.id, init.pid)
     t0, w0 = os.times(), time.monotonic()
-    p = run_in_cgroup(cg, ["/bin/sh", "-c", f"i=0; while [ $i -lt {n} ]; do /bin/true; i=$((i+1)); done"])
+    p = run_in_cgroup(cg, ["/bin/sh", "-c", f"i=0; while [ $i -lt {n} ]; do {prog}; i=$((i+1)); done; wait"])
     p.wait()
     init.kill(); init.wait()
     tot = rec.unwatch(cg.id)
@@ -66,9 +69,9 @@ finally:
 '''
 
 
-def one(tree: str, n: int) -> dict:
+def one(tree: str, n: int, prog: str) -> dict:
     py = os.path.join(tree, ".venv", "bin", "python")
-    r = subprocess.run([py, "-c", CHILD, str(n)], cwd=tree, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([py, "-c", CHILD, str(n), prog], cwd=tree, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise RuntimeError(f"{tree}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -79,12 +82,16 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=2000, help="execs per rep")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--compare", action="append", default=[], metavar="DIR", help="another tree to measure")
+    ap.add_argument("--live", action="store_true",
+                    help="start `sleep 0.05` in the background instead of running /bin/true: each exec'ing "
+                         "process still alive when its record is decoded (read through its own root and exe), "
+                         "as in a build or a test suite")
     a = ap.parse_args()
     trees = [HERE] + [os.path.abspath(t) for t in a.compare]
     per = {t: [] for t in trees}
     for rep in range(a.reps):
         for t in trees:
-            m = one(t, a.n)
+            m = one(t, a.n, "/bin/sleep 0.05 & :" if a.live else "/bin/true")
             us = max(m["cpu"] - m["idle"], 0) / a.n * 1e6
             per[t].append(us)
             print(f"rep {rep} {t}: {m['events']} events, {m['lost']} lost, {m['cpu'] * 1000:.0f} ms CPU "

@@ -459,6 +459,72 @@ def test_enricher_reads_one_file_once_for_the_jobs_that_wait_for_it(tmp_path):
     assert w.take_done() == [] and _fds(tmp_path) == n
 
 
+def test_an_exec_is_read_through_its_own_process_only_when_its_root_is_the_sandboxs(tmp_path):
+    """An exec'ing process still alive at its decode is read through its own root and exe,
+    pinned by its /proc descriptor, when its root is the sandbox's (procs.in_sandbox_root
+    against the identity root_ready took from the init after READY), with no cgroup read; a
+    process whose root is another -- the host's (a reused pid), or a process of the sandbox
+    that chroot'ed -- is not taken by it (in_cgroup decides, as before), a gone one is GONE,
+    and before READY nothing is. An init's root opened once (a batch's) reads the same file."""
+    from conftest import dash_rootfs
+    from fixtures_bpf import CgroupFactory, run_in_cgroup
+    import agent.sensors.procs as P
+    from agent.sensors.decoder import SandboxInfo
+    root = dash_rootfs(tmp_path / "root")
+    dash_rootfs(root / "sub")
+    cgroups = CgroupFactory()
+    procs = []
+    try:
+        cg = cgroups()
+        hold = [str(root), "/bin/sh", "-c", "read x"]
+        init = run_in_cgroup(cg, ["chroot"] + hold, stdin=subprocess.PIPE)
+        worker = run_in_cgroup(cg, ["chroot"] + hold, stdin=subprocess.PIPE)
+        chrooted = run_in_cgroup(cg, ["chroot", str(root / "sub")] + hold[1:], stdin=subprocess.PIPE)
+        host = subprocess.Popen(["sleep", "60"])
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        procs += [init, worker, chrooted, host]
+        deadline = time.monotonic() + 10
+        while not all(os.readlink(f"/proc/{p.pid}/exe").endswith("/sh") for p in (init, worker, chrooted)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        info = SandboxInfo(cgroup_id=cg.id, sandbox_id="s")
+        P.set_root_pid(info, init.pid, cgroups.root)
+        assert isinstance(info.root_pid, P.PinnedPid) and info.root_id is None
+        assert P.in_sandbox_root(worker.pid, info) is None                  # before READY: not known
+        P.root_ready(info)
+        st = os.stat(root)
+        assert info.root_id == (st.st_dev, st.st_ino)
+        calls = []
+        real = P.in_cgroup
+        P.in_cgroup = lambda *a, **k: calls.append(a[0]) or real(*a, **k)
+        try:
+            live = P.in_sandbox_root(worker.pid, info)
+            assert isinstance(live, P.PinnedPid) and live == worker.pid
+            got = ElfInfoCache().for_exec(live, b"/bin/sh", ())
+        finally:
+            P.in_cgroup = real
+        assert calls == [] and got["extra"]["enrich_source"] == "exe", got
+        assert got["sha256"] == _sha("/bin/dash")
+        assert P.in_sandbox_root(host.pid, info) is None                   # the host's root: never taken
+        assert P.in_sandbox_root(chrooted.pid, info) is None               # in the cgroup, another root
+        assert P.in_sandbox_root(gone.pid, info) is P.GONE
+        fd = P.open_root(info.root_pid)
+        try:
+            once = ElfInfoCache().for_exec(info.root_pid, b"/bin/sh", (), use_exe=False, root=fd)
+        finally:
+            os.close(fd)
+        assert once["extra"]["enrich_source"] == "other_root" and once["sha256"] == _sha("/bin/dash"), once
+        init.kill()                    # the init gone: its root's device may be another's soon
+        init.wait()
+        assert P.in_sandbox_root(worker.pid, info) is None
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        cgroups.cleanup()
+
+
 def test_live_pids_are_checked_when_used_and_exclude_a_process_that_left():
     """An exec's enrichment reads files only through processes still in the sandbox
     (decoder.LivePids, in_cgroup): its init and recent pids are checked when for_exec needs

@@ -44,7 +44,7 @@ from agent.sensors.common import (check_sandbox_ids, compile_text, describe, los
                               map_discard, ring_pages, source_text, token_bucket, tracepoints_in, unavailable,
                               byte_bucket)
 from agent.sensors.decoder import SandboxInfo, load_constants
-from agent.sensors.procs import pin_root
+from agent.sensors.procs import pin_root, root_ready
 from agent.sensors.repeats import ENV as AGGREGATE_ENV, KINDS as AGGREGATE_KINDS, RETIRE_SETTLE_S, Repeats
 from agent.errors import DsecError
 
@@ -313,6 +313,14 @@ class AuditSensor(RingSensor):
             info = self.decoder.sandboxes.get(cgroup_id)
             if info is not None:
                 info.root_pid = root
+
+    def root_ready(self, cgroup_id: int) -> None:
+        """The sandbox's init has pivoted into its root (READY): procs.root_ready, outside the
+        lock (two system calls); the poll thread reads what it sets when it is set."""
+        with self._lock:
+            info = self.decoder.sandboxes.get(cgroup_id)
+        if info is not None:
+            root_ready(info)
 
     def set_step(self, cgroup_id: int, step: int) -> None:
         """Events admitted from now on carry `step`."""

@@ -200,6 +200,10 @@ class BatchDecoder:
 
     # -- the loop -------------------------------------------------------------------------
     def decode_many(self, blob: bytes, spans) -> list:
+        with self.dec.batch_roots():       # an init's root opened once a call (Decoder.batch_roots)
+            return self._decode_many(blob, spans)
+
+    def _decode_many(self, blob: bytes, spans) -> list:
         dec = self.dec
         out = []
         if not self.enabled:

@@ -31,6 +31,7 @@ Byte strings are decoded with surrogateescape (audit_schema.events.from_bytes).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes as ct
 import hashlib
 import logging
@@ -125,6 +126,7 @@ class SandboxInfo:
     labels: dict = field(default_factory=dict)   # policy_name, policy_hash, mode
     root_pid: int | None = None                  # a live process of the sandbox, for its root
     recent_pids: list = field(default_factory=list)   # pids seen lately (enrichment fallback)
+    root_id: tuple | None = None                 # (device, inode) of its root, once READY (procs.root_ready)
 
     def saw(self, pid: int) -> None:
         if pid and (not self.recent_pids or self.recent_pids[-1] != pid):
@@ -314,7 +316,8 @@ class _Body:
 
 # ---------------------------------------------------------------- decoder
 
-from agent.sensors.procs import LivePids, PinnedPid, ProcDir, in_cgroup, set_root_pid  # noqa: E402,F401
+from agent.sensors.procs import (LivePids, PinnedPid, ProcDir, in_cgroup, in_sandbox_root,  # noqa: E402,F401
+                                 open_root, set_root_pid)
 
 
 class Decoder:
@@ -340,6 +343,7 @@ class Decoder:
         # take_job() (its file to be read off the decode path) instead of being read here
         self.enrich_async = False
         self._pending = None        # (Pending, extra) of the exec being decoded
+        self._roots = None          # within a batch (batch_roots): cgroup id -> its init's root (O_PATH) or -1
         self._job = None            # the EnrichJob of the record decode() just returned
         self.seq = 0
         self.unattributed = 0       # records of a cgroup no longer registered
@@ -582,17 +586,22 @@ class Decoder:
             path = rec["path"]      # str.encode: os.fsencode's, without its Python-level checks
             exe_path = path.encode("utf-8", "surrogateescape") if path.startswith("/") else raw_path
             # only processes still in this sandbox: never the host's view of a path. The exec'ing
-            # one is checked now; the others only if for_exec needs them (its open failed, or a
-            # file not cached yet: then when they are used), each checked then
+            # one is checked now (its root is the sandbox's, else in its cgroup); the others only
+            # if for_exec needs them (its open failed, or a file not cached yet: then when they
+            # are used), each checked then
             lazy = self.enrich_async
             try:
-                if in_cgroup(pid, info.cgroup_id, self.cgroup2_root, self.proc):
-                    found = self.enricher.for_exec(pid, exe_path, LivePids(self, info, (pid,)), cached_only=lazy)
+                live = None if info.root_id is None else in_sandbox_root(pid, info, self.proc)
+                if live is None and in_cgroup(pid, info.cgroup_id, self.cgroup2_root, self.proc):
+                    live = pid
+                if live:
+                    found = self.enricher.for_exec(live, exe_path, LivePids(self, info, (pid,)), cached_only=lazy)
                 else:                              # gone (or not ours): through another one
                     others = LivePids(self, info, (pid,), limit=3)
                     first = next(iter(others), None)
                     if first:
-                        found = self.enricher.for_exec(first, exe_path, others, use_exe=False, cached_only=lazy)
+                        found = self.enricher.for_exec(first, exe_path, others, use_exe=False, cached_only=lazy,
+                                                       root=self._batch_root(info, first))
                     else:
                         found = {"extra": {"enrich_error": "no process of the sandbox left to read it through"}}
             except Exception as e:   # enrichment is best effort; the record is not
@@ -602,6 +611,35 @@ class Decoder:
                 return
             extra.update(found.pop("extra", {}))
             rec.update(found)
+
+    @contextlib.contextmanager
+    def batch_roots(self):
+        """Within it, the root of a sandbox's init is opened once for the execs whose process
+        is gone by their decode (the batch decoder's call: an exec loop's records come by the
+        dozen), and closed at its end, while the sandbox's mounts are still there (a root kept
+        longer could be the last reference to them: permcheck.SandboxRoots). Only after READY
+        (root_id set: before its pivot_root the init's root is the host's)."""
+        self._roots = {}
+        try:
+            yield
+        finally:
+            roots, self._roots = self._roots, None
+            for fd in roots.values():
+                if fd >= 0:
+                    os.close(fd)
+
+    def _batch_root(self, info: SandboxInfo, pid) -> int:
+        roots = self._roots
+        if roots is None or info.root_id is None or pid is not info.root_pid or not isinstance(pid, PinnedPid):
+            return -1
+        fd = roots.get(info.cgroup_id)
+        if fd is None:
+            try:
+                fd = open_root(pid, self.proc)
+            except OSError:
+                fd = -1                 # gone: for_exec opens through it as before and says why
+            roots[info.cgroup_id] = fd
+        return fd
 
     def _verified_cwd(self, rec, extra, e, buf, raw_path):
         """A relative exec whose record carries the cwd the exec check joins it to

@@ -57,6 +57,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from agent.sensors.procs import open_root
 from audit_schema.events import from_bytes
 
 SHEBANG_MAX = 256                 # the kernel's BINPRM_BUF_SIZE
@@ -119,21 +120,25 @@ _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 def open_in_root(pid: int, path: bytes, proc: str = "/proc") -> int:
     """Open `path` (absolute, in the process's view) inside /proc/<pid>/root,
     symlinks resolved within that root."""
-    if not path.startswith(b"/"):
-        raise OSError(errno.EINVAL, "not an absolute path", path)
-    pinned = getattr(pid, "dir", None)           # decoder.PinnedPid: through its /proc/<pid> descriptor
-    if pinned is not None:
-        root = os.open("root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=pinned.fd)
-    else:
-        root = os.open(f"{proc}/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    root = open_root(pid, proc)
     try:
-        rel = path.lstrip(b"/") or b"."
-        return openat2(root, rel, _READ_FLAGS, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+        return open_under(root, path)
     finally:
         os.close(root)
 
 
+def open_under(root: int, path: bytes) -> int:
+    """Open absolute `path` under the root descriptor `root`, symlinks resolved within it."""
+    if not path.startswith(b"/"):
+        raise OSError(errno.EINVAL, "not an absolute path", path)
+    rel = path.lstrip(b"/") or b"."
+    return openat2(root, rel, _READ_FLAGS, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+
+
 def open_exe(pid: int, proc: str = "/proc") -> int:
+    pinned = getattr(pid, "dir", None)           # procs.PinnedPid: that process, not a reuse of its number
+    if pinned is not None:
+        return os.open("exe", _READ_FLAGS, dir_fd=pinned.fd)
     return os.open(f"{proc}/{pid}/exe", _READ_FLAGS)
 
 
@@ -562,7 +567,7 @@ class ElfInfoCache:
             os.close(fd)
 
     def for_exec(self, pid: int, path: bytes, fallback_pids=(), use_exe: bool = True,
-                 cached_only: bool = False):
+                 cached_only: bool = False, root: int = -1):
         """Record fields (sha256, build_id, interp, is_static, shebang) and an
         "extra" dict for an exec by `pid` of `path` (sandbox view).
 
@@ -571,12 +576,14 @@ class ElfInfoCache:
         use_exe=False when `pid` is not the process that exec'd (its
         /proc/<pid>/exe is another binary). cached_only: the files are opened
         but not read; when what is needed is not cached, a Pending (holding the
-        fds) is returned, for Pending.finish() on another thread."""
+        fds) is returned, for Pending.finish() on another thread. root: `pid`'s
+        root already open (O_PATH; the caller's, still open when this returns)."""
         fds = {}
         problems = []
         try:
             try:
-                fds["path" if use_exe else "root_pid"] = open_in_root(pid, path, self.proc)
+                fds["path" if use_exe else "root_pid"] = open_in_root(pid, path, self.proc) if root < 0 \
+                    else open_under(root, path)
             except OSError as e:
                 problems.append(f"path: {e.strerror}")
                 for other in fallback_pids:

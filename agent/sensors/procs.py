@@ -62,6 +62,57 @@ class PinnedPid(int):
     dir: ProcDir
 
 
+def open_root(pid: int, proc: str = "/proc") -> int:
+    """/proc/<pid>/root (O_PATH), through a PinnedPid's /proc descriptor when it has one."""
+    pinned = getattr(pid, "dir", None)           # a PinnedPid: that process, not a reuse of its number
+    if pinned is not None:
+        return os.open("root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=pinned.fd)
+    return os.open(f"{proc}/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def root_ready(info) -> None:
+    """READY: the sandbox's init has made its mounts and pivoted into its root, and nothing of
+    the workload has run: that root's identity (device, inode) is kept to recognise the
+    sandbox's processes (in_sandbox_root). One stat through the init's /proc descriptor; no
+    descriptor kept (the last one of a mount is costly to close: permcheck.SandboxRoots). Not
+    earlier: before its pivot_root the init's root is the host's."""
+    pinned = info.root_pid
+    if isinstance(pinned, PinnedPid):
+        st = os.stat("root", dir_fd=pinned.dir.fd)
+        info.root_id = (st.st_dev, st.st_ino)
+
+
+GONE = False
+
+
+def in_sandbox_root(pid: int, info, proc: str = "/proc"):
+    """An exec'ing process for its enrichment: pinned by its ProcDir (PinnedPid: its root and exe
+    opened through it, never through a reuse of its number) when it is alive and its root is the
+    sandbox's (info.root_id, root_ready's) -- the enrichment's question, "is this the sandbox's
+    view?", answered by a stat instead of in_cgroup's reads; GONE when it has exited; None when
+    the sandbox's root is not known or the process's root is another (then in_cgroup decides).
+    The sandbox's init is alive after the match: its root's device (an overlay's, the sandbox's
+    own) was not freed and given to another sandbox's root meanwhile."""
+    try:
+        d = ProcDir(pid, proc)
+    except OSError:
+        return GONE
+    try:
+        st = os.stat("root", dir_fd=d.fd)
+    except OSError:
+        return GONE
+    init = info.root_pid
+    if info.root_id is None or (st.st_dev, st.st_ino) != info.root_id or not isinstance(init, PinnedPid):
+        return None
+    try:
+        os.stat("root", dir_fd=init.dir.fd, follow_symlinks=False)
+    except OSError:
+        return None
+    pinned = PinnedPid(pid)
+    pinned.dir = d
+    return pinned
+
+
 def set_root_pid(info, pid: int, cgroup2_root: str | None, proc: str = "/proc") -> None:
     """The sandbox's init (for enrichment once an exec'ing process is gone): see pin_root."""
     info.root_pid = pin_root(pid, info.cgroup_id, cgroup2_root, proc)

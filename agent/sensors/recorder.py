@@ -456,7 +456,9 @@ class Recorder:
         """The sandbox's init has pivoted into the sandbox's root (READY, before GO): an
         enforce-mode sandbox's root is opened now for the "refused anyway" check of its
         EROFS writes (permcheck.SandboxRoots). Not at started(): before dsec-init's
-        pivot_root its root is the host's (a copy of the agent's mount namespace)."""
+        pivot_root its root is the host's (a copy of the agent's mount namespace). The audit
+        sensor's decoder opens it too, for exec enrichment (procs.root_ready)."""
+        self.sensor.root_ready(cgroup_id)
         w = self._watched.get(cgroup_id)
         if w and w["policy"] is not None and w["policy"].mode == "enforce":
             self.roots.add(w["sandbox_id"], pid)
