@@ -315,10 +315,11 @@ class AuditSensor(RingSensor):
                 info.root_pid = root
 
     def root_ready(self, cgroup_id: int) -> None:
-        """The sandbox's init has pivoted into its root (READY): procs.root_ready, outside the
-        lock (two system calls); the poll thread reads what it sets when it is set."""
-        with self._lock:
-            info = self.decoder.sandboxes.get(cgroup_id)
+        """The sandbox's init has pivoted into its root (READY): procs.root_ready. Without the
+        sensor's lock, which the poll thread holds while it decodes (on a start's path): one
+        dict read and one attribute set, each atomic; the poll thread uses the root's identity
+        once it is set."""
+        info = self.decoder.sandboxes.get(cgroup_id)
         if info is not None:
             root_ready(info)
 
