@@ -1,10 +1,12 @@
 """The processes an exec's enrichment reads a sandbox's files through
 (agent/sensors/decoder.py exec_fields, agent/sensors/elfinfo.py for_exec):
-in_cgroup (is a pid still in the sandbox), the sandbox's init pinned by a
+in_cgroup (is a pid still in the sandbox), in_sandbox_root (is an exec'ing
+process's root the sandbox's: one stat instead), the sandbox's init pinned by a
 /proc/<pid> descriptor (PinnedPid), and the other candidates checked lazily
 (LivePids)."""
 from __future__ import annotations
 
+import errno
 import os
 
 
@@ -95,12 +97,9 @@ def in_sandbox_root(pid: int, info, proc: str = "/proc"):
     own) was not freed and given to another sandbox's root meanwhile."""
     try:
         d = ProcDir(pid, proc)
-    except OSError:
-        return GONE
-    try:
         st = os.stat("root", dir_fd=d.fd)
-    except OSError:
-        return GONE
+    except OSError as e:                          # exited (a zombie has no root), else not ours to say
+        return GONE if e.errno in (errno.ENOENT, errno.ESRCH) else None
     init = info.root_pid
     if info.root_id is None or (st.st_dev, st.st_ino) != info.root_id or not isinstance(init, PinnedPid):
         return None
