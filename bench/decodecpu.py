@@ -39,9 +39,10 @@ from exporters.spool import Spool
 n = int(sys.argv[1])
 prog = sys.argv[2] if len(sys.argv) > 2 else "/bin/true"
 d = tempfile.mkdtemp(prefix="dsec-decodecpu-")
-rec = Recorder(node="bench", spool=Spool(os.path.join(d, "sp"), fsync="never"), enforce=False)
+rec = None
 cgs = CgroupFactory()
 try:
+    rec = Recorder(node="bench", spool=Spool(os.path.join(d, "sp"), fsync="never"), enforce=False)
     cg = cgs()
     rec.watch("bench-" + os.urandom(4).hex(), cg.id, rate=0)
     init = run_in_cgroup(cg, ["sleep", "120"])
@@ -63,7 +64,8 @@ try:
     print(json.dumps({"cpu": busy, "idle": idle, "wall": wall, "events": sum(tot["emitted"].values()),
                       "lost": tot["lost_total"]}))
 finally:
-    rec.close()
+    if rec is not None:                               # the sensors may fail to load: the temp dir goes anyway
+        rec.close()
     cgs.cleanup()
     shutil.rmtree(d, ignore_errors=True)
 '''
