@@ -61,6 +61,8 @@ def complete(rec: dict) -> dict:
     it: a record of as many fields holds no other, so only a None (enrichment may set one)
     needs normalize's default; a field not in the schema raises there."""
     return normalize(rec) if len(rec) != _NFIELDS or None in rec.values() else rec
+
+
 EVENTS_H = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf", "events.h")
 
 
@@ -591,7 +593,7 @@ class Decoder:
             # are used), each checked then
             lazy = self.enrich_async
             try:
-                live = None if info.root_id is None else in_sandbox_root(pid, info, self.proc)
+                live = in_sandbox_root(pid, info, self.proc)
                 if live is None and in_cgroup(pid, info.cgroup_id, self.cgroup2_root, self.proc):
                     live = pid
                 if live:

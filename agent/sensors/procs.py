@@ -95,13 +95,15 @@ def in_sandbox_root(pid: int, info, proc: str = "/proc"):
     the sandbox's root is not known or the process's root is another (then in_cgroup decides).
     The sandbox's init is alive after the match: its root's device (an overlay's, the sandbox's
     own) was not freed and given to another sandbox's root meanwhile."""
+    init = info.root_pid
+    if info.root_id is None or not isinstance(init, PinnedPid):
+        return None
     try:
         d = ProcDir(pid, proc)
         st = os.stat("root", dir_fd=d.fd)
     except OSError as e:                          # exited (a zombie has no root), else not ours to say
         return GONE if e.errno in (errno.ENOENT, errno.ESRCH) else None
-    init = info.root_pid
-    if info.root_id is None or (st.st_dev, st.st_ino) != info.root_id or not isinstance(init, PinnedPid):
+    if (st.st_dev, st.st_ino) != info.root_id:
         return None
     try:
         os.stat("root", dir_fd=init.dir.fd, follow_symlinks=False)

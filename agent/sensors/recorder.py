@@ -457,7 +457,7 @@ class Recorder:
         enforce-mode sandbox's root is opened now for the "refused anyway" check of its
         EROFS writes (permcheck.SandboxRoots). Not at started(): before dsec-init's
         pivot_root its root is the host's (a copy of the agent's mount namespace). The audit
-        sensor's decoder opens it too, for exec enrichment (procs.root_ready)."""
+        sensor's decoder takes that root's identity now, for exec enrichment (procs.root_ready)."""
         self.sensor.root_ready(cgroup_id)
         w = self._watched.get(cgroup_id)
         if w and w["policy"] is not None and w["policy"].mode == "enforce":
